@@ -1,0 +1,294 @@
+"""The one typed config of a grpoflow run: sections loaded from YAML, overridable with --set.
+
+Everything is validated here, before any heavy import or download, and every error is one line
+naming the field and the fix.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import ConfigError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    source: str = Field("builtin://tiny-qwen3", description="hf://org/name[@rev], a local dir, s3://..., or builtin://tiny-qwen3")
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    parity_tolerance: float = 1e-4
+    builtin_seed: int = 0
+
+
+class DatasetSection(Section):
+    source: str
+    format: Literal["auto", "slime", "dapo", "aime"] = "auto"
+    input_key: str | None = None  # None: the format's default (prompt / problem)
+    label_key: str | None = None  # None: label / reward_model.ground_truth / answer
+    metadata_key: str | None = "metadata"
+    split: str = "train"
+
+
+class DataSection(Section):
+    train: DatasetSection = DatasetSection(source="builtin://arith/train")
+    eval: dict[str, DatasetSection] = Field(default_factory=lambda: {"arith": DatasetSection(source="builtin://arith/eval")})
+    apply_chat_template: bool = True
+    system_prompt: str | None = None
+    max_prompt_len: int = 1024
+    shuffle: bool = True
+
+
+class RolloutSection(Section):
+    engine: Literal["builtin", "sglang"] = "builtin"
+    rollout_batch_size: int = Field(8, gt=0, description="prompts per rollout")
+    n_samples_per_prompt: int = Field(8, gt=0)
+    max_new_tokens: int = Field(16, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="-1: off")
+    reward: str = "math"  # math | dapo | deepscaler | module:function
+    reward_timeout_s: float = Field(5.0, gt=0)
+    custom_rollout: str | None = None  # module:function replacing generate+reward
+    dynamic_sampling: bool = False
+    over_sampling_factor: float = Field(1.0, ge=1.0)
+    sglang_launch: list[str] | None = None
+    sglang_mem_fraction: float = 0.7
+    sglang_concurrency: int = 64
+
+
+class AlgorithmSection(Section):
+    normalize_adv_std: bool = True  # False = Dr.GRPO
+    eps_clip: float = Field(0.2, ge=0)
+    eps_clip_high: float | None = None  # None: = eps_clip; DAPO's clip-higher uses 0.28
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    kl_coef: float = Field(0.0, ge=0)
+    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    use_tis: bool = False
+    tis_cap: float = Field(2.0, gt=0)
+
+
+class TrainSection(Section):
+    num_rollout: int = Field(6, gt=0)
+    global_batch_size: int = Field(64, gt=0, description="samples per optimizer step")
+    num_steps_per_rollout: int = Field(1, gt=0)
+    micro_batch_size: int = Field(16, gt=0)
+    lr: float = Field(1e-3, ge=0)
+    min_lr: float = 0.0
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    clip_grad: float = 1.0
+    tensor_parallel: int = Field(1, gt=0)
+    data_parallel: int = Field(1, gt=0)
+    seed: int = 1234
+
+
+class EvalSection(Section):
+    interval: int | None = Field(None, description="rollouts between evals; a multiple of checkpoint.interval")
+    before_train: bool = False
+    n_samples_per_prompt: int = Field(4, gt=0)
+    pass_k: list[int] = Field(default_factory=lambda: [1])
+    max_new_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_prompts: int | None = None
+
+
+class CheckpointSection(Section):
+    interval: int = Field(2, gt=0, description="rollouts per chunk and checkpoint")
+    keep_last: int = Field(3, gt=0)
+
+
+class TrackingSection(Section):
+    enabled: bool = True
+    uri: str | None = None  # None: sqlite under storage.root (or storage.state_dir when root is remote)
+    experiment: str = "grpoflow"
+    registered_model: str | None = None  # None: <config name>
+
+
+class ClusterSection(Section):
+    backend: Literal["ray", "local"] = "local"
+    address: str | None = None  # join an existing Ray cluster; None starts a local one
+    colocate: bool = True
+    trainer_gpus: int = Field(0, ge=0)
+    rollout_gpus: int = Field(0, ge=0)
+    num_cpus: int | None = None
+    placement_timeout_s: float = Field(60.0, gt=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class StorageSection(Section):
+    root: str = "./grpoflow-data"
+    state_dir: str | None = None  # local dir for MLflow/Prefect state when root is remote
+
+
+class GrpoConfig(Section):
+    name: str = "grpo"
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    rollout: RolloutSection = RolloutSection()
+    algorithm: AlgorithmSection = AlgorithmSection()
+    train: TrainSection = TrainSection()
+    eval: EvalSection = EvalSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    tracking: TrackingSection = TrackingSection()
+    cluster: ClusterSection = ClusterSection()
+    storage: StorageSection = StorageSection()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "GrpoConfig":
+        r, t = self.rollout, self.train
+        samples = r.rollout_batch_size * r.n_samples_per_prompt
+        if samples != t.global_batch_size * t.num_steps_per_rollout:
+            raise ValueError(
+                f"golden rule violated: rollout.rollout_batch_size × rollout.n_samples_per_prompt = "
+                f"{r.rollout_batch_size} × {r.n_samples_per_prompt} = {samples}, but train.global_batch_size × "
+                f"train.num_steps_per_rollout = {t.global_batch_size} × {t.num_steps_per_rollout} = "
+                f"{t.global_batch_size * t.num_steps_per_rollout}; make them equal")
+        dp = t.data_parallel
+        if t.global_batch_size % (dp * t.micro_batch_size) != 0:
+            raise ValueError(
+                f"train.global_batch_size={t.global_batch_size} must be divisible by train.data_parallel × "
+                f"train.micro_batch_size = {dp} × {t.micro_batch_size}")
+        if self.eval.interval is not None and self.eval.interval % self.checkpoint.interval != 0:
+            raise ValueError(
+                f"eval.interval={self.eval.interval} must be a multiple of checkpoint.interval="
+                f"{self.checkpoint.interval} (an eval needs a checkpoint to export)")
+        if any(k < 1 or k > self.eval.n_samples_per_prompt for k in self.eval.pass_k):
+            raise ValueError(f"eval.pass_k={self.eval.pass_k}: every k must be in 1..eval.n_samples_per_prompt")
+        if self.storage.root.startswith("s3://") and self.tracking.enabled:
+            uri = self.tracking.uri
+            if uri is None and self.storage.state_dir is None:
+                raise ValueError("storage.root is on S3: set storage.state_dir (a local dir for the MLflow "
+                                 "SQLite store) or tracking.uri (an MLflow server)")
+            if uri is not None and uri.startswith("sqlite") and "s3://" in uri:
+                raise ValueError("tracking.uri: an MLflow SQLite store cannot live on S3; use a local path or a server")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
+            raise ValueError(f"name={self.name!r}: use letters, digits, '.', '_' and '-'")
+        return self
+
+    # -- derived quantities --------------------------------------------------------------------
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.train.num_rollout // self.checkpoint.interval)
+
+    def chunk_bounds(self) -> list[tuple[int, int]]:
+        """[start, end) rollout ids of each chunk."""
+        step = self.checkpoint.interval
+        return [(s, min(s + step, self.train.num_rollout)) for s in range(0, self.train.num_rollout, step)]
+
+    def eval_points(self) -> list[int]:
+        """Rollout counts after which the model is evaluated (0 = before training)."""
+        n = self.train.num_rollout
+        pts = [0] if self.eval.before_train else []
+        if self.eval.interval:
+            pts += list(range(self.eval.interval, n + 1, self.eval.interval))
+        if not pts or pts[-1] != n:
+            pts.append(n)
+        return pts
+
+    def eval_sampling(self) -> dict[str, Any]:
+        e, r = self.eval, self.rollout
+        return {"temperature": e.temperature, "top_p": e.top_p, "top_k": r.top_k,
+                "max_new_tokens": e.max_new_tokens or r.max_new_tokens}
+
+    def rollout_sampling(self) -> dict[str, Any]:
+        r = self.rollout
+        return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        nxt = node.get(k)
+        if nxt is None:
+            nxt = node[k] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {dotted}: '{k}' is not a section")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def apply_overrides(tree: dict, overrides: list[str] | None) -> dict:
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set train.lr=1e-5")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        _set_path(tree, key.strip(), value)
+    return tree
+
+
+def _explain(err: ValidationError, source: str) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"])
+    msg = e["msg"]
+    if e["type"] == "extra_forbidden":
+        parent = e["loc"][:-1]
+        known = _known_keys(parent)
+        hint = f"; known keys here: {', '.join(known)}" if known else ""
+        return f"{source}: unknown key '{loc}'{hint}"
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+        return f"{source}: {msg}" if not loc else f"{source}: {loc}: {msg}"
+    inp = e.get("input")
+    shown = f" (got {inp!r})" if inp is not None and not isinstance(inp, dict) else ""
+    return f"{source}: {loc}: {msg}{shown}"
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    model: type[BaseModel] = GrpoConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return sorted(model.model_fields)
+
+
+def config_from_dict(tree: dict, source: str = "config") -> GrpoConfig:
+    try:
+        return GrpoConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_explain(err, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> GrpoConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path} (give the path of a YAML config, e.g. configs/tiny.yaml)")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}{where}: YAML syntax error: {problem}; fix the file") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
+    tree.setdefault("name", path.stem)
+    apply_overrides(tree, overrides)
+    return config_from_dict(tree, str(path))
+
+
+def dump_config(cfg: GrpoConfig) -> str:
+    """The frozen config of a run, as YAML (credentials never live in the config)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
