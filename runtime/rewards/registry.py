@@ -1,0 +1,40 @@
+"""Reward functions by name: built-ins or `package.module:function`."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from runtime.errors import ConfigError
+from runtime.rewards.dapo import dapo_reward
+from runtime.rewards.deepscaler import deepscaler_reward
+from runtime.rewards.math_reward import math_reward
+
+RewardFn = Callable[..., float]  # fn(response: str, label: str, metadata: dict | None = None) -> float
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "math": math_reward,
+    "dapo": dapo_reward,
+    "deepscaler": deepscaler_reward,
+}
+
+_CHOICES = "use math, dapo, deepscaler or module:function"
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    module_name, sep, attr_path = name.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ConfigError(f"rollout.reward: unknown reward {name!r} ({_CHOICES})")
+    try:
+        obj = importlib.import_module(module_name)
+        for attr in attr_path.split("."):
+            obj = getattr(obj, attr)
+    except Exception as e:  # any import-time failure of user code is a config problem to report
+        raise ConfigError(
+            f"rollout.reward: cannot load reward {name!r} ({type(e).__name__}: {e}); {_CHOICES}"
+        ) from e
+    if not callable(obj):
+        raise ConfigError(f"rollout.reward: {name!r} is not a function ({_CHOICES})")
+    return obj

@@ -1,0 +1,284 @@
+"""Exact checks of GRPO's tensor math on small hand-computed cases."""
+
+import math
+
+import pytest
+import torch
+
+from runtime.algo import (
+    aggregate,
+    entropy_from_logits,
+    fill_batch,
+    filter_groups,
+    group_advantages,
+    grpo_loss,
+    kl_penalty,
+    masked_mean,
+    policy_loss,
+)
+from runtime.errors import ConfigError
+
+f64 = torch.float64
+
+
+def t(values):
+    return torch.tensor(values, dtype=f64)
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def test_group_advantages_use_unbiased_group_std():
+    rewards = t([1, 0, 0, 0, 1, 1, 0, 0])
+    adv = group_advantages(rewards, n_samples=4, eps=0.0)
+    # group 1: mean 1/4, unbiased var (0.75² + 3·0.25²)/3 = 1/4 → std 1/2 (the biased std would be 0.433)
+    # group 2: mean 1/2, unbiased var 4·0.25/3 = 1/3
+    s = math.sqrt(1 / 3)
+    expected = t([1.5, -0.5, -0.5, -0.5, 0.5 / s, 0.5 / s, -0.5 / s, -0.5 / s])
+    torch.testing.assert_close(adv, expected, rtol=0, atol=1e-12)
+
+
+def test_group_advantages_add_eps_to_std_and_zero_equal_groups():
+    adv = group_advantages(t([2, 2, 2, 0, 1, 0]), n_samples=3, eps=0.5)
+    # group 2: mean 1/3, unbiased std sqrt(1/3); eps is added to the std, not the variance
+    s = math.sqrt(1 / 3) + 0.5
+    torch.testing.assert_close(adv, t([0, 0, 0, -1 / 3 / s, 2 / 3 / s, -1 / 3 / s]), rtol=0, atol=1e-12)
+
+
+def test_dr_grpo_only_centres():
+    adv = group_advantages(t([1, 0, 0, 0, 1, 1, 0, 0]), n_samples=4, normalize_std=False)
+    torch.testing.assert_close(adv, t([0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]), rtol=0, atol=0)
+
+
+def test_group_advantages_reject_bad_group_sizes():
+    with pytest.raises(ConfigError, match="rollout.n_samples_per_prompt=1"):
+        group_advantages(t([1, 0]), n_samples=1)
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_advantages(t([1, 0, 1]), n_samples=4)
+
+
+# ---------------------------------------------------------------- KL
+
+
+def test_kl_estimators_exact_values():
+    logp = t([math.log(0.5), math.log(0.25)])
+    ref = t([math.log(0.25), math.log(0.5)])
+    ln2 = math.log(2)
+    torch.testing.assert_close(kl_penalty(logp, ref, "k1"), t([ln2, -ln2]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(kl_penalty(logp, ref, "k2"), t([ln2**2 / 2, ln2**2 / 2]), rtol=0, atol=1e-12)
+    # k3 = r - log r - 1 with r = ref/p: r = 1/2 → ln2 - 1/2; r = 2 → 1 - ln2
+    torch.testing.assert_close(kl_penalty(logp, ref, "k3"), t([ln2 - 0.5, 1 - ln2]), rtol=0, atol=1e-12)
+
+
+def test_k3_is_non_negative_zero_at_equality_and_finite_when_extreme():
+    g = torch.Generator().manual_seed(0)
+    logp, ref = torch.randn(1000, generator=g, dtype=f64), torch.randn(1000, generator=g, dtype=f64)
+    assert (kl_penalty(logp, ref, "k3") >= 0).all()
+    assert (kl_penalty(logp, logp, "k3") == 0).all()
+    extreme = kl_penalty(t([-1000.0]), t([0.0]), "k3")  # log-ratio 1000 is clamped to 20
+    torch.testing.assert_close(extreme, t([math.exp(20) - 21]), rtol=1e-12, atol=0)
+
+
+def test_unknown_kl_kind_names_the_setting():
+    with pytest.raises(ConfigError, match=r"algorithm.kl_type: unknown KL estimator 'k4' \(use k1, k2 or k3\)"):
+        kl_penalty(t([0.0]), t([0.0]), "k4")
+
+
+# ---------------------------------------------------------------- PPO clipping
+
+
+def one_token_loss(ratio, advantage, eps_clip=0.2, eps_clip_high=None):
+    logp = t([[math.log(ratio)]]).requires_grad_()
+    loss, metrics = policy_loss(logp, t([[0.0]]), t([advantage]), torch.ones(1, 1), eps_clip, eps_clip_high)
+    loss.backward()
+    return loss.item(), logp.grad.item(), metrics["clip_frac"].item()
+
+
+def test_positive_advantage_clipped_above_unless_clip_higher():
+    loss, grad, clip_frac = one_token_loss(1.25, 1.0, eps_clip=0.2)
+    assert loss == pytest.approx(-1.2, abs=1e-12) and grad == 0.0 and clip_frac == 1.0
+    # DAPO clip-higher: 1 + 0.28 leaves ratio 1.25 inside; d(-A·ratio)/dlogp = -A·ratio
+    loss, grad, clip_frac = one_token_loss(1.25, 1.0, eps_clip=0.2, eps_clip_high=0.28)
+    assert loss == pytest.approx(-1.25, abs=1e-12) and grad == pytest.approx(-1.25, abs=1e-12) and clip_frac == 0.0
+
+
+def test_negative_advantage_clipped_below_and_pessimistic_above():
+    loss, grad, clip_frac = one_token_loss(0.75, -1.0)
+    assert loss == pytest.approx(0.8, abs=1e-12) and grad == 0.0 and clip_frac == 1.0
+    # above 1+eps the unclipped term is the larger loss, so it stays and keeps its gradient
+    loss, grad, clip_frac = one_token_loss(1.25, -1.0)
+    assert loss == pytest.approx(1.25, abs=1e-12) and grad == pytest.approx(1.25, abs=1e-12) and clip_frac == 0.0
+    # the low side uses eps_clip, not eps_clip_high
+    loss, _, clip_frac = one_token_loss(0.75, -1.0, eps_clip=0.2, eps_clip_high=0.5)
+    assert loss == pytest.approx(0.8, abs=1e-12) and clip_frac == 1.0
+
+
+def test_positive_advantage_below_one_is_not_clipped():
+    loss, grad, clip_frac = one_token_loss(0.75, 1.0)
+    assert loss == pytest.approx(-0.75, abs=1e-12) and grad == pytest.approx(-0.75, abs=1e-12) and clip_frac == 0.0
+
+
+def test_clipped_tokens_get_zero_gradient_in_a_batch():
+    ratios = t([[1.25, 1.1, 0.7, 0.9]])
+    adv = t([[1.0, 1.0, -1.0, -1.0]])
+    logp = ratios.log().requires_grad_()
+    loss, metrics = policy_loss(logp, torch.zeros_like(logp), adv, torch.ones(1, 4), eps_clip=0.2)
+    loss.backward()
+    # tokens 0 (1.25 > 1.2, A>0) and 2 (0.7 < 0.8, A<0) are clipped; the others: -A·ratio / 4 tokens
+    torch.testing.assert_close(logp.grad, t([[0.0, -1.1 / 4, 0.0, 0.9 / 4]]), rtol=0, atol=1e-12)
+    assert metrics["clip_frac"].item() == 0.5
+
+
+def test_approx_kl_is_k3_of_old_vs_new():
+    logp = t([[math.log(2.0), 0.0]])
+    _, metrics = policy_loss(logp, torch.zeros_like(logp), t([0.0]), torch.ones(1, 2), eps_clip=0.2)
+    # per token exp(logp-old) - (logp-old) - 1: 2 - ln2 - 1 and 0
+    assert metrics["approx_kl"].item() == pytest.approx((1 - math.log(2)) / 2, abs=1e-12)
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def test_token_mean_and_seq_mean_on_unequal_lengths():
+    # sequence 0: one token of value 3; sequence 1: three tokens of value 1; padding holds junk
+    values = t([[3.0, 100.0, 100.0], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    assert aggregate(values, mask, "token_mean").item() == pytest.approx(6 / 4, abs=1e-12)
+    assert aggregate(values, mask, "seq_mean").item() == pytest.approx((3 + 1) / 2, abs=1e-12)
+    # the same through the loss: with ratio 1 the per-token loss is -A
+    loss_tok, _ = policy_loss(torch.zeros(2, 3, dtype=f64), torch.zeros(2, 3, dtype=f64), -values, mask, 0.2)
+    loss_seq, _ = policy_loss(
+        torch.zeros(2, 3, dtype=f64), torch.zeros(2, 3, dtype=f64), -values, mask, 0.2, loss_agg="seq_mean"
+    )
+    assert loss_tok.item() == pytest.approx(1.5, abs=1e-12) and loss_seq.item() == pytest.approx(2.0, abs=1e-12)
+
+
+def test_masked_mean_per_row_and_empty_mask():
+    x = t([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    torch.testing.assert_close(masked_mean(x, mask, dim=-1), t([1.5, 4.0]), rtol=0, atol=0)
+    assert masked_mean(x, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_unknown_loss_agg_names_the_setting():
+    with pytest.raises(ConfigError, match="algorithm.loss_agg"):
+        aggregate(t([1.0]), torch.ones(1), "sum")
+
+
+# ---------------------------------------------------------------- TIS
+
+
+def test_tis_weights_are_capped_and_detached():
+    old = torch.zeros(1, 3, dtype=f64)
+    rollout = -t([[math.log(3.0), math.log(0.5), 0.0]])  # old - rollout = ln3, ln0.5, 0 → weights 3→2, 0.5, 1
+    rollout.requires_grad_()
+    logp = old.clone().requires_grad_()
+    loss, metrics = policy_loss(logp, old, t([1.0]), torch.ones(1, 3), 0.2, rollout_logp=rollout, tis_cap=2.0)
+    assert loss.item() == pytest.approx(-(2.0 + 0.5 + 1.0) / 3, abs=1e-12)
+    assert metrics["tis_clip_frac"].item() == pytest.approx(1 / 3, abs=1e-12)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, t([[-2.0, -0.5, -1.0]]) / 3, rtol=0, atol=1e-12)
+    assert rollout.grad is None
+
+
+def test_tis_cap_without_rollout_logp_is_refused():
+    with pytest.raises(ValueError, match="rollout_logp"):
+        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), 0.2, tis_cap=2.0)
+
+
+# ---------------------------------------------------------------- full loss and micro-batching
+
+
+def random_batch(seed, batch=6, length=7):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([1, 7, 3, 5, 2, 6])[:batch]
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).to(f64)
+    old = -torch.rand(batch, length, generator=g, dtype=f64) * 3
+    return dict(
+        logp=old + 0.3 * torch.randn(batch, length, generator=g, dtype=f64),
+        old_logp=old,
+        ref_logp=old + 0.2 * torch.randn(batch, length, generator=g, dtype=f64),
+        rollout_logp=old + 0.5 * torch.randn(batch, length, generator=g, dtype=f64),
+        entropy=torch.rand(batch, length, generator=g, dtype=f64),
+        advantages=torch.randn(batch, generator=g, dtype=f64),
+        mask=mask,
+    )
+
+
+def test_grpo_loss_composes_pg_kl_and_entropy_terms():
+    b = random_batch(1)
+    kw = dict(eps_clip=0.2, eps_clip_high=0.28, loss_agg="token_mean")
+    loss, m = grpo_loss(**b, kl_coef=0.1, kl_type="k2", entropy_coef=0.01, **kw)
+    pg, _ = policy_loss(b["logp"], b["old_logp"], b["advantages"], b["mask"], 0.2, 0.28)
+    kl = masked_mean(0.5 * (b["logp"] - b["ref_logp"]) ** 2, b["mask"])
+    ent = masked_mean(b["entropy"], b["mask"])
+    torch.testing.assert_close(loss, pg + 0.1 * kl - 0.01 * ent, rtol=0, atol=1e-12)
+    torch.testing.assert_close(m["pg_loss"], pg, rtol=0, atol=0)
+    torch.testing.assert_close(m["kl"], kl, rtol=0, atol=1e-12)
+    torch.testing.assert_close(m["entropy"], ent, rtol=0, atol=1e-12)
+    assert set(m) == {"pg_loss", "kl", "entropy", "clip_frac", "approx_kl"}
+    assert not any(v.requires_grad for v in m.values())
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean"])
+def test_micro_batches_with_global_normalizer_sum_to_full_batch(loss_agg):
+    b = random_batch(2)
+    kw = dict(eps_clip=0.2, eps_clip_high=0.28, loss_agg=loss_agg, kl_coef=0.05, entropy_coef=0.01, tis_cap=1.5)
+
+    full_logp = b["logp"].clone().requires_grad_()
+    full_loss, full_metrics = grpo_loss(**{**b, "logp": full_logp}, **kw)
+    full_loss.backward()
+
+    normalizer = b["mask"].sum().item() if loss_agg == "token_mean" else float(b["mask"].shape[0])
+    micro_logp = b["logp"].clone().requires_grad_()
+    total_loss, total_metrics = 0.0, {}
+    for rows in (slice(0, 2), slice(2, 6)):
+        part = {k: v[rows] for k, v in b.items()}
+        part["logp"] = micro_logp[rows]
+        loss, metrics = grpo_loss(**part, normalizer=normalizer, **kw)
+        loss.backward()  # gradients accumulate as in the trainer
+        total_loss = total_loss + loss.detach()
+        for k, v in metrics.items():
+            total_metrics[k] = total_metrics.get(k, 0.0) + v
+
+    torch.testing.assert_close(total_loss, full_loss.detach(), rtol=0, atol=1e-13)
+    torch.testing.assert_close(micro_logp.grad, full_logp.grad, rtol=0, atol=1e-13)
+    for k in full_metrics:
+        torch.testing.assert_close(total_metrics[k], full_metrics[k], rtol=0, atol=1e-13)
+    # without the global normalizer each micro-batch normalises itself and the sum is wrong
+    wrong = sum(grpo_loss(**{k: v[r] for k, v in b.items()}, **kw)[0] for r in (slice(0, 2), slice(2, 6)))
+    assert abs(wrong.item() - full_loss.item()) > 1e-3
+
+
+# ---------------------------------------------------------------- entropy
+
+
+def test_entropy_of_uniform_logits_is_log_vocab():
+    ent = entropy_from_logits(torch.full((2, 3, 11), 4.0))
+    torch.testing.assert_close(ent, torch.full((2, 3), math.log(11)), rtol=0, atol=1e-6)
+
+
+def test_entropy_known_distribution_and_banned_tokens():
+    logits = torch.tensor([[math.log(0.5), math.log(0.25), math.log(0.25), -math.inf]], requires_grad=True)
+    ent = entropy_from_logits(logits)
+    assert ent.item() == pytest.approx(1.5 * math.log(2), abs=1e-6)
+    ent.sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[0, 3] == 0
+
+
+# ---------------------------------------------------------------- dynamic sampling
+
+
+def test_filter_groups_drops_all_equal_groups():
+    keep = filter_groups(t([1, 1, 0, 1, 0, 0, 0.5, 0.5]), n_samples=2)
+    assert keep.tolist() == [False, True, False, False]
+
+
+def test_fill_batch_keeps_first_passing_groups_in_order():
+    ids = [10, 11, 12, 13, 14]
+    rewards = [[1, 1], [0, 1], [0, 0], [1, 0], [0, 1]]
+    assert fill_batch(ids, rewards, needed=2) == ([11, 13], 2)  # 14 is surplus, not dropped
+    assert fill_batch(ids, rewards, needed=5) == ([11, 13, 14], 2)  # ran out: caller samples more
+    assert fill_batch(ids, rewards, needed=0) == ([], 0)
+    with pytest.raises(ValueError, match="5 group ids but 4"):
+        fill_batch(ids, rewards[:4], needed=2)
