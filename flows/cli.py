@@ -1,0 +1,110 @@
+"""`grpoflow` — the command line. User mistakes print one line and exit 2; nothing heavy starts before the config is valid."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _prefect_env() -> None:
+    # The ephemeral API needs 10-18 s to start on a small machine; the default 20 s is too tight.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "false")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grpoflow", description="GRPO post-training as a resumable Prefect pipeline")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def with_overrides(sp):
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config value, e.g. --set train.lr=1e-5 (repeatable)")
+
+    v = sub.add_parser("validate", help="check a config and print the plan")
+    v.add_argument("config")
+    with_overrides(v)
+
+    r = sub.add_parser("run", help="run the pipeline (fetch → convert → prepare → train → eval → register)")
+    r.add_argument("config")
+    r.add_argument("--run-id", default=None, help="default: <config name>-<UTC timestamp>")
+    with_overrides(r)
+
+    rs = sub.add_parser("resume", help="continue a run from its frozen config and latest checkpoint")
+    rs.add_argument("run_id")
+    rs.add_argument("--root", default="./grpoflow-data", help="storage.root of the run")
+    with_overrides(rs)
+    return p
+
+
+def _print_plan(cfg) -> None:
+    from runtime.plan import plan_lines
+    for line in plan_lines(cfg):
+        print(line)
+
+
+def _summary(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"run {result['run_id']}", show_lines=False)
+    table.add_column("stage")
+    table.add_column("status")
+    table.add_column("output")
+    for stage in ("fetch", "convert", "prepare"):
+        res = result[stage]
+        status = "skipped (done before)" if res.get("skipped") else f"done in {res.get('seconds', 0)} s"
+        if stage == "fetch":
+            out = res["model_dir"]
+        elif stage == "convert":
+            out = f"{res['torch_dist']} (parity max|Δlogit| {res['parity']['max_abs_logit_diff']:.2e})"
+        else:
+            out = f"{res['train']['path']} ({res['train']['rows_out']} rows)" + "".join(
+                f", {v['path']} ({v['rows_out']} rows)" for v in res["eval"].values())
+        table.add_row(stage, status, out)
+    train = result.get("train") or {}
+    if train:
+        table.add_row("train", train.get("status", ""), train.get("summary", ""))
+    console.print(table)
+    console.print(f"run directory: {result['run_dir']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from runtime.errors import UserError
+
+    try:
+        if args.cmd == "validate":
+            from runtime.config import load_config
+            cfg = load_config(args.config, args.overrides)
+            _print_plan(cfg)
+            print("config is valid")
+            return 0
+        _prefect_env()
+        if args.cmd == "run":
+            from runtime.config import load_config
+            from runtime.plan import default_run_id
+            cfg = load_config(args.config, args.overrides)
+            run_id = args.run_id or default_run_id(cfg)
+            print(f"run id: {run_id}")
+            _print_plan(cfg)
+            from flows.pipeline import grpo_pipeline
+            result = grpo_pipeline(config_path=args.config, overrides=args.overrides, run_id=run_id)
+        elif args.cmd == "resume":
+            from runtime.rundir import RunDir
+            from runtime.runs import frozen_config
+            frozen_config(RunDir(args.root, args.run_id), args.overrides)  # unknown run id: fail before Prefect
+            print(f"resuming run {args.run_id}")
+            from flows.pipeline import grpo_pipeline
+            result = grpo_pipeline(overrides=args.overrides, run_id=args.run_id, root=args.root, resume=True)
+        _summary(result)
+        return 0
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

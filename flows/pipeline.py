@@ -1,0 +1,38 @@
+"""The GRPO recipe as one Prefect flow: fetch → convert → prepare → train (chunks, evals) → register."""
+from __future__ import annotations
+
+from prefect import flow
+
+from runtime.config import load_config
+from runtime.rundir import RunDir
+from runtime.runs import freeze, frozen_config
+from tasks.stages import convert_task, fetch_task, prepare_task
+from tasks.train import train_stage
+
+
+def _stage(task, *args) -> dict:
+    state = task(*args, return_state=True)
+    result = state.result()
+    if state.name == "Cached":
+        result = {**result, "skipped": True}
+    return result
+
+
+@flow(name="grpo-pipeline")
+def grpo_pipeline(config_path: str | None = None, overrides: list[str] | None = None,
+                  run_id: str | None = None, root: str | None = None, resume: bool = False) -> dict:
+    """Run (or resume) one grpoflow run. Finished stages and chunks are read from the run directory and skipped."""
+    if resume:
+        probe = RunDir(root or "./grpoflow-data", run_id)
+        cfg = frozen_config(probe, overrides)
+    else:
+        cfg = load_config(config_path, overrides)
+    rd = RunDir(root or cfg.storage.root, run_id)
+    freeze(cfg, rd)
+
+    fetched = _stage(fetch_task, cfg, rd)
+    converted = _stage(convert_task, cfg, rd, fetched)
+    prepared = _stage(prepare_task, cfg, rd, fetched)
+    trained = train_stage(cfg, rd, converted, prepared)
+    return {"run_id": rd.run_id, "run_dir": rd.path, "fetch": fetched, "convert": converted,
+            "prepare": prepared, "train": trained}

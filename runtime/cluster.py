@@ -1,0 +1,217 @@
+"""Where the trainer ranks and the rollout engine live: in this process, or as Ray actors.
+
+Ray is the launcher, not the design: both backends hand back a `Group` whose `call(method, ...)`
+runs a method on every member and returns the results in rank order.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from .config import GrpoConfig
+from .errors import ConfigError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalGroup:
+    def __init__(self, members: list[Any]):
+        self.members = members
+
+    def call(self, method: str, *args, **kwargs) -> list[Any]:
+        return [getattr(m, method)(*args, **kwargs) for m in self.members]
+
+    def kill(self) -> None:
+        self.members = []
+
+
+class RayGroup:
+    def __init__(self, actors: list[Any]):
+        self.actors = actors
+
+    def call(self, method: str, *args, **kwargs) -> list[Any]:
+        import ray
+        # Put large arguments once in the object store instead of once per actor.
+        args = tuple(ray.put(a) if len(self.actors) > 1 and not isinstance(a, (int, float, str, type(None))) else a
+                     for a in args)
+        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def kill(self) -> None:
+        import ray
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead is fine
+                pass
+        self.actors = []
+
+
+def world_size(cfg: GrpoConfig) -> int:
+    return cfg.train.data_parallel * cfg.train.tensor_parallel
+
+
+def resolve_device(cfg: GrpoConfig) -> str:
+    if cfg.cluster.device != "auto":
+        return cfg.cluster.device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(cfg: GrpoConfig, device: str) -> str:
+    if cfg.model.dtype != "auto":
+        return cfg.model.dtype
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+class Cluster:
+    """One connection to wherever the actors run, held for a whole train stage."""
+
+    def __init__(self, cfg: GrpoConfig):
+        self.cfg = cfg
+        self.backend = cfg.cluster.backend
+        self.device = resolve_device(cfg)
+        self.dtype = resolve_dtype(cfg, self.device)
+        self._pg = None
+        self._ray_started_here = False
+        n = world_size(cfg)
+        if self.backend == "local" and n > 1:
+            raise ConfigError(f"cluster.backend=local runs one trainer rank, but train.data_parallel × "
+                              f"train.tensor_parallel = {n}; use cluster.backend=ray")
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> "Cluster":
+        if self.backend != "ray":
+            return self
+        import ray
+        if not ray.is_initialized():
+            c = self.cfg.cluster
+            kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
+                                  "ignore_reinit_error": True}
+            if c.address:
+                kw["address"] = c.address
+            else:
+                # Logical CPUs: a placement group counts bundles, not cores, so DP ranks plus an
+                # engine fit on a 2-core machine.
+                kw["num_cpus"] = c.num_cpus or max(os.cpu_count() or 1, world_size(self.cfg) + 1)
+                kw["_node_ip_address"] = "127.0.0.1"
+                if os.environ.get("GRPOFLOW_RAY_TEMP_DIR"):
+                    kw["_temp_dir"] = os.environ["GRPOFLOW_RAY_TEMP_DIR"]
+                if os.environ.get("GRPOFLOW_RAY_OBJECT_STORE_MB"):
+                    kw["object_store_memory"] = int(os.environ["GRPOFLOW_RAY_OBJECT_STORE_MB"]) * 2**20
+            ray.init(**kw)
+            self._ray_started_here = True
+        self._place()
+        return self
+
+    def _place(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        c = self.cfg.cluster
+        n = world_size(self.cfg)
+        trainer_bundle = {"CPU": 1, **({"GPU": 1} if c.trainer_gpus else {})}
+        engine_bundle = {"CPU": 1, **({"GPU": 1} if c.rollout_gpus and not c.colocate else {})}
+        bundles = [trainer_bundle] * n + [engine_bundle]
+        pg = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(pg.ready(), timeout=c.placement_timeout_s)
+        except Exception:  # GetTimeoutError
+            remove_placement_group(pg)
+            avail = ray.available_resources()
+            raise ConfigError(
+                f"the Ray cluster cannot place {len(bundles)} bundles {bundles} within "
+                f"cluster.placement_timeout_s={c.placement_timeout_s:g} s (available: "
+                f"{ {k: v for k, v in avail.items() if k in ('CPU', 'GPU')} }); lower train.data_parallel / "
+                f"tensor_parallel or cluster.*_gpus, or add nodes") from None
+        self._pg = pg
+
+    def shutdown(self) -> None:
+        if self.backend != "ray":
+            return
+        import ray
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+            try:
+                remove_placement_group(self._pg)
+            except Exception:  # noqa: BLE001
+                pass
+            self._pg = None
+        if self._ray_started_here and ray.is_initialized():
+            ray.shutdown()
+
+    # -- actors --------------------------------------------------------------------------------
+    def _threads(self) -> int:
+        return max(1, (os.cpu_count() or 1) // (world_size(self.cfg) + (0 if self.cfg.cluster.colocate else 1)))
+
+    def trainer_group(self, **trainer_kwargs) -> LocalGroup | RayGroup:
+        from .trainer.megatron_trainer import MegatronTrainer
+        n = world_size(self.cfg)
+        common = dict(trainer_kwargs, world_size=n, device=self.device, dtype=self.dtype)
+        if self.backend == "local":
+            return LocalGroup([MegatronTrainer(rank=0, master_port=free_port(), **common)])
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        gpus = 1 if self.cfg.cluster.trainer_gpus else 0
+        cls = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(MegatronTrainer)
+        port = free_port()
+        actors = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=self._pg, placement_group_bundle_index=r)).remote(
+                rank=r, master_addr="127.0.0.1" if not self.cfg.cluster.address else _node_ip(),
+                master_port=port, num_threads=self._threads(), **common) for r in range(n)]
+        group = RayGroup(actors)
+        group.call("ping")  # surface construction errors here, not at the first rollout
+        return group
+
+    def engine(self, model_dir: str) -> LocalGroup | RayGroup:
+        from .rollout.factory import make_engine
+        kwargs = dict(cfg=self.cfg, model_dir=model_dir, device=self.device, dtype=self.dtype)
+        if self.backend == "local":
+            return LocalGroup([make_engine(**kwargs)])
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        gpus = 1 if self.cfg.cluster.rollout_gpus and not self.cfg.cluster.colocate else 0
+        actor = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(_EngineHost).options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=world_size(self.cfg))).remote(
+                    num_threads=self._threads(), **kwargs)
+        group = RayGroup([actor])
+        group.call("health")
+        return group
+
+
+class _EngineHost:
+    """A Ray actor holding one rollout engine; forwards the engine interface."""
+
+    def __init__(self, num_threads: int | None = None, **kwargs):
+        import torch
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        from .rollout.factory import make_engine
+        self.engine = make_engine(**kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, *a, **k):
+        return self.engine.generate(*a, **k)
+
+    def update_weights(self, *a, **k):
+        return self.engine.update_weights(*a, **k)
+
+    def health(self):
+        return self.engine.health()
+
+    def pid(self):
+        return os.getpid()
+
+    def logprobs_of(self, *a, **k):
+        return self.engine.logprobs_of(*a, **k)
+
+
+def _node_ip() -> str:
+    import ray
+    return ray.util.get_node_ip_address()

@@ -1,0 +1,250 @@
+"""The policy trainer: a megatron-core GPTModel with Megatron's DDP, optimizer and LR schedule.
+
+A plain class: `cluster.backend: local` runs it in-process, `cluster.backend: ray` places one per rank
+as a Ray actor. Every rank of a data/tensor-parallel group gets the whole rollout batch and takes its
+own slice, so the driver never needs to know the layout.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from ..algo import grpo_loss
+from .batch import TrainBatch, pack, step_slices
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+class MegatronTrainer:
+    def __init__(self, *, hf_dir: str, init_checkpoint: str, train: dict, algorithm: dict, temperature: float,
+                 rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int | None = None,
+                 device: str = "cpu", dtype: str = "float32", num_threads: int | None = None):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        from megatron.core import parallel_state as mpu
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from .. import megatron_env as menv
+        from ..convert import load_torch_dist_into
+        from ..models import load_hf_config
+
+        self.train_cfg, self.algo, self.temperature = train, algorithm, temperature
+        self.device = device
+        self.rank, self.world_size = rank, world_size
+        tp = int(train.get("tensor_parallel", 1))
+        menv.init_parallel(rank=rank, world_size=world_size, tp=tp, master_addr=master_addr,
+                           master_port=master_port, device=device)
+        self.mpu = mpu
+        self.dp_rank, self.dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        self.tp_size = mpu.get_tensor_model_parallel_world_size()
+        self.hf_config = load_hf_config(hf_dir)
+        self.params_dtype = _dtype(dtype)
+        self.model = menv.build_gpt_model(self.hf_config, dtype=self.params_dtype, device=device, init_weights=False)
+        load_torch_dist_into(self.model, init_checkpoint)
+        self.ref_model = None
+        if float(algorithm.get("kl_coef", 0.0)) > 0:
+            self.ref_model = menv.build_gpt_model(self.hf_config, dtype=self.params_dtype, device=device, init_weights=False)
+            load_torch_dist_into(self.ref_model, init_checkpoint)
+            self.ref_model.eval().requires_grad_(False)
+
+        with menv.cuda_to_cpu():
+            self.ddp = DistributedDataParallel(
+                self.model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                                  use_distributed_optimizer=False), self.model)
+            bf16 = self.params_dtype == torch.bfloat16
+            self.optimizer = get_megatron_optimizer(OptimizerConfig(
+                optimizer="adam", lr=float(train["lr"]), min_lr=float(train.get("min_lr", 0.0)),
+                weight_decay=float(train.get("weight_decay", 0.0)), adam_beta1=float(train.get("adam_beta1", 0.9)),
+                adam_beta2=float(train.get("adam_beta2", 0.98)), clip_grad=float(train.get("clip_grad", 1.0)),
+                bf16=bf16, params_dtype=self.params_dtype, use_distributed_optimizer=False), [self.ddp])
+        total_steps = int(train["num_rollout"]) * int(train.get("num_steps_per_rollout", 1))
+        warmup = int(train.get("lr_warmup_steps", 0))
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if warmup else float(train["lr"]), max_lr=float(train["lr"]),
+            min_lr=float(train.get("min_lr", 0.0)), lr_warmup_steps=warmup,
+            lr_decay_steps=max(total_steps, warmup + 1), lr_decay_style=train.get("lr_decay_style", "constant"),
+            start_wd=float(train.get("weight_decay", 0.0)), end_wd=float(train.get("weight_decay", 0.0)),
+            wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")
+        self.adapter = None
+        self.steps_done = 0
+
+    # -- introspection -------------------------------------------------------------------------
+    def pid(self) -> int:
+        return os.getpid()
+
+    def ping(self) -> bool:
+        return True
+
+    # -- forward -------------------------------------------------------------------------------
+    def _causal_mask(self, s: int) -> torch.Tensor:
+        return torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1).view(1, 1, s, s)
+
+    def _token_logprobs(self, model, mb, with_entropy: bool = False):
+        """log p(target) of logits/temperature for every position; vocab-parallel under TP."""
+        from megatron.core import tensor_parallel
+        logits = model(mb.input_ids, mb.position_ids, self._causal_mask(mb.input_ids.shape[1]))
+        logits = logits[:, :-1].float() / self.temperature  # [b, s-1, V/tp]
+        ce = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
+                                                          mb.targets.transpose(0, 1).contiguous())
+        logp = -ce.transpose(0, 1)
+        entropy = self._entropy(logits) if with_entropy else None
+        return logp, entropy
+
+    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            lp = torch.log_softmax(logits, dim=-1)
+            return -(lp.exp() * lp).sum(-1)
+        # Entropy over a vocab split across TP ranks: reduce max, partition function and E[logit].
+        group = self.mpu.get_tensor_model_parallel_group()
+        with torch.no_grad():
+            m = logits.max(-1, keepdim=True).values
+            torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+        e = (logits - m).exp()
+        z = e.sum(-1, keepdim=True)
+        ez = (e * logits).sum(-1, keepdim=True)
+        z = _all_reduce_sum(z, group)
+        ez = _all_reduce_sum(ez, group)
+        return (torch.log(z) + m - ez / z).squeeze(-1)
+
+    def _unpack(self, values: torch.Tensor, mb, batch: TrainBatch) -> list[list[float]]:
+        out = []
+        for row, i in enumerate(mb.seq_ids):
+            p, n = batch.prompt_lens[i], len(batch.tokens[i]) - batch.prompt_lens[i]
+            out.append(values[row, p - 1: p - 1 + n].tolist())
+        return out
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, which: str = "policy") -> list[list[float]]:
+        """Log-probs of every sample's response tokens (all samples, on every rank)."""
+        model = self.model if which == "policy" else self.ref_model
+        model.eval()
+        mbs = int(self.train_cfg["micro_batch_size"])
+        out: list[list[float]] = []
+        for s in range(0, len(batch), mbs):
+            mb = pack(batch, list(range(s, min(s + mbs, len(batch)))), self.device)
+            logp, _ = self._token_logprobs(model, mb)
+            out.extend(self._unpack(logp, mb, batch))
+        return out
+
+    # -- update --------------------------------------------------------------------------------
+    def train(self, batch: TrainBatch) -> dict[str, Any]:
+        """One rollout's optimizer steps; returns metrics averaged over the rollout (same on every rank)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        from .. import megatron_env as menv
+
+        t0 = time.time()
+        a = self.algo
+        steps = int(self.train_cfg.get("num_steps_per_rollout", 1))
+        need_old = steps > 1 or bool(a.get("use_tis"))
+        if need_old and batch.old_logprobs is None:
+            batch.old_logprobs = self.compute_logprobs(batch)
+        ref_logprobs = self.compute_logprobs(batch, "ref") if self.ref_model is not None else None
+        self.model.train()
+        slices = step_slices(len(batch), steps, self.dp_size, self.dp_rank, int(self.train_cfg["micro_batch_size"]))
+        per_step = len(batch) // steps
+        sums: dict[str, float] = {}
+        grad_norms, tokens = [], 0
+        for s, micro_batches in enumerate(slices):
+            step_idx = list(range(s * per_step, (s + 1) * per_step))
+            step_tokens = sum(sum(batch.loss_masks[i]) for i in step_idx)
+            normalizer = float(step_tokens if a.get("loss_agg", "token_mean") == "token_mean" else len(step_idx))
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            for idx in micro_batches:
+                mb = pack(batch, idx, self.device)
+                logp, entropy = self._token_logprobs(self.model, mb, with_entropy=True)
+                ref = None
+                if ref_logprobs is not None:
+                    ref = torch.zeros_like(logp)
+                    for row, i in enumerate(mb.seq_ids):
+                        p = batch.prompt_lens[i]
+                        ref[row, p - 1: p - 1 + len(ref_logprobs[i])] = torch.tensor(ref_logprobs[i])
+                old = mb.old_logp if mb.old_logp is not None else logp.detach()
+                loss, metrics = grpo_loss(
+                    logp, old, mb.advantages, mb.resp_mask, eps_clip=float(a.get("eps_clip", 0.2)),
+                    eps_clip_high=a.get("eps_clip_high"), loss_agg=a.get("loss_agg", "token_mean"),
+                    ref_logp=ref, kl_coef=float(a.get("kl_coef", 0.0)), kl_type=a.get("kl_type", "k3"),
+                    entropy=entropy, entropy_coef=float(a.get("entropy_coef", 0.0)),
+                    rollout_logp=mb.rollout_logp if a.get("use_tis") else None,
+                    tis_cap=float(a.get("tis_cap", 2.0)) if a.get("use_tis") else None,
+                    normalizer=normalizer)
+                # Megatron DDP averages gradients over DP ranks; our loss is already a global sum.
+                (loss * self.dp_size).backward()
+                n_tok = float(mb.resp_mask.sum())
+                tokens += int(n_tok)
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * n_tok
+                sums["loss"] = sums.get("loss", 0.0) + float(loss)  # already normalised by the global batch
+                if s == 0:
+                    diff = ((logp.detach() - mb.rollout_logp).abs() * mb.resp_mask).sum()
+                    sums["train_rollout_logp_absdiff"] = sums.get("train_rollout_logp_absdiff", 0.0) + float(diff)
+                    sums["_tokens_step0"] = sums.get("_tokens_step0", 0.0) + n_tok
+            finalize_model_grads([self.ddp])
+            with menv.cuda_to_cpu():
+                ok, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            self.steps_done += 1
+            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+        # average over every DP rank's tokens
+        keys = sorted(sums)
+        vec = torch.tensor([sums[k] for k in keys] + [float(tokens)], dtype=torch.float64)
+        if self.dp_size > 1:
+            torch.distributed.all_reduce(vec, group=self.mpu.get_data_parallel_group(with_context_parallel=False))
+        total = dict(zip(keys + ["_tokens"], vec.tolist()))
+        n = max(total["_tokens"], 1.0)
+        out = {k: total[k] / n for k in keys if not k.startswith("_") and k not in ("loss", "train_rollout_logp_absdiff")}
+        out["loss"] = total["loss"] / steps
+        out["train_rollout_logp_absdiff"] = total["train_rollout_logp_absdiff"] / max(total["_tokens_step0"], 1.0)
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        out["train_tokens"] = int(total["_tokens"])
+        out["train_time_s"] = time.time() - t0
+        return out
+
+    # -- weights & checkpoints -----------------------------------------------------------------
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """Full (TP-gathered) weights in Hugging Face names, on CPU, for the rollout engine."""
+        from ..models import get_adapter
+        from .tp_gather import full_state_dict
+        if self.adapter is None:
+            self.adapter = get_adapter(self.hf_config)
+        sd = full_state_dict(self.model, self.hf_config)
+        return {k: v.detach().to("cpu") for k, v in self.adapter.to_hf(sd, self.hf_config, include_tied_lm_head=True).items()}
+
+    def save(self, path: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        from .. import megatron_env as menv
+        os.makedirs(path, exist_ok=True)
+        with menv.cuda_to_cpu():
+            msd = self.model.sharded_state_dict()
+            state = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd),
+                     "scheduler": self.scheduler.state_dict(), "steps_done": self.steps_done}
+            dist_checkpointing.save(state, path)
+
+    def load(self, path: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        from .. import megatron_env as menv
+        with menv.cuda_to_cpu():
+            msd = self.model.sharded_state_dict()
+            state = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd, is_loading=True),
+                     "scheduler": None, "steps_done": None}
+            loaded = dist_checkpointing.load(state, path)
+            self.model.load_state_dict(loaded["model"])
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        self.scheduler.load_state_dict(loaded["scheduler"])
+        self.steps_done = int(loaded["steps_done"])
+
+
+def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+    return reduce_from_tensor_model_parallel_region(t)

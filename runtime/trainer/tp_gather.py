@@ -1,0 +1,33 @@
+"""Full, unsharded weights from a tensor-parallel megatron model (what the rollout engine and exports need)."""
+from __future__ import annotations
+
+import torch
+
+
+def full_state_dict(model, hf_config=None) -> dict[str, torch.Tensor]:
+    """The model's state dict with every TP-sharded tensor gathered whole, on every TP rank."""
+    from megatron.core import parallel_state as mpu
+
+    sd = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v) and not k.endswith("_extra_state")}
+    tp = mpu.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return sd
+    group = mpu.get_tensor_model_parallel_group()
+    params = dict(model.named_parameters())
+    out = {}
+    for name, t in sd.items():
+        p = params.get(name)
+        if p is None or not getattr(p, "tensor_model_parallel", False):
+            out[name] = t
+            continue
+        dim = p.partition_dim
+        parts = [torch.empty_like(t) for _ in range(tp)]
+        torch.distributed.all_gather(parts, t.contiguous(), group=group)
+        if name.endswith("mlp.linear_fc1.weight") and model.config.gated_linear_unit:
+            # Each rank holds [gate_shard; up_shard]: regroup into [gate; up].
+            halves = [torch.chunk(x, 2, dim=0) for x in parts]
+            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        else:
+            # Fused QKV shards hold whole query groups, so a plain concat keeps the per-group layout.
+            out[name] = torch.cat(parts, dim=dim)
+    return out
