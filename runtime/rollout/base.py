@@ -1,0 +1,115 @@
+"""The rollout engine interface: what the trainer loop needs from whatever generates samples.
+
+Kept small and serialisable (lists of ints and floats, no tensors across the boundary except in
+`update_weights`) so the same contract fits the in-process `BuiltinEngine`, a Ray actor wrapping
+it, and an SGLang server reached over HTTP.
+"""
+
+from __future__ import annotations
+
+import abc
+import operator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from runtime.errors import ConfigError
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class SamplingParams:
+    """How to draw tokens. The eos token(s) of the model always stop a row, whatever stop_token_ids says.
+
+    temperature 0 means greedy decoding. top_k -1 (or >= vocab) and top_p 1.0 disable filtering.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ConfigError(f"rollout temperature must be >= 0 (0 = greedy), got {self.temperature}: fix rollout.temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"rollout top_p must be in (0, 1], got {self.top_p}: fix rollout.top_p (1.0 disables it)")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ConfigError(f"rollout top_k must be -1 (off) or >= 1, got {self.top_k}: fix rollout.top_k")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"rollout max_new_tokens must be >= 1, got {self.max_new_tokens}: fix rollout.max_new_tokens")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ConfigError(f"rollout stop_token_ids must be token ids >= 0, got {self.stop_token_ids}: fix rollout.stop_token_ids")
+
+
+@dataclass
+class SampleRequest:
+    """One sample to draw. `key` = (seed, rollout_id, prompt_index, sample_index) fixes its randomness."""
+
+    prompt_ids: list[int]
+    key: tuple[int, int, int, int]
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("SampleRequest.prompt_ids is empty: a prompt needs at least one token")
+        try:  # operator.index accepts numpy / torch integer scalars, rejects floats
+            key = tuple(operator.index(k) for k in self.key)
+        except TypeError:
+            key = ()
+        if len(key) != 4 or not all(_INT64_MIN <= k <= _INT64_MAX for k in key):
+            raise ValueError(f"SampleRequest.key must be 4 int64 ints (seed, rollout_id, prompt_index, sample_index), got {self.key!r}")
+        self.key = key
+
+
+@dataclass
+class SampleResult:
+    """A generated response.
+
+    response_ids includes the stop token when finish_reason is "stop" (the policy must learn to
+    emit eos), and response_logprobs has one entry per response token.
+    loss_mask: per response token, 1 = trained on, 0 = not (tool output in multi-turn rollouts);
+    None means all ones. reward: set by a custom rollout that scores its own samples; None means
+    the pipeline's reward function scores it.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    text: str
+    finish_reason: FinishReason
+    loss_mask: list[int] | None = None
+    reward: float | None = None
+
+    def effective_loss_mask(self) -> list[int]:
+        return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.response_ids)
+
+
+class RolloutEngine(abc.ABC):
+    """A policy copy that generates samples and receives weights from the trainer."""
+
+    @abc.abstractmethod
+    def generate(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
+        """One result per request, in the same order. Each result depends only on its request's
+        prompt, key, the sampling params and the weights - never on the other requests."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Copy tensors named as in the HF checkpoint into the engine; then weight_version == version."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The version given to the last update_weights (0 = the weights it was loaded with)."""
+
+    @abc.abstractmethod
+    def health(self) -> dict:
+        """A JSON-able dict; at least {"ok": bool, "weight_version": int}."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release the model and its memory; the engine is unusable afterwards. Safe to call twice."""

@@ -1,0 +1,234 @@
+"""The built-in rollout engine: HF transformers forward passes with our own keyed decode loop.
+
+It is the rollout path wherever SGLang cannot run (CPU, and the GPU machine here). HF's
+`generate` is not used because its sampling draws from the global RNG, which would make a
+sample depend on its batch neighbours and on process history; our loop draws every token from
+`keyed_sampling`, so a request's output depends only on its prompt, key, sampling params and
+the weights.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from runtime.errors import ConfigError, ModelError
+from runtime.rollout.base import RolloutEngine, SampleRequest, SampleResult, SamplingParams
+from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_key_hash, sample_next
+
+_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def _as_id_set(value) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+class BuiltinEngine(RolloutEngine):
+    """Batched incremental decoding of an HF causal LM with keyed sampling.
+
+    Requests are cut into batches of at most `max_batch_size`, left-padded (position ids come
+    from the attention mask, so padding does not shift RoPE), prefilled once and decoded with a
+    `DynamicCache`. Rows that stop are dropped from the batch (and from the cache) at once.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_batch_size: int = 64,
+        attn_implementation: str = "sdpa",
+        compile_sampling: bool = False,
+    ):
+        if max_batch_size < 1:
+            raise ConfigError(f"rollout max_batch_size must be >= 1, got {max_batch_size}: fix rollout.max_batch_size")
+        if attn_implementation not in _ATTN_IMPLEMENTATIONS:
+            raise ConfigError(f"rollout attn_implementation must be one of {_ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
+        if not os.path.isfile(os.path.join(model_dir, "config.json")):
+            raise ModelError(f"no HF model at {model_dir} (config.json missing): point the engine at an HF checkpoint directory")
+        self.model_dir = str(model_dir)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_batch_size = int(max_batch_size)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
+        self.model.to(self.device).eval()
+        self.eos_token_ids = _as_id_set(self.tokenizer.eos_token_id) | _as_id_set(
+            getattr(self.model.generation_config, "eos_token_id", None)
+        )
+        if not self.eos_token_ids:
+            raise ModelError(f"{model_dir}: neither the tokenizer nor generation_config.json names an eos token; set eos_token")
+        pad = self.tokenizer.pad_token_id
+        # The pad id only fills masked positions; any valid id works, eos is the usual fallback.
+        self.pad_token_id = int(pad) if pad is not None else min(self.eos_token_ids)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        # The keyed noise is ~12 int64 ops per logit; eager that is ~4 ms a step at batch 256 on an
+        # H100, compiled ~0.1 ms with the same bits. Off by default: compiling needs a compiler.
+        self._gumbel_fn = compiled_gumbel_noise() if compile_sampling else gumbel_noise
+        self._weight_version = 0
+        self._closed = False
+
+    # ---- RolloutEngine ------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def generate(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
+        self._check_open()
+        results: list[SampleResult] = []
+        for start in range(0, len(requests), self.max_batch_size):
+            results.extend(self._generate_batch(requests[start : start + self.max_batch_size], sampling))
+        return results
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Copy HF-named tensors into the model in place (dtype/device converted); all-or-nothing checks first."""
+        self._check_open()
+        state = self.model.state_dict()  # tensors share storage with the parameters
+        unknown = sorted(name for name in named_tensors if name not in state)
+        if unknown:
+            raise ValueError(f"update_weights: {len(unknown)} name(s) not in the model, e.g. {unknown[:3]}")
+        mismatched = [
+            f"{name} {tuple(t.shape)} vs {tuple(state[name].shape)}"
+            for name, t in named_tensors.items()
+            if tuple(t.shape) != tuple(state[name].shape)
+        ]
+        if mismatched:
+            raise ValueError(f"update_weights: shape mismatch for {len(mismatched)} tensor(s), e.g. {mismatched[:3]}")
+        with torch.no_grad():
+            for name, tensor in named_tensors.items():
+                state[name].copy_(tensor)
+        self._weight_version = int(version)
+
+    def health(self) -> dict:
+        return {
+            "ok": not self._closed,
+            "engine": "builtin",
+            "weight_version": self._weight_version,
+            "model_dir": self.model_dir,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "max_batch_size": self.max_batch_size,
+        }
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        del self.model
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- extras -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def logprobs_of(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """Teacher-forced log-probs of response_ids given prompt_ids, under log_softmax(logits / temperature).
+
+        The same quantity `generate` returns per token (temperature 0 is treated as 1, as there);
+        used to check that weights reached the engine and that rollout and trainer agree.
+        """
+        self._check_open()
+        if not response_ids:
+            return []
+        ids = torch.tensor([list(prompt_ids) + list(response_ids)], dtype=torch.long, device=self.device)
+        self._check_token_range(ids)
+        logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        scale = temperature if temperature > 0 else 1.0
+        predicting = logits[len(prompt_ids) - 1 : -1] / scale  # position t predicts token t + 1
+        logprobs = torch.log_softmax(predicting, dim=-1)
+        targets = torch.tensor(response_ids, dtype=torch.long, device=self.device)
+        return logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("BuiltinEngine was shut down; build a new one")
+
+    def _check_token_range(self, ids: torch.Tensor) -> None:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got range [{int(ids.min())}, {int(ids.max())}]")
+
+    @torch.inference_mode()
+    def _generate_batch(self, batch: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
+        if not batch:
+            return []
+        device = self.device
+        rows = len(batch)
+        prompt_width = max(len(r.prompt_ids) for r in batch)
+        input_ids = torch.full((rows, prompt_width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((rows, prompt_width), dtype=torch.long)
+        for row, request in enumerate(batch):
+            n = len(request.prompt_ids)
+            input_ids[row, prompt_width - n :] = torch.tensor(request.prompt_ids, dtype=torch.long)
+            attention_mask[row, prompt_width - n :] = 1
+        self._check_token_range(input_ids)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        key_hash = sample_key_hash(torch.tensor([r.key for r in batch], dtype=torch.long, device=device))
+        stop_ids = torch.tensor(sorted(self.eos_token_ids | set(sampling.stop_token_ids)), dtype=torch.long, device=device)
+
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1, :]
+        next_position = position_ids[:, -1] + 1
+        live_rows = list(range(rows))  # original row of each row still in the batch
+        response_ids: list[list[int]] = [[] for _ in range(rows)]
+        response_logprobs: list[list[float]] = [[] for _ in range(rows)]
+        finish_reason = ["length"] * rows
+
+        for step in range(sampling.max_new_tokens):
+            # The noise position is the index of the response token, so padding cannot shift it.
+            decode_position = torch.full((len(live_rows),), step, dtype=torch.long, device=device)
+            tokens, logprobs = sample_next(logits, key_hash, decode_position, sampling, self._gumbel_fn)
+            stopped = torch.isin(tokens, stop_ids)
+            for row, token, logprob, is_stop in zip(live_rows, tokens.tolist(), logprobs.tolist(), stopped.tolist()):
+                response_ids[row].append(token)
+                response_logprobs[row].append(logprob)
+                if is_stop:
+                    finish_reason[row] = "stop"
+            if step == sampling.max_new_tokens - 1 or bool(stopped.all()):
+                break
+            if bool(stopped.any()):
+                keep = torch.nonzero(~stopped).squeeze(-1)
+                cache.batch_select_indices(keep)
+                attention_mask, key_hash, next_position, tokens = (
+                    attention_mask[keep], key_hash[keep], next_position[keep], tokens[keep]
+                )
+                live_rows = [live_rows[i] for i in keep.tolist()]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(live_rows), 1))], dim=1)
+            logits = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_position[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1, :]
+            next_position = next_position + 1
+
+        return [
+            SampleResult(
+                prompt_ids=list(request.prompt_ids),
+                response_ids=response_ids[row],
+                response_logprobs=response_logprobs[row],
+                text=self.tokenizer.decode(response_ids[row], skip_special_tokens=True),
+                finish_reason=finish_reason[row],
+            )
+            for row, request in enumerate(batch)
+        ]

@@ -1,0 +1,384 @@
+"""A stand-in for SGLang's HTTP server, for testing `runtime/rollout/sglang.py` where SGLang cannot run.
+
+It is NOT SGLang and runs no model. It speaks the subset of SGLang's native HTTP API that the
+client uses, with the request and response shapes read from SGLang 0.5.23 (the PyPI wheel):
+
+  python/sglang/srt/entrypoints/http_server.py   the routes, status codes and error bodies
+  python/sglang/srt/managers/io_struct.py        GenerateReqInput, UpdateWeightFromDiskReqInput,
+                                                 UpdateWeightsFromTensorReqInput,
+                                                 UpdateWeightsFromDistributedReqInput,
+                                                 InitWeightsUpdateGroupReqInput,
+                                                 Release/ResumeMemoryOccupationReqInput
+  python/sglang/api/v1/api_types.py              GenerateRequest / SamplingParams (unknown
+                                                 sampling keys are a 400), GenerateMetaInfo,
+                                                 LogprobEntry = [logprob, token_id, text]
+  python/sglang/srt/managers/schedule_batch.py   finish_reason dicts: {"type": "stop", "matched"},
+                                                 {"type": "length", "length"}, {"type": "abort", ...}
+  python/sglang/srt/layers/sampler.py            sampling_seed is honoured only with
+                                                 --enable-deterministic-inference; log-probs are
+                                                 of softmax(logits / temperature)
+
+Its "model" is a hash: the logits at a position are a pseudo-random function of a digest of the
+loaded weight files and the last few tokens, so outputs are deterministic given the weights, the
+prompt and `sampling_seed`, and they change when new weights are loaded. Test-only extras:
+  GET  /_calls   every call so far: path, body, status, wall-clock start/end, pid; max in-flight
+  POST /_hang    from now on answer nothing (a server that stops answering)
+  --calls-file   also append each call as a JSON line there (survives the process being killed)
+  --startup-delay S   sleep S seconds before binding the port (like SGLang loading a model)
+  --gen-delay S, --gen-jitter S   each /generate sleeps S (+ up to S' pseudo-random) seconds
+  --ignore-weight-updates          update calls succeed but the weights do not change
+Stdlib only, so it starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+# sglang/api/v1/api_types.py SamplingParams: the keys /generate accepts (unknown ones are a 400).
+SAMPLING_KEYS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias",
+    "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+)
+CONTEXT_TOKENS = 3  # the fake model looks at this many previous tokens
+
+
+def weights_digest(model_path: str) -> str:
+    """A digest of the weight files in a model directory (config.json alone when there are none)."""
+    names = sorted(n for n in os.listdir(model_path) if n.endswith(".safetensors"))
+    h = hashlib.sha256()
+    for name in names or ["config.json"]:
+        with open(os.path.join(model_path, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()
+
+
+def _u64(*parts) -> int:
+    data = "|".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+class FakeModel:
+    def __init__(self, model_path: str):
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+        self.vocab_size = int(config.get("vocab_size", 64))
+        eos = config.get("eos_token_id", 0)
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.digest = weights_digest(model_path)
+
+    def log_softmax(self, context: list[int], temperature: float) -> list[float]:
+        rng = random.Random(_u64(self.digest, *context[-CONTEXT_TOKENS:]))
+        logits = [rng.gauss(0.0, 2.0) / temperature for _ in range(self.vocab_size)]
+        top = max(logits)
+        lse = top + math.log(sum(math.exp(x - top) for x in logits))
+        return [x - lse for x in logits]
+
+
+class State:
+    def __init__(self, args):
+        self.args = args
+        self.lock = threading.Lock()
+        self.model = FakeModel(args.model_path)
+        self.model_path = args.model_path
+        self.weight_version = args.weight_version
+        self.released: set[str] = set()
+        self.calls: list[dict] = []
+        self.inflight_generate = 0
+        self.max_inflight_generate = 0
+        self.hung = False
+        self.ready_at = time.monotonic() + args.health_503_s
+
+    def record(self, entry: dict) -> None:
+        with self.lock:
+            self.calls.append(entry)
+            if self.args.calls_file:
+                with open(self.args.calls_file, "a") as f:
+                    f.write(json.dumps(entry) + "\n")
+
+
+def generate(state: State, body: dict) -> tuple[int, object]:
+    """POST /generate for one prompt given as input_ids (what the grpoflow client sends)."""
+    input_ids = body.get("input_ids")
+    if not (isinstance(input_ids, list) and input_ids and all(isinstance(t, int) for t in input_ids)):
+        return 400, {"error": {"message": "stand-in: /generate needs input_ids as one list of ints"}}
+    sp = body.get("sampling_params") or {}
+    unknown = sorted(set(sp) - set(SAMPLING_KEYS))
+    if unknown:  # the wording of sglang's generated contract check (serde's unknown_field)
+        listed = ", ".join(f"`{k}`" for k in SAMPLING_KEYS)
+        return 400, {"error": f"unknown field `{unknown[0]}`, expected one of {listed}"}
+    if "weights" in state.released or "kv_cache" in state.released:
+        return 400, {"error": {"message": f"stand-in: memory is released ({sorted(state.released)}); resume it first"}}
+    model = state.model
+    if any(t < 0 or t >= model.vocab_size for t in input_ids):
+        return 400, {"error": {"message": f"The input_ids {input_ids} contains values greater than the vocab size ({model.vocab_size})."}}
+    max_new = sp.get("max_new_tokens", 128)
+    temperature = float(sp.get("temperature", 1.0))
+    top_k = int(sp.get("top_k", -1))
+    top_p = float(sp.get("top_p", 1.0))
+    greedy = temperature < 1e-6
+    if greedy:  # sglang: temperature 0 -> temperature 1, top_k 1
+        temperature, top_k = 1.0, 1
+    stop_ids = set(sp.get("stop_token_ids") or []) | (set() if sp.get("ignore_eos") else model.eos_ids)
+    seed = sp.get("sampling_seed")
+    seeded = state.args.enable_deterministic_inference
+    if seeded and seed is None:
+        seed = 42  # sglang's default seed in deterministic mode (sampling_batch_info.py)
+    rng = random.Random()
+
+    def logprob_entries(start: int) -> list:
+        out = []
+        for pos in range(start, len(input_ids)):
+            lp = None if pos == 0 else model.log_softmax(input_ids[:pos], temperature)[input_ids[pos]]
+            out.append([lp, input_ids[pos], None])
+        return out
+
+    context = list(input_ids)
+    output_ids, output_lps = [], []
+    finish = {"type": "length", "length": max_new}
+    for _ in range(max_new):
+        logp = model.log_softmax(context, temperature)
+        order = sorted(range(len(logp)), key=lambda v: -logp[v])
+        if top_k > 0:
+            order = order[:top_k]
+        kept, mass = [], 0.0
+        for v in order:  # top-p on the sorted candidates
+            kept.append(v)
+            mass += math.exp(logp[v])
+            if mass >= top_p:
+                break
+        if greedy or len(kept) == 1:
+            token = kept[0]
+        else:
+            u = random.Random(_u64("seed", seed, len(context))).random() if seeded else rng.random()
+            weights = [math.exp(logp[v]) for v in kept]
+            u *= sum(weights)
+            token = kept[-1]
+            for v, w in zip(kept, weights):
+                u -= w
+                if u <= 0:
+                    token = v
+                    break
+        output_ids.append(token)
+        output_lps.append([logp[token], token, None])
+        context.append(token)
+        if token in stop_ids:
+            finish = {"type": "stop", "matched": token}
+            break
+    meta = {
+        "id": body.get("rid") or f"standin-{random.getrandbits(32):08x}",
+        "finish_reason": finish,
+        "prompt_tokens": len(input_ids),
+        "weight_version": state.weight_version,
+        "completion_tokens": len(output_ids),
+        "cached_tokens": 0,
+    }
+    if body.get("return_logprob"):
+        start = body.get("logprob_start_len")
+        start = -1 if start is None else int(start)
+        meta["input_token_logprobs"] = logprob_entries(start) if start >= 0 else []
+        meta["output_token_logprobs"] = output_lps
+        meta["output_token_logprobs_length"] = len(output_lps)
+    delay = state.args.gen_delay
+    if state.args.gen_jitter:
+        delay += random.Random(_u64("jitter", *input_ids, seed)).random() * state.args.gen_jitter
+    time.sleep(delay)
+    return 200, {"text": "".join(f"<{t}>" for t in output_ids), "output_ids": output_ids, "meta_info": meta}
+
+
+def update_from_disk(state: State, body: dict) -> tuple[int, object]:
+    path = body.get("model_path")
+    if "weights" in state.released:
+        return 400, {"success": False, "message": "stand-in: weights are released; resume them first", "num_paused_requests": 0}
+    try:
+        if not path or not any(n.endswith(".safetensors") for n in os.listdir(path)):
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        digest = weights_digest(path)
+    except OSError as e:  # the wording of sglang's weight_updater.py
+        return 400, {"success": False, "message": f"Failed to get weights iterator: {e}.", "num_paused_requests": 0}
+    if not state.args.ignore_weight_updates:
+        state.model.digest = digest
+    state.model_path = path
+    if body.get("weight_version") is not None:
+        state.weight_version = body["weight_version"]
+    return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+
+def update_from_tensor(state: State, body: dict) -> tuple[int, object]:
+    payloads = body.get("serialized_named_tensors")
+    if not isinstance(payloads, list) or len(payloads) != state.args.tp_size:
+        return 400, {"success": False, "message": f"stand-in: expected one serialized payload per tp rank ({state.args.tp_size})"}
+    try:
+        raw = [base64.b64decode(p, validate=True) for p in payloads]
+    except (TypeError, ValueError) as e:
+        return 400, {"success": False, "message": f"stand-in: payload is not base64: {e}"}
+    if not state.args.ignore_weight_updates:  # the tensors themselves (torch IPC handles) are not opened
+        state.model.digest = hashlib.sha256(b"".join(raw)).hexdigest()
+    if body.get("weight_version") is not None:
+        state.weight_version = body["weight_version"]
+    return 200, {"success": True, "message": "Succeeded to update model weights."}
+
+
+def update_from_distributed(state: State, body: dict) -> tuple[int, object]:
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+            and len(names) == len(dtypes) == len(shapes)):
+        return 400, {"success": False, "message": "stand-in: names, dtypes and shapes must be lists of one length"}
+    if not state.args.ignore_weight_updates:
+        state.model.digest = hashlib.sha256(json.dumps([names, dtypes, shapes, body.get("weight_version")]).encode()).hexdigest()
+    if body.get("weight_version") is not None:
+        state.weight_version = body["weight_version"]
+    return 200, {"success": True, "message": "Succeeded to update parameter online."}
+
+
+def memory(state: State, body: dict, release: bool) -> tuple[int, object]:
+    tags = (body or {}).get("tags") or ["weights", "kv_cache"]
+    if release:
+        state.released |= set(tags)
+    else:
+        state.released -= set(tags)
+    return 200, None  # sglang's handler returns nothing: FastAPI answers `null`
+
+
+def make_handler(state: State):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, fmt, *args):  # quiet
+            pass
+
+        def _send(self, status: int, payload, text: bool = False) -> None:
+            data = payload.encode() if text else json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain" if text else "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _handle(self, method: str) -> None:
+            t0 = time.time()
+            path = self.path.split("?", 1)[0]
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            if state.hung and path != "/_calls":
+                while True:  # stop answering; the client must time out
+                    time.sleep(3600)
+            try:
+                body = json.loads(raw) if raw else None
+            except json.JSONDecodeError:
+                self._send(400, {"error": {"message": "invalid JSON"}})
+                return
+            status, payload, text = self._route(method, path, body)
+            if path not in ("/_calls",):
+                summary = dict(body) if isinstance(body, dict) else body
+                if isinstance(summary, dict) and "serialized_named_tensors" in summary:
+                    summary["serialized_named_tensors"] = [len(p) for p in summary["serialized_named_tensors"]]
+                state.record({"path": path, "method": method, "body": summary, "status": status,
+                              "t0": t0, "t1": time.time(), "pid": os.getpid()})
+            self._send(status, payload, text)
+
+        def _route(self, method: str, path: str, body):
+            if path in ("/health", "/health_generate"):
+                return (503 if time.monotonic() < state.ready_at else 200), "", True
+            if path in ("/model_info", "/get_model_info"):
+                return 200, {"model_path": state.model_path, "tokenizer_path": state.args.model_path,
+                             "is_generation": True, "preferred_sampling_params": None,
+                             "weight_version": state.weight_version}, False
+            if path == "/generate" and method in ("POST", "PUT"):
+                with state.lock:
+                    state.inflight_generate += 1
+                    state.max_inflight_generate = max(state.max_inflight_generate, state.inflight_generate)
+                try:
+                    status, payload = generate(state, body or {})
+                finally:
+                    with state.lock:
+                        state.inflight_generate -= 1
+                return status, payload, False
+            if path == "/flush_cache":
+                return 200, "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n", True
+            if path == "/update_weights_from_disk" and method == "POST":
+                return (*update_from_disk(state, body or {}), False)
+            if path == "/update_weights_from_tensor" and method == "POST":
+                return (*update_from_tensor(state, body or {}), False)
+            if path == "/update_weights_from_distributed" and method == "POST":
+                return (*update_from_distributed(state, body or {}), False)
+            if path in ("/init_weights_update_group", "/destroy_weights_update_group") and method == "POST":
+                return 200, {"success": True, "message": "stand-in: group call recorded"}, False
+            if path == "/release_memory_occupation":
+                return (*memory(state, body, release=True), False)
+            if path == "/resume_memory_occupation":
+                return (*memory(state, body, release=False), False)
+            if path == "/_calls":
+                with state.lock:
+                    return 200, {"calls": list(state.calls), "max_inflight_generate": state.max_inflight_generate,
+                                 "pid": os.getpid()}, False
+            if path == "/_hang" and method == "POST":
+                state.hung = True
+                return 200, {"hung": True}, False
+            return 404, {"detail": "Not Found"}, False
+
+        def do_GET(self):
+            self._handle("GET")
+
+        def do_POST(self):
+            self._handle("POST")
+
+        def do_PUT(self):
+            self._handle("PUT")
+
+    return Handler
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="SGLang HTTP stand-in (tests only)")
+    # the sglang.launch_server flags grpoflow passes (names as in sglang/srt/arg_groups/fields/*.py)
+    p.add_argument("--model-path", "--model", dest="model_path", required=True)
+    p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
+    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--random-seed", type=int, default=None)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--base-gpu-id", type=int, default=0)
+    p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--enable-deterministic-inference", action="store_true")
+    # test-only
+    p.add_argument("--calls-file", default=None)
+    p.add_argument("--startup-delay", type=float, default=0.0)
+    p.add_argument("--health-503-s", type=float, default=0.0)
+    p.add_argument("--gen-delay", type=float, default=0.0)
+    p.add_argument("--gen-jitter", type=float, default=0.0)
+    p.add_argument("--ignore-weight-updates", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    print(f"stand-in sglang server (NOT SGLang) pid={os.getpid()} args={vars(args)}", flush=True)
+    if not os.path.isfile(os.path.join(args.model_path, "config.json")):
+        # SGLang fails in start-up when it cannot read the model's config; so does the stand-in.
+        print("Traceback (most recent call last):", file=sys.stderr)
+        print(f"OSError: stand-in: can't load the configuration of '{args.model_path}': no config.json there",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
+    time.sleep(args.startup_delay)
+    state = State(args)
+    ThreadingHTTPServer.allow_reuse_address = True
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
+    server.daemon_threads = True
+    print(f"The server is fired up and ready to roll! port={args.port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,411 @@
+"""The SGLang backend against tests/sglang_standin.py (SGLang itself cannot run here).
+
+What these tests show: the client's payloads and parsing as read from SGLang 0.5.23's source, result
+order under concurrency across engines, weight-update calls and their order relative to generation,
+colocate memory release/resume, restart + re-sync of a killed or hung engine, start-up failures and
+timeouts. They do not show that a real SGLang server accepts any of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime.config import config_from_dict
+from runtime.errors import ConfigError, ModelError, TransientError
+from runtime.rollout.base import SampleRequest, SamplingParams
+from runtime.rollout.sglang import (
+    INSTALL_HINT,
+    SGLangEngine,
+    SGLangError,
+    SGLangSettings,
+    _Aborted,
+    _StaleWeights,
+    parse_generate_response,
+    sampling_seed_for,
+)
+
+STANDIN = Path(__file__).with_name("sglang_standin.py")
+VOCAB, EOS = 96, 2
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": VOCAB, "eos_token_id": EOS}))
+    save_file({"w": torch.zeros(2, 2)}, str(d / "model.safetensors"))
+    return d
+
+
+@pytest.fixture
+def start(tmp_path, model_dir):
+    """start(*standin_flags, **settings) -> a running SGLangEngine on stand-ins; all killed by pid afterwards."""
+    made: list[SGLangEngine] = []
+    calls_file = tmp_path / "calls.jsonl"
+
+    def _start(*flags, model=None, **overrides):
+        settings = dict(launch=["{python}", str(STANDIN), "--calls-file", str(calls_file), *flags],
+                        scratch_dir=str(tmp_path / "scratch"), random_seed=1, health_poll_s=0.05,
+                        kill_grace_s=2.0, health_timeout_s=0.5, request_timeout_s=5.0, startup_timeout_s=10.0)
+        settings.update(overrides)
+        eng = SGLangEngine(model_dir=str(model or model_dir), settings=SGLangSettings(**settings))
+        made.append(eng)
+        return eng
+
+    _start.calls_file = calls_file
+    try:
+        yield _start
+    finally:
+        for eng in made:
+            eng.shutdown()
+            for proc in eng._procs:  # belt and braces: nothing we started outlives the test
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+
+def read_calls(calls_file: Path) -> list[dict]:
+    if not calls_file.exists():
+        return []
+    return [json.loads(line) for line in calls_file.read_text().splitlines() if line.strip()]
+
+
+def is_probe(call: dict) -> bool:
+    return call["path"] == "/generate" and str((call.get("body") or {}).get("rid", "")).startswith("gf-logprobs")
+
+
+def rollout_generates(calls):
+    return [c for c in calls if c["path"] == "/generate" and not is_probe(c)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def make_requests(n_prompts=3, n_samples=2, seed=7, rollout=0):
+    return [SampleRequest(prompt_ids=[10 + p, 20 + p, 30 + p], key=(seed, rollout, p, s))
+            for p in range(n_prompts) for s in range(n_samples)]
+
+
+SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=6, stop_token_ids=[5])
+
+
+def as_tuples(results):
+    return [(r.prompt_ids, r.response_ids, r.response_logprobs, r.finish_reason) for r in results]
+
+
+# ---- payloads and parsing -------------------------------------------------------------------------
+
+
+def test_generate_payloads_and_parsing(start):
+    eng = start()
+    cmd = eng._command(eng._engines[0])
+    for flag, value in [("--model-path", eng.model_dir), ("--tp-size", "1"), ("--mem-fraction-static", "0.7"),
+                        ("--host", "127.0.0.1"), ("--weight-version", "0"), ("--random-seed", "1")]:
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--enable-deterministic-inference" in cmd and "--enable-memory-saver" not in cmd
+
+    requests = make_requests()
+    results = eng.generate(requests, SAMPLING)
+    assert len(results) == len(requests)
+    for req, res in zip(requests, results):
+        assert res.prompt_ids == req.prompt_ids
+        assert 1 <= len(res.response_ids) == len(res.response_logprobs) <= 6
+        assert all(lp <= 0.0 for lp in res.response_logprobs)
+        stopped = res.response_ids[-1] in (EOS, 5)
+        assert res.finish_reason == ("stop" if stopped else "length")
+        assert stopped or len(res.response_ids) == 6
+        assert res.text == "".join(f"<{t}>" for t in res.response_ids)
+
+    sent = rollout_generates(read_calls(start.calls_file))
+    assert len(sent) == len(requests)
+    by_key = {tuple(int(x) for x in c["body"]["rid"].split("-")[1:5]): c["body"] for c in sent}
+    for req in requests:
+        body = by_key[req.key]
+        assert body["input_ids"] == req.prompt_ids and body["return_logprob"] is True
+        assert body["sampling_params"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_new_tokens": 6,
+                                           "stop_token_ids": [5], "sampling_seed": sampling_seed_for(req.key)}
+    assert len({sampling_seed_for(r.key) for r in requests}) == len(requests)
+    # keyed: the same keys draw the same tokens, whatever the batch around them
+    again = eng.generate(list(reversed(requests)), SAMPLING)
+    assert as_tuples(reversed(again)) == as_tuples(results)
+
+    # SGLang's 400 is surfaced with its message, not retried
+    with pytest.raises(SGLangError, match="vocab size"):
+        eng.generate([SampleRequest(prompt_ids=[VOCAB + 5], key=(0, 0, 0, 0))], SAMPLING)
+
+
+def test_response_parsing_edge_cases():
+    req = SampleRequest(prompt_ids=[1, 2], key=(0, 0, 0, 0))
+    ok = {"text": "x", "output_ids": [4, 2],
+          "meta_info": {"finish_reason": {"type": "stop", "matched": 2}, "completion_tokens": 2, "weight_version": "3",
+                        "output_token_logprobs": [[-0.5, 4, None], [-1.25, 2, None]]}}
+    res = parse_generate_response(ok, req, expected_version="3")
+    assert res.response_ids == [4, 2] and res.response_logprobs == [-0.5, -1.25] and res.finish_reason == "stop"
+    with pytest.raises(_StaleWeights):
+        parse_generate_response(ok, req, expected_version="4")
+    abort = {**ok, "meta_info": {**ok["meta_info"], "finish_reason": {"type": "abort", "message": "paused"}}}
+    with pytest.raises(_Aborted):
+        parse_generate_response(abort, req)
+    with pytest.raises(SGLangError, match="disagree"):
+        parse_generate_response({**ok, "output_ids": [4, 3]}, req)
+    with pytest.raises(SGLangError, match="return_logprob"):
+        parse_generate_response({**ok, "meta_info": {"finish_reason": {"type": "length", "length": 2}}}, req)
+
+
+def test_order_under_concurrency_across_engines(start):
+    eng = start("--gen-jitter", "0.04", num_engines=2, concurrency=3)
+    assert len(set(eng.pids)) == 2 and len(set(eng.urls)) == 2
+    requests = [SampleRequest(prompt_ids=[1 + i % 50, 3, 7 + i % 11], key=(1, 0, i, 0)) for i in range(30)]
+    results = eng.generate(requests, SAMPLING)
+    assert [r.prompt_ids for r in results] == [r.prompt_ids for r in requests]
+    shuffled = requests[::2] + requests[1::2]
+    again = dict(zip([r.key for r in shuffled], eng.generate(shuffled, SAMPLING)))
+    assert as_tuples(again[r.key] for r in requests) == as_tuples(results)
+    per_engine = [httpx.get(u + "/_calls", trust_env=False).json() for u in eng.urls]
+    for info in per_engine:
+        assert 0 < len(rollout_generates(info["calls"])) < 60  # both engines took a share
+        assert info["max_inflight_generate"] <= 3
+
+
+def test_logprobs_of_matches_generation(start):
+    eng = start()
+    res = eng.generate(make_requests(1, 1), SAMPLING)[0]
+    again = eng.logprobs_of(res.prompt_ids, res.response_ids, temperature=SAMPLING.temperature)
+    assert again == pytest.approx(res.response_logprobs, abs=1e-9)
+
+
+# ---- weight sync ----------------------------------------------------------------------------------
+
+
+def test_update_weights_from_disk_calls_and_order(start):
+    eng = start()
+    requests = make_requests()
+    before = eng.generate(requests, SAMPLING)
+    tied = torch.randn(4, 3)
+    tensors = {"model.embed_tokens.weight": tied, "lm_head.weight": tied, "w": torch.randn(5)}
+    t_update = time.time()
+    eng.update_weights(tensors, 1)
+    assert eng.weight_version == 1 and eng.health()["ok"]
+    wdir = Path(eng.health()["weights_dir"])
+    saved = load_file(str(wdir / "model.safetensors"))
+    assert set(saved) == set(tensors) and all(torch.equal(saved[k], v) for k, v in tensors.items())
+    assert json.loads((wdir / "config.json").read_text())["vocab_size"] == VOCAB
+    after = eng.generate(requests, SAMPLING)
+    assert [r.response_logprobs for r in after] != [r.response_logprobs for r in before]
+
+    calls = read_calls(start.calls_file)
+    updates = [c for c in calls if c["path"] == "/update_weights_from_disk"]
+    assert len(updates) == 1
+    up = updates[0]
+    assert up["body"] == {"model_path": str(wdir), "weight_version": "1", "flush_cache": True, "abort_all_requests": False}
+    gens = [c for c in calls if c["path"] == "/generate"]
+    # no generation overlaps the update; rollout requests sent before it came back before it started
+    assert all(g["t1"] <= up["t0"] or g["t0"] >= up["t1"] for g in gens)
+    assert all(g["t1"] <= up["t0"] for g in rollout_generates(gens) if g["t0"] < t_update)
+    # right after the update, a probe (fixed tokens, input log-probs) checks the new weights
+    first_after = min((g for g in gens if g["t0"] >= up["t1"]), key=lambda g: g["t0"])
+    assert is_probe(first_after) and first_after["body"]["logprob_start_len"] == 0
+
+    eng.update_weights({"w": torch.randn(5)}, 2)
+    assert eng.weight_version == 2 and not wdir.exists()  # only the current copy is kept
+
+
+def test_unchanged_weights_are_warned_about(start, caplog):
+    eng = start("--ignore-weight-updates")
+    with caplog.at_level("WARNING", logger="runtime.rollout.sglang"):
+        eng.update_weights({"w": torch.ones(3)}, 1)
+    assert any("did not change" in r.getMessage() for r in caplog.records)
+    assert eng.weight_version == 1
+
+
+def test_colocate_release_and_resume_order(start):
+    eng = start(colocate=True)
+    assert "--enable-memory-saver" in eng._command(eng._engines[0])
+    eng.release_memory()
+    assert eng.health()["released"]
+    eng.update_weights({"w": torch.randn(3)}, 1)
+    assert not eng.health()["released"]
+    eng.release_memory()
+    results = eng.generate(make_requests(1, 2), SAMPLING)  # resumes by itself
+    assert len(results) == 2
+    seq = [(c["path"], (c.get("body") or {}).get("tags")) for c in read_calls(start.calls_file)
+           if c["path"] not in ("/generate", "/health_generate", "/health")]
+    assert seq == [("/flush_cache", None), ("/release_memory_occupation", None),
+                   ("/resume_memory_occupation", ["weights"]), ("/update_weights_from_disk", None),
+                   ("/resume_memory_occupation", ["kv_cache"]),
+                   ("/flush_cache", None), ("/release_memory_occupation", None), ("/resume_memory_occupation", None)]
+
+
+def test_tensor_and_distributed_sync_payloads(start):
+    eng = start(tp_size=2, weight_sync="tensor")
+    eng.update_weights({"w": torch.randn(4, 4), "b": torch.randn(4)}, 1)
+    assert eng.weight_version == 1
+    assert (Path(eng.health()["weights_dir"]) / "model.safetensors").is_file()  # kept for re-syncing a restart
+    up = [c for c in read_calls(start.calls_file) if c["path"] == "/update_weights_from_tensor"]
+    assert len(up) == 1 and len(up[0]["body"]["serialized_named_tensors"]) == 2  # one payload per TP rank
+    assert up[0]["body"]["weight_version"] == "1"
+    assert not [c for c in read_calls(start.calls_file) if c["path"] == "/update_weights_from_disk"]
+
+    eng.init_weights_update_group("127.0.0.1", 29555).result(timeout=10)
+    eng.update_weights_from_distributed([("w", torch.bfloat16, (4, 4)), ("b", torch.float32, (4,))], 2).result(timeout=10)
+    eng.mark_version(2)
+    assert eng.weight_version == 2
+    calls = read_calls(start.calls_file)
+    init = [c["body"] for c in calls if c["path"] == "/init_weights_update_group"]
+    assert init == [{"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 3,
+                     "group_name": "weight_update_group", "backend": "nccl"}]
+    dist = [c["body"] for c in calls if c["path"] == "/update_weights_from_distributed"]
+    assert dist == [{"names": ["w", "b"], "dtypes": ["bfloat16", "float32"], "shapes": [[4, 4], [4]],
+                     "group_name": "weight_update_group", "weight_version": "2", "flush_cache": True}]
+    # version 2 exists only in the engine: a restarted engine cannot be re-synced, and says so
+    os.kill(eng.pids[0], signal.SIGKILL)
+    with pytest.raises(TransientError, match="without a disk copy"):
+        eng.generate(make_requests(1, 1), SAMPLING)
+
+
+# ---- faults ---------------------------------------------------------------------------------------
+
+
+def test_killed_engine_is_restarted_and_resynced(start):
+    eng = start("--gen-delay", "0.05", num_engines=2, concurrency=2)
+    eng.update_weights({"w": torch.randn(6)}, 1)
+    requests = make_requests(6, 3)
+    expected = eng.generate(requests, SAMPLING)
+    victim = eng.pids[0]
+    out: dict = {}
+    worker = threading.Thread(target=lambda: out.setdefault("results", eng.generate(requests, SAMPLING)))
+    t_kill = time.time() + 0.12
+    worker.start()
+    time.sleep(0.12)
+    os.kill(victim, signal.SIGKILL)
+    worker.join(timeout=30)
+    assert as_tuples(out["results"]) == as_tuples(expected)  # nothing lost, same samples (same seeds)
+    h = eng.health()
+    assert h["ok"] and h["engines"][0]["restarts"] == 1 and eng.pids[0] != victim
+    assert not alive(victim)
+    new = [c for c in read_calls(start.calls_file) if c["pid"] == eng.pids[0]]
+    work = [c for c in new if c["path"] not in ("/health", "/health_generate")]
+    assert work[0]["path"] == "/update_weights_from_disk" and work[0]["body"]["weight_version"] == "1"
+    assert is_probe(work[1]) and all(c["t0"] > t_kill for c in new)
+    assert eng.generate(requests[:2], SAMPLING)  # and it keeps serving
+
+
+def test_hung_engine_times_out_and_is_restarted(start):
+    eng = start(request_timeout_s=1.0)
+    requests = make_requests(2, 2)
+    expected = eng.generate(requests, SAMPLING)
+    old = eng.pids[0]
+    httpx.post(eng.urls[0] + "/_hang", trust_env=False)
+    t0 = time.monotonic()
+    results = eng.generate(requests, SAMPLING)
+    assert time.monotonic() - t0 < 10
+    assert as_tuples(results) == as_tuples(expected)
+    assert eng.health()["engines"][0]["restarts"] == 1 and not alive(old)
+
+
+def test_engine_gives_up_after_max_restarts(start):
+    eng = start(max_restarts=0)
+    os.kill(eng.pids[0], signal.SIGKILL)
+    with pytest.raises(TransientError, match="every SGLang engine is down"):
+        eng.generate(make_requests(1, 1), SAMPLING)
+    assert not eng.health()["ok"]
+
+
+# ---- start-up and shutdown ------------------------------------------------------------------------
+
+
+def test_bad_model_path_surfaces_the_server_error(start, tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(ModelError, match=r"exited with code 1 during start-up.*can't load the configuration") as err:
+        start(model=tmp_path / "no-such-model")
+    assert time.monotonic() - t0 < 5 and "\n" not in str(err.value)
+
+
+def test_startup_timeout_kills_the_server(start, tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(TransientError, match="not healthy within 1s"):
+        start("--startup-delay", "30", startup_timeout_s=1.0)
+    assert time.monotonic() - t0 < 6
+    logs = list((tmp_path / "scratch").glob("*/logs/engine-0.log"))
+    pid = int(re.search(r"pid=(\d+)", logs[0].read_text()).group(1))
+    assert not alive(pid)
+
+
+def test_health_wait_rides_out_503_and_shutdown_kills_every_pid(start):
+    eng = start("--health-503-s", "0.3", num_engines=2)
+    pids = eng.pids
+    assert all(alive(p) for p in pids) and eng.health()["ok"]
+    eng.shutdown()
+    eng.shutdown()  # twice is fine
+    assert not any(alive(p) for p in pids)
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.generate(make_requests(1, 1), SAMPLING)
+
+
+def test_missing_sglang_names_the_install_command(tmp_path, model_dir):
+    if __import__("importlib").util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here")
+    from runtime.rollout.factory import make_engine
+    scratch = tmp_path / "scratch"
+    cfg = config_from_dict({"rollout": {"engine": "sglang", "sglang_scratch_dir": str(scratch)}})
+    with pytest.raises(ConfigError) as err:
+        make_engine(cfg=cfg, model_dir=str(model_dir), device="cpu", dtype="float32")
+    assert INSTALL_HINT in str(err.value) and "\n" not in str(err.value)
+    assert not scratch.exists()  # failed before launching or writing anything
+
+
+def test_launch_command_may_not_repeat_managed_flags(model_dir):
+    with pytest.raises(ConfigError, match="--port"):
+        SGLangEngine(model_dir=str(model_dir), settings=SGLangSettings(launch=[sys.executable, "-m", "x", "--port", "1"]))
+
+
+def test_shutdown_during_generate_does_not_hang(start):
+    eng = start("--gen-delay", "0.5")
+    pid = eng.pids[0]
+    out: dict = {}
+
+    def run():
+        try:
+            eng.generate(make_requests(2, 2), SAMPLING)
+        except BaseException as exc:  # CancelledError or the engine's error: anything but a hang
+            out["error"] = exc
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    time.sleep(0.15)
+    eng.shutdown()
+    worker.join(timeout=10)
+    assert not worker.is_alive() and "error" in out
+    assert not alive(pid)
+
+
+def test_settings_come_from_the_config():
+    cfg = config_from_dict({"rollout": {"engine": "sglang", "sglang_num_engines": 2, "sglang_tp_size": 4,
+                                        "sglang_concurrency": 16, "sglang_port": 31000, "sglang_weight_sync": "tensor",
+                                        "sglang_deterministic": False, "sglang_launch": ["{python}", "-m", "sglang.launch_server", "--attention-backend", "fa3"]},
+                            "cluster": {"colocate": False}, "train": {"seed": 99}})
+    s = SGLangSettings.from_config(cfg, kill_grace_s=1.0)
+    assert (s.num_engines, s.tp_size, s.concurrency, s.port, s.weight_sync, s.deterministic) == (2, 4, 16, 31000, "tensor", False)
+    assert (s.colocate, s.random_seed, s.kill_grace_s, s.mem_fraction) == (False, 99, 1.0, 0.7)
+    assert s.launch_prefix() == [sys.executable, "-m", "sglang.launch_server", "--attention-backend", "fa3"]
+    assert s.uses_real_sglang()
+    with pytest.raises(ConfigError):
+        config_from_dict({"rollout": {"sglang_weight_sync": "nccl"}})
