@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -12,6 +13,40 @@ def _prefect_env() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+
+
+class _HideUserErrors(logging.Filter):
+    """Prefect logs every failed task with its traceback; a user mistake is printed once, as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from runtime.errors import UserError
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, UserError):
+            return False
+        msg = record.getMessage() if record.levelno >= logging.ERROR else ""
+        return not any(f"exception {cls.__name__}" in msg or f"{cls.__name__}(" in msg for cls in _user_error_types())
+
+
+def _user_error_types() -> list[type]:
+    from runtime.errors import UserError
+    todo, seen = [UserError], []
+    while todo:
+        cls = todo.pop()
+        seen.append(cls)
+        todo.extend(cls.__subclasses__())
+    return seen
+
+
+def _quiet_prefect_user_errors() -> None:
+    # Logger filters (not handler filters): they survive Prefect re-running its logging set-up.
+    for name in ("prefect.flow_runs", "prefect.task_runs", "prefect.flow_engine", "prefect.task_engine"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _HideUserErrors) for f in logger.filters):
+            logger.addFilter(_HideUserErrors())
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +103,14 @@ def _summary(result: dict) -> None:
     if train:
         table.add_row("train", train.get("status", ""), train.get("summary", ""))
     console.print(table)
-    console.print(f"run directory: {result['run_dir']}")
+    # Plain lines, never wrapped, so they can be copied or grepped.
+    print(f"run directory:        {result['run_dir']}")
+    print(f"converted checkpoint: {result['convert']['torch_dist']}")
+    print(f"train data:           {result['prepare']['train']['path']}")
+    for name, res in result["prepare"]["eval"].items():
+        print(f"eval data ({name}): {res['path']}")
+    if train.get("checkpoint"):
+        print(f"final checkpoint:     {train['checkpoint']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             print("config is valid")
             return 0
         _prefect_env()
+        _quiet_prefect_user_errors()
         if args.cmd == "run":
             from runtime.config import load_config
             from runtime.plan import default_run_id

@@ -57,9 +57,21 @@ class RolloutSection(Section):
     custom_rollout: str | None = None  # module:function replacing generate+reward
     dynamic_sampling: bool = False
     over_sampling_factor: float = Field(1.0, ge=1.0)
+    # SGLang backend (docs/sglang.md). sglang_launch: the server command prefix; None runs
+    # `python -m sglang.launch_server`; extra server flags go at its end ("{python}" = this Python).
     sglang_launch: list[str] | None = None
-    sglang_mem_fraction: float = 0.7
-    sglang_concurrency: int = 64
+    sglang_mem_fraction: float = Field(0.7, gt=0, lt=1)
+    sglang_concurrency: int = Field(64, gt=0, description="requests in flight per SGLang engine")
+    sglang_num_engines: int = Field(1, gt=0)
+    sglang_tp_size: int = Field(1, gt=0)
+    sglang_host: str = "127.0.0.1"
+    sglang_port: int = Field(0, ge=0, lt=65536, description="0: free ports; else engine i uses port + 10*i")
+    sglang_startup_timeout_s: float = Field(900.0, gt=0)
+    sglang_request_timeout_s: float = Field(1800.0, gt=0)
+    sglang_max_restarts: int = Field(3, ge=0, description="per engine")
+    sglang_weight_sync: Literal["disk", "tensor"] = "disk"
+    sglang_scratch_dir: str | None = None  # weights pushed to the engines + their logs; None: a temp dir
+    sglang_deterministic: bool = True  # --enable-deterministic-inference: sampling_seed honoured
 
 
 class AlgorithmSection(Section):

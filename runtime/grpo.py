@@ -46,7 +46,7 @@ class TrainSession:
         self.cfg, self.rd = cfg, rd
         self.cluster = Cluster(cfg).start()
         self.tokenizer = AutoTokenizer.from_pretrained(rd.hf_model)
-        self.dataset = PromptDataset(rd.train_data)
+        self.dataset = PromptDataset(rd.train_data, shuffle=cfg.data.shuffle)
         self.reward_fn = get_reward_fn(cfg.rollout.reward)
         self.custom_rollout = None
         if cfg.rollout.custom_rollout:
@@ -131,7 +131,7 @@ class TrainSession:
                 if getattr(s, "reward", None) is None:
                     texts.append(s.text)
                     labels.append(row["label"])
-                    metas.append(json.loads(row.get("metadata") or "{}"))
+                    metas.append(row.get("metadata") or {})
                     where.append((gi, si))
         scored, failed = score_batch(self.reward_fn, texts, labels, metas, self.cfg.rollout.reward_timeout_s)
         rewards = [[s.reward if getattr(s, "reward", None) is not None else 0.0 for s in g] for g in groups]

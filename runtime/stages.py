@@ -88,6 +88,7 @@ def prepare(cfg: GrpoConfig, rd: RunDir, fetched: dict) -> dict:
     from transformers import AutoTokenizer
 
     from .data import prepare_dataset
+    from .errors import DataError
 
     d = cfg.data
     inputs = prepare_inputs(cfg)
@@ -97,12 +98,17 @@ def prepare(cfg: GrpoConfig, rd: RunDir, fetched: dict) -> dict:
         common = dict(tokenizer=tokenizer, apply_chat_template=d.apply_chat_template,
                       system_prompt=d.system_prompt, max_prompt_len=d.max_prompt_len)
 
-        def one(spec, src: str, out: str) -> dict:
-            return prepare_dataset(src, out, fmt=spec.format, input_key=spec.input_key,
-                                   label_key=spec.label_key, metadata_key=spec.metadata_key, **common)
+        def one(spec, src: str, out: str, field: str) -> dict:
+            try:
+                return prepare_dataset(src, out, fmt=spec.format, input_key=spec.input_key, label_key=spec.label_key,
+                                       metadata_key=spec.metadata_key, field=field, **common)
+            except DataError as err:
+                # Name the user's file, not our fetched copy of it.
+                raise DataError(str(err).replace(str(src), spec.source)) from None
 
-        train = one(d.train, fetched["train_file"], rd.train_data)
-        evals = {name: one(spec, fetched["eval_files"][name], rd.eval_data(name)) for name, spec in d.eval.items()}
+        train = one(d.train, fetched["train_file"], rd.train_data, "data.train")
+        evals = {name: one(spec, fetched["eval_files"][name], rd.eval_data(name), f"data.eval.{name}")
+                 for name, spec in d.eval.items()}
         return {"train": train, "eval": evals}
 
     return run_stage(rd, "prepare", inputs, work)

@@ -1,9 +1,12 @@
 """Prefect tasks for the data stages: retries on transient errors, cache keyed by run id + stage + inputs."""
 from __future__ import annotations
 
+import hashlib
+import uuid
+
 from prefect import task
 
-from runtime import stages
+from runtime import stages, storage
 from runtime.config import GrpoConfig
 from runtime.rundir import RunDir
 
@@ -11,9 +14,18 @@ from .common import RETRIES, retry_delay_s, retry_on_transient
 
 
 def _stage_key(stage: str, inputs_of):
+    """run id + stage + inputs, and the stage's marker in the run directory.
+
+    The marker makes the run directory the authority: a stage not finished there never hits a
+    cached result, even when an earlier run with the same id and inputs left one in Prefect's store.
+    """
     def key(context, parameters) -> str:
         cfg, rd = parameters["cfg"], parameters["rd"]
-        return f"{rd.run_id}-{stage}-{stages.inputs_hash(inputs_of(cfg))}"
+        marker = rd.stage_marker(stage)
+        if not storage.exists(marker):
+            return f"{rd.run_id}-{stage}-{uuid.uuid4().hex}"
+        done = hashlib.sha256(storage.read_text(marker).encode()).hexdigest()[:16]
+        return f"{rd.run_id}-{stage}-{stages.inputs_hash([inputs_of(cfg), rd.path, done])}"
     return key
 
 

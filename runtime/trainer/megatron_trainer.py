@@ -86,7 +86,7 @@ class MegatronTrainer:
     def _causal_mask(self, s: int) -> torch.Tensor:
         return torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1).view(1, 1, s, s)
 
-    def _token_logprobs(self, model, mb, with_entropy: bool = False):
+    def _token_logprobs(self, model, mb, with_entropy: bool = False, entropy_grad: bool = False):
         """log p(target) of logits/temperature for every position; vocab-parallel under TP."""
         from megatron.core import tensor_parallel
         logits = model(mb.input_ids, mb.position_ids, self._causal_mask(mb.input_ids.shape[1]))
@@ -94,7 +94,10 @@ class MegatronTrainer:
         ce = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
                                                           mb.targets.transpose(0, 1).contiguous())
         logp = -ce.transpose(0, 1)
-        entropy = self._entropy(logits) if with_entropy else None
+        entropy = None
+        if with_entropy:  # a metric unless entropy_coef > 0: no graph for it then
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy = self._entropy(logits)
         return logp, entropy
 
     def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
@@ -160,7 +163,8 @@ class MegatronTrainer:
             self.optimizer.zero_grad()
             for idx in micro_batches:
                 mb = pack(batch, idx, self.device)
-                logp, entropy = self._token_logprobs(self.model, mb, with_entropy=True)
+                logp, entropy = self._token_logprobs(self.model, mb, with_entropy=True,
+                                                     entropy_grad=float(a.get("entropy_coef", 0.0)) > 0)
                 ref = None
                 if ref_logprobs is not None:
                     ref = torch.zeros_like(logp)
@@ -180,12 +184,13 @@ class MegatronTrainer:
                 (loss * self.dp_size).backward()
                 n_tok = float(mb.resp_mask.sum())
                 tokens += int(n_tok)
+                # grpo_loss normalises by the whole step, so summing over micro-batches and ranks gives step values
                 for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * n_tok
-                sums["loss"] = sums.get("loss", 0.0) + float(loss)  # already normalised by the global batch
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                sums["loss"] = sums.get("loss", 0.0) + loss.item()
                 if s == 0:
                     diff = ((logp.detach() - mb.rollout_logp).abs() * mb.resp_mask).sum()
-                    sums["train_rollout_logp_absdiff"] = sums.get("train_rollout_logp_absdiff", 0.0) + float(diff)
+                    sums["_logp_absdiff"] = sums.get("_logp_absdiff", 0.0) + float(diff)
                     sums["_tokens_step0"] = sums.get("_tokens_step0", 0.0) + n_tok
             finalize_model_grads([self.ddp])
             with menv.cuda_to_cpu():
@@ -199,10 +204,9 @@ class MegatronTrainer:
         if self.dp_size > 1:
             torch.distributed.all_reduce(vec, group=self.mpu.get_data_parallel_group(with_context_parallel=False))
         total = dict(zip(keys + ["_tokens"], vec.tolist()))
-        n = max(total["_tokens"], 1.0)
-        out = {k: total[k] / n for k in keys if not k.startswith("_") and k not in ("loss", "train_rollout_logp_absdiff")}
-        out["loss"] = total["loss"] / steps
-        out["train_rollout_logp_absdiff"] = total["train_rollout_logp_absdiff"] / max(total["_tokens_step0"], 1.0)
+        out = {k: total[k] / steps for k in keys if not k.startswith("_")}
+        # how far the trainer's log-probs are from the engine's on the same weights (before any update)
+        out["train_rollout_logp_absdiff"] = total["_logp_absdiff"] / max(total["_tokens_step0"], 1.0)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["lr"] = float(self.optimizer.param_groups[0]["lr"])
         out["train_tokens"] = int(total["_tokens"])

@@ -1,0 +1,35 @@
+"""Session-wide test set-up: one Prefect harness, one reference run of the tiny pipeline, no retry delays."""
+from __future__ import annotations
+
+import os
+
+# Before Prefect, the hub libraries or Ray are imported anywhere in the session.
+os.environ["GRPOFLOW_RETRY_DELAY_S"] = "0"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+# A small reference run: 4 rollouts in 2 chunks, shared by every test that compares against it.
+REFERENCE_OVERRIDES = ["train.num_rollout=4", "checkpoint.interval=2", "eval.interval=null"]
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+    with prefect_test_harness(server_startup_timeout=90):
+        yield
+
+
+@pytest.fixture(scope="session")
+def reference_run(prefect_harness, tmp_path_factory):
+    """The tiny pipeline run once through the real flow; returns (root, run_id, flow result)."""
+    from flows.pipeline import grpo_pipeline
+    root = str(tmp_path_factory.mktemp("ref-root"))
+    overrides = REFERENCE_OVERRIDES + [f"storage.root={root}"]
+    result = grpo_pipeline(config_path="configs/tiny.yaml", overrides=overrides, run_id="ref")
+    return {"root": root, "run_id": "ref", "overrides": overrides, "result": result}

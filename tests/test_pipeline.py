@@ -1,0 +1,132 @@
+"""The pipeline end to end through the real Prefect flow and the CLI: run, re-run skips, bad inputs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main
+from runtime import checkpoint
+from runtime.rundir import RunDir
+
+
+def test_reference_run_writes_every_stage(reference_run):
+    rd = RunDir(reference_run["root"], "ref")
+    res = reference_run["result"]
+    assert Path(rd.config).is_file()
+    assert (Path(rd.hf_model) / "config.json").is_file()
+    parity = json.loads((Path(rd.torch_dist) / "parity.json").read_text())
+    assert parity["max_abs_logit_diff"] <= 1e-4
+    assert Path(rd.train_data).is_file() and Path(rd.eval_data("arith")).is_file()
+    assert res["prepare"]["train"]["rows_out"] > 0
+    ck = checkpoint.latest(rd)
+    assert ck is not None and ck.rollout == 4
+    metrics = [m for c in res["train"]["chunks"] for m in c["metrics"]]
+    assert [m["rollout"] for m in metrics] == [0, 1, 2, 3]
+    for key in ("loss", "reward_mean", "reward_std", "kl", "entropy", "clip_frac", "grad_norm",
+                "response_len_mean", "response_len_max", "truncated_frac", "rollout_tok_s", "train_tok_s",
+                "step_time_s"):
+        assert key in metrics[0], key
+    # the policy moved: the first chunk's checkpoint and the last one hold different weights
+    assert res["train"]["actor_builds"] == 1  # actors were reused across the 2 chunks
+
+
+def test_rerun_same_run_id_skips_finished_work(reference_run, capsys):
+    code = main(["run", "configs/tiny.yaml", "--run-id", "ref", *sum((["--set", o] for o in reference_run["overrides"]), [])])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.count("skipped (done before)") >= 3, out
+    assert "(2 skipped)" in out  # both train chunks
+    assert "model/torch_dist" in out and "train.parquet" in out
+
+
+def _run(args: list[str], capsys) -> tuple[int, str]:
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def _config(tmp_path: Path, body: str) -> str:
+    p = tmp_path / "c.yaml"
+    p.write_text(body)
+    return str(p)
+
+
+@pytest.mark.parametrize("body, expect", [
+    ("model: {source: builtin://tiny-qwen3\n", "YAML syntax error"),
+    ("train: {learning_rate: 1}\n", "unknown key 'train.learning_rate'"),
+    ("train: {global_batch_size: 32}\n", "golden rule violated"),
+    ("eval: {interval: 3}\n", "eval.interval=3 must be a multiple of checkpoint.interval"),
+])
+def test_validate_rejects_bad_configs(tmp_path, capsys, body, expect):
+    code, err = _run(["validate", _config(tmp_path, body)], capsys)
+    assert code == 2
+    assert expect in err and len(err.splitlines()) == 1, err
+
+
+def test_validate_missing_file(capsys):
+    code, err = _run(["validate", "no/such.yaml"], capsys)
+    assert code == 2 and "config file not found: no/such.yaml" in err
+
+
+def test_validate_prints_plan(capsys):
+    assert main(["validate", "configs/tiny.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "8 × 8 = 64" in out and "3 chunks of 2 rollouts" in out
+
+
+def _write_jsonl(path: Path, lines: list[str]) -> str:
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def _bad_data_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
+    no_cfg = tmp_path / "no-config"
+    no_cfg.mkdir()
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    import torch
+    from safetensors.torch import save_file
+    save_file({"wte.weight": torch.zeros(4, 4)}, str(gpt2 / "model.safetensors"))
+    good = '{"prompt": "1 + 1 = ?", "label": "2"}'
+    return [
+        (["model.source=/no/such/model"], "model path does not exist: /no/such/model"),
+        ([f"model.source={no_cfg}"], "no config.json"),
+        ([f"model.source={gpt2}"], "not supported"),
+        (["data.train.source=/no/such.jsonl"], "not found"),
+        ([f"data.train.source={_write_jsonl(tmp_path / 'bad.jsonl', [good, '{oops'])}"], "bad.jsonl:2"),
+        ([f"data.train.source={_write_jsonl(tmp_path / 'nolabel.jsonl', [good, json.dumps({'prompt': 'x'})])}"],
+         "nolabel.jsonl:2"),
+        ([f"data.train.source={_write_jsonl(tmp_path / 'long.jsonl', [good])}", "data.max_prompt_len=2"],
+         "0 rows left after filtering"),
+        (["model.source=hf://no-such-org/no-such-model"], "pre-seed"),
+    ]
+
+
+def test_run_bad_inputs_fail_with_one_line(prefect_harness, tmp_path, capsys):
+    for i, (overrides, expect) in enumerate(_bad_data_cases(tmp_path)):
+        sets = sum((["--set", o] for o in overrides + [f"storage.root={tmp_path / 'root'}"]), [])
+        code = main(["run", "configs/tiny.yaml", "--run-id", f"bad{i}", *sets])
+        err = capsys.readouterr().err.strip()
+        assert code == 2, (overrides, err)
+        assert expect in err and len(err.splitlines()) == 1, (overrides, err)
+        # nothing of a failed stage is left behind as if it were finished
+        assert not (tmp_path / "root" / "runs" / f"bad{i}" / "stages" / "prepare.json").exists()
+
+
+def test_truncated_safetensors_is_a_clear_error(prefect_harness, tmp_path, capsys):
+    from runtime.models.tiny import build_tiny_qwen3
+    model = Path(build_tiny_qwen3(tmp_path / "m", seed=0)["path"])
+    st = model / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    code = main(["run", "configs/tiny.yaml", "--run-id", "trunc", "--set", f"model.source={model}",
+                 "--set", f"storage.root={tmp_path / 'root'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "truncated or corrupt" in err and len(err.splitlines()) == 1, err
+
+
+def test_resume_unknown_run_id(capsys, tmp_path):
+    code, err = _run(["resume", "nope", "--root", str(tmp_path)], capsys)
+    assert code == 2 and "unknown run id 'nope'" in err
