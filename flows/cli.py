@@ -70,6 +70,16 @@ def _parser() -> argparse.ArgumentParser:
     rs.add_argument("run_id")
     rs.add_argument("--root", default="./grpoflow-data", help="storage.root of the run")
     with_overrides(rs)
+
+    m = sub.add_parser("models", help="browse the model registry")
+    msub = m.add_subparsers(dest="models_cmd", required=True)
+    for name, helptext in (("list", "registered models, versions, aliases and eval metrics"),
+                           ("show", "one version: NAME, NAME@alias or NAME/version")):
+        sp = msub.add_parser(name, help=helptext)
+        if name == "show":
+            sp.add_argument("spec")
+        sp.add_argument("--tracking-uri", default=None, help="default: the SQLite store under --root")
+        sp.add_argument("--root", default="./grpoflow-data")
     return p
 
 
@@ -124,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
             _print_plan(cfg)
             print("config is valid")
             return 0
+        if args.cmd == "models":
+            from flows.models_cli import models_list, models_show
+            if args.models_cmd == "list":
+                return models_list(args.tracking_uri, root=args.root)
+            return models_show(args.spec, args.tracking_uri, root=args.root)
         _prefect_env()
         _quiet_prefect_user_errors()
         if args.cmd == "run":

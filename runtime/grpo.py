@@ -238,6 +238,35 @@ class TrainSession:
         return {"start": start, "end": end, "skipped": False, "metrics": chunk_metrics}
 
 
+    # -- evaluation ----------------------------------------------------------------------------
+    def evaluate(self, rollout: int) -> dict[str, dict]:
+        """Eval sets on the policy after `rollout` rollouts; read back when already done."""
+        from .data import read_prepared
+        from .evaluate import evaluate, load_eval, save_eval
+        done = load_eval(self.rd, rollout)
+        if done is not None:
+            return done
+        if self.at != rollout or not self.alive():
+            ckpt = None
+            if rollout > 0:
+                path = self.rd.checkpoint(rollout)
+                problem = checkpoint.verify(path)
+                if problem is not None:
+                    raise ChunkError(f"cannot evaluate rollout {rollout}: checkpoint {path} is unusable ({problem})")
+                ckpt = checkpoint.Checkpoint(rollout, path, json.loads(open(f"{path}/{checkpoint.STATE}").read()))
+            self.ensure_at(ckpt)
+        c = self.cfg
+        results = {}
+        for name in c.data.eval:
+            results[name] = evaluate(
+                lambda reqs, sp: self.engine.call("generate", reqs, sp)[0], self.tokenizer,
+                read_prepared(self.rd.eval_data(name)), n_samples=c.eval.n_samples_per_prompt,
+                sampling=sampling_params(c.eval_sampling()), seed=c.train.seed, eval_point=rollout,
+                ks=c.eval.pass_k, max_prompts=c.eval.max_prompts, reward_timeout_s=c.rollout.reward_timeout_s)
+        save_eval(self.rd, rollout, results)
+        return results
+
+
 def _chunk_metrics(rd: RunDir, end: int) -> list[dict]:
     path = rd.checkpoint(end)
     if checkpoint.verify(path) is None:

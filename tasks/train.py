@@ -1,4 +1,5 @@
-"""The train stage: one Prefect task per chunk of `checkpoint.interval` rollouts, over live actors."""
+"""The train stage: one Prefect task per chunk of `checkpoint.interval` rollouts over live actors,
+then evaluate and register at every eval point."""
 from __future__ import annotations
 
 from prefect import task
@@ -8,25 +9,64 @@ from runtime.config import GrpoConfig
 from runtime.grpo import TrainSession, check_trainable
 from runtime.progress import RolloutTable
 from runtime.rundir import RunDir
+from runtime.stages import inputs_hash
 
 from .common import RETRIES, retry_delay_s, retry_on_transient
 
+_retrying = dict(retries=RETRIES, retry_delay_seconds=retry_delay_s(), retry_condition_fn=retry_on_transient,
+                 cache_policy=NO_CACHE)
 
-@task(name="train-chunk", cache_policy=NO_CACHE, retries=RETRIES, retry_delay_seconds=retry_delay_s(), retry_condition_fn=retry_on_transient,
-      task_run_name="train-chunk-{start}-{end}")
+
+@task(name="train-chunk", task_run_name="train-chunk-{start}-{end}", **_retrying)
 def train_chunk(session: TrainSession, start: int, end: int, table: RolloutTable) -> dict:
     # No Prefect cache here: whether a chunk is done is read from the run directory's checkpoints.
     return session.run_chunk(start, end, on_rollout=table.row)
 
 
+@task(name="evaluate", task_run_name="evaluate-{rollout}", **_retrying)
+def evaluate_task(session: TrainSession, rollout: int) -> dict:
+    return session.evaluate(rollout)
+
+
+@task(name="register", task_run_name="register-{rollout}", **_retrying)
+def register_task(cfg: GrpoConfig, rd: RunDir, tracker, rollout: int, results: dict) -> dict | None:
+    from runtime.evaluate import numeric_metrics
+    from runtime.registry import export_checkpoint, register_checkpoint
+    tracker.log_eval(rollout, results)
+    if rollout == 0 or not tracker.enabled:
+        return None  # the untrained model is the fetched one: nothing new to register
+    export = export_checkpoint(rd, rollout)
+    metrics = {f"eval/{name}/{k}": v for name, res in results.items() for k, v in numeric_metrics(res).items()}
+    first = next(iter(cfg.data.eval))
+    return register_checkpoint(
+        tracker, name=cfg.tracking.registered_model or cfg.name, export_uri=export["path"], rollout=rollout,
+        run_id=rd.run_id, metrics=metrics, config_hash=inputs_hash(cfg.model_dump(mode="json")),
+        primary_metric=f"eval/{first}/avg@{cfg.eval.n_samples_per_prompt}")
+
+
 def train_stage(cfg: GrpoConfig, rd: RunDir, converted: dict, prepared: dict) -> dict:
+    from runtime.tracking import Tracker
     check_trainable(cfg)
+    tracker = Tracker(cfg, rd)
     session = TrainSession(cfg, rd)
     table = RolloutTable()
-    chunks = []
+    eval_points = set(cfg.eval_points()) if cfg.data.eval else set()
+    chunks, evals, versions = [], {}, {}
+
+    def eval_and_register(rollout: int) -> None:
+        evals[rollout] = evaluate_task(session, rollout)
+        versions[rollout] = register_task(cfg, rd, tracker, rollout, evals[rollout])
+
     try:
+        if 0 in eval_points:
+            eval_and_register(0)
         for start, end in cfg.chunk_bounds():
-            chunks.append(train_chunk(session, start, end, table))
+            chunk = train_chunk(session, start, end, table)
+            tracker.log_rollout_metrics(chunk["metrics"])  # steps already logged are skipped
+            chunks.append(chunk)
+            if end in eval_points:
+                eval_and_register(end)
+        tracker.finish()
     finally:
         session.close()
     done = [c for c in chunks if not c["skipped"]]
@@ -34,4 +74,5 @@ def train_stage(cfg: GrpoConfig, rd: RunDir, converted: dict, prepared: dict) ->
     summary = (f"{cfg.train.num_rollout} rollouts in {len(chunks)} chunks ({len(chunks) - len(done)} skipped); "
                f"final reward_mean {last[0].get('reward_mean', float('nan')):.3f}")
     return {"status": "done" if done else "skipped (done before)", "summary": summary, "chunks": chunks,
-            "checkpoint": rd.checkpoint(cfg.train.num_rollout), "actor_builds": session.builds}
+            "evals": evals, "versions": versions, "checkpoint": rd.checkpoint(cfg.train.num_rollout),
+            "actor_builds": session.builds, "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri}
