@@ -130,3 +130,18 @@ def test_truncated_safetensors_is_a_clear_error(prefect_harness, tmp_path, capsy
 def test_resume_unknown_run_id(capsys, tmp_path):
     code, err = _run(["resume", "nope", "--root", str(tmp_path)], capsys)
     assert code == 2 and "unknown run id 'nope'" in err
+
+
+def test_tracking_has_one_point_per_rollout_after_rerun(reference_run):
+    # runs after test_rerun_same_run_id_skips_finished_work, which logged the same chunks again
+    from mlflow.tracking import MlflowClient
+    train = reference_run["result"]["train"]
+    client = MlflowClient(train["tracking_uri"])
+    for metric in ("reward_mean", "loss", "grad_norm"):
+        steps = [m.step for m in client.get_metric_history(train["mlflow_run_id"], metric)]
+        assert sorted(steps) == [0, 1, 2, 3], (metric, steps)
+    version = train["versions"][4]
+    assert version is not None and version["checkpoint"].endswith("rollout_4")
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(version["export_uri"])
+    assert model.config.model_type == "qwen3"
