@@ -211,6 +211,9 @@ class _EngineHost:
     def logprobs_of(self, *a, **k):
         return self.engine.logprobs_of(*a, **k)
 
+    def release_memory(self):
+        return self.engine.release_memory()
+
 
 def _node_ip() -> str:
     import ray

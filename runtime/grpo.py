@@ -184,6 +184,9 @@ class TrainSession:
             advantages=adv.tolist(),
             loss_masks=[s.effective_loss_mask() for s in samples],
             rollout_logprobs=[list(s.response_logprobs) for s in samples])
+        if c.cluster.colocate and c.rollout.engine == "sglang":
+            # free the engine's GPU memory for the update; the next weight sync takes it back
+            self.engine.call("release_memory")
         train_metrics = self.trainer.call("train", batch)[0]
         sync_s = self._sync_weights(version=rollout_id + 1)
         self.state["cursor"] = cursor
