@@ -206,13 +206,13 @@ def build_transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, d
 
 def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                     init_weights: bool = True, parallel_output: bool = True, **config_overrides):
-    """A megatron ``GPTModel`` (local layer spec) with the architecture of ``hf_config``.
+    """A megatron ``GPTModel`` with the architecture of ``hf_config`` and its family's layer spec
+    (``adapter.layer_spec``: megatron-core's local spec unless the family needs its own).
 
     ``init_weights=False`` skips the random init (the weights are garbage until loaded): use it
     when a checkpoint is loaded right after. Calls :func:`ensure_parallel` first.
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from .models import get_adapter
 
@@ -220,14 +220,14 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: st
     ensure_parallel(device)
     config = build_transformer_config(hf_config, dtype=dtype, device=device, init_weights=init_weights,
                                       **config_overrides)
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    adapter = get_adapter(hf_config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=adapter.layer_spec(hf_config),
         pre_process=True,
         post_process=True,
         parallel_output=parallel_output,
-        **get_adapter(hf_config).gpt_model_kwargs(hf_config),
+        **adapter.gpt_model_kwargs(hf_config),
     )
     if device == "cuda":
         model = model.cuda(torch.cuda.current_device())

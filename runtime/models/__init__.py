@@ -1,6 +1,7 @@
 """Model families and the registry that picks one from a Hugging Face config.
 
-A family is one module here with a ``ModelAdapter`` subclass; add it to ``_FAMILIES``.
+A family is one module here with a ``ModelAdapter`` subclass; add it to ``_FAMILIES``
+(docs/model-families.md walks through it).
 """
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from typing import Any
 
 from ..errors import ModelError
 from .base import ModelAdapter
+from .glm4 import Glm4Adapter
+from .llama import LlamaAdapter
+from .qwen2 import Qwen2Adapter
 from .qwen3 import Qwen3Adapter
 
-_FAMILIES: tuple[type[ModelAdapter], ...] = (Qwen3Adapter,)
+_FAMILIES: tuple[type[ModelAdapter], ...] = (Qwen3Adapter, Qwen2Adapter, LlamaAdapter, Glm4Adapter)
 _REGISTRY: dict[str, type[ModelAdapter]] = {t: cls for cls in _FAMILIES for t in cls.model_types}
 
 
@@ -30,7 +34,7 @@ def get_adapter(hf_config_or_model_type: Any) -> ModelAdapter:
     if cls is None:
         raise ModelError(
             f"model_type '{model_type}' is not supported (supported: {', '.join(supported_model_types())}); "
-            f"add a family in runtime/models/")
+            f"add a family in runtime/models/ (see docs/model-families.md)")
     return cls()
 
 

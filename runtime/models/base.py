@@ -125,6 +125,15 @@ class ModelAdapter:
         """``GPTModel`` constructor arguments other than config and layer spec."""
         raise NotImplementedError
 
+    def layer_spec(self, hf_config):
+        """megatron ``ModuleSpec`` of one decoder layer. The default is megatron-core's local spec
+        (what ``runtime.megatron_env.build_gpt_model`` builds); a family whose layer megatron-core
+        lacks (GLM4's post-attention / post-MLP norms) returns its own. Imports megatron lazily."""
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        qk_layernorm = bool(self.transformer_config_kwargs(hf_config).get("qk_layernorm", False))
+        return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+
     def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
         """HF tensors -> megatron local-spec state dict."""
         raise NotImplementedError
@@ -150,16 +159,42 @@ class DenseDecoderAdapter(ModelAdapter):
     def o_proj_bias(self, hf_config) -> bool:
         return False
 
+    # RoPE hooks: the rotated fraction of each head, GPT-J-style interleaved pairs (GLM4) or
+    # rotate-half (LLaMA/Qwen), and which HF ``rope_type``s the family maps.
+    supported_rope_types: tuple[str, ...] = ("default",)
+    rotary_interleaved: bool = False
+
+    def rotary_percent(self, hf_config) -> float:
+        params = rope_parameters(hf_config)
+        return float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0))
+
+    def rope_kwargs(self, hf_config) -> dict[str, Any]:
+        """The RoPE arguments of ``GPTModel``."""
+        return dict(rotary_percent=self.rotary_percent(hf_config),
+                    rotary_base=float(rope_parameters(hf_config)["rope_theta"]))
+
+    def check_rope(self, hf_config, name: str) -> None:
+        rope_type = rope_parameters(hf_config)["rope_type"]
+        if rope_type not in self.supported_rope_types:
+            kinds = " or ".join(self.supported_rope_types)
+            raise ModelError(
+                f"config.json: rope_type '{rope_type}' (RoPE scaling) is not supported for {name}; "
+                f"only {'plain RoPE' if kinds == 'default' else kinds} is mapped")
+        pct = self.rotary_percent(hf_config)
+        if pct != 1.0 and not self.rotary_interleaved:
+            raise ModelError(f"config.json: partial_rotary_factor {pct:g} is not supported for {name} "
+                             f"(its attention rotates the whole head)")
+        rot = head_dim(hf_config) * pct
+        if not (0.0 < pct <= 1.0) or rot != int(rot) or int(rot) % 2:
+            raise ModelError(f"config.json: partial_rotary_factor {pct:g} must rotate an even number of "
+                             f"the {head_dim(hf_config)} head dims")
+
     def check_supported(self, hf_config) -> None:
         name = self.model_types[0] if self.model_types else type(self).__name__
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ModelError(f"config.json: hidden_act '{act}' is not supported for {name} (only silu)")
-        rope_type = rope_parameters(hf_config)["rope_type"]
-        if rope_type != "default":
-            raise ModelError(
-                f"config.json: rope_type '{rope_type}' (RoPE scaling) is not supported for {name}; "
-                f"only plain RoPE is mapped")
+        self.check_rope(hf_config, name)
         if getattr(hf_config, "use_sliding_window", False):
             raise ModelError(f"config.json: use_sliding_window=true is not supported for {name}; set it to false")
         if hf_config.num_attention_heads % hf_config.num_key_value_heads:
@@ -185,6 +220,7 @@ class DenseDecoderAdapter(ModelAdapter):
             add_bias_linear=False,
             add_qkv_bias=self.qkv_bias(hf_config),
             qk_layernorm=self.qk_layernorm,
+            rotary_interleaved=self.rotary_interleaved,
             # HF scales scores by 1/sqrt(head_dim) only; megatron's layer-number scaling would not match.
             apply_query_key_layer_scaling=False,
         )
@@ -196,8 +232,7 @@ class DenseDecoderAdapter(ModelAdapter):
             max_sequence_length=hf_config.max_position_embeddings,
             share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
             position_embedding_type="rope",
-            rotary_percent=1.0,
-            rotary_base=float(rope_parameters(hf_config)["rope_theta"]),
+            **self.rope_kwargs(hf_config),
         )
 
     # ---- weights ------------------------------------------------------------------------------

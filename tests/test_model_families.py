@@ -1,0 +1,436 @@
+"""GLM4, LLaMA and Qwen2 families: tiny random models built from the transformers config classes,
+converted HF -> torch_dist (fp32 logit parity with HF eager <= 1e-4) and back (bitwise), then one
+GRPO rollout through the megatron trainer and the built-in engine.
+
+Norm weights and biases are randomised (HF initialises them to 1 and 0) so that a swapped or
+dropped tensor shows in the logits.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.errors import ModelError
+from runtime.models import get_adapter, load_hf_config, supported_model_types
+from runtime.models.glm4 import Glm4Adapter
+from runtime.models.tiny import build_tiny_qwen3
+
+TOL = 1e-4
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+EOS_ID, PAD_ID = 2, 0  # the tiny tokenizer's <|im_end|> and <|endoftext|>
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+GLM4_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+
+# name -> (transformers config class name, extra config kwargs)
+VARIANTS = {
+    "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen2_untied": ("Qwen2Config", dict(tie_word_embeddings=False,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "llama_tied_llama3_rope": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE,
+                                                   max_position_embeddings=16384)),
+    "llama_untied": ("LlamaConfig", dict(tie_word_embeddings=False,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    "glm4_untied": ("Glm4Config", dict(tie_word_embeddings=False, attention_bias=True, rope_parameters=GLM4_ROPE)),
+    "glm4_tied": ("Glm4Config", dict(tie_word_embeddings=True, attention_bias=True, rope_parameters=GLM4_ROPE)),
+}
+ROLLOUT_VARIANTS = ("qwen2_untied", "llama_tied_llama3_rope", "glm4_untied")
+
+
+def build_tiny_family_model(path: Path, config_class: str, vocab_size: int, tokenizer_dir: Path, seed: int = 0,
+                            **overrides) -> Path:
+    """A 2-layer random HF model of one family with the tiny tokenizer; norms ~N(1, 0.2), biases ~N(0, 0.1)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                  max_position_embeddings=2048, initializer_range=0.1, hidden_act="silu",
+                  eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=None, dtype="float32")
+    kwargs.update(overrides)
+    cfg = getattr(transformers, config_class)(**kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    for f in TOKENIZER_FILES:
+        shutil.copyfile(tokenizer_dir / f, path / f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("families")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(work):
+    info = build_tiny_qwen3(work / "tokenizer_src", seed=0)
+    return Path(info["path"]), info["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(work, tokenizer):
+    tok_dir, vocab = tokenizer
+    return {name: build_tiny_family_model(work / f"{name}_hf", cls, vocab, tok_dir, seed=i, **kw)
+            for i, (name, (cls, kw)) in enumerate(VARIANTS.items())}
+
+
+@pytest.fixture(scope="module")
+def converted(work, hf_dirs):
+    """Every variant converted once: name -> (hf_dir, torch_dist_dir, parity report)."""
+    from runtime.convert import hf_to_torch_dist
+
+    out = {}
+    for name, hf_dir in hf_dirs.items():
+        td = work / f"{name}_torch_dist"
+        out[name] = (hf_dir, td, hf_to_torch_dist(hf_dir, td, tolerance=TOL))
+    return out
+
+
+# ---- parity and round trip ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_logit_parity_with_hf(converted, name):
+    from runtime.convert import hf_logits, load_torch_dist_into, mcore_logits, probe_batch
+    from runtime.megatron_env import build_gpt_model
+
+    hf_dir, td, report = converted[name]
+    print(f"{name}: max |logit diff| {report['max_abs_logit_diff']:.3e} "
+          f"(max |logit| {report['max_abs_logit']:.2f})")
+    assert report["max_abs_logit_diff"] <= TOL
+    assert report["model_type"] == name.split("_")[0]
+    assert report["tie_word_embeddings"] == ("_tied" in name)
+    assert report["max_abs_logit"] > 1000 * TOL  # the logits are not trivially ~0
+    # a fresh model from the saved checkpoint, on a longer probe
+    cfg = load_hf_config(hf_dir)
+    model = build_gpt_model(cfg, init_weights=False).eval()
+    load_torch_dist_into(model, td)
+    ids = probe_batch(cfg.vocab_size, (1, 96), seed=3)
+    assert (mcore_logits(model, ids) - hf_logits(hf_dir, ids)).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_round_trip_is_bitwise(converted, work, name):
+    from safetensors.torch import load_file
+
+    from runtime.convert import torch_dist_to_hf
+
+    hf_dir, td, _ = converted[name]
+    out = work / f"{name}_export"
+    torch_dist_to_hf(td, hf_dir, out)
+    assert (out / "model.safetensors").read_bytes() == (hf_dir / "model.safetensors").read_bytes()
+    assert ("lm_head.weight" in load_file(str(out / "model.safetensors"))) == ("_untied" in name)
+    for f in ("config.json",) + TOKENIZER_FILES:
+        assert (out / f).read_bytes() == (hf_dir / f).read_bytes()
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_from_hf_to_hf_is_exact_and_uses_every_tensor(hf_dirs, name):
+    from runtime.convert import load_hf_state_dict
+
+    cfg = load_hf_config(hf_dirs[name])
+    hf = load_hf_state_dict(hf_dirs[name])
+    adapter = get_adapter(cfg)
+    back = adapter.to_hf(adapter.from_hf(hf, cfg), cfg)
+    assert set(back) == set(hf)
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+# ---- what each family maps ------------------------------------------------------------------------
+def test_config_mapping_per_family(hf_dirs):
+    glm = load_hf_config(hf_dirs["glm4_untied"])
+    a = get_adapter(glm)
+    tc, gk = a.transformer_config_kwargs(glm), a.gpt_model_kwargs(glm)
+    assert (tc["rotary_interleaved"], tc["add_qkv_bias"], tc["qk_layernorm"]) == (True, True, False)
+    assert (gk["rotary_percent"], gk["rotary_base"], gk["share_embeddings_and_output_weights"]) == (0.5, 10000.0, False)
+    assert a.layer_spec(glm).module.__name__ == "Glm4TransformerLayer"
+
+    qwen2 = load_hf_config(hf_dirs["qwen2_tied"])
+    a = get_adapter(qwen2)
+    tc, gk = a.transformer_config_kwargs(qwen2), a.gpt_model_kwargs(qwen2)
+    assert (tc["add_qkv_bias"], tc["rotary_interleaved"], tc["qk_layernorm"]) == (True, False, False)
+    assert (gk["rotary_percent"], gk["share_embeddings_and_output_weights"]) == (1.0, True)
+    assert a.layer_spec(qwen2).module.__name__ == "TransformerLayer"
+
+    llama = load_hf_config(hf_dirs["llama_tied_llama3_rope"])
+    a = get_adapter(llama)
+    tc, gk = a.transformer_config_kwargs(llama), a.gpt_model_kwargs(llama)
+    assert tc["add_qkv_bias"] is False
+    assert (gk["rope_scaling"], gk["rope_scaling_factor"], gk["rotary_base"]) == (True, 32.0, 500000.0)
+    assert "rope_scaling" not in get_adapter("llama").gpt_model_kwargs(load_hf_config(hf_dirs["llama_untied"]))
+
+
+@pytest.mark.parametrize("name", ["llama_tied_llama3_rope", "glm4_untied", "qwen2_tied"])
+def test_rotary_frequencies_equal_hf(hf_dirs, name):
+    """The RoPE inverse frequencies megatron builds are HF's (llama3 scaling, GLM4's partial dims):
+    a short probe barely exercises the low frequencies that llama3 scaling changes."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime.megatron_env import build_gpt_model
+
+    cfg = load_hf_config(hf_dirs[name])
+    hf = AutoModelForCausalLM.from_pretrained(hf_dirs[name], dtype=torch.float32)
+    ours = build_gpt_model(cfg, init_weights=False).rotary_pos_emb.inv_freq.cpu()
+    ref = hf.model.rotary_emb.inv_freq
+    assert ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0)
+    if name.startswith("glm4"):
+        assert ours.numel() * 2 == 8  # half of head_dim 16 is rotated
+
+
+def _swap_post_norms(out):
+    for i in range(2):
+        a, b = f"decoder.layers.{i}.post_self_attn_layernorm.weight", f"decoder.layers.{i}.post_mlp_layernorm.weight"
+        out[a], out[b] = out[b], out[a]
+
+
+def test_a_wrong_glm4_mapping_fails_parity(hf_dirs, work, monkeypatch):
+    """Swapped post-norms, or rotate-half instead of interleaved RoPE, are caught by the parity check."""
+    from runtime.convert import hf_to_torch_dist
+
+    original = Glm4Adapter.from_hf
+
+    def wrong_from_hf(self, hf_state_dict, hf_config):
+        out = original(self, hf_state_dict, hf_config)
+        _swap_post_norms(out)
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(Glm4Adapter, "from_hf", wrong_from_hf)
+        with pytest.raises(ModelError, match=r"max \|logit diff\| .* > tolerance 0\.0001"):
+            hf_to_torch_dist(hf_dirs["glm4_untied"], work / "glm4_wrong_norms", tolerance=TOL)
+    with monkeypatch.context() as m:
+        m.setattr(Glm4Adapter, "rotary_interleaved", False)
+        m.setattr(Glm4Adapter, "check_rope", lambda self, cfg, name: None)
+        with pytest.raises(ModelError, match=r"max \|logit diff\| .* > tolerance 0\.0001"):
+            hf_to_torch_dist(hf_dirs["glm4_untied"], work / "glm4_wrong_rope", tolerance=TOL)
+    assert not (work / "glm4_wrong_norms").exists() and not (work / "glm4_wrong_rope").exists()
+
+
+def test_unmappable_configs_are_refused(hf_dirs):
+    llama = load_hf_config(hf_dirs["llama_untied"])
+    a = get_adapter(llama)
+    for field, match in (("attention_bias", "attention_bias=true"), ("mlp_bias", "mlp_bias=true")):
+        setattr(llama, field, True)
+        with pytest.raises(ModelError, match=match):
+            a.transformer_config_kwargs(llama)
+        setattr(llama, field, False)
+    llama.rope_parameters = dict(LLAMA3_ROPE, low_freq_factor=2.0)
+    with pytest.raises(ModelError, match="low_freq_factor=2.0 is not supported"):
+        a.gpt_model_kwargs(llama)
+    llama.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    with pytest.raises(ModelError, match="rope_type 'yarn'"):
+        a.gpt_model_kwargs(llama)
+    llama.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    with pytest.raises(ModelError, match="partial_rotary_factor 0.5 is not supported for llama"):
+        a.gpt_model_kwargs(llama)
+
+    qwen2 = load_hf_config(hf_dirs["qwen2_untied"])
+    qwen2.use_sliding_window = True
+    with pytest.raises(ModelError, match="use_sliding_window=true"):
+        get_adapter(qwen2).transformer_config_kwargs(qwen2)
+
+    glm = load_hf_config(hf_dirs["glm4_untied"])
+    glm.rope_parameters = dict(GLM4_ROPE, partial_rotary_factor=0.3)
+    with pytest.raises(ModelError, match="must rotate an even number"):
+        get_adapter(glm).gpt_model_kwargs(glm)
+
+
+def test_unsupported_architecture_names_the_supported_ones(work):
+    assert supported_model_types() == ["glm4", "llama", "qwen2", "qwen3"]
+    d = work / "gpt2_dir"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    with pytest.raises(ModelError) as e:
+        load_hf_config(d)
+    assert str(e.value) == ("model_type 'gpt2' is not supported (supported: glm4, llama, qwen2, qwen3); "
+                            "add a family in runtime/models/ (see docs/model-families.md)")
+    assert Path(__file__).resolve().parents[1].joinpath("docs", "model-families.md").is_file()
+
+
+# ---- one GRPO rollout: engine -> trainer -> engine ------------------------------------------------
+@pytest.mark.parametrize("name", ROLLOUT_VARIANTS)
+def test_one_grpo_rollout_with_trainer_and_builtin_engine(converted, name):
+    from runtime.config import GrpoConfig
+    from runtime.rollout.base import SampleRequest, SamplingParams
+    from runtime.rollout.builtin import BuiltinEngine
+    from runtime.trainer.batch import TrainBatch
+    from runtime.trainer.megatron_trainer import MegatronTrainer
+
+    hf_dir, td, _ = converted[name]
+    cfg = GrpoConfig()
+    trainer = MegatronTrainer(hf_dir=str(hf_dir), init_checkpoint=str(td), train=cfg.train.model_dump(),
+                              algorithm=cfg.algorithm.model_dump(), temperature=1.0)
+    engine = BuiltinEngine(str(hf_dir))
+    try:
+        tok = engine.tokenizer
+        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                           tokenize=False) for q in ("What is 2 + 3?", "Compute 7 * 6.")]
+        prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        n = 4
+        requests = [SampleRequest(prompt_ids=prompt_ids[p], key=(0, 0, p, s)) for p in range(2) for s in range(n)]
+        results = engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=8))
+        assert all(r.response_ids for r in results)
+        # a fixed advantage pattern (+1, -1 alternating within each group): the update is not zero
+        batch = TrainBatch(
+            tokens=[r.prompt_ids + r.response_ids for r in results],
+            prompt_lens=[len(r.prompt_ids) for r in results],
+            advantages=[1.0 if i % 2 == 0 else -1.0 for i in range(len(results))],
+            loss_masks=[r.effective_loss_mask() for r in results],
+            rollout_logprobs=[r.response_logprobs for r in results])
+        # same weights on both sides: the trainer's log-probs are the engine's
+        before = trainer.compute_logprobs(batch)
+        for got, r in zip(before, results):
+            assert max(abs(a - b) for a, b in zip(got, r.response_logprobs)) <= TOL
+        metrics = trainer.train(batch)
+        assert metrics["train_tokens"] == batch.response_token_count()
+        assert metrics["train_rollout_logp_absdiff"] <= TOL
+        engine.update_weights(trainer.hf_weights(), version=1)
+        assert engine.weight_version == 1
+        after = trainer.compute_logprobs(batch)
+        moved = 0.0
+        for i, r in enumerate(results):
+            ours = engine.logprobs_of(r.prompt_ids, r.response_ids)
+            assert max(abs(a - b) for a, b in zip(ours, after[i])) <= TOL
+            moved = max(moved, max(abs(a - b) for a, b in zip(after[i], before[i])))
+        assert moved > 1e-3  # the weights really changed
+    finally:
+        engine.shutdown()
+
+
+# ---- memory estimate ------------------------------------------------------------------------------
+def _llama_known():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+
+
+def test_memory_estimate_exact_arithmetic_on_a_known_config():
+    from runtime.memory import GIB, estimate_memory, param_counts
+
+    cfg = _llama_known()
+    # embeddings + lm_head 2*1000*64; per layer qkv 64*(4+2*2)*16, o 64*64, mlp 3*64*128, 2 norms; final norm
+    layer = 64 * 128 + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    n = 2 * 1000 * 64 + 2 * layer + 64
+    assert n == 202048 and param_counts(cfg) == (n, n)
+    # tp=2 splits everything but the norms
+    assert param_counts(cfg, tp=2) == (n, (n - 2 * 2 * 64 - 64) // 2 + 2 * 2 * 64 + 64)
+
+    est = estimate_memory(cfg, tp=1, dp=1, micro_batch_size=2, seq_len=8, rollout_batch=4, max_new_tokens=4,
+                          dtype="bfloat16", colocate=True, gpu_mem_gb=80)
+    b = est["bytes"]
+    assert (b["weights"], b["grads"], b["optimizer"], b["engine_weights"]) == (2 * n, 4 * n, 12 * n, 2 * n)
+    # per token and layer: 2 pre-norms (12 B/unit), 2 norm outputs, q/k/v/context (4 x 64 units), SwiGLU (5 x 128), bf16
+    per_token_layer = 2 * 12 * 64 + 2 * 2 * 64 + 4 * 2 * 64 + 5 * 2 * 128
+    scores = 2 * 4 * 8 * 8 * (4 + 2)  # b * heads * s * s * (fp32 softmax + bf16 probs)
+    logits = 2 * 8 * 1000 * 20
+    assert per_token_layer == 3584 and b["activations"] == 2 * (2 * 8 * per_token_layer + scores) + logits == 440832
+    kv = 4 * 8 * (2 * 2 * 2 * 16 * 2)  # rows * seq * (layers * k,v * kv heads * head dim * bf16)
+    assert b["kv_cache"] == kv == 8192
+    assert b["rollout_activations"] == kv // 2 + 4 * 1000 * 40  # one layer's concat copy + sampler temporaries
+    assert b["total"] == 2 * n + 4 * n + 12 * n + 2 * n + max(440832, kv + b["rollout_activations"]) + GIB
+    assert est["total"] == b["total"] / GIB and est["fits"] and est["reason"] is None
+
+    apart = estimate_memory(cfg, tp=1, dp=1, micro_batch_size=2, seq_len=8, rollout_batch=4, max_new_tokens=4,
+                            dtype="bfloat16", colocate=False, gpu_mem_gb=80)["bytes"]
+    assert apart["trainer_total"] == 18 * n + 440832 + GIB and apart["rollout_total"] == 2 * n + kv + b["rollout_activations"] + GIB
+    assert apart["total"] == max(apart["trainer_total"], apart["rollout_total"])
+    # fp32 weights need no master copy
+    assert estimate_memory(cfg, micro_batch_size=1, seq_len=8, rollout_batch=1, max_new_tokens=1,
+                           dtype="float32")["bytes"]["optimizer"] == 8 * n
+
+
+@pytest.mark.parametrize("name", ["qwen2_tied", "llama_untied", "glm4_untied"])
+def test_param_count_matches_hf(hf_dirs, name):
+    from transformers import AutoModelForCausalLM
+
+    from runtime.memory import param_counts
+
+    cfg = load_hf_config(hf_dirs[name])
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg)
+    assert param_counts(cfg)[0] == sum(p.numel() for p in hf.parameters())  # tied: counted once
+
+
+def _qwen3_06b():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+
+# torch.cuda.max_memory_allocated on an H100 (torch 2.11, megatron-core 0.16.1), random Qwen3-0.6B
+# shape, bf16, MegatronTrainer + BuiltinEngine in one process: (micro_batch, seq_len) -> trainer
+# activations GiB; and one colocated GRPO rollout (128 rows, 256 prompt + 512 new tokens, micro-batch
+# 4; engine generate, train, weight sync), steady-state peak GiB.
+H100_TRAIN_ACTIVATIONS = {(1, 1024): 7.48, (2, 1024): 16.05, (4, 512): 13.37, (1, 2048): 20.20,
+                          (4, 1024): 32.00, (2, 2048): 42.66, (1, 4096): 61.54}
+H100_COLOCATED_PEAK = 33.27
+
+
+def test_memory_estimate_is_within_20_percent_of_the_h100_measurements():
+    from runtime.memory import GIB, activation_bytes, estimate_memory, param_counts
+
+    cfg = _qwen3_06b()
+    assert param_counts(cfg)[0] == 596049920
+    for (b, s), measured in H100_TRAIN_ACTIVATIONS.items():
+        est = activation_bytes(cfg, tp=1, micro_batch_size=b, seq_len=s) / GIB
+        assert abs(est / measured - 1) <= 0.2, (b, s, est, measured)
+    est = estimate_memory(cfg, tp=1, dp=1, micro_batch_size=4, seq_len=768, rollout_batch=128, max_new_tokens=512,
+                          dtype="bfloat16", colocate=True, gpu_mem_gb=80)
+    peak = est["total"] - est["overhead"]  # max_memory_allocated has no CUDA context
+    assert abs(peak / H100_COLOCATED_PEAK - 1) <= 0.2, peak
+    assert est["fits"]
+
+
+def test_memory_estimate_says_when_it_cannot_fit():
+    from runtime.memory import estimate_memory, format_estimate
+
+    cfg = _qwen3_06b()
+    est = estimate_memory(cfg, tp=1, dp=1, micro_batch_size=4, seq_len=1024 + 8192, rollout_batch=256,
+                          max_new_tokens=8192, dtype="bfloat16", colocate=True, gpu_mem_gb=80)
+    assert not est["fits"]
+    assert est["reason"].startswith(f"needs {est['total']:.1f} GiB per GPU but the GPU has 80; largest: ")
+    assert "micro_batch_size" in est["reason"]
+    text = format_estimate(est)
+    for word in ("weights", "gradients", "optimizer", "activations", "KV cache", "DOES NOT FIT"):
+        assert word in text
+    with pytest.raises(ValueError, match="tensor_parallel=3 must divide"):
+        estimate_memory(cfg, tp=3, micro_batch_size=1, seq_len=8, rollout_batch=1, max_new_tokens=1)
+    with pytest.raises(ValueError, match="must be >= max_new_tokens"):
+        estimate_memory(cfg, micro_batch_size=1, seq_len=8, rollout_batch=1, max_new_tokens=9)
+
+
+def test_glm_z1_9b_config_and_its_estimate():
+    from transformers import Glm4Config
+
+    from runtime.config import load_config
+    from runtime.memory import estimate_for_config, param_counts
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "glm-z1-9b-dapo.yaml")
+    r, t = cfg.rollout, cfg.train
+    assert (r.rollout_batch_size, r.n_samples_per_prompt, t.global_batch_size, t.num_steps_per_rollout) == (16, 8, 128, 1)
+    assert cfg.data.train.format == "dapo" and list(cfg.data.eval) == ["aime-2024"]
+    # GLM-Z1-9B-0414's config.json
+    glm = Glm4Config(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
+                     num_attention_heads=32, num_key_value_heads=2, head_dim=128, attention_bias=True,
+                     partial_rotary_factor=0.5, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                     max_position_embeddings=32768)
+    n = param_counts(glm)[0]
+    assert 9.3e9 < n < 9.5e9
+    est = estimate_for_config(cfg, glm, gpu_mem_gb=80)
+    assert est["tp"] == t.tensor_parallel and est["params_per_gpu"] < n
+    assert est["fits"] is (est["total"] <= 80)
