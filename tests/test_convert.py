@@ -301,8 +301,8 @@ def test_unsupported_model_type(work):
     msg = _one_line(e)
     assert msg.startswith("model_type 'gpt2' is not supported (supported: ") and "qwen3" in msg
     assert "add a family in runtime/models/" in msg
-    with pytest.raises(ModelError, match="model_type 'llama' is not supported"):
-        get_adapter("llama")
+    with pytest.raises(ModelError, match="model_type 'mistral' is not supported"):
+        get_adapter("mistral")
 
 
 def test_truncated_safetensors(tied, work):

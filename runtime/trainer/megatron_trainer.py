@@ -91,13 +91,14 @@ class MegatronTrainer:
         from megatron.core import tensor_parallel
         logits = model(mb.input_ids, mb.position_ids, self._causal_mask(mb.input_ids.shape[1]))
         logits = logits[:, :-1].float() / self.temperature  # [b, s-1, V/tp]
-        ce = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
-                                                          mb.targets.transpose(0, 1).contiguous())
-        logp = -ce.transpose(0, 1)
         entropy = None
         if with_entropy:  # a metric unless entropy_coef > 0: no graph for it then
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropy = self._entropy(logits)
+        # clone: for b == 1 the transpose is a view, and megatron's cross-entropy works in place
+        ce = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous().clone(),
+                                                          mb.targets.transpose(0, 1).contiguous())
+        logp = -ce.transpose(0, 1)
         return logp, entropy
 
     def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
