@@ -153,7 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "resume":
             from runtime.rundir import RunDir
             from runtime.runs import frozen_config
-            frozen_config(RunDir(args.root, args.run_id), args.overrides)  # unknown run id: fail before Prefect
+            rd = RunDir(args.root, args.run_id)
+            cfg = frozen_config(rd, args.overrides)  # unknown run id: fail before Prefect starts
+            from runtime.runs import finished
+            if finished(cfg, rd):
+                print(f"run {args.run_id} is already finished ({cfg.train.num_rollout} rollouts); to train further, "
+                      f"resume it with --set train.num_rollout=N (N > {cfg.train.num_rollout})")
+                return 0
             print(f"resuming run {args.run_id}")
             from flows.pipeline import grpo_pipeline
             result = grpo_pipeline(overrides=args.overrides, run_id=args.run_id, root=args.root, resume=True)

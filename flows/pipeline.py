@@ -4,6 +4,7 @@ from __future__ import annotations
 from prefect import flow
 
 from runtime.config import load_config
+from runtime.lease import RunLease
 from runtime.rundir import RunDir
 from runtime.runs import freeze, frozen_config
 from tasks.stages import convert_task, fetch_task, prepare_task
@@ -28,11 +29,11 @@ def grpo_pipeline(config_path: str | None = None, overrides: list[str] | None = 
     else:
         cfg = load_config(config_path, overrides)
     rd = RunDir(root or cfg.storage.root, run_id)
-    freeze(cfg, rd)
-
-    fetched = _stage(fetch_task, cfg, rd)
-    converted = _stage(convert_task, cfg, rd, fetched)
-    prepared = _stage(prepare_task, cfg, rd, fetched)
-    trained = train_stage(cfg, rd, converted, prepared)
+    with RunLease(rd):  # one writer per run
+        freeze(cfg, rd)
+        fetched = _stage(fetch_task, cfg, rd)
+        converted = _stage(convert_task, cfg, rd, fetched)
+        prepared = _stage(prepare_task, cfg, rd, fetched)
+        trained = train_stage(cfg, rd, converted, prepared)
     return {"run_id": rd.run_id, "run_dir": rd.path, "fetch": fetched, "convert": converted,
             "prepare": prepared, "train": trained}

@@ -50,3 +50,14 @@ def frozen_config(rd: RunDir, overrides: list[str] | None = None) -> GrpoConfig:
     tree = yaml.safe_load(storage.read_text(rd.config)) or {}
     apply_overrides(tree, overrides)
     return config_from_dict(tree, rd.config)
+
+
+def finished(cfg: GrpoConfig, rd: RunDir) -> bool:
+    """Trained to train.num_rollout and evaluated at every eval point (read from the run directory)."""
+    from . import checkpoint
+    ck = checkpoint.latest(rd)
+    if ck is None or ck.rollout < cfg.train.num_rollout:
+        return False
+    if cfg.data.eval:
+        return all(storage.exists(rd.eval_result(n)) for n in cfg.eval_points())
+    return True

@@ -1,0 +1,178 @@
+"""The resume contract under real faults: SIGKILL of the run process during a rollout and during a
+checkpoint write, a damaged newest checkpoint, finished and unknown runs, and the one-writer lease.
+
+Every resumed run must end with the same weights and optimizer state, bit for bit, as the
+uninterrupted reference run of the session (same config, same seed).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flows.cli import main
+from runtime import checkpoint
+from runtime.lease import RunBusyError, RunLease
+from runtime.rundir import RunDir
+
+
+def checkpoint_tensors(path: str | Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist checkpoint (model and optimizer), read without megatron."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    out = scratch / f"{abs(hash(str(path)))}.pt"
+    dcp_to_torch_save(str(Path(path) / "model"), str(out))
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if torch.is_tensor(v)}
+
+
+def assert_same_checkpoint(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+@pytest.fixture(scope="module")
+def reference_final(reference_run, tmp_path_factory):
+    rd = RunDir(reference_run["root"], "ref")
+    return checkpoint_tensors(rd.checkpoint(4), tmp_path_factory.mktemp("ref-tensors"))
+
+
+def _overrides(root: Path) -> list[str]:
+    from tests.conftest import REFERENCE_OVERRIDES
+    return REFERENCE_OVERRIDES + [f"storage.root={root}"]
+
+
+def _start_run(run_id: str, root: Path, log: Path) -> subprocess.Popen:
+    sets = sum((["--set", o] for o in _overrides(root)), [])
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # A session of its own: the kill reaches Prefect's and the trainer's child processes too.
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "--run-id", run_id, *sets],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def _wait_for(predicate, proc: subprocess.Popen, log: Path, timeout: float = 300, every: float = 0.2):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        hit = predicate()
+        if hit:
+            return hit
+        if proc.poll() is not None:
+            raise AssertionError(f"run exited early ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting; log:\n{log.read_text()[-3000:]}")
+
+
+def test_sigkill_during_rollout_then_resume_is_bitwise_equal(prefect_harness, reference_final, tmp_path):
+    root = tmp_path / "root"
+    rd = RunDir(str(root), "k1")
+    proc = _start_run("k1", root, tmp_path / "run.log")
+    try:
+        _wait_for(lambda: (Path(rd.checkpoint(2)) / "manifest.json").is_file(), proc, tmp_path / "run.log")
+        time.sleep(0.5)  # inside the second chunk's rollouts
+    finally:
+        _kill(proc)
+    assert checkpoint.latest(rd).rollout == 2
+    assert main(["resume", "k1", "--root", str(root)]) == 0
+    final = checkpoint.latest(rd)
+    assert final.rollout == 4
+    assert [m["rollout"] for m in final.state["metrics"]] == [2, 3]  # the chunk ran exactly its rollouts
+    assert_same_checkpoint(checkpoint_tensors(final.path, tmp_path), reference_final)
+
+
+def test_sigkill_during_checkpoint_write_then_resume(prefect_harness, reference_final, tmp_path):
+    root = tmp_path / "root"
+    rd = RunDir(str(root), "k2")
+    base = Path(rd.checkpoints)
+    proc = _start_run("k2", root, tmp_path / "run.log")
+    try:
+        # the first checkpoint is being written under its temp name
+        _wait_for(lambda: base.is_dir() and any(p.name.startswith(".rollout_2.tmp-") for p in base.iterdir()),
+                  proc, tmp_path / "run.log", every=0.005)
+    finally:
+        _kill(proc)
+    ck = checkpoint.latest(rd)
+    assert ck is None or ck.rollout == 2  # never a half-written checkpoint
+    assert main(["resume", "k2", "--root", str(root)]) == 0
+    final = checkpoint.latest(rd)
+    assert final.rollout == 4
+    assert not any(p.name.startswith(".rollout_") for p in base.iterdir())  # temp leftovers pruned
+    assert_same_checkpoint(checkpoint_tensors(final.path, tmp_path), reference_final)
+
+
+def _copy_reference(reference_run, dest: Path) -> Path:
+    src = Path(reference_run["root"]) / "runs" / "ref"
+    shutil.copytree(src, dest / "runs" / "ref")
+    return dest
+
+
+def test_damaged_newest_checkpoint_falls_back_and_finishes(prefect_harness, reference_run, reference_final,
+                                                           tmp_path, caplog):
+    root = _copy_reference(reference_run, tmp_path / "root")
+    rd = RunDir(str(root), "ref")
+    victim = sorted((Path(rd.checkpoint(4)) / "model").glob("*.distcp"))[0]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    assert checkpoint.latest(rd).rollout == 2  # skipped with a warning
+    assert "unusable" in caplog.text
+    with pytest.raises(AssertionError, match="tensors differ"):  # the comparison can tell checkpoints apart
+        assert_same_checkpoint(checkpoint_tensors(rd.checkpoint(2), tmp_path), reference_final)
+    assert main(["resume", "ref", "--root", str(root)]) == 0
+    final = checkpoint.latest(rd)
+    assert final.rollout == 4
+    assert_same_checkpoint(checkpoint_tensors(final.path, tmp_path), reference_final)
+
+
+def test_resume_finished_run_says_so_and_extends(prefect_harness, reference_run, tmp_path, capsys):
+    root = _copy_reference(reference_run, tmp_path / "root")
+    assert main(["resume", "ref", "--root", str(root)]) == 0
+    assert "already finished (4 rollouts)" in capsys.readouterr().out
+    assert main(["resume", "ref", "--root", str(root), "--set", "train.num_rollout=6"]) == 0
+    rd = RunDir(str(root), "ref")
+    final = checkpoint.latest(rd)
+    assert final.rollout == 6 and [m["rollout"] for m in final.state["metrics"]] == [4, 5]
+
+
+def test_resume_unknown_run(tmp_path, capsys):
+    assert main(["resume", "no-such-run", "--root", str(tmp_path)]) == 2
+    assert "unknown run id 'no-such-run'" in capsys.readouterr().err
+
+
+def test_lease_refuses_a_second_writer_and_takes_over_stale_ones(tmp_path):
+    rd = RunDir(str(tmp_path), "leased")
+    with RunLease(rd, timeout_s=30):
+        with pytest.raises(RunBusyError, match="is being written by pid"):
+            RunLease(rd, timeout_s=30).acquire()
+    # released: a new writer gets it at once
+    RunLease(rd, timeout_s=30).acquire().release()
+    # a dead holder on this host is taken over although its heartbeat is fresh
+    storage_path = Path(rd.sub("lease.json"))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    storage_path.write_text(f'{{"token": "x", "pid": {dead.pid}, "host": "{os.uname().nodename}", '
+                            f'"heartbeat": {time.time()}}}')
+    RunLease(rd, timeout_s=30).acquire().release()
+    # a live holder elsewhere whose heartbeat went silent is taken over after the timeout
+    storage_path.write_text(f'{{"token": "y", "pid": 1, "host": "other-host", "heartbeat": {time.time() - 31}}}')
+    RunLease(rd, timeout_s=30).acquire().release()
+
+
+def test_run_on_a_leased_run_is_refused(prefect_harness, tmp_path, capsys):
+    rd = RunDir(str(tmp_path), "busy")
+    with RunLease(rd, timeout_s=60):
+        code = main(["run", "configs/tiny.yaml", "--run-id", "busy", "--set", f"storage.root={tmp_path}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "is being written by pid" in err and len(err.splitlines()) == 1
