@@ -25,6 +25,8 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from megatron.core import parallel_state as mpu  # noqa: E402
 from megatron.core import tensor_parallel  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
 _state: dict[str, Any] = {"device": None, "saved_cuda_fns": None}
 
@@ -221,17 +223,100 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: st
     config = build_transformer_config(hf_config, dtype=dtype, device=device, init_weights=init_weights,
                                       **config_overrides)
     adapter = get_adapter(hf_config)
+    spec = adapter.layer_spec(hf_config)
+    if device == "cuda":
+        spec = _with_flash_core_attention(spec)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=adapter.layer_spec(hf_config),
+        transformer_layer_spec=spec,
         pre_process=True,
         post_process=True,
         parallel_output=parallel_output,
         **adapter.gpt_model_kwargs(hf_config),
     )
+    if not init_weights:
+        _mark_tensor_parallel_params(model)
     if device == "cuda":
         model = model.cuda(torch.cuda.current_device())
     return model
+
+
+def _mark_tensor_parallel_params(model) -> None:
+    """Set the TP attributes megatron's init would have set (it skips them with perform_initialization
+    off on CPU); grad-norm de-duplication and our TP gathers read them."""
+    from megatron.core.tensor_parallel import layers as tpl
+    for module in model.modules():
+        if isinstance(module, (tpl.ColumnParallelLinear, tpl.VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, tpl.RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        w = getattr(module, "weight", None)
+        if w is not None and not getattr(w, "tensor_model_parallel", False):
+            tpl.set_tensor_model_parallel_attributes(w, True, dim, 1)
+        b = getattr(module, "bias", None)
+        if dim == 0 and b is not None and not getattr(b, "tensor_model_parallel", False):
+            tpl.set_tensor_model_parallel_attributes(b, True, 0, 1)
+    for p in model.parameters():
+        tpl.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+
+
+def _with_flash_core_attention(spec):
+    """The layer spec with megatron's unfused ``DotProductAttention`` (it materialises [b, h, s, s]
+    scores) replaced by :class:`SdpaCoreAttention` (FlashAttention through torch SDPA). CUDA only;
+    GRPOFLOW_MEGATRON_ATTENTION=local keeps megatron's."""
+    import copy
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if os.environ.get("GRPOFLOW_MEGATRON_ATTENTION", "sdpa") == "local":
+        return spec
+    attn = getattr(getattr(spec, "submodules", None), "self_attention", None)
+    sub = getattr(attn, "submodules", None)
+    if sub is None or getattr(sub, "core_attention", None) is not DotProductAttention:
+        return spec
+    spec = copy.deepcopy(spec)
+    spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    return spec
+
+
+class SdpaCoreAttention(MegatronModule):
+    """Drop-in for megatron's local ``DotProductAttention``: the same [s, b, h, d] in and
+    [s, b, h*d] out, computed by ``F.scaled_dot_product_attention`` (flash kernel on CUDA).
+
+    For the causal mask type (every self-attention layer we build) the causal structure is
+    applied by the kernel and the passed mask is not read: the trainer's mask is exactly the
+    causal one, and right padding never reaches a real token under it. Other mask types use the
+    mask (True = masked out, megatron's convention)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **_ignored):
+        super().__init__(config=config)
+        tp = pg_collection.tp.size() if pg_collection is not None else mpu.get_tensor_model_parallel_world_size()
+        self.heads = config.num_attention_heads // tp
+        self.groups = max(config.num_query_groups // tp, 1)
+        self.head_dim = config.kv_channels
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        assert packed_seq_params is None and attention_bias is None
+        sq, b = query.shape[0], query.shape[1]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
+        if self.heads != k.shape[1]:
+            rep = self.heads // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type == AttnMaskType.causal
+        mask = None if causal or attention_mask is None else ~attention_mask
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
+
 
 
 def causal_attention_mask(batch: int, seq_len: int, device: str | torch.device = "cpu") -> torch.Tensor:

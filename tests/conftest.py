@@ -33,3 +33,14 @@ def reference_run(prefect_harness, tmp_path_factory):
     overrides = REFERENCE_OVERRIDES + [f"storage.root={root}"]
     result = grpo_pipeline(config_path="configs/tiny.yaml", overrides=overrides, run_id="ref")
     return {"root": root, "run_id": "ref", "overrides": overrides, "result": result}
+
+
+@pytest.fixture(scope="session")
+def ray_session(tmp_path_factory):
+    """One local Ray cluster for the whole session; grpoflow's Cluster reuses it and leaves it running."""
+    import ray
+    temp = tmp_path_factory.mktemp("ray")
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=str(temp),
+             object_store_memory=256 * 2**20, log_to_driver=False)
+    yield
+    ray.shutdown()

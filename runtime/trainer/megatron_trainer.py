@@ -86,8 +86,25 @@ class MegatronTrainer:
     def _causal_mask(self, s: int) -> torch.Tensor:
         return torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1).view(1, 1, s, s)
 
-    def _token_logprobs(self, model, mb, with_entropy: bool = False, entropy_grad: bool = False):
-        """log p(target) of logits/temperature for every position; vocab-parallel under TP."""
+    def _chunked_logprobs_enabled(self) -> bool:
+        """The chunked output-layer path (no full-vocab fp32 logits): TP 1, on CUDA by default;
+        GRPOFLOW_CHUNKED_LOGPROBS=1/0 forces it on/off (CPU tests use 1)."""
+        flag = os.environ.get("GRPOFLOW_CHUNKED_LOGPROBS")
+        if self.tp_size != 1:
+            return False
+        if flag is not None:
+            return flag not in ("0", "", "false", "False")
+        return str(self.device).startswith("cuda")
+
+    def _token_logprobs(self, model, mb, with_entropy: bool = False, entropy_grad: bool = False, select=None):
+        """log p(target) of logits/temperature for every position; vocab-parallel under TP.
+
+        On the chunked path only the positions in `select` ([b, s-1] bool; default: where
+        mb.resp_mask > 0) get log-probs and entropy (0 elsewhere), and the output layer runs a chunk
+        of rows at a time (runtime/trainer/logprobs.py), so no [b, s, vocab] fp32 logits exist.
+        """
+        if self._chunked_logprobs_enabled():
+            return self._token_logprobs_chunked(model, mb, with_entropy, entropy_grad, select)
         from megatron.core import tensor_parallel
         logits = model(mb.input_ids, mb.position_ids, self._causal_mask(mb.input_ids.shape[1]))
         logits = logits[:, :-1].float() / self.temperature  # [b, s-1, V/tp]
@@ -99,6 +116,31 @@ class MegatronTrainer:
         ce = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous().clone(),
                                                           mb.targets.transpose(0, 1).contiguous())
         logp = -ce.transpose(0, 1)
+        return logp, entropy
+
+    def _token_logprobs_chunked(self, model, mb, with_entropy: bool, entropy_grad: bool, select):
+        from .. import megatron_env as menv
+        from .logprobs import linear_logprobs
+        gpt = menv.unwrap_model(model)
+        gpt.post_process = False  # GPTModel then returns the final-norm hidden states, not logits
+        try:
+            hidden = model(mb.input_ids, mb.position_ids, self._causal_mask(mb.input_ids.shape[1]))  # [s, b, H]
+        finally:
+            gpt.post_process = True
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
+            else gpt.output_layer.weight
+        if select is None:
+            select = mb.resp_mask > 0
+        select = select.to(hidden.device)
+        rows = hidden[:-1].transpose(0, 1)[select]  # [n, H]: positions that predict a selected target
+        logp_sel, ent_sel = linear_logprobs(rows, weight, mb.targets[select], self.temperature,
+                                            with_entropy=with_entropy)
+        logp = torch.zeros(select.shape, dtype=torch.float32, device=hidden.device).masked_scatter(select, logp_sel)
+        entropy = None
+        if with_entropy:
+            if not (entropy_grad and torch.is_grad_enabled()):
+                ent_sel = ent_sel.detach()
+            entropy = torch.zeros(select.shape, dtype=torch.float32, device=hidden.device).masked_scatter(select, ent_sel)
         return logp, entropy
 
     def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
@@ -133,7 +175,13 @@ class MegatronTrainer:
         out: list[list[float]] = []
         for s in range(0, len(batch), mbs):
             mb = pack(batch, list(range(s, min(s + mbs, len(batch)))), self.device)
-            logp, _ = self._token_logprobs(model, mb)
+            select = None
+            if self._chunked_logprobs_enabled():  # every response position, whatever its loss mask
+                select = torch.zeros(mb.targets.shape, dtype=torch.bool)
+                for row, i in enumerate(mb.seq_ids):
+                    p = batch.prompt_lens[i]
+                    select[row, p - 1: len(batch.tokens[i]) - 1] = True
+            logp, _ = self._token_logprobs(model, mb, select=select)
             out.extend(self._unpack(logp, mb, batch))
         return out
 
@@ -223,6 +271,11 @@ class MegatronTrainer:
             self.adapter = get_adapter(self.hf_config)
         sd = full_state_dict(self.model, self.hf_config)
         return {k: v.detach().to("cpu") for k, v in self.adapter.to_hf(sd, self.hf_config, include_tied_lm_head=True).items()}
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """Gradients of the last optimizer step, whole and on CPU (for parallel-equivalence checks)."""
+        from .tp_gather import full_grads
+        return {k: v.to("cpu") for k, v in full_grads(self.model).items()}
 
     def save(self, path: str) -> None:
         from megatron.core import dist_checkpointing

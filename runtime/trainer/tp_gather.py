@@ -1,26 +1,25 @@
-"""Full, unsharded weights from a tensor-parallel megatron model (what the rollout engine and exports need)."""
+"""Full, unsharded tensors from a tensor-parallel megatron model (what the rollout engine, exports
+and the parallel-equivalence tests need)."""
 from __future__ import annotations
 
 import torch
 
 
-def full_state_dict(model, hf_config=None) -> dict[str, torch.Tensor]:
-    """The model's state dict with every TP-sharded tensor gathered whole, on every TP rank."""
+def gather_full(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` keyed by parameter name, each TP-sharded one gathered whole, on every TP rank."""
     from megatron.core import parallel_state as mpu
 
-    sd = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v) and not k.endswith("_extra_state")}
     tp = mpu.get_tensor_model_parallel_world_size()
     if tp == 1:
-        return sd
+        return dict(tensors)
     group = mpu.get_tensor_model_parallel_group()
     params = dict(model.named_parameters())
     out = {}
-    for name, t in sd.items():
+    for name, t in tensors.items():
         p = params.get(name)
         if p is None or not getattr(p, "tensor_model_parallel", False):
             out[name] = t
             continue
-        dim = p.partition_dim
         parts = [torch.empty_like(t) for _ in range(tp)]
         torch.distributed.all_gather(parts, t.contiguous(), group=group)
         if name.endswith("mlp.linear_fc1.weight") and model.config.gated_linear_unit:
@@ -29,5 +28,17 @@ def full_state_dict(model, hf_config=None) -> dict[str, torch.Tensor]:
             out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
         else:
             # Fused QKV shards hold whole query groups, so a plain concat keeps the per-group layout.
-            out[name] = torch.cat(parts, dim=dim)
+            out[name] = torch.cat(parts, dim=p.partition_dim)
     return out
+
+
+def full_state_dict(model, hf_config=None) -> dict[str, torch.Tensor]:
+    """The model's state dict with every TP-sharded tensor gathered whole."""
+    sd = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v) and not k.endswith("_extra_state")}
+    return gather_full(model, sd)
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """The gradients of the last optimizer step (megatron keeps them in `main_grad`), gathered whole."""
+    grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters() if getattr(p, "main_grad", None) is not None}
+    return gather_full(model, grads)
