@@ -176,3 +176,35 @@ def test_run_on_a_leased_run_is_refused(prefect_harness, tmp_path, capsys):
         code = main(["run", "configs/tiny.yaml", "--run-id", "busy", "--set", f"storage.root={tmp_path}"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "is being written by pid" in err and len(err.splitlines()) == 1
+
+
+def test_killed_trainer_actor_is_rebuilt_by_the_chunk_retry(prefect_harness, ray_session, reference_final, tmp_path):
+    import threading
+
+    import psutil
+
+    from flows.pipeline import grpo_pipeline
+    root = tmp_path / "root"
+    rd = RunDir(str(root), "ray-kill")
+    killed: list[int] = []
+
+    def kill_trainer_mid_chunk():
+        deadline = time.time() + 300
+        while time.time() < deadline and not (Path(rd.checkpoint(2)) / "manifest.json").is_file():
+            time.sleep(0.1)
+        time.sleep(0.5)  # inside the second chunk
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            if "ray::MegatronTrainer" in " ".join(proc.info["cmdline"] or []):
+                proc.kill()
+                killed.append(proc.info["pid"])
+
+    killer = threading.Thread(target=kill_trainer_mid_chunk, daemon=True)
+    killer.start()
+    result = grpo_pipeline(config_path="configs/tiny.yaml", run_id="ray-kill",
+                           overrides=_overrides(root) + ["cluster.backend=ray"])
+    killer.join(timeout=10)
+    assert killed, "no trainer actor was found to kill"
+    assert result["train"]["actor_builds"] == 2  # rebuilt once, from checkpoints/latest
+    final = checkpoint.latest(rd)
+    assert final.rollout == 4
+    assert_same_checkpoint(checkpoint_tensors(final.path, tmp_path), reference_final)
