@@ -199,17 +199,28 @@ def test_tiny_weights_are_random_with_unit_norms(tied):
             assert t.std().item() == pytest.approx(0.02, rel=0.2), name
 
 
+def test_bpe_tokenizer_option_is_byte_level(work):
+    from transformers import AutoTokenizer
+    info = build_tiny_qwen3(work / "bpe_hf", seed=0, tokenizer="bpe")
+    tok = AutoTokenizer.from_pretrained(info["path"])
+    assert 300 <= len(tok) <= 512
+    text = "What is 12 + 345? ünïcode"
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+
 def test_tokenizer_round_trip_digits_and_chat_template(tied):
     from transformers import AutoTokenizer
 
     hf_dir, info = tied
     tok = AutoTokenizer.from_pretrained(hf_dir)
-    assert 300 <= len(tok) <= 512 and len(tok) == info["vocab_size"]
+    # one token per character: a random policy emits a digit often enough for GRPO to start
+    assert 40 <= len(tok) <= 128 and len(tok) == info["vocab_size"] and len(tok) % 8 == 0
     assert (tok.pad_token, tok.eos_token) == ("<|endoftext|>", "<|im_end|>")
     assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
-    text = "What is 12 + 345? Answer: 357. \\boxed{-8} ünïcode"
+    text = "What is 12 + 345? Answer: 357. \\boxed{-8}"
     ids = tok(text)["input_ids"]
-    assert tok.decode(ids) == text
+    assert len(ids) == len(text) and tok.decode(ids) == text
+    assert tok.decode(tok("é")["input_ids"]) == "<unk>"  # outside the alphabet
     digit_ids = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
     assert len(set(digit_ids)) == 10
     assert [tok.decode([i]) for i in tok("9876543210")["input_ids"]] == list("9876543210")

@@ -22,6 +22,7 @@ PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)  # ids 0, 1, 2
+UNK_TOKEN = "<unk>"
 
 # Qwen-style chat template: what the real Qwen3 template renders for plain user/assistant turns.
 CHAT_TEMPLATE = (
@@ -73,6 +74,34 @@ def builtin_corpus(seed: int = 0, n_lines: int = 3000) -> list[str]:
     return lines
 
 
+def _char_tokenizer(corpus: list[str]):
+    """One token per character of the corpus (plus digits and newline), no merges.
+
+    A vocab of ~56 means a random-init policy emits a digit about one token in six, so GRPO on the
+    one-digit arithmetic task starts from a reward it can climb; a byte-level vocab of 384 left the
+    reward at ~0 for dozens of rollouts (measured). Characters outside the alphabet become <unk>.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = sorted(set("".join(corpus)) | set("0123456789\n"))
+    vocab = {t: i for i, t in enumerate(list(SPECIAL_TOKENS) + [UNK_TOKEN] + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False)
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return _pad_vocab(tok)
+
+
+def _pad_vocab(tok):
+    # Pad with reserved special tokens to a multiple of 8 so that every id the model can emit is a
+    # real token (decode skips them) and the vocab splits evenly under tensor parallelism.
+    n = tok.get_vocab_size(with_added_tokens=True)
+    pad = (-n) % 8
+    if pad:
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(pad)])
+    return tok
+
+
 def _train_tokenizer(corpus: list[str], vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -92,13 +121,7 @@ def _train_tokenizer(corpus: list[str], vocab_size: int):
     )
     tok.train_from_iterator(corpus, trainer=trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
-    # Pad with reserved special tokens to a multiple of 8 so that every id the model can emit is a
-    # real token (decode skips them) and the vocab splits evenly under tensor parallelism.
-    n = tok.get_vocab_size(with_added_tokens=True)
-    pad = (-n) % 8
-    if pad:
-        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(pad)])
-    return tok
+    return _pad_vocab(tok)
 
 
 def _write_tokenizer(tok, out: Path) -> None:
@@ -156,13 +179,16 @@ def build_tiny_qwen3(
     tie_word_embeddings: bool = True,
     corpus: list[str] | None = None,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
+    tokenizer: str = "chars",
 ) -> dict[str, Any]:
     """Write a random tiny Qwen3 HF model dir to ``out_dir`` (atomically); return
-    ``{"path", "vocab_size", "n_params"}``."""
+    ``{"path", "vocab_size", "n_params"}``. ``tokenizer``: "chars" (one token per character,
+    ~56 tokens; the default, learnable from scratch) or "bpe" (byte-level BPE of ``vocab_size``)."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig, Qwen3Config
 
-    tok = _train_tokenizer(corpus if corpus is not None else builtin_corpus(seed), vocab_size)
+    text = corpus if corpus is not None else builtin_corpus(seed)
+    tok = _char_tokenizer(text) if tokenizer == "chars" else _train_tokenizer(text, vocab_size)
     n_vocab = tok.get_vocab_size(with_added_tokens=True)
     pad_id, eos_id = tok.token_to_id(PAD_TOKEN), tok.token_to_id(IM_END)
     cfg = Qwen3Config(
