@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("spec")
         sp.add_argument("--tracking-uri", default=None, help="default: the SQLite store under --root")
         sp.add_argument("--root", default="./grpoflow-data")
+
+    from flows.deploy_cli import add_parsers
+    add_parsers(sub)  # deploy, serve
     return p
 
 
@@ -141,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             return models_show(args.spec, args.tracking_uri, root=args.root)
         _prefect_env()
         _quiet_prefect_user_errors()
+        if args.cmd in ("deploy", "serve"):
+            from flows.deploy_cli import deploy_command, serve_command
+            return deploy_command(args) if args.cmd == "deploy" else serve_command(args)
         if args.cmd == "run":
             from runtime.config import load_config
             from runtime.plan import default_run_id
