@@ -28,7 +28,7 @@ def grpo_pipeline(config_path: str | None = None, overrides: list[str] | None = 
         cfg = frozen_config(probe, overrides)
     else:
         cfg = load_config(config_path, overrides)
-    rd = RunDir(root or cfg.storage.root, run_id)
+    rd = RunDir(root or cfg.storage.root, run_id, cfg.storage.state_dir).checked()  # fails early on an unusable S3 root
     with RunLease(rd):  # one writer per run
         freeze(cfg, rd)
         fetched = _stage(fetch_task, cfg, rd)

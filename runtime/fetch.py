@@ -103,12 +103,8 @@ def _publish_dir(build, dest_dir: str) -> None:
     with tempfile.TemporaryDirectory(prefix="grpoflow-fetch-") as tmp:
         scratch = Path(tmp)
         build(scratch)
-        files = sorted(p.name for p in scratch.iterdir() if p.is_file())
-        files.sort(key=lambda name: name == "config.json")
-        fs, root = storage.fs_for(dest_dir)
-        try:
-            for name in files:
-                fs.put_file(str(scratch / name), f"{root.rstrip('/')}/{name}")
+        try:  # bucket missing / access denied / unreachable: one-line StorageError from upload_dir
+            storage.upload_dir(scratch, dest_dir, last=["config.json"])
         except PermissionError as err:
             raise ModelError(f"{dest_dir}: access denied ({err}); check the storage credentials") from None
         except OSError as err:
@@ -161,8 +157,9 @@ def fetch_model(source: str, dest_dir: str, *, builtin_seed: int = 0) -> dict:
         def fill(scratch: Path) -> None:
             fs, _ = storage.fs_for(source)
             try:
-                for name, remote in remote_files.items():
-                    fs.get_file(remote, str(scratch / name))
+                with storage.s3_errors(source):  # bucket / access / endpoint: one-line StorageError
+                    for name, remote in remote_files.items():
+                        fs.get_file(remote, str(scratch / name))
             except PermissionError as err:
                 raise ModelError(f"{source}: access denied ({err}); check the storage credentials") from None
             except OSError as err:
@@ -231,6 +228,7 @@ def _is_connection_error(err: BaseException) -> bool:
 def _remote_model_files(source: str) -> dict[str, str]:
     fs, root = storage.fs_for(source)
     try:
+        storage.check_root(source, "model.source")  # bucket missing / access denied / unreachable: one-line StorageError
         if not fs.isdir(root):
             raise ModelError(f"model path does not exist: {source} (give a local dir, hf://org/name or s3://...)")
         entries = fs.ls(root, detail=True)
@@ -275,6 +273,7 @@ def fetch_dataset(source: str, dest_dir: str, name: str, *, split: str = "train"
     ext = next((e for e in DATASET_EXTENSIONS if source.lower().endswith(e)), None)
     local = source.removeprefix("file://")
     try:
+        storage.check_root(local, f"{field}.source")  # bucket missing / access denied / unreachable: one-line StorageError
         fs, fs_path = storage.fs_for(local)
         found = fs.exists(fs_path)
         is_dir = found and fs.isdir(fs_path)

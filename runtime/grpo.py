@@ -45,7 +45,7 @@ class TrainSession:
         from .data import PromptDataset
         self.cfg, self.rd = cfg, rd
         self.cluster = Cluster(cfg).start()
-        self.tokenizer = AutoTokenizer.from_pretrained(rd.hf_model)
+        self.tokenizer = AutoTokenizer.from_pretrained(rd.local(rd.hf_model))  # local copy on a remote run dir
         self.dataset = PromptDataset(rd.train_data, shuffle=cfg.data.shuffle)
         self.reward_fn = get_reward_fn(cfg.rollout.reward)
         self.custom_rollout = None
@@ -63,9 +63,9 @@ class TrainSession:
         self.close_actors()
         c = self.cfg
         self.trainer = self.cluster.trainer_group(
-            hf_dir=self.rd.hf_model, init_checkpoint=self.rd.torch_dist,
+            hf_dir=self.rd.local(self.rd.hf_model), init_checkpoint=self.rd.local(self.rd.torch_dist),
             train=c.train.model_dump(), algorithm=c.algorithm.model_dump(), temperature=c.rollout.temperature)
-        self.engine = self.cluster.engine(self.rd.hf_model)
+        self.engine = self.cluster.engine(self.rd.local(self.rd.hf_model))
         self.at = None
         self.builds += 1
 
@@ -256,7 +256,7 @@ class TrainSession:
                 problem = checkpoint.verify(path)
                 if problem is not None:
                     raise ChunkError(f"cannot evaluate rollout {rollout}: checkpoint {path} is unusable ({problem})")
-                ckpt = checkpoint.Checkpoint(rollout, path, json.loads(open(f"{path}/{checkpoint.STATE}").read()))
+                ckpt = checkpoint.Checkpoint(rollout, path, checkpoint.read_state(path), self.rd.state_dir)
             self.ensure_at(ckpt)
         c = self.cfg
         results = {}
@@ -273,7 +273,7 @@ class TrainSession:
 def _chunk_metrics(rd: RunDir, end: int) -> list[dict]:
     path = rd.checkpoint(end)
     if checkpoint.verify(path) is None:
-        return json.loads(open(f"{path}/{checkpoint.STATE}").read()).get("metrics", [])
+        return checkpoint.read_state(path).get("metrics", [])
     return []
 
 

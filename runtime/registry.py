@@ -268,12 +268,17 @@ def export_checkpoint(rd: RunDir, rollout: int, hf_dir: str | None = None, *, dt
     out = rd.export(rollout)
     if export_complete(out):
         return {"path": out, "skipped": True}
-    ckpt = Path(rd.checkpoint(rollout))
-    if not (ckpt / "manifest.json").is_file():
+    from .checkpoint import stage
+
+    ckpt = rd.checkpoint(rollout)
+    if not storage.exists(storage.join(ckpt, "manifest.json")):
         raise ModelError(f"checkpoint {ckpt} does not exist or is incomplete (no manifest.json); "
                          f"it was pruned (raise checkpoint.keep_last) or never finished")
-    return export_trainer_checkpoint(ckpt / "model", hf_dir or rd.hf_model, out, dtype=dtype,
-                                     provenance={"run_id": rd.run_id, "rollout": int(rollout)})
+    # On a remote run dir: local copies (the checkpoint's is usually still staged from its save).
+    local = Path(stage(ckpt, rd.state_dir))
+    return export_trainer_checkpoint(local / "model", rd.local(hf_dir or rd.hf_model), out, dtype=dtype,
+                                     provenance={"run_id": rd.run_id, "rollout": int(rollout),
+                                                 "source": storage.join(ckpt, "model")})
 
 
 __all__ = [

@@ -78,8 +78,10 @@ def convert(cfg: GrpoConfig, rd: RunDir, fetched: dict) -> dict:
     inputs = convert_inputs(cfg)
 
     def work() -> dict:
-        report = hf_to_torch_dist(rd.hf_model, rd.torch_dist, tolerance=cfg.model.parity_tolerance)
-        return {"torch_dist": rd.torch_dist, "parity": report}
+        # A remote run dir: convert into the local scratch, then upload (metadata.json last).
+        with storage.output_dir(rd.torch_dist, rd.state_dir, last=["metadata.json"]) as out:
+            report = hf_to_torch_dist(rd.local(rd.hf_model), out, tolerance=cfg.model.parity_tolerance)
+        return {"torch_dist": rd.torch_dist, "parity": {**report, "path": rd.torch_dist, "source": rd.hf_model}}
 
     return run_stage(rd, "convert", inputs, work)
 
@@ -94,7 +96,7 @@ def prepare(cfg: GrpoConfig, rd: RunDir, fetched: dict) -> dict:
     inputs = prepare_inputs(cfg)
 
     def work() -> dict:
-        tokenizer = AutoTokenizer.from_pretrained(rd.hf_model)
+        tokenizer = AutoTokenizer.from_pretrained(rd.local(rd.hf_model))
         common = dict(tokenizer=tokenizer, apply_chat_template=d.apply_chat_template,
                       system_prompt=d.system_prompt, max_prompt_len=d.max_prompt_len)
 

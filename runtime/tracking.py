@@ -162,10 +162,13 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(path) if path and path != ":memory:" else None
 
 
-def _artifact_location(uri: str) -> str | None:
+def _artifact_location(uri: str, root: str | None = None) -> str | None:
     """Where a new experiment of a SQLite store keeps artifacts: beside the database (MLflow's own
-    default is ./mlruns of the current directory). None: the server decides."""
+    default is ./mlruns of the current directory), or ``<root>/mlartifacts`` when the storage root is
+    remote (MLflow uploads with boto3: MLFLOW_S3_ENDPOINT_URL or AWS_ENDPOINT_URL). None: the server decides."""
     db = sqlite_path(uri)
+    if db is not None and root and storage.is_remote(root):
+        return storage.join(root, "mlartifacts")
     return (db.parent / "mlartifacts").resolve().as_uri() if db is not None else None
 
 
@@ -248,7 +251,7 @@ class Tracker:
         exp = self.client.get_experiment_by_name(name)
         if exp is None:
             try:
-                return self.client.create_experiment(name, artifact_location=_artifact_location(self.uri))
+                return self.client.create_experiment(name, artifact_location=_artifact_location(self.uri, self.rd.root))
             except MlflowException as err:  # created by someone else meanwhile
                 if getattr(err, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
                     raise
