@@ -7,7 +7,6 @@ dead, rebuilds them from the newest intact checkpoint. Every sample's randomness
 """
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time
