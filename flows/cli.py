@@ -128,7 +128,7 @@ def _summary(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from runtime.errors import UserError
+    from runtime.errors import TransientError, UserError
 
     try:
         if args.cmd == "validate":
@@ -174,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
+    except TransientError as err:
+        # still failing after the task's retries: nothing is lost, `grpoflow resume` continues later
+        print(f"error: {' '.join(str(err).split())} (still failing after retries; resume the run later)",
+              file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -28,10 +28,29 @@ def evaluate_task(session: TrainSession, rollout: int) -> dict:
     return session.evaluate(rollout)
 
 
+class LazyTracker:
+    """The run's MLflow tracker, attached on first use inside a task, so an MLflow outage is retried."""
+
+    def __init__(self, cfg: GrpoConfig, rd: RunDir):
+        self.cfg, self.rd, self._tracker = cfg, rd, None
+
+    def get(self):
+        if self._tracker is None:
+            from runtime.tracking import Tracker
+            self._tracker = Tracker(self.cfg, self.rd)
+        return self._tracker
+
+
+@task(name="log-metrics", task_run_name="log-metrics-{end}", **_retrying)
+def log_metrics_task(tracking: LazyTracker, metrics: list[dict], end: int) -> int:
+    return tracking.get().log_rollout_metrics(metrics)  # steps already logged are skipped
+
+
 @task(name="register", task_run_name="register-{rollout}", **_retrying)
-def register_task(cfg: GrpoConfig, rd: RunDir, tracker, rollout: int, results: dict) -> dict | None:
+def register_task(cfg: GrpoConfig, rd: RunDir, tracking: LazyTracker, rollout: int, results: dict) -> dict | None:
     from runtime.evaluate import numeric_metrics
     from runtime.registry import export_checkpoint, register_checkpoint
+    tracker = tracking.get()
     tracker.log_eval(rollout, results)
     if rollout == 0 or not tracker.enabled:
         return None  # the untrained model is the fetched one: nothing new to register
@@ -45,9 +64,8 @@ def register_task(cfg: GrpoConfig, rd: RunDir, tracker, rollout: int, results: d
 
 
 def train_stage(cfg: GrpoConfig, rd: RunDir, converted: dict, prepared: dict) -> dict:
-    from runtime.tracking import Tracker
     check_trainable(cfg)
-    tracker = Tracker(cfg, rd)
+    tracking = LazyTracker(cfg, rd)
     session = TrainSession(cfg, rd)
     table = RolloutTable()
     eval_points = set(cfg.eval_points()) if cfg.data.eval else set()
@@ -55,18 +73,18 @@ def train_stage(cfg: GrpoConfig, rd: RunDir, converted: dict, prepared: dict) ->
 
     def eval_and_register(rollout: int) -> None:
         evals[rollout] = evaluate_task(session, rollout)
-        versions[rollout] = register_task(cfg, rd, tracker, rollout, evals[rollout])
+        versions[rollout] = register_task(cfg, rd, tracking, rollout, evals[rollout])
 
     try:
         if 0 in eval_points:
             eval_and_register(0)
         for start, end in cfg.chunk_bounds():
             chunk = train_chunk(session, start, end, table)
-            tracker.log_rollout_metrics(chunk["metrics"])  # steps already logged are skipped
+            log_metrics_task(tracking, chunk["metrics"], end)
             chunks.append(chunk)
             if end in eval_points:
                 eval_and_register(end)
-        tracker.finish()
+        tracking.get().finish()
     finally:
         session.close()
     done = [c for c in chunks if not c["skipped"]]
@@ -75,4 +93,4 @@ def train_stage(cfg: GrpoConfig, rd: RunDir, converted: dict, prepared: dict) ->
                f"final reward_mean {last[0].get('reward_mean', float('nan')):.3f}")
     return {"status": "done" if done else "skipped (done before)", "summary": summary, "chunks": chunks,
             "evals": evals, "versions": versions, "checkpoint": rd.checkpoint(cfg.train.num_rollout),
-            "actor_builds": session.builds, "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri}
+            "actor_builds": session.builds, "mlflow_run_id": tracking.get().run_id, "tracking_uri": tracking.get().uri}

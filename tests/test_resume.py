@@ -92,6 +92,15 @@ def test_sigkill_during_rollout_then_resume_is_bitwise_equal(prefect_harness, re
     assert final.rollout == 4
     assert [m["rollout"] for m in final.state["metrics"]] == [2, 3]  # the chunk ran exactly its rollouts
     assert_same_checkpoint(checkpoint_tensors(final.path, tmp_path), reference_final)
+    # MLflow: the resumed run re-attached to the same MLflow run, one point per rollout per metric
+    import json
+
+    from mlflow.tracking import MlflowClient
+    doc = json.loads(Path(rd.sub("tracking.json")).read_text())
+    client = MlflowClient(doc["tracking_uri"])
+    for metric in ("reward_mean", "loss", "kl", "grad_norm"):
+        steps = sorted(m.step for m in client.get_metric_history(doc["mlflow_run_id"], metric))
+        assert steps == [0, 1, 2, 3], (metric, steps)
 
 
 def test_sigkill_during_checkpoint_write_then_resume(prefect_harness, reference_final, tmp_path):
@@ -208,3 +217,26 @@ def test_killed_trainer_actor_is_rebuilt_by_the_chunk_retry(prefect_harness, ray
     final = checkpoint.latest(rd)
     assert final.rollout == 4
     assert_same_checkpoint(checkpoint_tensors(final.path, tmp_path), reference_final)
+
+
+def test_mlflow_outage_during_registration_is_retried_then_named(prefect_harness, reference_run, tmp_path,
+                                                                 capsys, monkeypatch):
+    """Registration against an unreachable MLflow server: the task retries, then one line naming the URI;
+    the checkpoints are untouched."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    root = _copy_reference(reference_run, tmp_path / "root")
+    rd = RunDir(str(root), "ref")
+    before = {p: p.stat().st_size for p in Path(rd.checkpoints).rglob("*") if p.is_file()}
+    # a fresh eval point forces evaluate + register at rollout 4 against the dead server
+    for f in Path(rd.sub("eval")).glob("*.json"):
+        f.unlink()
+    code = main(["resume", "ref", "--root", str(root), "--set", f"tracking.uri={dead}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 3 and dead in err[-1] and "after retries" in err[-1], err
+    after = {p: p.stat().st_size for p in Path(rd.checkpoints).rglob("*") if p.is_file()}
+    assert after == before
