@@ -18,7 +18,7 @@ def test_reference_run_writes_every_stage(reference_run):
     assert (Path(rd.hf_model) / "config.json").is_file()
     parity = json.loads((Path(rd.torch_dist) / "parity.json").read_text())
     assert parity["max_abs_logit_diff"] <= 1e-4
-    assert Path(rd.train_data).is_file() and Path(rd.eval_data("arith")).is_file()
+    assert Path(rd.train_data).is_file() and Path(rd.eval_data("copy")).is_file()
     assert res["prepare"]["train"]["rows_out"] > 0
     ck = checkpoint.latest(rd)
     assert ck is not None and ck.rollout == 4
@@ -73,7 +73,7 @@ def test_validate_missing_file(capsys):
 def test_validate_prints_plan(capsys):
     assert main(["validate", "configs/tiny.yaml"]) == 0
     out = capsys.readouterr().out
-    assert "8 × 8 = 64" in out and "3 chunks of 2 rollouts" in out
+    assert "8 × 16 = 128" in out and "3 chunks of 2 rollouts" in out
 
 
 def _write_jsonl(path: Path, lines: list[str]) -> str:
