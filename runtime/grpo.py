@@ -237,7 +237,8 @@ class TrainSession:
             raise ChunkError(f"chunk [{start}, {end}) trained nothing")
         self.at = end
         self.state = {**state, "rollout": end}
-        return {"start": start, "end": end, "skipped": False, "metrics": chunk_metrics}
+        return {"start": start, "end": end, "skipped": False, "metrics": chunk_metrics,
+                "trainer_pid": self.trainer.call("pid")[0]}
 
 
     # -- evaluation ----------------------------------------------------------------------------

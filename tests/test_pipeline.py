@@ -28,8 +28,9 @@ def test_reference_run_writes_every_stage(reference_run):
                 "response_len_mean", "response_len_max", "truncated_frac", "rollout_tok_s", "train_tok_s",
                 "step_time_s"):
         assert key in metrics[0], key
-    # the policy moved: the first chunk's checkpoint and the last one hold different weights
     assert res["train"]["actor_builds"] == 1  # actors were reused across the 2 chunks
+    pids = {c["trainer_pid"] for c in res["train"]["chunks"]}
+    assert len(pids) == 1, pids
 
 
 def test_rerun_same_run_id_skips_finished_work(reference_run, capsys):
