@@ -59,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="check a config and print the plan")
     v.add_argument("config")
+    v.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GPU memory for the estimate (default 80)")
     with_overrides(v)
 
     r = sub.add_parser("run", help="run the pipeline (fetch → convert → prepare → train → eval → register)")
@@ -135,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             from runtime.config import load_config
             cfg = load_config(args.config, args.overrides)
             _print_plan(cfg)
+            from runtime.plan import memory_lines
+            for line in memory_lines(cfg, args.gpu_mem_gb):
+                print(line)
             print("config is valid")
             return 0
         if args.cmd == "models":

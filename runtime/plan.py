@@ -10,6 +10,12 @@ def default_run_id(cfg: GrpoConfig) -> str:
     return f"{cfg.name}-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
 
 
+def _short(points: list[int]) -> str:
+    if len(points) <= 6:
+        return str(points)
+    return f"[{points[0]}, {points[1]}, {points[2]}, …, {points[-1]}] ({len(points)} evals)"
+
+
 def plan_lines(cfg: GrpoConfig) -> list[str]:
     r, t, c, e = cfg.rollout, cfg.train, cfg.checkpoint, cfg.eval
     samples = cfg.samples_per_rollout
@@ -30,10 +36,37 @@ def plan_lines(cfg: GrpoConfig) -> list[str]:
         f"total         {t.num_rollout} rollouts × {samples} samples = {t.num_rollout * samples} samples, "
         f"{t.num_rollout * t.num_steps_per_rollout} optimizer steps",
         f"chunking      {len(chunks)} chunks of {c.interval} rollouts (one checkpoint each, keep last {c.keep_last})",
-        f"eval          after rollouts {evals}, {e.n_samples_per_prompt} samples/prompt, pass@{e.pass_k}",
+        f"eval          after rollouts {_short(evals)}, {e.n_samples_per_prompt} samples/prompt, pass@{e.pass_k}",
         f"cluster       backend={cfg.cluster.backend}"
         + (f" address={cfg.cluster.address}" if cfg.cluster.address else "")
         + f" colocate={cfg.cluster.colocate} engine={r.engine}",
         f"storage       {cfg.storage.root}/runs/<run_id>/",
     ]
     return lines
+
+
+def _model_config_offline(source: str):
+    """The model's HF config without downloading weights: a local dir, or the local HF cache for hf://."""
+    from .models import load_hf_config
+    if source.startswith("hf://"):
+        from huggingface_hub import hf_hub_download
+        repo, _, rev = source[len("hf://"):].partition("@")
+        path = hf_hub_download(repo, "config.json", revision=rev or None, local_files_only=True)
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(path.rsplit("/", 1)[0])
+    if "://" in source:
+        return None
+    return load_hf_config(source)
+
+
+def memory_lines(cfg: GrpoConfig, gpu_mem_gb: float) -> list[str]:
+    """The per-GPU memory estimate, when the model's config.json is at hand (no download)."""
+    from .memory import estimate_for_config, format_estimate
+    try:
+        hf_config = _model_config_offline(cfg.model.source)
+    except Exception:  # noqa: BLE001 - not cached / not a model dir: validate stays offline and fast
+        hf_config = None
+    if hf_config is None:
+        return [f"memory        no estimate: {cfg.model.source} has no config.json at hand "
+                f"(give a local model dir, or fetch it once so the HF cache has it)"]
+    return format_estimate(estimate_for_config(cfg, hf_config, gpu_mem_gb=gpu_mem_gb)).splitlines()

@@ -146,3 +146,11 @@ def test_tracking_has_one_point_per_rollout_after_rerun(reference_run):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(version["export_uri"])
     assert model.config.model_type == "qwen3"
+
+
+def test_validate_prints_a_memory_estimate_for_a_local_model(reference_run, capsys):
+    model = RunDir(reference_run["root"], "ref").hf_model
+    assert main(["validate", "configs/tiny.yaml", "--set", f"model.source={model}", "--gpu-mem-gb", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per GPU" in out and "KV cache" in out
+    assert "DOES NOT FIT" in out, out  # its 1 GiB overhead alone exceeds 0.5 GiB
