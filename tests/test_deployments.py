@@ -148,7 +148,7 @@ def _deploy(server, *args: str, env: dict | None = None) -> subprocess.Completed
 def _tiny(root: Path) -> list[str]:
     # one chunk of 2 rollouts at half the tiny batch, a small eval, no MLflow: seconds of work per run
     sets = ["train.num_rollout=2", "checkpoint.interval=2", "eval.interval=null", "eval.max_prompts=8",
-            "rollout.rollout_batch_size=4", "train.global_batch_size=32", "tracking.enabled=false",
+            "rollout.rollout_batch_size=4", "train.global_batch_size=64", "train.micro_batch_size=32", "tracking.enabled=false",
             f"storage.root={root}"]
     return [a for s in sets for a in ("--set", s)]
 

@@ -174,7 +174,7 @@ def test_every_stage_writes_to_s3(s3, s3_run):
     from runtime.rundir import RunDir
     keys = _keys(s3["client"], _run_prefix() + "/")
     for rel in ("config.yaml", "model/hf/config.json", "model/hf/model.safetensors", "model/torch_dist/metadata.json",
-                "model/torch_dist/parity.json", "data/train.parquet", "data/eval/arith.parquet",
+                "model/torch_dist/parity.json", "data/train.parquet", "data/eval/copy.parquet",
                 "stages/fetch.json", "stages/convert.json", "stages/prepare.json", "checkpoints/latest",
                 "checkpoints/rollout_2/manifest.json", "checkpoints/rollout_4/manifest.json",
                 "checkpoints/rollout_4/trainer_state.json", "exports/rollout_4/hf/grpoflow_export.json",
