@@ -238,6 +238,12 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: st
         _mark_tensor_parallel_params(model)
     if device == "cuda":
         model = model.cuda(torch.cuda.current_device())
+    if dtype in (torch.bfloat16, torch.float16):
+        # What megatron's Float16Module does to the model it wraps: every parameter (and floating
+        # buffer) in the low-precision dtype. The local spec builds its norms in fp32 otherwise, and
+        # megatron's mixed-precision optimizer then has fp32 params that its sharded state dict
+        # cannot place ("Param id N does not match any model sharded param" at save).
+        model = model.to(dtype=dtype)
     return model
 
 

@@ -5,11 +5,16 @@ It is the rollout path wherever SGLang cannot run (CPU, and the GPU machine here
 sample depend on its batch neighbours and on process history; our loop draws every token from
 `keyed_sampling`, so a request's output depends only on its prompt, key, sampling params and
 the weights.
+
+On CUDA (and on request elsewhere) `generate` takes the fast path of `static_decode`: a bounded
+static KV cache, continuous batching, CUDA-graph decode and the same keyed sampling on the GPU.
+The slow path below stays the reference (and the path for model families the fast one lacks).
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import os
 
 import torch
@@ -20,6 +25,8 @@ from runtime.rollout.base import RolloutEngine, SampleRequest, SampleResult, Sam
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_key_hash, sample_next
 
 _ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+
+log = logging.getLogger("grpoflow.rollout")
 
 
 def _as_id_set(value) -> set[int]:
@@ -47,7 +54,14 @@ class BuiltinEngine(RolloutEngine):
         max_batch_size: int = 64,
         attn_implementation: str = "sdpa",
         compile_sampling: bool = False,
+        fast_decode: bool | None = None,
+        kv_cache_gb: float | None = None,
+        cuda_graphs: bool | None = None,
+        compile_decode: bool | None = None,
     ):
+        """fast_decode: None = on for CUDA when the model family has it (`static_decode`), off on CPU;
+        True insists (error if the family lacks it). kv_cache_gb bounds the fast path's KV cache
+        (None: half the free GPU memory at first use). cuda_graphs / compile_decode: None = on for CUDA."""
         if max_batch_size < 1:
             raise ConfigError(f"rollout max_batch_size must be >= 1, got {max_batch_size}: fix rollout.max_batch_size")
         if attn_implementation not in _ATTN_IMPLEMENTATIONS:
@@ -75,6 +89,19 @@ class BuiltinEngine(RolloutEngine):
         self._gumbel_fn = compiled_gumbel_noise() if compile_sampling else gumbel_noise
         self._weight_version = 0
         self._closed = False
+        self.fast = None
+        want_fast = (self.device.type == "cuda") if fast_decode is None else bool(fast_decode)
+        if want_fast:
+            from runtime.rollout.static_decode import StaticDecoder, unsupported_reason
+
+            reason = unsupported_reason(self.model)
+            if reason is None:
+                self.fast = StaticDecoder(self.model, max_slots=self.max_batch_size, kv_cache_gb=kv_cache_gb,
+                                          cuda_graphs=cuda_graphs, compile=compile_decode)
+            elif fast_decode:
+                raise ConfigError(f"fast decode asked for, but {model_dir}: {reason}")
+            else:
+                log.info("built-in engine: slow decode path (%s)", reason)
 
     # ---- RolloutEngine ------------------------------------------------------------------------
 
@@ -84,6 +111,8 @@ class BuiltinEngine(RolloutEngine):
 
     def generate(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
         self._check_open()
+        if self.fast is not None and requests:
+            return self._generate_fast(requests, sampling)
         results: list[SampleResult] = []
         for start in range(0, len(requests), self.max_batch_size):
             results.extend(self._generate_batch(requests[start : start + self.max_batch_size], sampling))
@@ -117,12 +146,16 @@ class BuiltinEngine(RolloutEngine):
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "max_batch_size": self.max_batch_size,
+            "decode_path": "static" if self.fast is not None else "dynamic",
         }
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self.fast is not None:
+            self.fast.release()
+            self.fast = None
         del self.model
         gc.collect()
         if self.device.type == "cuda":
@@ -159,6 +192,23 @@ class BuiltinEngine(RolloutEngine):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.vocab_size}), got range [{int(ids.min())}, {int(ids.max())}]")
 
+    def _stop_ids(self, sampling: SamplingParams) -> set[int]:
+        return set(self.eos_token_ids) | set(sampling.stop_token_ids)
+
+    def _generate_fast(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
+        for r in requests:
+            if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.vocab_size:
+                raise ValueError(f"token ids must be in [0, {self.vocab_size}), got range "
+                                 f"[{min(r.prompt_ids)}, {max(r.prompt_ids)}]")
+        key_hash = sample_key_hash(torch.tensor([r.key for r in requests], dtype=torch.long, device=self.device))
+        ids, lps, finish = self.fast.generate([list(r.prompt_ids) for r in requests], key_hash, sampling,
+                                              self._stop_ids(sampling))
+        return [
+            SampleResult(prompt_ids=list(r.prompt_ids), response_ids=i, response_logprobs=lp,
+                         text=self.tokenizer.decode(i, skip_special_tokens=True), finish_reason=f)
+            for r, i, lp, f in zip(requests, ids, lps, finish)
+        ]
+
     @torch.inference_mode()
     def _generate_batch(self, batch: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
         if not batch:
@@ -176,7 +226,7 @@ class BuiltinEngine(RolloutEngine):
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         key_hash = sample_key_hash(torch.tensor([r.key for r in batch], dtype=torch.long, device=device))
-        stop_ids = torch.tensor(sorted(self.eos_token_ids | set(sampling.stop_token_ids)), dtype=torch.long, device=device)
+        stop_ids = torch.tensor(sorted(self._stop_ids(sampling)), dtype=torch.long, device=device)
 
         cache = DynamicCache(config=self.model.config)
         logits = self.model(

@@ -1,0 +1,829 @@
+"""GPU speed of grpoflow's GRPO step: the built-in engine, the megatron trainer and the whole train
+stage, measured against TRL's GRPOTrainer on the same model and shapes, in one run.
+
+    python bench/gpu_grpo.py                 # H100: Qwen3-0.6B-shaped random model, bf16 (< 10 min)
+    python bench/gpu_grpo.py --cpu           # CI smoke: tiny shapes on CPU, same code paths (< 30 s)
+    python bench/gpu_grpo.py --sections engine,trainer --out /tmp/o
+
+Sections (each its own process on GPU, so a crash or a hang costs only itself):
+  setup    random HF model (save_pretrained) + tokenizer, HF -> torch_dist conversion, prepared data
+  engine   (a) decode tok/s of the built-in engine at batch 128 (16 prompts x 8 samples, 256-token
+           prompts, 512 new tokens at fixed length), with correctness: fast path vs the slow HF path
+           (tokens, log-probs), CUDA-graph replay vs eager, compiled vs eager keyed sampler
+  trainer  (b) trainer tok/s and MFU for 128 x 768 tokens (bf16, fp32 master weights, flash attention,
+           chunked output layer); engine vs trainer log-probs on the same samples
+  stage    (c) the real train stage (runtime.grpo.TrainSession, cluster.backend local): rollouts of
+           16 x 8 x 512, reward, update, weight sync, checkpoint; rollout/train tok/s, step time, peak memory
+  trl      (d) TRL GRPOTrainer, same model and shapes (HF generate, no vLLM)
+  long     realistic lengths: up to 8k new tokens, lengths set by stop tokens (a set of token ids
+           whose total probability gives ~2k mean length), continuous batching, bounded KV cache
+Results: one JSON line per section in OUT/results.jsonl, the summary (device, date, ratios) in
+OUT/gpu_grpo.json and, with --results-dir, a copy in bench/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# Measured in this environment (shared/anchors, H100, 2026-11-22): the references for the ratios.
+ANCHORS = {"hf_generate_tok_s": 3937, "megatron_local_train_tok_s": 35500, "hf_train_tok_s": 46700,
+           "trl_s_per_step": 19.5, "copy_GBps": 2967.0, "decode_fa2_prototype_tok_s": 22700}
+PEAK_BF16 = 989e12  # H100 SXM dense bf16 (datasheet)
+
+SHAPES = {
+    "gpu": dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=3072, vocab=151936,
+                prompts=16, samples=8, prompt_len=256, new=512, micro_batch=16, decode_reps=2, train_steps=3,
+                rollouts=3, trl_steps=3, compare_rows=16, compare_new=64, long_new=8192, long_mean=2000,
+                long_kv_gb=48.0, dtype="bfloat16", device="cuda"),
+    "cpu": dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=512,
+                prompts=2, samples=2, prompt_len=12, new=8, micro_batch=2, decode_reps=1, train_steps=1,
+                rollouts=1, trl_steps=0, compare_rows=4, compare_new=6, long_new=24, long_mean=8,
+                long_kv_gb=0.01, dtype="float32", device="cpu"),
+}
+SECTIONS = ("setup", "engine", "trainer", "stage", "trl", "long")
+SECTION_MAX_S = {"setup": 150, "engine": 200, "trainer": 180, "stage": 300, "trl": 200, "long": 200}
+SECTION_MIN_S = {"trl": 150}  # a section that cannot finish in less is skipped, not started
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+
+def _torch():
+    import torch
+    return torch
+
+
+def sync(S):
+    if S["device"] == "cuda":
+        _torch().cuda.synchronize()
+
+
+def peak_gib(S) -> float:
+    torch = _torch()
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if S["device"] == "cuda" else 0.0
+
+
+def reset_peak(S) -> None:
+    if S["device"] == "cuda":
+        _torch().cuda.reset_peak_memory_stats()
+
+
+def dtype_of(S):
+    torch = _torch()
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[S["dtype"]]
+
+
+def n_params(S) -> dict:
+    h, L, nh, kv, hd, ff, V = (S[k] for k in ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab"))
+    layer = h * (nh + 2 * kv) * hd + nh * hd * h + 3 * h * ff + 2 * h + 2 * hd
+    emb = V * h
+    return {"total": emb + L * layer + h, "embedding": emb, "non_embedding": L * layer + h}
+
+
+def kv_bytes_per_token(S) -> int:
+    return S["layers"] * 2 * S["kv_heads"] * S["head_dim"] * (2 if S["dtype"] == "bfloat16" else 4)
+
+
+def prompts_ids(S, n: int, seed: int = 0) -> list[list[int]]:
+    torch = _torch()
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, S["vocab"], (n, S["prompt_len"]), generator=g).tolist()
+
+
+def env_info(S) -> dict:
+    import platform
+    torch = _torch()
+    info = {"python": platform.python_version(), "torch": torch.__version__, "mode": S["device"]}
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        import megatron.core
+        info["megatron_core"] = getattr(megatron.core, "__version__", "?")
+    except Exception:  # noqa: BLE001
+        pass
+    if S["device"] == "cuda" and torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sms=p.multi_processor_count, mem_GiB=round(p.total_memory / 2**30, 1))
+    return info
+
+
+def kernel_profile(S, fn, top: int = 14) -> dict | None:
+    """GPU time by kernel over one call of fn (CUDA only): where the time goes, for the bound."""
+    if S["device"] != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    sync(S)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(S)
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t and t > 0:
+            rows.append((e.key, float(t), int(e.count)))
+    total = sum(r[1] for r in rows) or 1.0
+    cats: dict = {}
+    for k, t, _ in rows:
+        n = k.lower()
+        c = ("attention" if "flash" in n or "fmha" in n or "attention" in n else
+             "gemm" if any(x in n for x in ("gemm", "cutlass", "nvjet", "sm90_", "xmma", "cublas")) else
+             "triton_fused" if "triton" in n else
+             "copy/index" if any(x in n for x in ("copy", "index", "scatter", "gather", "cat")) else
+             "reduce/softmax" if any(x in n for x in ("reduce", "softmax", "norm", "logsumexp")) else
+             "elementwise" if "elementwise" in n or "vectorized" in n else "other")
+        cats[c] = cats.get(c, 0.0) + t
+    rows.sort(key=lambda r: -r[1])
+    return {"gpu_ms": round(total / 1e3, 2),
+            "by_category_pct": {k: round(100 * v / total, 1) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "top": [{"kernel": k[:100], "ms": round(t / 1e3, 2), "pct": round(100 * t / total, 1), "count": c}
+                    for k, t, c in rows[:top]]}
+
+
+# ---- sections -----------------------------------------------------------------------------------------
+
+def sec_setup(S, W: Path) -> dict:
+    """Random HF model + tokenizer, torch_dist conversion, prepared prompts (~prompt_len tokens each)."""
+    torch = _torch()
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    from runtime.convert import hf_to_torch_dist
+    from runtime.data import prepare_dataset
+    from runtime.models.tiny import _WORDS, build_tiny_qwen3
+
+    t0 = time.time()
+    for d in ("tok", "hf", "td", "data"):
+        shutil.rmtree(W / d, ignore_errors=True)
+    tok_info = build_tiny_qwen3(W / "tok")
+    tok = AutoTokenizer.from_pretrained(W / "tok")
+    cfg = Qwen3Config(vocab_size=S["vocab"], hidden_size=S["hidden"], intermediate_size=S["ffn"],
+                      num_hidden_layers=S["layers"], num_attention_heads=S["heads"],
+                      num_key_value_heads=S["kv_heads"], head_dim=S["head_dim"], hidden_act="silu",
+                      max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                      attention_bias=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                      bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      dtype=S["dtype"])
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    with torch.device(S["device"]):
+        model = Qwen3ForCausalLM(cfg)
+    model = model.to(dtype_of(S))
+    model.save_pretrained(W / "hf")
+    del model
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (W / "tok" / f).exists():
+            shutil.copyfile(W / "tok" / f, W / "hf" / f)
+    GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=True,
+                     temperature=1.0, top_p=1.0, top_k=0).save_pretrained(W / "hf")
+    if S["device"] == "cuda":
+        torch.cuda.empty_cache()
+    t_model = time.time() - t0
+    parity = hf_to_torch_dist(W / "hf", W / "td", tolerance=1e-3)
+    t_conv = time.time() - t0 - t_model
+    # prompts of ~prompt_len tokens from the tokenizer's words
+    import random
+    rng = random.Random(0)
+    rows = []
+    for i in range(max(64, S["prompts"] * (S["rollouts"] + 1))):
+        words = []
+        while len(tok(" ".join(words))["input_ids"]) < S["prompt_len"]:
+            words.append(rng.choice(_WORDS))
+        ids = tok(" ".join(words))["input_ids"][: S["prompt_len"]]
+        rows.append({"prompt": tok.decode(ids), "label": str(i % 10)})
+    (W / "data").mkdir(parents=True, exist_ok=True)
+    with open(W / "data" / "train.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    prep = prepare_dataset(str(W / "data" / "train.jsonl"), str(W / "data" / "train.parquet"), fmt="slime",
+                           tokenizer=tok, apply_chat_template=False, max_prompt_len=4 * S["prompt_len"])
+    return {"name": "setup", "model_s": round(t_model, 1), "convert_s": round(t_conv, 1),
+            "parity_max_abs_logit_diff": parity.get("max_abs_logit_diff"), "n_params": n_params(S),
+            "tokenizer_vocab": tok_info.get("vocab_size"), "prepared": {k: prep[k] for k in prep if k in ("rows", "dropped")},
+            "total_s": round(time.time() - t0, 1)}
+
+
+def _engine(S, W, **kw):
+    from runtime.rollout.builtin import BuiltinEngine
+    return BuiltinEngine(str(W / "hf"), device=S["device"], dtype=dtype_of(S),
+                         max_batch_size=kw.pop("max_batch_size", S["prompts"] * S["samples"]), **kw)
+
+
+def _requests(S, n_prompts: int, n_samples: int, rollout: int = 0, seed: int = 0):
+    from runtime.rollout.base import SampleRequest
+    ids = prompts_ids(S, n_prompts, seed)
+    return [SampleRequest(prompt_ids=ids[p], key=(7, rollout, p, j)) for p in range(n_prompts) for j in range(n_samples)]
+
+
+def _agreement(a, b) -> dict:
+    """How far two lists of SampleResults agree: identical responses, common prefixes, log-prob diffs there."""
+    same = sum(x.response_ids == y.response_ids for x, y in zip(a, b))
+    prefix, total, diffs = 0, 0, []
+    for x, y in zip(a, b):
+        n = 0
+        for s, t in zip(x.response_ids, y.response_ids):
+            if s != t:
+                break
+            n += 1
+        prefix += n
+        total += max(len(x.response_ids), 1)
+        diffs += [abs(p - q) for p, q in zip(x.response_logprobs[:n], y.response_logprobs[:n])]
+    return {"rows_identical": f"{same}/{len(a)}", "rows_identical_frac": round(same / max(len(a), 1), 4),
+            "common_prefix_frac": round(prefix / max(total, 1), 4),
+            "logprob_absdiff_max": max(diffs) if diffs else None,
+            "logprob_absdiff_mean": (sum(diffs) / len(diffs)) if diffs else None}
+
+
+def sec_engine(S, W: Path) -> dict:
+    torch = _torch()
+    from runtime.rollout.base import SamplingParams
+    from runtime.rollout.keyed_sampling import sample_key_hash, sample_next
+    from runtime.rollout.static_decode import plain_sample
+
+    res: dict = {"name": "engine"}
+    B, P, NEW = S["prompts"] * S["samples"], S["prompt_len"], S["new"]
+    t0 = time.time()
+    eng = _engine(S, W, fast_decode=True)
+    eng.eos_token_ids = set()  # fixed length: no stop token (a random model would hit eos at random)
+    res["load_s"] = round(time.time() - t0, 1)
+    reqs = _requests(S, S["prompts"], S["samples"])
+    sp = SamplingParams(temperature=1.0, max_new_tokens=NEW)
+    reset_peak(S)
+    t0 = time.time()
+    eng.generate(reqs, sp)  # compile + graph capture
+    sync(S)
+    res["warmup_s"] = round(time.time() - t0, 1)
+    res["warmup_stats"] = {k: v for k, v in eng.fast.stats.items() if k in ("graph_capture_s", "prefill_s", "decode_s")}
+    times, stats = [], []
+    for _ in range(S["decode_reps"]):
+        sync(S)
+        t0 = time.perf_counter()
+        out = eng.generate(reqs, sp)
+        sync(S)
+        times.append(time.perf_counter() - t0)
+        stats.append(dict(eng.fast.stats))
+    t = statistics.median(times)
+    st = stats[times.index(min(times, key=lambda x: abs(x - t)))]
+    assert all(len(r.response_ids) == NEW for r in out)
+    npar = n_params(S)
+    w_bytes = npar["total"] * (2 if S["dtype"] == "bfloat16" else 4)
+    floor_s = sum((w_bytes + B * (P + j) * kv_bytes_per_token(S)) / (ANCHORS["copy_GBps"] * 1e9) for j in range(NEW))
+    res.update(batch=B, prompt_len=P, new_tokens=NEW, s_per_generate=[round(x, 3) for x in times],
+               tok_s=round(B * NEW / t), decode_only_tok_s=round(B * (NEW - 1) / st["decode_s"]),
+               ms_per_decode_step=round(1e3 * st["decode_s"] / max(st["decode_steps"], 1), 3),
+               prefill_s=round(st["prefill_s"], 3), bw_floor_tok_s=round(B * NEW / floor_s),
+               pct_of_bw_floor=round(100 * (B * NEW / t) / (B * NEW / floor_s), 1),
+               kv_cache_GiB=round(eng.fast.kv_cache_bytes() / 2**30, 2), peak_mem_GiB=peak_gib(S),
+               stats={k: v for k, v in st.items() if not isinstance(v, float) or True})
+    # -- where a decode step's time goes: 8 graph replays and 8 eager steps at the full batch
+    fast_obj = eng.fast
+    step_fn, skey, _ = fast_obj._sampler(sp)
+    g = fast_obj.graphs.get((B, skey)) if fast_obj.use_graphs else None
+    with torch.inference_mode():  # the decoder's buffers are inference tensors
+        if g is not None:
+            fast_obj.chunk_i.zero_()  # 8 <= sync_every: the step writes column chunk_i of the output buffer
+            res["profile_graph_8_steps"] = kernel_profile(S, lambda: [g.replay() for _ in range(8)])
+        use_graphs = fast_obj.use_graphs
+        fast_obj.use_graphs = False
+        fast_obj.chunk_i.zero_()
+        res["profile_eager_8_steps"] = kernel_profile(S, lambda: [fast_obj._run_step(B, step_fn, skey) for _ in range(8)])
+        fast_obj.use_graphs = use_graphs
+    # -- the same generate with one query row per head in decode attention (gqa_pack off)
+    extra = os.environ.get("BENCH_EXTRA", "1") != "0"  # the gqa-pack A/B and the FA2 micro-benchmark
+    if extra and fast_obj.use_flash and fast_obj.gqa_pack:
+        fast_obj.gqa_pack = False
+        fast_obj.graphs.clear()
+        packed_out = out
+        eng.generate(reqs, sp)  # capture
+        sync(S)
+        t0 = time.perf_counter()
+        unpacked_out = eng.generate(reqs, sp)
+        sync(S)
+        t_np = time.perf_counter() - t0
+        res["no_gqa_pack"] = {"tok_s": round(B * NEW / t_np), "ms_per_decode_step": round(
+            1e3 * fast_obj.stats["decode_s"] / max(fast_obj.stats["decode_steps"], 1), 3),
+            "vs_packed": _agreement(packed_out, unpacked_out)}
+        fast_obj.gqa_pack = True
+        fast_obj.graphs.clear()
+    if extra and S["device"] == "cuda":
+        res["fa2_decode_microbench"] = fa2_microbench(S)
+    # -- correctness: fast path vs slow HF path on the same keys
+    # -- correctness: fast path vs slow HF path on the same keys
+    creqs = _requests(S, max(S["compare_rows"] // 4, 1), 4, rollout=1, seed=1)
+    csp = SamplingParams(temperature=1.0, max_new_tokens=S["compare_new"])
+    fast_out = eng.generate(creqs, csp)
+    eng.fast = None
+    slow_out = eng.generate(creqs, csp)
+    eng.fast = fast_obj
+    res["fast_vs_slow"] = _agreement(fast_out, slow_out)
+    if S["device"] == "cuda":  # graph replay vs the same steps run eagerly
+        fast_obj.use_graphs = False
+        eager_out = eng.generate(creqs, csp)
+        fast_obj.use_graphs = True
+        res["graphs_vs_eager"] = _agreement(fast_out, eager_out)
+    # -- keyed sampler: compiled (used inside the graph) vs eager sample_next on the same logits
+    g = torch.Generator(device=S["device"]).manual_seed(3)
+    logits = (torch.randn(B, S["vocab"], device=S["device"], generator=g) * 3).to(dtype_of(S))
+    kh = sample_key_hash(torch.tensor([r.key for r in reqs], device=S["device"]))
+    pos = torch.arange(B, device=S["device"])
+    t_ref, lp_ref = sample_next(logits, kh, pos, sp)
+    fn = fast_obj._plain if fast_obj.compiled else plain_sample
+    t_c, lp_c = fn(logits, kh, pos, 1.0)
+    res["sampler_compiled_vs_eager"] = {"compiled": fast_obj.compiled,
+                                        "tokens_equal": f"{int((t_ref == t_c).sum())}/{B}",
+                                        "logprob_absdiff_max": float((lp_ref - lp_c).abs().max())}
+    if fast_obj.compile_error:
+        res["compile_error"] = fast_obj.compile_error
+    eng.shutdown()
+    return res
+
+
+def fa2_microbench(S) -> dict:
+    """Decode attention alone (FA2 varlen over a static cache, as the engine calls it): does the time follow
+    the used lengths (seqused_k) or the slot length, and what packing the query heads per KV head gives."""
+    torch = _torch()
+    from runtime.rollout.static_decode import _flash
+    B, slot, nh, nkv, hd = 128, 4096, S["heads"], S["kv_heads"], S["head_dim"]
+    rep = nh // nkv
+    dev = "cuda"
+    k = torch.randn(B * slot, nkv, hd, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(B, nh, hd, device=dev, dtype=torch.bfloat16)
+    qp = q.view(B, nkv, rep, hd).transpose(1, 2).reshape(B * rep, nkv, hd)
+    cu_k = torch.arange(B + 1, device=dev, dtype=torch.int32) * slot
+    cu_q = torch.arange(B + 1, device=dev, dtype=torch.int32)
+    out = {}
+    for used in (slot, slot // 4, slot // 16):
+        lens = torch.full((B,), used, device=dev, dtype=torch.int32)
+        for name, fn in (("rows_per_head", lambda: _flash(q, k, v, cu_q, cu_k, 1, slot, False, hd ** -0.5, seqused_k=lens)),
+                         ("gqa_packed", lambda: _flash(qp, k, v, cu_q * rep, cu_k, rep, slot, False, hd ** -0.5, seqused_k=lens))):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) / 20 * 1e3
+            gb = B * used * nkv * hd * 2 * 2 / 1e9
+            out[f"{name}_used{used}_of{slot}"] = {"ms": round(ms, 3), "kv_GB": round(gb, 2), "GBps": round(gb / ms * 1e3)}
+    return out
+
+
+def sec_trainer(S, W: Path) -> dict:
+    torch = _torch()
+    from runtime.rollout.base import SamplingParams
+    from runtime.trainer.batch import TrainBatch
+    from runtime.trainer.megatron_trainer import MegatronTrainer
+
+    res: dict = {"name": "trainer"}
+    B, P, R = S["prompts"] * S["samples"], S["prompt_len"], S["new"]
+    SEQ = P + R
+    t0 = time.time()
+    tr = MegatronTrainer(hf_dir=str(W / "hf"), init_checkpoint=str(W / "td"),
+                         train=dict(lr=1e-6, micro_batch_size=S["micro_batch"], num_rollout=100,
+                                    num_steps_per_rollout=1, weight_decay=0.0, clip_grad=1.0),
+                         algorithm={}, temperature=1.0, device=S["device"], dtype=S["dtype"])
+    res["load_s"] = round(time.time() - t0, 1)
+    res["chunked_logprobs"] = tr._chunked_logprobs_enabled()
+    res["core_attention"] = type(tr.model.decoder.layers[0].self_attention.core_attention).__name__
+    res["param_dtypes"] = sorted({str(p.dtype) for p in tr.model.parameters()})
+    res["optimizer"] = type(tr.optimizer).__name__
+    # -- engine vs trainer log-probs on the same weights and samples (before any update)
+    eng = _engine(S, W)
+    eng.eos_token_ids = set()
+    new = min(R, 128)
+    samples = eng.generate(_requests(S, S["prompts"], S["samples"], rollout=2, seed=2),
+                           SamplingParams(temperature=1.0, max_new_tokens=new))
+    batch = TrainBatch(tokens=[s.prompt_ids + s.response_ids for s in samples],
+                       prompt_lens=[len(s.prompt_ids) for s in samples], advantages=[0.0] * len(samples),
+                       loss_masks=[[1] * len(s.response_ids) for s in samples],
+                       rollout_logprobs=[s.response_logprobs for s in samples])
+    trainer_lp = tr.compute_logprobs(batch)
+    diffs = [abs(a - b) for s, t in zip(samples, trainer_lp) for a, b in zip(s.response_logprobs, t)]
+    res["engine_vs_trainer_logprobs"] = {"tokens": len(diffs), "max_abs_diff": max(diffs),
+                                         "mean_abs_diff": sum(diffs) / len(diffs),
+                                         "engine_path": "static" if eng.fast is not None else "dynamic"}
+    if res["chunked_logprobs"]:
+        before = os.environ.get("GRPOFLOW_CHUNKED_LOGPROBS")
+        os.environ["GRPOFLOW_CHUNKED_LOGPROBS"] = "0"
+        plain_lp = tr.compute_logprobs(batch)
+        if before is None:
+            os.environ.pop("GRPOFLOW_CHUNKED_LOGPROBS")
+        else:
+            os.environ["GRPOFLOW_CHUNKED_LOGPROBS"] = before
+        d2 = [abs(a - b) for s, t in zip(plain_lp, trainer_lp) for a, b in zip(s, t)]
+        res["chunked_vs_full_logits_logprobs"] = {"max_abs_diff": max(d2), "mean_abs_diff": sum(d2) / len(d2)}
+    eng.shutdown()
+    del eng
+    if S["device"] == "cuda":
+        torch.cuda.empty_cache()
+    # -- training throughput: B x SEQ tokens per optimizer step
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(3, S["vocab"], (B, SEQ), generator=g).tolist()
+    batch = TrainBatch(tokens=toks, prompt_lens=[P] * B, advantages=[1.0 if i % 2 else -1.0 for i in range(B)],
+                       loss_masks=[[1] * R] * B, rollout_logprobs=[[-11.0] * R] * B)
+    npar = n_params(S)
+    L, nh, hd = S["layers"], S["heads"], S["head_dim"]
+    attn = 3 * 2 * 2 * L * nh * hd * (SEQ * (SEQ + 1) / 2) * B
+    flops_exact = 6 * npar["non_embedding"] * B * SEQ + 6 * npar["embedding"] * B * R + attn
+    variants = []
+    mbs = [S["micro_batch"] // 2, S["micro_batch"]] if S["device"] == "cuda" and os.environ.get("BENCH_EXTRA", "1") != "0" \
+        else [S["micro_batch"]]
+    for mb in mbs:
+        tr.train_cfg["micro_batch_size"] = mb
+        reset_peak(S)
+        try:
+            t0 = time.time()
+            m = tr.train(batch)
+            sync(S)
+            warm = time.time() - t0
+            times = []
+            for _ in range(S["train_steps"]):
+                sync(S)
+                t0 = time.perf_counter()
+                m = tr.train(batch)
+                sync(S)
+                times.append(time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory at the larger micro-batch
+            variants.append({"micro_batch": mb, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            if S["device"] == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        t = statistics.median(times)
+        variants.append(dict(micro_batch=mb, warmup_s=round(warm, 2), s_per_step=[round(x, 3) for x in times],
+                             tok_s=round(B * SEQ / t), resp_tok_s=round(B * R / t),
+                             mfu_6N_pct=round(100 * 6 * npar["total"] * B * SEQ / t / PEAK_BF16, 1),
+                             mfu_exact_pct=round(100 * flops_exact / t / PEAK_BF16, 1), peak_mem_GiB=peak_gib(S),
+                             grad_norm=m.get("grad_norm"), loss=m.get("loss")))
+    best = max((v for v in variants if "tok_s" in v), key=lambda v: v["tok_s"])
+    res.update(seqs=B, seq_len=SEQ, resp_len=R, variants=variants, **{k: best[k] for k in (
+        "micro_batch", "s_per_step", "tok_s", "resp_tok_s", "mfu_6N_pct", "mfu_exact_pct", "peak_mem_GiB")})
+    tr.train_cfg["micro_batch_size"] = best["micro_batch"]
+    res["profile_one_step"] = kernel_profile(S, lambda: tr.train(batch))
+    return res
+
+
+def stage_config(S, W: Path) -> dict:
+    B = S["prompts"] * S["samples"]
+    return {
+        "name": "bench-stage",
+        "model": {"source": str(W / "hf"), "dtype": S["dtype"]},
+        "data": {"train": {"source": str(W / "data" / "train.jsonl"), "format": "slime"}, "eval": {},
+                 "apply_chat_template": False, "max_prompt_len": 4 * S["prompt_len"], "shuffle": False},
+        "rollout": {"engine": "builtin", "rollout_batch_size": S["prompts"], "n_samples_per_prompt": S["samples"],
+                    "max_new_tokens": S["new"], "temperature": 1.0, "top_p": 1.0,
+                    "reward": "bench.trivial_reward:length_mod13"},
+        "algorithm": {"eps_clip": 0.2, "eps_clip_high": 0.28, "use_tis": True},
+        "train": {"num_rollout": S["rollouts"], "global_batch_size": B, "micro_batch_size": S["micro_batch"],
+                  "lr": 1e-6, "weight_decay": 0.1},
+        "eval": {"interval": None},
+        "checkpoint": {"interval": S["rollouts"], "keep_last": 1},
+        "tracking": {"enabled": False},
+        "cluster": {"backend": "local", "device": S["device"]},
+        "storage": {"root": str(W / "root")},
+    }
+
+
+def sec_stage(S, W: Path) -> dict:
+    """Issue 3 item 9 / issue 10 (c): the real train stage (TrainSession.run_chunk), backend local."""
+    torch = _torch()
+    from runtime.config import config_from_dict
+    from runtime.grpo import TrainSession
+    from runtime.rundir import RunDir
+
+    res: dict = {"name": "stage"}
+    cfg = config_from_dict(stage_config(S, W), "bench")
+    shutil.rmtree(W / "root", ignore_errors=True)
+    rd = RunDir(str(W / "root"), "bench")
+    for link, target in ((rd.hf_model, W / "hf"), (rd.torch_dist, W / "td"), (rd.train_data, W / "data" / "train.parquet")):
+        Path(link).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(target, link)
+    reset_peak(S)
+    t0 = time.time()
+    sess = TrainSession(cfg, rd)
+    per_rollout = []
+
+    def on_rollout(m):
+        sync(S)
+        m = dict(m)
+        m["peak_mem_GiB_so_far"] = peak_gib(S)
+        per_rollout.append(m)
+        print("ROLLOUT", json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()}), flush=True)
+
+    out = sess.run_chunk(0, S["rollouts"], on_rollout=on_rollout)
+    sync(S)
+    res["chunk_s"] = round(time.time() - t0, 1)
+    keep = ("rollout", "step_time_s", "rollout_time_s", "rollout_tok_s", "train_time_s", "train_tok_s", "train_tokens",
+            "weight_sync_s", "response_len_mean", "reward_mean", "loss", "grad_norm", "train_rollout_logp_absdiff",
+            "peak_mem_GiB_so_far", "tis_weight_mean", "clip_frac")
+    res["rollouts"] = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items() if k in keep}
+                       for m in per_rollout]
+    steady = per_rollout[1:] or per_rollout
+    med = lambda k: round(statistics.median(m[k] for m in steady), 3)  # noqa: E731
+    res.update(step_time_s=med("step_time_s"), rollout_tok_s=med("rollout_tok_s"), train_tok_s=med("train_tok_s"),
+               rollout_time_s=med("rollout_time_s"), train_time_s=med("train_time_s"),
+               weight_sync_s=med("weight_sync_s"), first_step_time_s=round(per_rollout[0]["step_time_s"], 2),
+               train_all_tok_s=round(statistics.median((m["train_tokens"] + S["prompts"] * S["samples"] * S["prompt_len"])
+                                                       / m["train_time_s"] for m in steady)),
+               peak_mem_GiB=peak_gib(S), skipped=out.get("skipped"),
+               engine_path=sess.engine.call("health")[0].get("decode_path"))
+    if S["device"] == "cuda":
+        res["max_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    sess.close()
+    return res
+
+
+def sec_trl(S, W: Path) -> dict:
+    """TRL GRPOTrainer on the same random model and shapes (as shared/anchors/b4_trl.py measured it)."""
+    import trl
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    try:
+        from transformers import PreTrainedTokenizerFast as Fast
+    except ImportError:
+        from transformers import TokenizersBackend as Fast
+
+    NEW, NP, NG = S["new"], S["prompts"], S["samples"]
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
+    vocab.update({f"w{i}": i for i in range(3, S["vocab"])})
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = Fast(tokenizer_object=tk, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", padding_side="left",
+               model_max_length=4096)
+    prompts = [" ".join(f"w{t}" for t in row) for row in prompts_ids(S, NP)]
+    ds = Dataset.from_dict({"prompt": prompts})
+    model = AutoModelForCausalLM.from_pretrained(str(W / "hf"), dtype=dtype_of(S), attn_implementation="sdpa").to(S["device"])
+    gen_times = []
+    orig = model.generate
+
+    def timed_generate(*a, **k):
+        sync(S)
+        t0 = time.perf_counter()
+        o = orig(*a, **k)
+        sync(S)
+        gen_times.append(time.perf_counter() - t0)
+        return o
+
+    model.generate = timed_generate
+    ends = []
+
+    class Timer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            sync(S)
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            sync(S)
+            ends.append(time.perf_counter())
+
+    args = GRPOConfig(output_dir=str(W / "trl_out"), per_device_train_batch_size=16, gradient_accumulation_steps=NP * NG // 16,
+                      num_generations=NG, max_completion_length=NEW, use_vllm=False, bf16=S["dtype"] == "bfloat16",
+                      max_steps=S["trl_steps"], logging_steps=1, report_to="none", save_strategy="no",
+                      learning_rate=1e-6, temperature=1.0, top_k=0, top_p=1.0, seed=0,
+                      generation_kwargs={"min_new_tokens": NEW}, gradient_checkpointing=True, log_completions=False,
+                      disable_tqdm=True, dataloader_num_workers=0, use_cpu=S["device"] == "cpu")
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c) % 13) for c in completions],
+                          args=args, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
+    reset_peak(S)
+    trainer.train()
+    dts = [b - a for a, b in zip(ends, ends[1:])]
+    steady = dts[1:] or dts
+    t = statistics.median(steady)
+    gt = statistics.median(gen_times[1:] or gen_times)
+    ntok = NP * NG * NEW
+    return {"name": "trl", "trl": trl.__version__, "grad_ckpt": True, "s_per_step": [round(x, 2) for x in dts],
+            "median_s_per_step_after_first": round(t, 2), "generate_s": [round(x, 2) for x in gen_times],
+            "gen_tok_s_generate_only": round(ntok / gt), "non_generate_s": round(t - gt, 2), "peak_mem_GiB": peak_gib(S)}
+
+
+def sec_long(S, W: Path) -> dict:
+    """Realistic lengths: max_new up to long_new, lengths set by stop tokens, continuous batching, bounded KV."""
+    from runtime.rollout.base import SamplingParams
+
+    res: dict = {"name": "long"}
+    B = int(os.environ.get("BENCH_LONG_REQUESTS", S["prompts"] * S["samples"]))
+    eng = _engine(S, W, fast_decode=True, kv_cache_gb=S["long_kv_gb"], max_batch_size=B)
+    eng.eos_token_ids = set()
+    # k stop ids out of V: with the random model's near-uniform next-token distribution a row stops
+    # with probability ~k/V per token, i.e. geometric lengths with mean ~V/k (capped at long_new).
+    k = max(1, round(S["vocab"] / S["long_mean"]))
+    stops = list(range(1000 % S["vocab"], 1000 % S["vocab"] + k))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=S["long_new"], stop_token_ids=stops)
+    t0 = time.time()
+    eng.generate(_requests(S, 2, 4, rollout=9, seed=9), SamplingParams(temperature=1.0, max_new_tokens=32,
+                                                                      stop_token_ids=stops))  # compile
+    res["warmup_s"] = round(time.time() - t0, 1)
+    reset_peak(S)
+    sync(S)
+    eng.fast.trace = []
+    t0 = time.perf_counter()
+    out = eng.generate(_requests(S, max(B // S["samples"], 1), min(S["samples"], B), rollout=3, seed=3), sp)
+    sync(S)
+    t = time.perf_counter() - t0
+    lens = sorted(len(r.response_ids) for r in out)
+    st = dict(eng.fast.stats)
+    ntok = sum(lens)
+    res.update(requests=B, max_new_tokens=S["long_new"], stop_ids=k, new_tokens=ntok, s=round(t, 2), tok_s=round(ntok / t),
+               len_mean=round(ntok / B, 1), len_p50=lens[B // 2], len_max=lens[-1],
+               stopped=sum(r.finish_reason == "stop" for r in out), slots=st.get("slots"), slot_len=st.get("slot_len"),
+               kv_cache_GiB=round(eng.fast.kv_cache_bytes() / 2**30, 2), kv_budget_GB=S["long_kv_gb"],
+               decode_steps=st.get("decode_steps"), row_steps=st.get("row_steps"),
+               slot_utilisation=round(ntok / max(st.get("row_steps") or 1, 1), 3), prefill_s=round(st["prefill_s"], 2),
+               decode_s=round(st["decode_s"], 2), graphs=st.get("graphs"), peak_mem_GiB=peak_gib(S))
+    tr = eng.fast.trace or []
+    # decode time by number of active rows (where the time goes: full slots vs the draining tail)
+    bins: dict = {}
+    for act, b, n, ms, mx in tr:
+        k = "active<=8" if act <= 8 else "active<=24" if act <= 24 else "active>24"
+        d = bins.setdefault(k, {"chunks": 0, "steps": 0, "s": 0.0, "tokens_upper": 0, "max_len_seen": 0})
+        d["chunks"] += 1
+        d["steps"] += n
+        d["s"] += n * ms / 1e3
+        d["tokens_upper"] += n * act
+        d["max_len_seen"] = max(d["max_len_seen"], mx)
+    res["decode_by_active_rows"] = {k: {**v, "s": round(v["s"], 2), "ms_per_step": round(1e3 * v["s"] / max(v["steps"], 1), 2)}
+                                    for k, v in bins.items()}
+    res["trace_sample"] = tr[:: max(len(tr) // 40, 1)]
+    eng.shutdown()
+    return res
+
+
+FUNCS = {"setup": sec_setup, "engine": sec_engine, "trainer": sec_trainer, "stage": sec_stage, "trl": sec_trl,
+         "long": sec_long}
+
+
+# ---- driver -------------------------------------------------------------------------------------------
+
+def run_section(name: str, S: dict, W: Path, out: Path) -> dict:
+    t0 = time.time()
+    try:
+        r = FUNCS[name](S, W)
+        r["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - one section's failure is recorded, the rest still run
+        traceback.print_exc()
+        r = {"name": name, "status": "FAILED", "error": f"{type(e).__name__}: {e}"[:2000]}
+    r["section_s"] = round(time.time() - t0, 1)
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(r, default=str) + "\n")
+    print("RESULT", json.dumps(r, default=str), flush=True)
+    return r
+
+
+def read_results(out: Path) -> dict:
+    res = {}
+    if (out / "results.jsonl").exists():
+        for line in open(out / "results.jsonl"):
+            try:
+                r = json.loads(line)
+                res[r["name"]] = r
+            except Exception:  # noqa: BLE001
+                pass
+    return res
+
+
+def summarize(S: dict, res: dict, info: dict) -> dict:
+    def get(sec, key):
+        r = res.get(sec) or {}
+        return r.get(key) if r.get("status") == "ok" else None
+
+    ratios = {}
+    e_tok, tr_tok, step = get("engine", "tok_s"), get("trainer", "tok_s"), get("stage", "step_time_s")
+    trl_step, trl_gen = get("trl", "median_s_per_step_after_first"), get("trl", "gen_tok_s_generate_only")
+    if e_tok and trl_gen:
+        ratios["decode_vs_trl_generate"] = round(e_tok / trl_gen, 2)
+    if e_tok:
+        ratios["decode_vs_hf_generate_anchor"] = round(e_tok / ANCHORS["hf_generate_tok_s"], 2)
+    if tr_tok:
+        ratios["train_vs_megatron_local_anchor"] = round(tr_tok / ANCHORS["megatron_local_train_tok_s"], 2)
+    if step and trl_step:
+        ratios["step_speedup_vs_trl"] = round(trl_step / step, 2)
+    elif step and S["device"] == "cuda":
+        ratios["step_speedup_vs_trl_anchor"] = round(ANCHORS["trl_s_per_step"] / step, 2)
+    targets = {"decode_tok_s>=25000": bool(e_tok and e_tok >= 25000), "train_tok_s>=80000": bool(tr_tok and tr_tok >= 80000),
+               "step>=4x_trl": bool(ratios.get("step_speedup_vs_trl", ratios.get("step_speedup_vs_trl_anchor", 0)) >= 4)}
+    return {"benchmark": "gpu_grpo", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "device": info.get("gpu", "cpu"), "env": info, "shapes": S, "anchors": ANCHORS, "ratios": ratios,
+            "targets_met": targets if S["device"] == "cuda" else None, "sections": res}
+
+
+def print_table(summary: dict) -> None:
+    s = summary["sections"]
+
+    def g(sec, key):
+        return (s.get(sec) or {}).get(key, "-")
+
+    rows = [("engine decode tok/s (bs 128, 512 fixed)", g("engine", "tok_s")),
+            ("engine decode-only tok/s / ms per step", f'{g("engine", "decode_only_tok_s")} / {g("engine", "ms_per_decode_step")}'),
+            ("engine fast vs slow (rows identical)", (g("engine", "fast_vs_slow") or {}).get("rows_identical", "-") if isinstance(g("engine", "fast_vs_slow"), dict) else "-"),
+            ("trainer tok/s / MFU(6N) %", f'{g("trainer", "tok_s")} / {g("trainer", "mfu_6N_pct")}'),
+            ("engine vs trainer logp max/mean", str(g("trainer", "engine_vs_trainer_logprobs"))),
+            ("stage step s / rollout tok/s / train tok/s", f'{g("stage", "step_time_s")} / {g("stage", "rollout_tok_s")} / {g("stage", "train_tok_s")}'),
+            ("stage peak GiB", g("stage", "peak_mem_GiB")),
+            ("TRL s/step / generate tok/s", f'{g("trl", "median_s_per_step_after_first")} / {g("trl", "gen_tok_s_generate_only")}'),
+            ("long: tok/s / mean len / slots / peak GiB", f'{g("long", "tok_s")} / {g("long", "len_mean")} / {g("long", "slots")} / {g("long", "peak_mem_GiB")}'),
+            ("ratios", json.dumps(summary["ratios"]))]
+    for name, sec in s.items():
+        if sec.get("status") != "ok":
+            rows.append((f"{name} FAILED", str(sec.get("error", ""))[:200]))
+    width = max(len(r[0]) for r in rows)
+    for k, v in rows:
+        print(f"{k.ljust(width)}  {v}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (CI smoke)")
+    ap.add_argument("--sections", default=None, help=f"comma list of {SECTIONS}")
+    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)  # one section, in this process
+    ap.add_argument("--work", default=None, help="scratch dir (model, checkpoints)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu_grpo_out")
+    ap.add_argument("--results-dir", default=None, help="also copy the summary JSON here (e.g. bench/results)")
+    ap.add_argument("--deadline", type=float, default=570.0, help="seconds for the whole run (GPU mode)")
+    ap.add_argument("--in-process", action="store_true", help="run every section in this process")
+    a = ap.parse_args(argv)
+    S = dict(SHAPES["cpu" if a.cpu else "gpu"])
+    W = Path(a.work or ("/tmp/gpu_grpo_work" + ("_cpu" if a.cpu else "")))
+    out = Path(a.out)
+    W.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if a.cpu:  # exercise the chunked output-layer path of the trainer on CPU too
+        os.environ.setdefault("GRPOFLOW_CHUNKED_LOGPROBS", "1")
+    if a.section:
+        if a.cpu:
+            _torch().set_num_threads(1)
+        r = run_section(a.section, S, W, out)
+        return 0 if r["status"] == "ok" else 1
+    sections = [x for x in (a.sections.split(",") if a.sections else SECTIONS) if x]
+    if a.cpu:
+        sections = [x for x in sections if x != "trl" or _has("trl")]
+    t_start = time.time()
+    (out / "results.jsonl").unlink(missing_ok=True)
+    if a.cpu or a.in_process:
+        _torch().set_num_threads(1) if a.cpu else None
+        for name in sections:
+            run_section(name, S, W, out)
+    else:
+        for name in sections:
+            left = a.deadline - (time.time() - t_start)
+            limit = int(min(SECTION_MAX_S[name], left))
+            if limit < max(20, SECTION_MIN_S.get(name, 0)):
+                rec = {"name": name, "status": "SKIPPED", "error": "no time left in this run"}
+                with open(out / "results.jsonl", "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                continue
+            print(f"=== {name} (limit {limit}s) at {time.time() - t_start:.0f}s", flush=True)
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--work", str(W), "--out", str(out)]
+            with open(out / "log.txt", "a") as log:
+                log.write(f"\n===== {name} =====\n")
+                log.flush()
+                try:
+                    p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=limit)
+                    rc = p.returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
+            if name not in read_results(out):
+                rec = {"name": name, "status": "FAILED", "error": f"section process ended with {rc} (see log.txt)"}
+                with open(out / "results.jsonl", "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            print(f"=== {name} rc={rc} at {time.time() - t_start:.0f}s", flush=True)
+    summary = summarize(S, read_results(out), env_info(S))
+    summary["total_s"] = round(time.time() - t_start, 1)
+    (out / "gpu_grpo.json").write_text(json.dumps(summary, indent=1, default=str))
+    if a.results_dir:
+        dev = summary["device"].replace(" ", "_")
+        name = f"gpu_grpo_{dev}_{summary['date'][:10]}.json" if not a.cpu else "gpu_grpo_cpu_smoke.json"
+        Path(a.results_dir).mkdir(parents=True, exist_ok=True)
+        (Path(a.results_dir) / name).write_text(json.dumps(summary, indent=1, default=str))
+    print_table(summary)
+    failed = [n for n, r in summary["sections"].items() if r.get("status") != "ok"]
+    return 1 if failed and a.cpu else 0
+
+
+def _has(mod: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(mod) is not None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,560 @@
+"""The built-in engine's fast path: a static KV cache, continuous batching and CUDA-graph decode.
+
+`StaticDecoder` runs the forward pass of a Qwen3 / Qwen2 / LLaMA-family HF model itself (the HF
+modules' weights, no HF forward), so that one decode step is a fixed sequence of kernels over
+preallocated buffers that a CUDA graph can replay:
+
+* KV cache: one slab per layer, laid out [slot, position, kv_head, head_dim]; a slot holds one
+  sequence (prompt + response) up to `slot_len` tokens. The number of slots is bounded by a memory
+  budget (`kv_cache_gb`), so the KV memory is bounded whatever the request count and length.
+* Continuous batching: requests wait in a queue; a slot whose sequence finished is refilled with
+  the next request (packed prefill of the new prompts), while the other slots keep decoding.
+* Decode attention: FlashAttention-2's varlen kernel (`aten._flash_attention_forward`) over the
+  slabs, with the per-slot lengths in `seqused_k` on the GPU: the launch shapes do not change from
+  step to step, so one CUDA graph per batch bucket serves every step. CPU (and any dtype FA2 does
+  not take) uses SDPA with a length mask: the same function, for tests.
+* The per-layer pieces (norm + fused QKV + q/k-norm + RoPE; o-proj + residual + norm + fused
+  gate/up + SwiGLU + down) go through torch.compile on CUDA (dynamic shapes: one compile serves
+  prefill and every decode bucket).
+* Sampling is `keyed_sampling` on the GPU inside the graph: the token of a row depends only on its
+  key hash and response position, exactly as on the slow path; the sampled token and its log-prob
+  land in a device buffer. The host reads that buffer once per `sync_every` steps (no host sync
+  per token); a row that stopped inside a chunk is cut at its stop token on the host.
+
+The HF model's q/k/v and gate/up weights are re-pointed to views of fused buffers, so the engine's
+`update_weights` (which copies into `model.state_dict()` tensors) updates the fast path in place
+and the captured graphs stay valid.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_next, uniform_noise
+
+log = logging.getLogger("grpoflow.rollout")
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+
+
+def unsupported_reason(model) -> str | None:
+    """None when `model` (an HF causal LM) fits the fast path, else why not (one line)."""
+    cfg = model.config
+    mt = getattr(cfg, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    rp = getattr(cfg, "rope_parameters", None)
+    rope_type = (rp or {}).get("rope_type", "default") if isinstance(rp, dict) else "default"
+    if rope_type != "default":
+        return f"rope_type {rope_type!r} (only the default RoPE is implemented)"
+    if getattr(cfg, "use_sliding_window", False) or any(
+            t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return "sliding-window layers are not implemented"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} (only silu)"
+    if getattr(cfg, "mlp_bias", False):
+        return "mlp_bias is not implemented"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(getattr(inner, "rotary_emb", None), "inv_freq"):
+        return "unexpected module layout (model.model.layers / rotary_emb.inv_freq)"
+    return None
+
+
+# ---- the math (pure functions; compiled on CUDA) ---------------------------------------------------------
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # exactly HF's Qwen3RMSNorm / LlamaRMSNorm
+    dt = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(dt)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., d:], x[..., :d]), dim=-1) * sin
+
+
+def _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, nkv: int, hd: int):
+    """[T, H] -> q [T, nh, hd], k, v [T, nkv, hd] (RoPE applied)."""
+    x = _rms(h, ln_w, eps)
+    qkv = F.linear(x, qkv_w, qkv_b)
+    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+    q = q.reshape(-1, nh, hd)
+    k = k.reshape(-1, nkv, hd)
+    if qn_w is not None:
+        q = _rms(q, qn_w, eps)
+        k = _rms(k, kn_w, eps)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v.reshape(-1, nkv, hd).contiguous()
+
+
+def _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, eps: float, ffn: int):
+    h = h + F.linear(attn, o_w, o_b)
+    gu = F.linear(_rms(h, ln_w, eps), gu_w)
+    g, u = gu.split([ffn, ffn], dim=-1)
+    return h + F.linear(F.silu(g) * u, down_w)
+
+
+def _logits(h, norm_w, lm_w, eps: float):
+    return F.linear(_rms(h, norm_w, eps), lm_w)
+
+
+def _cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
+    # exactly HF's rotary embedding: fp32 angles, cos/sin scaled, cast to the activation dtype
+    f = pos.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((f, f), dim=-1)
+    return (emb.cos() * scale).to(dtype)[:, None, :], (emb.sin() * scale).to(dtype)[:, None, :]
+
+
+def plain_sample(logits: torch.Tensor, key_hash: torch.Tensor, position: torch.Tensor, temperature: float):
+    """`sample_next` without top-k/top-p (temperature > 0), as one compilable function."""
+    scaled = logits.to(torch.float32) / temperature
+    logprobs_all = torch.log_softmax(scaled, dim=-1)
+    tokens = torch.argmax(scaled + gumbel_noise(key_hash, position, scaled.shape[-1]), dim=-1)
+    return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+# ---- attention ----------------------------------------------------------------------------------------
+
+def _flash(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, seqused_k=None):
+    kw = {"scale": scale}
+    if seqused_k is not None:
+        kw["seqused_k"] = seqused_k
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, **kw)[0]
+
+
+def _sdpa_prefill(q, k, v, lens: list[int], scale: float):
+    out, start = [], 0
+    rep = q.shape[1] // k.shape[1]
+    for n in lens:
+        qi = q[start:start + n].transpose(0, 1)[None]
+        ki = k[start:start + n].transpose(0, 1).repeat_interleave(rep, 0)[None]
+        vi = v[start:start + n].transpose(0, 1).repeat_interleave(rep, 0)[None]
+        out.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)[0].transpose(0, 1))
+        start += n
+    return torch.cat(out, 0)
+
+
+def _sdpa_decode(q, kc, vc, lens, scale: float):
+    """q [B, nh, hd]; kc/vc [slots, S, nkv, hd]; row b attends to kc[b, :lens[b]]."""
+    b, s = q.shape[0], kc.shape[1]
+    rep = q.shape[1] // kc.shape[2]
+    k = kc[:b].transpose(1, 2).repeat_interleave(rep, 1)
+    v = vc[:b].transpose(1, 2).repeat_interleave(rep, 1)
+    mask = torch.arange(s, device=q.device)[None, :] < lens[:, None]
+    return F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale)[:, :, 0]
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    qn: torch.Tensor | None
+    kn: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    ln2: torch.Tensor
+    gu_w: torch.Tensor
+    down_w: torch.Tensor
+
+
+def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """cat along dim 0, then make each parameter a view of its rows (in-place weight updates reach the fused copy)."""
+    fused = torch.cat([p.data for p in params], dim=0).contiguous()
+    start = 0
+    for p in params:
+        n = p.shape[0]
+        p.data = fused[start:start + n]
+        start += n
+    return fused
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+class StaticDecoder:
+    """Generates for many requests at once with a bounded static KV cache (see the module doc)."""
+
+    def __init__(self, model, *, max_slots: int = 256, kv_cache_gb: float | None = None,
+                 cuda_graphs: bool | None = None, compile: bool | None = None, sync_every: int = 16,
+                 prefill_tokens: int = 16384):
+        reason = unsupported_reason(model)
+        if reason:
+            raise ValueError(f"fast decode path: {reason}")
+        self.model = model
+        cfg = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        cuda = self.device.type == "cuda"
+        self.nh, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.ffn = cfg.intermediate_size
+        self.eps = float(cfg.rms_norm_eps)
+        self.scale = self.hd ** -0.5
+        self.n_layers = cfg.num_hidden_layers
+        self.max_slots = int(max_slots)
+        self.kv_cache_gb = kv_cache_gb
+        self.sync_every = int(sync_every)
+        self.prefill_tokens = int(prefill_tokens)
+        self.use_flash = cuda and self.dtype in (torch.bfloat16, torch.float16)
+        # decode attention with each KV head's query heads packed as rows (see _step); off: one row per query
+        self.gqa_pack = self.nh > self.nkv
+        self.use_graphs = cuda if cuda_graphs is None else bool(cuda_graphs and cuda)
+        self.compiled = cuda if compile is None else bool(compile)
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.lm = model.get_output_embeddings().weight
+        self.inv_freq = inner.rotary_emb.inv_freq.to(self.device, torch.float32)
+        self.rope_scale = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
+        self.vocab = int(self.lm.shape[0])
+        self.layers = []
+        with torch.no_grad():
+            for layer in inner.layers:
+                a, m = layer.self_attn, layer.mlp
+                qkv_b = _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+                self.layers.append(_Layer(
+                    ln1=layer.input_layernorm.weight, qkv_w=_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                    qkv_b=qkv_b, qn=getattr(getattr(a, "q_norm", None), "weight", None),
+                    kn=getattr(getattr(a, "k_norm", None), "weight", None), o_w=a.o_proj.weight, o_b=a.o_proj.bias,
+                    ln2=layer.post_attention_layernorm.weight,
+                    gu_w=_fuse([m.gate_proj.weight, m.up_proj.weight]), down_w=m.down_proj.weight))
+        self._eager_fns()
+        self.compile_error: str | None = None
+        if self.compiled:
+            try:
+                from torch import _dynamo
+                _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)
+                uniform_noise(torch.zeros(1, dtype=torch.long, device=self.device),
+                              torch.zeros(1, dtype=torch.long, device=self.device), self.vocab)  # counters cached
+                self._pre = torch.compile(self._pre, dynamic=True)
+                self._post = torch.compile(self._post, dynamic=True)
+                self._head = torch.compile(self._head, dynamic=True)
+                self._plain = torch.compile(plain_sample, dynamic=True)
+                self._gumbel = compiled_gumbel_noise()
+            except Exception as e:  # noqa: BLE001 - no compiler: eager is correct, only slower
+                self.compile_error = f"{type(e).__name__}: {e}"
+                self.compiled = False
+        self.k_cache = self.v_cache = None
+        self.slots = self.slot_len = 0
+        self.graphs: dict = {}
+        self.stats: dict = {}
+        self.trace: list | None = None  # set to [] to record every decode chunk
+
+    def _eager_fns(self) -> None:
+        """The per-layer pieces with the model's sizes bound (constants to the compiler, not inputs)."""
+        nh, nkv, hd, ffn, eps = self.nh, self.nkv, self.hd, self.ffn, self.eps
+
+        def pre(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin):
+            return _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps, nh, nkv, hd)
+
+        def post(h, attn, o_w, o_b, ln_w, gu_w, down_w):
+            return _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, eps, ffn)
+
+        def head(h, norm_w, lm_w):
+            return _logits(h, norm_w, lm_w, eps)
+
+        self._pre, self._post, self._head, self._plain = pre, post, head, plain_sample
+        self._gumbel = gumbel_noise
+
+    # ---- memory ----------------------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.nkv * self.hd * torch.finfo(self.dtype).bits // 8
+
+    def _budget_bytes(self) -> int:
+        if self.kv_cache_gb is not None:
+            return int(self.kv_cache_gb * 1e9)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            have = free + (self.k_cache.numel() * 2 * self.k_cache.element_size() if self.k_cache is not None else 0)
+            return int(0.5 * have)
+        return 2 * 10**9
+
+    def _ensure_cache(self, slot_len: int, rows: int) -> None:
+        """Slots of at least `slot_len` tokens, as many as `rows` asks for within the budget and `max_slots`."""
+        slot_len = _round_up(slot_len, 64)
+        if self.k_cache is not None and self.slot_len >= slot_len:
+            if self.slots >= min(rows, self.max_slots):
+                return
+            if min(rows, self.max_slots, self._budget_bytes() // (self.slot_len * self.kv_bytes_per_token())) <= self.slots:
+                return
+        slot_len = max(slot_len, self.slot_len)
+        self.release()
+        per_slot = slot_len * self.kv_bytes_per_token()
+        budget = self._budget_bytes()
+        if per_slot > budget:
+            raise MemoryError(f"KV cache: one slot of {slot_len} tokens needs {per_slot / 1e9:.2f} GB, over the "
+                              f"budget {budget / 1e9:.2f} GB; raise kv_cache_gb or shorten max_new_tokens")
+        want = max(1, min(self.max_slots, rows, budget // per_slot))
+        shape = (self.n_layers, want, slot_len, self.nkv, self.hd)
+        dev = self.device
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
+        self.slots, self.slot_len = want, slot_len
+        n, ch = want, self.sync_every
+        self.tok = torch.zeros(n, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.spos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.key_hash = torch.zeros(n, dtype=torch.long, device=dev)
+        self.out_tok = torch.zeros(n, ch, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros(n, ch, dtype=torch.float32, device=dev)
+        self.chunk_i = torch.zeros(1, dtype=torch.long, device=dev)
+        self.rows = torch.arange(n, dtype=torch.long, device=dev)
+        self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.cu_qp = torch.arange(n + 1, dtype=torch.int32, device=dev) * (self.nh // self.nkv)
+        self.cu_k = torch.arange(n + 1, dtype=torch.int32, device=dev) * slot_len
+
+    def release(self) -> None:
+        """Drop the KV cache and the captured graphs (they point into it)."""
+        self.graphs.clear()
+        self.k_cache = self.v_cache = None
+        self.slots = self.slot_len = 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def kv_cache_bytes(self) -> int:
+        return 0 if self.k_cache is None else 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    # ---- forward pieces --------------------------------------------------------------------------------
+    def _prefill(self, ids: torch.Tensor, lens: list[int], slots: list[int]) -> torch.Tensor:
+        """Packed prompts -> KV written into their slots; returns the last position's logits [n, V]."""
+        dev = self.device
+        pos = torch.cat([torch.arange(n, device=dev) for n in lens])
+        widx = torch.cat([torch.arange(n, device=dev) + s * self.slot_len for n, s in zip(lens, slots)])
+        cu = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int32, device=dev)
+        cos, sin = _cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype)
+        h = F.embedding(ids, self.embed)
+        for li, w in enumerate(self.layers):
+            q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin)
+            self.k_cache[li].view(-1, self.nkv, self.hd).index_copy_(0, widx, k)
+            self.v_cache[li].view(-1, self.nkv, self.hd).index_copy_(0, widx, v)
+            if self.use_flash:
+                a = _flash(q, k, v, cu, cu, max(lens), max(lens), True, self.scale)
+            else:
+                a = _sdpa_prefill(q, k, v, lens, self.scale)
+            h = self._post(h, a.reshape(h.shape[0], -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w)
+        last = cu[1:].long() - 1
+        return self._head(h.index_select(0, last), self.norm, self.lm)
+
+    def _step(self, b: int, sample_fn: Callable) -> None:
+        """One decode step for slots [0, b): every tensor it touches is a static buffer (graph-safe)."""
+        S = self.slot_len
+        tok, pos = self.tok[:b], self.pos[:b]
+        lens = torch.clamp(pos + 1, max=S).to(torch.int32)
+        widx = self.rows[:b] * S + torch.clamp(pos, max=S - 1)
+        cos, sin = _cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype)
+        h = F.embedding(tok, self.embed)
+        for li, w in enumerate(self.layers):
+            q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin)
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc.view(-1, self.nkv, self.hd).index_copy_(0, widx, k)
+            vc.view(-1, self.nkv, self.hd).index_copy_(0, widx, v)
+            if self.use_flash and self.gqa_pack:
+                # the n_rep query heads of a KV head become n_rep query rows of one sequence, so one
+                # kernel block streams that head's KV once for all of them
+                rep = self.nh // self.nkv
+                qp = q.view(b, self.nkv, rep, self.hd).transpose(1, 2).reshape(b * rep, self.nkv, self.hd)
+                a = _flash(qp, kc.view(-1, self.nkv, self.hd), vc.view(-1, self.nkv, self.hd), self.cu_qp[:b + 1],
+                           self.cu_k[:b + 1], rep, S, False, self.scale, seqused_k=lens)
+                a = a.view(b, rep, self.nkv, self.hd).transpose(1, 2)
+            elif self.use_flash:
+                a = _flash(q, kc.view(-1, self.nkv, self.hd), vc.view(-1, self.nkv, self.hd), self.cu_q[:b + 1],
+                           self.cu_k[:b + 1], 1, S, False, self.scale, seqused_k=lens)
+            else:
+                a = _sdpa_decode(q, kc, vc, lens, self.scale)
+            h = self._post(h, a.reshape(b, -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w)
+        logits = self._head(h, self.norm, self.lm)
+        t, lp = sample_fn(logits, self.key_hash[:b], self.spos[:b])
+        self.out_tok[:b].index_copy_(1, self.chunk_i, t[:, None])
+        self.out_lp[:b].index_copy_(1, self.chunk_i, lp.to(torch.float32)[:, None])
+        tok.copy_(t)
+        pos.add_(1)
+        self.spos[:b].add_(1)
+        self.chunk_i.add_(1)
+
+    def _buckets(self) -> list[int]:
+        out, b = [], 8
+        while b < self.slots:
+            out.append(b)
+            b = b * 2 if b < 64 else b + 64
+        return out + [self.slots]
+
+    def _run_step(self, b: int, sample_fn: Callable, skey) -> None:
+        if not self.use_graphs:
+            self._step(b, sample_fn)
+            return
+        key = (b, skey)
+        g = self.graphs.get(key)
+        if g is not None:
+            g.replay()
+            return
+        # first step of this shape: run it for real on a side stream (compiles, warms cuBLAS), then capture
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            self._step(b, sample_fn)
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        t0 = time.perf_counter()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):  # a fresh pool per capture
+            self._step(b, sample_fn)
+        self.graphs[key] = g
+        self.stats["graph_capture_s"] = self.stats.get("graph_capture_s", 0.0) + time.perf_counter() - t0
+        self.stats["graphs"] = len(self.graphs)
+
+    # ---- the loop --------------------------------------------------------------------------------------
+    def _sampler(self, sampling) -> tuple[Callable, tuple, Callable]:
+        """(decode-step sampler, its graph key, prefill sampler)."""
+        def slow(logits, kh, sp):
+            return sample_next(logits, kh, sp, sampling, self._gumbel)
+        skey = (sampling.temperature, sampling.top_p, sampling.top_k)
+        plain = sampling.temperature > 0 and sampling.top_p >= 1.0 and not (0 < sampling.top_k < self.vocab)
+        if plain and self.compiled:
+            temp = float(sampling.temperature)
+            return (lambda logits, kh, sp: self._plain(logits, kh, sp, temp)), skey, slow
+        return slow, skey, slow
+
+    def generate(self, prompts: list[list[int]], key_hash: torch.Tensor, sampling, stop_ids: set[int]):
+        """Returns (response ids, response log-probs, finish reasons), one per prompt, in order.
+
+        If a speed feature fails at run time (the compiler, graph capture, the flash kernel), it is
+        switched off, the failure is kept in `stats["fallbacks"]`, and the call is redone: every
+        sample is a pure function of its key, so the redone call returns what the first would have.
+        """
+        while True:
+            try:
+                return self._generate(prompts, key_hash, sampling, stop_ids)
+            except Exception as e:  # noqa: BLE001
+                feature = ("compile" if self.compiled else "cuda_graphs" if self.use_graphs
+                           else "flash" if self.use_flash else None)
+                if feature is None:
+                    raise
+                log.warning("fast decode: %s failed (%s: %s); retrying without it", feature, type(e).__name__, e)
+                self.stats.setdefault("fallbacks", []).append(f"{feature}: {type(e).__name__}: {str(e)[:300]}")
+                if feature == "compile":
+                    self.compiled = False
+                    self._eager_fns()
+                elif feature == "cuda_graphs":
+                    self.use_graphs = False
+                else:
+                    self.use_flash = False
+                self.graphs.clear()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]], key_hash: torch.Tensor, sampling, stop_ids: set[int]):
+        n = len(prompts)
+        max_new = int(sampling.max_new_tokens)
+        t_start = time.perf_counter()
+        self._ensure_cache(max(len(p) for p in prompts) + max_new, n)
+        S, slots = self.slot_len, self.slots
+        step_fn, skey, prefill_fn = self._sampler(sampling)
+        key_hash = key_hash.to(self.device)
+        out_ids: list[list[int]] = [[] for _ in range(n)]
+        out_lp: list[list[float]] = [[] for _ in range(n)]
+        finish = ["length"] * n
+        slot_req = [-1] * slots
+        queue = list(range(n))
+        queue.reverse()  # pop() from the end takes requests in order
+        stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "chunks": 0,
+                 "slots": slots, "slot_len": S, "max_active": 0}
+
+        def take(row: int, toks: list[int], lps: list[float]) -> bool:
+            """Append tokens to a request until it stops; True when it finished."""
+            for t, lp in zip(toks, lps):
+                out_ids[row].append(t)
+                out_lp[row].append(lp)
+                if t in stop_ids:
+                    finish[row] = "stop"
+                    return True
+                if len(out_ids[row]) >= max_new:
+                    return True
+            return False
+
+        while queue or any(r >= 0 for r in slot_req):
+            # refill free slots with queued requests (packed prefill, bounded in tokens)
+            free = [s for s in range(slots) if slot_req[s] < 0]
+            if queue and free:
+                t0 = time.perf_counter()
+                assign: list[tuple[int, int]] = []
+                budget = self.prefill_tokens
+                while queue and len(assign) < len(free):
+                    r = queue[-1]
+                    if assign and len(prompts[r]) > budget:
+                        break
+                    queue.pop()
+                    assign.append((free[len(assign)], r))
+                    budget -= len(prompts[r])
+                lens = [len(prompts[r]) for _, r in assign]
+                ids = torch.tensor([t for _, r in assign for t in prompts[r]], dtype=torch.long, device=self.device)
+                s_idx = torch.tensor([s for s, _ in assign], dtype=torch.long, device=self.device)
+                r_idx = torch.tensor([r for _, r in assign], dtype=torch.long, device=self.device)
+                logits = self._prefill(ids, lens, [s for s, _ in assign])
+                kh = key_hash.index_select(0, r_idx)
+                t, lp = prefill_fn(logits, kh, torch.zeros_like(kh))
+                self.tok.index_copy_(0, s_idx, t)
+                self.pos.index_copy_(0, s_idx, torch.tensor(lens, dtype=torch.long, device=self.device))
+                self.spos.index_copy_(0, s_idx, torch.ones_like(s_idx))
+                self.key_hash.index_copy_(0, s_idx, kh)
+                for (s, r), ti, li in zip(assign, t.tolist(), lp.float().tolist()):
+                    if not take(r, [ti], [li]):
+                        slot_req[s] = r
+                stats["prefill_s"] += time.perf_counter() - t0
+                continue  # slots may have freed at once (stop on the first token): refill again
+            active = [s for s in range(slots) if slot_req[s] >= 0]
+            if not active:
+                continue
+            hi = max(active) + 1
+            b = next(x for x in self._buckets() if x >= hi)
+            steps = min(self.sync_every, max(max_new - len(out_ids[slot_req[s]]) for s in active))
+            t0 = time.perf_counter()
+            self.chunk_i.zero_()
+            for _ in range(steps):
+                self._run_step(b, step_fn, skey)
+            toks = self.out_tok[:b, :steps].tolist()  # the one host sync of the chunk
+            lps = self.out_lp[:b, :steps].tolist()
+            dt = time.perf_counter() - t0
+            stats["decode_s"] += dt
+            if self.trace is not None:  # (active rows, batch bucket, steps, ms per step, max used length)
+                self.trace.append((len(active), b, steps, round(1e3 * dt / steps, 3),
+                                   max(len(prompts[slot_req[s]]) + len(out_ids[slot_req[s]]) for s in active)))
+            stats["decode_steps"] += steps
+            stats["row_steps"] += steps * b
+            stats["chunks"] += 1
+            stats["max_active"] = max(stats["max_active"], len(active))
+            done = []
+            for s in active:
+                r = slot_req[s]
+                if take(r, toks[s], lps[s]):
+                    slot_req[s] = -1
+                    done.append(s)
+            if done:  # an idle slot attends to one cached token until it is refilled, not to its old length
+                self.pos.index_fill_(0, torch.tensor(done, dtype=torch.long, device=self.device), 0)
+        stats["total_s"] = time.perf_counter() - t_start
+        stats["new_tokens"] = sum(len(x) for x in out_ids)
+        stats["graphs"] = len(self.graphs)
+        stats["compiled"] = self.compiled
+        stats["cuda_graphs"] = self.use_graphs
+        stats["attention"] = ("flash_varlen" + ("_gqa_packed" if self.gqa_pack else "")) if self.use_flash else "sdpa"
+        if self.compile_error:
+            stats["compile_error"] = self.compile_error
+        self.stats.update(stats)
+        return out_ids, out_lp, finish
+
+
+def _cumsum(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total
+
+
+__all__ = ["StaticDecoder", "unsupported_reason", "plain_sample", "SUPPORTED_MODEL_TYPES"]
