@@ -24,6 +24,8 @@ def test_reference_run_writes_every_stage(reference_run):
     assert ck is not None and ck.rollout == 4
     metrics = [m for c in res["train"]["chunks"] for m in c["metrics"]]
     assert [m["rollout"] for m in metrics] == [0, 1, 2, 3]
+    # weight sync: the engine sampled with the trainer's weights (log-probs of the sampled tokens agree)
+    assert all(m["train_rollout_logp_absdiff"] <= 1e-4 for m in metrics), [m["train_rollout_logp_absdiff"] for m in metrics]
     for key in ("loss", "reward_mean", "reward_std", "kl", "entropy", "clip_frac", "grad_norm",
                 "response_len_mean", "response_len_max", "truncated_frac", "rollout_tok_s", "train_tok_s",
                 "step_time_s"):
