@@ -250,8 +250,7 @@ class DenseDecoderAdapter(ModelAdapter):
                 take(hp + "self_attn.v_proj.weight"), nh, ng, d),
             mp + "self_attention.linear_proj.weight": take(hp + "self_attn.o_proj.weight"),
             mp + "pre_mlp_layernorm.weight": take(hp + "post_attention_layernorm.weight"),
-            mp + "mlp.linear_fc1.weight": torch.cat(
-                [take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")], dim=0),
+            mp + "mlp.linear_fc1.weight": self.fc1_from_hf(take, hp),
             mp + "mlp.linear_fc2.weight": take(hp + "mlp.down_proj.weight"),
         }
         if self.qkv_bias(hf_config):
@@ -263,11 +262,18 @@ class DenseDecoderAdapter(ModelAdapter):
             out[mp + "self_attention.k_layernorm.weight"] = take(hp + "self_attn.k_norm.weight")
         return out
 
+    def fc1_from_hf(self, take: Callable[[str], torch.Tensor], hp: str) -> torch.Tensor:
+        """Megatron's fused fc1 is cat(gate, up) along the output dim."""
+        return torch.cat([take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")], dim=0)
+
+    def fc1_to_hf(self, fc1: torch.Tensor, hp: str) -> dict[str, torch.Tensor]:
+        gate, up = torch.chunk(fc1, 2, dim=0)
+        return {hp + "mlp.gate_proj.weight": gate.contiguous(), hp + "mlp.up_proj.weight": up.contiguous()}
+
     def layer_to_hf(self, take: Callable[[str], torch.Tensor], hp: str, mp: str,
                     hf_config) -> dict[str, torch.Tensor]:
         nh, ng, d = self._attention_shape(hf_config)
         q, k, v = split_qkv(take(mp + "self_attention.linear_qkv.weight"), nh, ng, d)
-        gate, up = torch.chunk(take(mp + "mlp.linear_fc1.weight"), 2, dim=0)
         out = {
             hp + "input_layernorm.weight": take(mp + "input_layernorm.weight"),
             hp + "self_attn.q_proj.weight": q,
@@ -275,8 +281,7 @@ class DenseDecoderAdapter(ModelAdapter):
             hp + "self_attn.v_proj.weight": v,
             hp + "self_attn.o_proj.weight": take(mp + "self_attention.linear_proj.weight"),
             hp + "post_attention_layernorm.weight": take(mp + "pre_mlp_layernorm.weight"),
-            hp + "mlp.gate_proj.weight": gate.contiguous(),
-            hp + "mlp.up_proj.weight": up.contiguous(),
+            **self.fc1_to_hf(take(mp + "mlp.linear_fc1.weight"), hp),
             hp + "mlp.down_proj.weight": take(mp + "mlp.linear_fc2.weight"),
         }
         if self.qkv_bias(hf_config):

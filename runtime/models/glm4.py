@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .base import DenseDecoderAdapter, fuse_qkv, split_qkv
+from .base import DenseDecoderAdapter
 
 _LAYER_CLASS = None
 
@@ -79,44 +79,20 @@ class Glm4Adapter(DenseDecoderAdapter):
         spec.module = glm4_transformer_layer_class()
         return spec
 
+    # HF's gate_up_proj is already cat(gate, up) along the output dim: megatron's fc1 layout.
+    def fc1_from_hf(self, take, hp):
+        return take(hp + "mlp.gate_up_proj.weight")
+
+    def fc1_to_hf(self, fc1, hp):
+        return {hp + "mlp.gate_up_proj.weight": fc1}
+
+    # GLM4's two extra norms, on each sublayer's output before the residual add.
     def layer_from_hf(self, take, hp, mp, hf_config):
-        nh, ng, d = self._attention_shape(hf_config)
-        out = {
-            mp + "input_layernorm.weight": take(hp + "input_layernorm.weight"),
-            mp + "self_attention.linear_qkv.weight": fuse_qkv(
-                take(hp + "self_attn.q_proj.weight"), take(hp + "self_attn.k_proj.weight"),
-                take(hp + "self_attn.v_proj.weight"), nh, ng, d),
-            mp + "self_attention.linear_proj.weight": take(hp + "self_attn.o_proj.weight"),
-            mp + "post_self_attn_layernorm.weight": take(hp + "post_self_attn_layernorm.weight"),
-            mp + "pre_mlp_layernorm.weight": take(hp + "post_attention_layernorm.weight"),
-            # HF's gate_up_proj is cat(gate, up) along the output dim: megatron's fc1 layout.
-            mp + "mlp.linear_fc1.weight": take(hp + "mlp.gate_up_proj.weight"),
-            mp + "mlp.linear_fc2.weight": take(hp + "mlp.down_proj.weight"),
-            mp + "post_mlp_layernorm.weight": take(hp + "post_mlp_layernorm.weight"),
-        }
-        if self.qkv_bias(hf_config):
-            out[mp + "self_attention.linear_qkv.bias"] = fuse_qkv(
-                take(hp + "self_attn.q_proj.bias"), take(hp + "self_attn.k_proj.bias"),
-                take(hp + "self_attn.v_proj.bias"), nh, ng, d)
-        return out
+        return {**super().layer_from_hf(take, hp, mp, hf_config),
+                mp + "post_self_attn_layernorm.weight": take(hp + "post_self_attn_layernorm.weight"),
+                mp + "post_mlp_layernorm.weight": take(hp + "post_mlp_layernorm.weight")}
 
     def layer_to_hf(self, take, hp, mp, hf_config):
-        nh, ng, d = self._attention_shape(hf_config)
-        q, k, v = split_qkv(take(mp + "self_attention.linear_qkv.weight"), nh, ng, d)
-        out = {
-            hp + "input_layernorm.weight": take(mp + "input_layernorm.weight"),
-            hp + "self_attn.q_proj.weight": q,
-            hp + "self_attn.k_proj.weight": k,
-            hp + "self_attn.v_proj.weight": v,
-            hp + "self_attn.o_proj.weight": take(mp + "self_attention.linear_proj.weight"),
-            hp + "post_self_attn_layernorm.weight": take(mp + "post_self_attn_layernorm.weight"),
-            hp + "post_attention_layernorm.weight": take(mp + "pre_mlp_layernorm.weight"),
-            hp + "mlp.gate_up_proj.weight": take(mp + "mlp.linear_fc1.weight"),
-            hp + "mlp.down_proj.weight": take(mp + "mlp.linear_fc2.weight"),
-            hp + "post_mlp_layernorm.weight": take(mp + "post_mlp_layernorm.weight"),
-        }
-        if self.qkv_bias(hf_config):
-            qb, kb, vb = split_qkv(take(mp + "self_attention.linear_qkv.bias"), nh, ng, d)
-            out.update({hp + "self_attn.q_proj.bias": qb, hp + "self_attn.k_proj.bias": kb,
-                        hp + "self_attn.v_proj.bias": vb})
-        return out
+        return {**super().layer_to_hf(take, hp, mp, hf_config),
+                hp + "post_self_attn_layernorm.weight": take(mp + "post_self_attn_layernorm.weight"),
+                hp + "post_mlp_layernorm.weight": take(mp + "post_mlp_layernorm.weight")}
