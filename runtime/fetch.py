@@ -351,22 +351,8 @@ def _hf_load_dataset(source: str, repo_id: str, revision: str | None, split: str
 def _copy_file_atomic(src: str, dest: str) -> None:
     fs, src_path = storage.fs_for(src)
     try:
-        if storage.is_remote(dest):
-            with fs.open(src_path, "rb") as f:
-                storage.write_bytes_atomic(dest, f.read())
-            return
-        target = Path(dest)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as out, fs.open(src_path, "rb") as f:
-                shutil.copyfileobj(f, out, length=16 << 20)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with fs.open(src_path, "rb") as f:
+            storage.copy_stream_atomic(f, dest)
     except PermissionError as err:
         raise DataError(f"{src}: access denied ({err}); check the storage credentials") from None
     except FileNotFoundError:

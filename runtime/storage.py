@@ -71,12 +71,29 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
         with s3_errors(uri):
             fs.pipe_file(path, data)
         return
-    target = Path(uri)
+    with _local_atomic_file(uri) as f:
+        f.write(data)
+
+
+def copy_stream_atomic(src, uri: str) -> None:
+    """Write the binary stream `src` to `uri` atomically without holding it in memory (locally)."""
+    uri = str(uri)
+    if is_remote(uri):
+        write_bytes_atomic(uri, src.read())
+        return
+    with _local_atomic_file(uri) as f:
+        shutil.copyfileobj(src, f, length=16 << 20)
+
+
+@contextmanager
+def _local_atomic_file(path: str):
+    """A temp file beside `path`, fsynced and renamed onto it on success, removed on failure."""
+    target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
