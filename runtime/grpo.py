@@ -106,7 +106,7 @@ class TrainSession:
 
     def _sync_weights(self, version: int) -> float:
         t0 = time.time()
-        weights = self.trainer.call("hf_weights")[0]
+        weights = self.trainer.call("hf_weights", self.cfg.cluster.backend != "local")[0]
         self.engine.call("update_weights", weights, version)
         return time.time() - t0
 

@@ -195,8 +195,9 @@ class MegatronTrainer:
         t0 = time.time()
         a = self.algo
         steps = int(self.train_cfg.get("num_steps_per_rollout", 1))
-        need_old = steps > 1 or bool(a.get("use_tis"))
-        if need_old and batch.old_logprobs is None:
+        # With one step per rollout the policy has not moved yet: the old log-probs are the current
+        # ones (detached in the loss), so the extra forward pass is only needed for several steps.
+        if steps > 1 and batch.old_logprobs is None:
             batch.old_logprobs = self.compute_logprobs(batch)
         ref_logprobs = self.compute_logprobs(batch, "ref") if self.ref_model is not None else None
         self.model.train()
@@ -263,14 +264,16 @@ class MegatronTrainer:
         return out
 
     # -- weights & checkpoints -----------------------------------------------------------------
-    def hf_weights(self) -> dict[str, torch.Tensor]:
+    def hf_weights(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
         """Full (TP-gathered) weights in Hugging Face names, on CPU, for the rollout engine."""
         from ..models import get_adapter
         from .tp_gather import full_state_dict
         if self.adapter is None:
             self.adapter = get_adapter(self.hf_config)
         sd = full_state_dict(self.model, self.hf_config)
-        return {k: v.detach().to("cpu") for k, v in self.adapter.to_hf(sd, self.hf_config, include_tied_lm_head=True).items()}
+        hf = self.adapter.to_hf(sd, self.hf_config, include_tied_lm_head=True)
+        # In-process engines take the tensors where they are; actors need them on CPU to travel.
+        return {k: v.detach().to("cpu") if to_cpu else v.detach() for k, v in hf.items()}
 
     def grads(self) -> dict[str, torch.Tensor]:
         """Gradients of the last optimizer step, whole and on CPU (for parallel-equivalence checks)."""
