@@ -309,49 +309,7 @@ def test_one_grpo_rollout_with_trainer_and_builtin_engine(converted, name):
         engine.shutdown()
 
 
-# ---- memory estimate ------------------------------------------------------------------------------
-def _llama_known():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
-
-
-def test_memory_estimate_exact_arithmetic_on_a_known_config():
-    from runtime.memory import GIB, estimate_memory, param_counts
-
-    cfg = _llama_known()
-    # embeddings + lm_head 2*1000*64; per layer qkv 64*(4+2*2)*16, o 64*64, mlp 3*64*128, 2 norms; final norm
-    layer = 64 * 128 + 64 * 64 + 3 * 64 * 128 + 2 * 64
-    n = 2 * 1000 * 64 + 2 * layer + 64
-    assert n == 202048 and param_counts(cfg) == (n, n)
-    # tp=2 splits everything but the norms
-    assert param_counts(cfg, tp=2) == (n, (n - 2 * 2 * 64 - 64) // 2 + 2 * 2 * 64 + 64)
-
-    est = estimate_memory(cfg, tp=1, dp=1, micro_batch_size=2, seq_len=8, rollout_batch=4, max_new_tokens=4,
-                          dtype="bfloat16", colocate=True, gpu_mem_gb=80)
-    b = est["bytes"]
-    assert (b["weights"], b["grads"], b["optimizer"], b["engine_weights"]) == (2 * n, 4 * n, 12 * n, 2 * n)
-    # per token and layer: 2 pre-norms (12 B/unit), 2 norm outputs, q/k/v/context (4 x 64 units), SwiGLU (5 x 128), bf16
-    per_token_layer = 2 * 12 * 64 + 2 * 2 * 64 + 4 * 2 * 64 + 5 * 2 * 128
-    scores = 2 * 4 * 8 * 8 * (4 + 2)  # b * heads * s * s * (fp32 softmax + bf16 probs)
-    logits = 2 * 8 * 1000 * 20
-    assert per_token_layer == 3584 and b["activations"] == 2 * (2 * 8 * per_token_layer + scores) + logits == 440832
-    kv = 4 * 8 * (2 * 2 * 2 * 16 * 2)  # rows * seq * (layers * k,v * kv heads * head dim * bf16)
-    assert b["kv_cache"] == kv == 8192
-    assert b["rollout_activations"] == kv // 2 + 4 * 1000 * 40  # one layer's concat copy + sampler temporaries
-    assert b["total"] == 2 * n + 4 * n + 12 * n + 2 * n + max(440832, kv + b["rollout_activations"]) + GIB
-    assert est["total"] == b["total"] / GIB and est["fits"] and est["reason"] is None
-
-    apart = estimate_memory(cfg, tp=1, dp=1, micro_batch_size=2, seq_len=8, rollout_batch=4, max_new_tokens=4,
-                            dtype="bfloat16", colocate=False, gpu_mem_gb=80)["bytes"]
-    assert apart["trainer_total"] == 18 * n + 440832 + GIB and apart["rollout_total"] == 2 * n + kv + b["rollout_activations"] + GIB
-    assert apart["total"] == max(apart["trainer_total"], apart["rollout_total"])
-    # fp32 weights need no master copy
-    assert estimate_memory(cfg, micro_batch_size=1, seq_len=8, rollout_batch=1, max_new_tokens=1,
-                           dtype="float32")["bytes"]["optimizer"] == 8 * n
-
-
+# ---- memory estimate (the rest is in tests/test_memory.py) ---------------------------------------
 @pytest.mark.parametrize("name", ["qwen2_tied", "llama_untied", "glm4_untied"])
 def test_param_count_matches_hf(hf_dirs, name):
     from transformers import AutoModelForCausalLM
@@ -362,56 +320,6 @@ def test_param_count_matches_hf(hf_dirs, name):
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(cfg)
     assert param_counts(cfg)[0] == sum(p.numel() for p in hf.parameters())  # tied: counted once
-
-
-def _qwen3_06b():
-    from transformers import Qwen3Config
-
-    return Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-
-
-# torch.cuda.max_memory_allocated on an H100 (torch 2.11, megatron-core 0.16.1), random Qwen3-0.6B
-# shape, bf16, MegatronTrainer + BuiltinEngine in one process: (micro_batch, seq_len) -> trainer
-# activations GiB; and one colocated GRPO rollout (128 rows, 256 prompt + 512 new tokens, micro-batch
-# 4; engine generate, train, weight sync), steady-state peak GiB.
-H100_TRAIN_ACTIVATIONS = {(1, 1024): 7.48, (2, 1024): 16.05, (4, 512): 13.37, (1, 2048): 20.20,
-                          (4, 1024): 32.00, (2, 2048): 42.66, (1, 4096): 61.54}
-H100_COLOCATED_PEAK = 33.27
-
-
-def test_memory_estimate_is_within_20_percent_of_the_h100_measurements():
-    from runtime.memory import GIB, activation_bytes, estimate_memory, param_counts
-
-    cfg = _qwen3_06b()
-    assert param_counts(cfg)[0] == 596049920
-    for (b, s), measured in H100_TRAIN_ACTIVATIONS.items():
-        est = activation_bytes(cfg, tp=1, micro_batch_size=b, seq_len=s) / GIB
-        assert abs(est / measured - 1) <= 0.2, (b, s, est, measured)
-    est = estimate_memory(cfg, tp=1, dp=1, micro_batch_size=4, seq_len=768, rollout_batch=128, max_new_tokens=512,
-                          dtype="bfloat16", colocate=True, gpu_mem_gb=80)
-    peak = est["total"] - est["overhead"]  # max_memory_allocated has no CUDA context
-    assert abs(peak / H100_COLOCATED_PEAK - 1) <= 0.2, peak
-    assert est["fits"]
-
-
-def test_memory_estimate_says_when_it_cannot_fit():
-    from runtime.memory import estimate_memory, format_estimate
-
-    cfg = _qwen3_06b()
-    est = estimate_memory(cfg, tp=1, dp=1, micro_batch_size=4, seq_len=1024 + 8192, rollout_batch=256,
-                          max_new_tokens=8192, dtype="bfloat16", colocate=True, gpu_mem_gb=80)
-    assert not est["fits"]
-    assert est["reason"].startswith(f"needs {est['total']:.1f} GiB per GPU but the GPU has 80; largest: ")
-    assert "micro_batch_size" in est["reason"]
-    text = format_estimate(est)
-    for word in ("weights", "gradients", "optimizer", "activations", "KV cache", "DOES NOT FIT"):
-        assert word in text
-    with pytest.raises(ValueError, match="tensor_parallel=3 must divide"):
-        estimate_memory(cfg, tp=3, micro_batch_size=1, seq_len=8, rollout_batch=1, max_new_tokens=1)
-    with pytest.raises(ValueError, match="must be >= max_new_tokens"):
-        estimate_memory(cfg, micro_batch_size=1, seq_len=8, rollout_batch=1, max_new_tokens=9)
 
 
 def test_glm_z1_9b_config_and_its_estimate():

@@ -42,9 +42,9 @@ log = logging.getLogger("grpoflow.rollout")
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
 
-def unsupported_reason(model) -> str | None:
-    """None when `model` (an HF causal LM) fits the fast path, else why not (one line)."""
-    cfg = model.config
+def unsupported_config_reason(cfg) -> str | None:
+    """None when an HF config's architecture fits the fast path, else why not (one line). The memory
+    estimate (runtime/memory.py) uses it to know which decode path the engine will take."""
     mt = getattr(cfg, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
         return f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}"
@@ -59,6 +59,14 @@ def unsupported_reason(model) -> str | None:
         return f"hidden_act {cfg.hidden_act!r} (only silu)"
     if getattr(cfg, "mlp_bias", False):
         return "mlp_bias is not implemented"
+    return None
+
+
+def unsupported_reason(model) -> str | None:
+    """None when `model` (an HF causal LM) fits the fast path, else why not (one line)."""
+    reason = unsupported_config_reason(model.config)
+    if reason:
+        return reason
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(getattr(inner, "rotary_emb", None), "inv_freq"):
         return "unexpected module layout (model.model.layers / rotary_emb.inv_freq)"
@@ -179,6 +187,33 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+# ---- the KV cache's size policy (pure functions: runtime/memory.py's estimate uses the same ones) -----
+
+KV_FREE_FRACTION = 0.5        # without kv_cache_gb, on CUDA: this share of the free GPU memory (+ the current cache)
+CPU_KV_BUDGET_BYTES = 2 * 10**9
+SLOT_ALIGN = 64               # slot lengths are rounded up to a multiple of this
+
+
+def kv_slot_len(tokens: int) -> int:
+    """The slot length the cache is built with for sequences of up to `tokens` (prompt + response)."""
+    return _round_up(int(tokens), SLOT_ALIGN)
+
+
+def kv_budget_bytes(kv_cache_gb: float | None, device_type: str, free_bytes: int = 0, cache_bytes: int = 0) -> int:
+    """The KV cache's memory budget: `kv_cache_gb` (10^9 bytes) when given; else on CUDA half of what
+    is free on the device at that moment plus the cache already held; else (CPU) 2 GB."""
+    if kv_cache_gb is not None:
+        return int(kv_cache_gb * 1e9)
+    if device_type == "cuda":
+        return int(KV_FREE_FRACTION * (free_bytes + cache_bytes))
+    return CPU_KV_BUDGET_BYTES
+
+
+def kv_slots(per_slot_bytes: int, budget_bytes: int, rows: int, max_slots: int) -> int:
+    """Slots the cache gets: as many as the rows of the call, at most `max_slots`, within the budget (>= 1)."""
+    return max(1, min(int(max_slots), int(rows), int(budget_bytes) // int(per_slot_bytes)))
+
+
 class StaticDecoder:
     """Generates for many requests at once with a bounded static KV cache (see the module doc)."""
 
@@ -269,17 +304,14 @@ class StaticDecoder:
         return 2 * self.n_layers * self.nkv * self.hd * torch.finfo(self.dtype).bits // 8
 
     def _budget_bytes(self) -> int:
-        if self.kv_cache_gb is not None:
-            return int(self.kv_cache_gb * 1e9)
-        if self.device.type == "cuda":
+        free = 0
+        if self.kv_cache_gb is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            have = free + (self.k_cache.numel() * 2 * self.k_cache.element_size() if self.k_cache is not None else 0)
-            return int(0.5 * have)
-        return 2 * 10**9
+        return kv_budget_bytes(self.kv_cache_gb, self.device.type, free, self.kv_cache_bytes())
 
     def _ensure_cache(self, slot_len: int, rows: int) -> None:
         """Slots of at least `slot_len` tokens, as many as `rows` asks for within the budget and `max_slots`."""
-        slot_len = _round_up(slot_len, 64)
+        slot_len = kv_slot_len(slot_len)
         if self.k_cache is not None and self.slot_len >= slot_len:
             if self.slots >= min(rows, self.max_slots):
                 return
@@ -292,7 +324,7 @@ class StaticDecoder:
         if per_slot > budget:
             raise MemoryError(f"KV cache: one slot of {slot_len} tokens needs {per_slot / 1e9:.2f} GB, over the "
                               f"budget {budget / 1e9:.2f} GB; raise kv_cache_gb or shorten max_new_tokens")
-        want = max(1, min(self.max_slots, rows, budget // per_slot))
+        want = kv_slots(per_slot, budget, rows, self.max_slots)
         shape = (self.n_layers, want, slot_len, self.nkv, self.hd)
         dev = self.device
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
@@ -557,4 +589,5 @@ def _cumsum(xs):
         yield total
 
 
-__all__ = ["StaticDecoder", "unsupported_reason", "plain_sample", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["StaticDecoder", "unsupported_reason", "unsupported_config_reason", "plain_sample", "SUPPORTED_MODEL_TYPES",
+           "kv_slot_len", "kv_budget_bytes", "kv_slots"]
