@@ -135,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "validate":
             from runtime.config import load_config
             cfg = load_config(args.config, args.overrides)
+            from runtime.plan import layout_lines, memory_lines
+            placement = layout_lines(cfg)  # before any output: a layout that cannot run is one line
             _print_plan(cfg)
-            from runtime.plan import memory_lines
-            for line in memory_lines(cfg, args.gpu_mem_gb):
+            for line in placement + memory_lines(cfg, args.gpu_mem_gb):
                 print(line)
             print("config is valid")
             return 0

@@ -9,8 +9,10 @@ import os
 import socket
 from typing import Any
 
+from . import layout
 from .config import GrpoConfig
 from .errors import ConfigError
+from .subprocess_group import SubprocessGroup
 
 
 def free_port() -> int:
@@ -19,27 +21,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Done:
+    def __init__(self, results: list[Any]):
+        self._results = results
+
+    def get(self) -> list[Any]:
+        return self._results
+
+
 class LocalGroup:
+    """Members in this process: a call runs them one after another."""
+
     def __init__(self, members: list[Any]):
         self.members = members
 
     def call(self, method: str, *args, **kwargs) -> list[Any]:
         return [getattr(m, method)(*args, **kwargs) for m in self.members]
 
+    def submit(self, method: str, *args, **kwargs) -> _Done:
+        return _Done(self.call(method, *args, **kwargs))
+
     def kill(self) -> None:
         self.members = []
+
+
+class _RayPending:
+    def __init__(self, refs):
+        self._refs = refs
+
+    def get(self) -> list[Any]:
+        import ray
+        return ray.get(self._refs)
 
 
 class RayGroup:
     def __init__(self, actors: list[Any]):
         self.actors = actors
 
-    def call(self, method: str, *args, **kwargs) -> list[Any]:
+    def submit(self, method: str, *args, **kwargs) -> _RayPending:
         import ray
         # Put large arguments once in the object store instead of once per actor.
         args = tuple(ray.put(a) if len(self.actors) > 1 and not isinstance(a, (int, float, str, type(None))) else a
                      for a in args)
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+        return _RayPending([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def call(self, method: str, *args, **kwargs) -> list[Any]:
+        return self.submit(method, *args, **kwargs).get()
 
     def kill(self) -> None:
         import ray
@@ -51,8 +78,7 @@ class RayGroup:
         self.actors = []
 
 
-def world_size(cfg: GrpoConfig) -> int:
-    return cfg.train.data_parallel * cfg.train.tensor_parallel
+world_size = layout.trainer_world_size
 
 
 def resolve_device(cfg: GrpoConfig) -> str:
@@ -69,19 +95,42 @@ def resolve_dtype(cfg: GrpoConfig, device: str) -> str:
 
 
 class Cluster:
-    """One connection to wherever the actors run, held for a whole train stage."""
+    """One connection to wherever the actors run, held for a whole train stage.
 
-    def __init__(self, cfg: GrpoConfig):
+    Placement (`runtime.layout`): trainer rank r on GPU r, the engine on GPU 0 when colocated, else
+    on the first GPU after the trainer's. Under `cluster.backend: local` the trainer runs in this
+    process when it is one rank sharing the engine's device, else one spawned process per rank.
+    """
+
+    def __init__(self, cfg: GrpoConfig, hf_config=None):
         self.cfg = cfg
         self.backend = cfg.cluster.backend
         self.device = resolve_device(cfg)
         self.dtype = resolve_dtype(cfg, self.device)
         self._pg = None
         self._ray_started_here = False
-        n = world_size(cfg)
-        if self.backend == "local" and n > 1:
-            raise ConfigError(f"cluster.backend=local runs one trainer rank, but train.data_parallel × "
-                              f"train.tensor_parallel = {n}; use cluster.backend=ray")
+        self.weight_sync = layout.weight_sync_mode(cfg)
+        gpus = None
+        if self.backend == "local" and self.device == "cuda":
+            import torch
+            gpus = torch.cuda.device_count()
+        layout.check_layout(cfg, hf_config=hf_config, gpus_available=gpus)
+
+    @property
+    def trainer_in_subprocesses(self) -> bool:
+        return self.backend == "local" and (world_size(self.cfg) > 1 or self.weight_sync == "broadcast")
+
+    @property
+    def engine_device(self) -> str:
+        if self.device != "cuda" or self.backend == "ray":  # Ray sets each actor's visible GPU
+            return self.device
+        return f"cuda:{layout.engine_gpu(self.cfg)}"
+
+    @property
+    def _engine_shares_gpu(self) -> bool:
+        """Ray, colocated on GPUs: the engine joins trainer rank 0's bundle and its GPU, half each."""
+        c = self.cfg.cluster
+        return self.backend == "ray" and c.colocate and c.trainer_gpus > 0
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> "Cluster":
@@ -105,6 +154,7 @@ class Cluster:
                     kw["object_store_memory"] = int(os.environ["GRPOFLOW_RAY_OBJECT_STORE_MB"]) * 2**20
             ray.init(**kw)
             self._ray_started_here = True
+        layout.check_gpus(self.cfg, int(ray.cluster_resources().get("GPU", 0)), where="the Ray cluster")
         self._place()
         return self
 
@@ -115,7 +165,7 @@ class Cluster:
         n = world_size(self.cfg)
         trainer_bundle = {"CPU": 1, **({"GPU": 1} if c.trainer_gpus else {})}
         engine_bundle = {"CPU": 1, **({"GPU": 1} if c.rollout_gpus and not c.colocate else {})}
-        bundles = [trainer_bundle] * n + [engine_bundle]
+        bundles = [trainer_bundle] * n + ([] if self._engine_shares_gpu else [engine_bundle])
         pg = placement_group(bundles, strategy="PACK")
         try:
             ray.get(pg.ready(), timeout=c.placement_timeout_s)
@@ -147,17 +197,24 @@ class Cluster:
     def _threads(self) -> int:
         return max(1, (os.cpu_count() or 1) // (world_size(self.cfg) + (0 if self.cfg.cluster.colocate else 1)))
 
-    def trainer_group(self, **trainer_kwargs) -> LocalGroup | RayGroup:
+    def trainer_group(self, in_subprocesses: bool | None = None, **trainer_kwargs) -> LocalGroup | RayGroup | SubprocessGroup:
+        """in_subprocesses (local backend): None decides by the layout; True forces one process per rank."""
         from .trainer.megatron_trainer import MegatronTrainer
         n = world_size(self.cfg)
         common = dict(trainer_kwargs, world_size=n, device=self.device, dtype=self.dtype)
-        if self.backend == "local":
+        own = self.trainer_in_subprocesses if in_subprocesses is None else (in_subprocesses or n > 1)
+        if self.backend == "local" and not own:
             return LocalGroup([MegatronTrainer(rank=0, master_port=free_port(), **common)])
+        port = free_port()
+        if self.backend == "local":
+            return SubprocessGroup(
+                "runtime.trainer.megatron_trainer:MegatronTrainer",
+                [dict(common, rank=r, master_port=port, num_threads=self._threads()) for r in range(n)],
+                [{"LOCAL_RANK": str(r)} for r in range(n)])
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        gpus = 1 if self.cfg.cluster.trainer_gpus else 0
+        gpus = (0.5 if self._engine_shares_gpu else 1) if self.cfg.cluster.trainer_gpus else 0
         cls = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(MegatronTrainer)
-        port = free_port()
         actors = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=self._pg, placement_group_bundle_index=r)).remote(
                 rank=r, master_addr="127.0.0.1" if not self.cfg.cluster.address else _node_ip(),
@@ -168,15 +225,19 @@ class Cluster:
 
     def engine(self, model_dir: str) -> LocalGroup | RayGroup:
         from .rollout.factory import make_engine
-        kwargs = dict(cfg=self.cfg, model_dir=model_dir, device=self.device, dtype=self.dtype)
+        kwargs = dict(cfg=self.cfg, model_dir=model_dir, device=self.engine_device, dtype=self.dtype)
         if self.backend == "local":
+            if self.engine_device.startswith("cuda:"):
+                import torch
+                torch.cuda.set_device(int(self.engine_device.split(":")[1]))  # CUDA graphs capture on it
             return LocalGroup([make_engine(**kwargs)])
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        gpus = 1 if self.cfg.cluster.rollout_gpus and not self.cfg.cluster.colocate else 0
-        actor = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(_EngineHost).options(
+        shared = self._engine_shares_gpu
+        gpus = 0.5 if shared else (1 if self.cfg.cluster.rollout_gpus and not self.cfg.cluster.colocate else 0)
+        actor = ray.remote(num_cpus=0 if shared else 1, num_gpus=gpus, max_restarts=0)(_EngineHost).options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self._pg, placement_group_bundle_index=world_size(self.cfg))).remote(
+                placement_group=self._pg, placement_group_bundle_index=0 if shared else world_size(self.cfg))).remote(
                     num_threads=self._threads(), **kwargs)
         group = RayGroup([actor])
         group.call("health")
@@ -213,6 +274,18 @@ class _EngineHost:
 
     def release_memory(self):
         return self.engine.release_memory()
+
+    def weight_sync_ranks(self):
+        return self.engine.weight_sync_ranks()
+
+    def init_weight_sync(self, *a, **k):
+        return self.engine.init_weight_sync(*a, **k)
+
+    def receive_weights(self, *a, **k):
+        return self.engine.receive_weights(*a, **k)
+
+    def weight_sync_ready(self):
+        return self.engine.weight_sync_ready()
 
 
 def _node_ip() -> str:

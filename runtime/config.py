@@ -100,7 +100,7 @@ class TrainSection(Section):
     adam_beta2: float = 0.98
     clip_grad: float = 1.0
     tensor_parallel: int = Field(1, gt=0)
-    data_parallel: int = Field(1, gt=0)
+    data_parallel: int = Field(1, gt=0, description="unset: cluster.trainer_gpus / tensor_parallel (1 without GPUs)")
     seed: int = 1234
 
 
@@ -130,9 +130,10 @@ class TrackingSection(Section):
 class ClusterSection(Section):
     backend: Literal["ray", "local"] = "local"
     address: str | None = None  # join an existing Ray cluster; None starts a local one
-    colocate: bool = True
-    trainer_gpus: int = Field(0, ge=0)
+    colocate: bool = True  # the engine shares the trainer's GPUs; false: rollout_gpus of its own
+    trainer_gpus: int = Field(0, ge=0, description="= data_parallel × tensor_parallel; 0: one device, no GPU accounting")
     rollout_gpus: int = Field(0, ge=0)
+    weight_sync: Literal["auto", "direct", "broadcast"] = "auto"  # see runtime/layout.py:weight_sync_mode
     num_cpus: int | None = None
     placement_timeout_s: float = Field(60.0, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -156,6 +157,16 @@ class GrpoConfig(Section):
     cluster: ClusterSection = ClusterSection()
     storage: StorageSection = StorageSection()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_data_parallel(cls, data: Any) -> Any:
+        train, cluster = (data.get("train"), data.get("cluster")) if isinstance(data, dict) else (None, None)
+        if isinstance(train, dict) and isinstance(cluster, dict) and train.get("data_parallel") is None:
+            gpus, tp = cluster.get("trainer_gpus"), train.get("tensor_parallel", 1)
+            if isinstance(gpus, int) and isinstance(tp, int) and gpus > 0 and tp > 0 and gpus % tp == 0:
+                data = {**data, "train": {**train, "data_parallel": gpus // tp}}
+        return data
+
     @model_validator(mode="after")
     def _cross_checks(self) -> "GrpoConfig":
         r, t = self.rollout, self.train
@@ -167,6 +178,11 @@ class GrpoConfig(Section):
                 f"train.num_steps_per_rollout = {t.global_batch_size} × {t.num_steps_per_rollout} = "
                 f"{t.global_batch_size * t.num_steps_per_rollout}; make them equal")
         dp = t.data_parallel
+        gpus = self.cluster.trainer_gpus
+        if gpus and gpus != dp * t.tensor_parallel:
+            raise ValueError(
+                f"cluster.trainer_gpus={gpus} but train.data_parallel × train.tensor_parallel = {dp} × "
+                f"{t.tensor_parallel} = {dp * t.tensor_parallel}; make them equal (leave data_parallel unset to derive it)")
         if t.global_batch_size % (dp * t.micro_batch_size) != 0:
             raise ValueError(
                 f"train.global_batch_size={t.global_batch_size} must be divisible by train.data_parallel × "

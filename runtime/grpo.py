@@ -24,6 +24,7 @@ from .rewards.timeout import score_batch
 from .rollout.base import SampleRequest, SamplingParams
 from .rundir import RunDir
 from .trainer.batch import TrainBatch
+from .weight_sync import TrainerToEngine
 
 log = logging.getLogger("grpoflow.train")
 
@@ -43,7 +44,8 @@ class TrainSession:
 
         from .data import PromptDataset
         self.cfg, self.rd = cfg, rd
-        self.cluster = Cluster(cfg).start()
+        from .models import load_hf_config
+        self.cluster = Cluster(cfg, hf_config=load_hf_config(rd.local(rd.hf_model))).start()
         self.tokenizer = AutoTokenizer.from_pretrained(rd.local(rd.hf_model))  # local copy on a remote run dir
         self.dataset = PromptDataset(rd.train_data, shuffle=cfg.data.shuffle)
         self.reward_fn = get_reward_fn(cfg.rollout.reward)
@@ -67,6 +69,10 @@ class TrainSession:
         self.engine = self.cluster.engine(self.rd.local(self.rd.hf_model))
         self.at = None
         self.builds += 1
+        # a fresh group name per build: c10d keeps the names of groups already made
+        self.weights = TrainerToEngine(self.trainer, self.engine, self.cluster.weight_sync,
+                                       tensors_on_cpu=self.cfg.cluster.backend == "ray",
+                                       group_name=f"grpoflow_weights_{self.builds}")
 
     def close_actors(self) -> None:
         for g in (self.trainer, self.engine):
@@ -106,8 +112,7 @@ class TrainSession:
 
     def _sync_weights(self, version: int) -> float:
         t0 = time.time()
-        weights = self.trainer.call("hf_weights", self.cfg.cluster.backend != "local")[0]
-        self.engine.call("update_weights", weights, version)
+        self.weights.push(version)
         return time.time() - t0
 
     # -- one rollout ---------------------------------------------------------------------------

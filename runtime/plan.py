@@ -70,3 +70,27 @@ def memory_lines(cfg: GrpoConfig, gpu_mem_gb: float) -> list[str]:
         return [f"memory        no estimate: {cfg.model.source} has no config.json at hand "
                 f"(give a local model dir, or fetch it once so the HF cache has it)"]
     return format_estimate(estimate_for_config(cfg, hf_config, gpu_mem_gb=gpu_mem_gb)).splitlines()
+
+
+def layout_lines(cfg: GrpoConfig) -> list[str]:
+    """Where trainer ranks and the engine go; raises ConfigError when the layout cannot run here
+    (model shapes when the config.json is at hand; this machine's GPUs under cluster.backend=local)."""
+    from . import layout
+    try:
+        hf_config = _model_config_offline(cfg.model.source)
+    except Exception:  # noqa: BLE001 - not at hand: the train stage checks again after fetch
+        hf_config = None
+    gpus = None
+    if cfg.cluster.backend == "local" and cfg.cluster.device != "cpu" and cfg.cluster.trainer_gpus:
+        import torch
+        gpus = torch.cuda.device_count()
+    layout.check_layout(cfg, hf_config=hf_config, gpus_available=gpus)
+    c, t = cfg.cluster, cfg.train
+    if c.trainer_gpus:
+        engine = (f"GPU {layout.engine_gpu(cfg)} (shared with trainer rank 0)" if c.colocate
+                  else f"{c.rollout_gpus} GPU(s) of its own from GPU {layout.engine_gpu(cfg)}")
+        where = f"trainer DP {t.data_parallel} × TP {t.tensor_parallel} on GPUs 0-{c.trainer_gpus - 1}; engine on {engine}"
+    else:
+        where = f"trainer DP {t.data_parallel} × TP {t.tensor_parallel}, engine beside it (no GPU accounting)"
+    checked = "" if gpus is not None else " (GPUs checked when the cluster starts)" if c.trainer_gpus else ""
+    return [f"layout        {where}; weight sync {layout.weight_sync_mode(cfg)}{checked}"]

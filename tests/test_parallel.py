@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.cluster import Cluster
+from runtime.cluster import Cluster, LocalGroup
 from runtime.config import GrpoConfig
 from runtime.trainer.batch import TrainBatch
 
@@ -85,7 +85,85 @@ def test_parallel_matches_one_rank(ray_session, tiny_checkpoint, one_rank, dp, t
 
 def test_unplaceable_layout_is_a_one_line_error(ray_session):
     from runtime.errors import ConfigError
-    cfg = GrpoConfig.model_validate({"cluster": {"backend": "ray", "trainer_gpus": 1, "placement_timeout_s": 2},
-                                     "train": {"data_parallel": 2, "micro_batch_size": 8}})
-    with pytest.raises(ConfigError, match="cannot place 3 bundles"):
+    cfg = GrpoConfig.model_validate({"cluster": {"backend": "ray", "trainer_gpus": 2, "placement_timeout_s": 2},
+                                     "train": {"micro_batch_size": 8}})
+    with pytest.raises(ConfigError, match=r"needs 2 GPU\(s\) .* but the Ray cluster has 0") as e:
         Cluster(cfg).start()
+    assert "\n" not in str(e.value)
+    # 8 ranks + the engine want 9 CPU bundles from a 4-CPU cluster
+    cfg = GrpoConfig.model_validate({"cluster": {"backend": "ray", "placement_timeout_s": 2},
+                                     "train": {"data_parallel": 8, "micro_batch_size": 8}})
+    with pytest.raises(ConfigError, match="cannot place 9 bundles"):
+        Cluster(cfg).start()
+
+
+def test_local_backend_tp2_processes_and_broadcast_weight_sync(tiny_checkpoint, one_rank, tmp_path):
+    """cluster.backend=local: one spawned process per rank (the multi-GPU path, gloo here) trains like
+    one Ray rank, and the weight broadcast puts exactly the trainer's weights into the engine."""
+    from runtime.rollout.builtin import BuiltinEngine
+    from runtime.subprocess_group import SubprocessGroup
+    from runtime.weight_sync import TrainerToEngine
+
+    hf, td = tiny_checkpoint
+    cfg = GrpoConfig.model_validate({
+        "cluster": {"backend": "local", "weight_sync": "broadcast", "colocate": False},
+        "train": {"tensor_parallel": 2, "micro_batch_size": 8, "lr": 1e-3},
+        "algorithm": {"kl_coef": 0.0, "use_tis": True}})
+    cluster = Cluster(cfg)
+    assert cluster.trainer_in_subprocesses and cluster.weight_sync == "broadcast"
+    group = cluster.trainer_group(hf_dir=hf, init_checkpoint=td, train=cfg.train.model_dump(),
+                                  algorithm=cfg.algorithm.model_dump(), temperature=1.0)
+    try:
+        assert isinstance(group, SubprocessGroup) and len(set(group.call("pid"))) == 2
+        from runtime.models import load_hf_config
+        batch = recorded_batch(load_hf_config(hf).vocab_size)
+        ref = one_rank["metrics"][0]
+        for m in group.call("train", batch):
+            for key in ("loss", "pg_loss", "grad_norm", "entropy"):
+                assert abs(m[key] - ref[key]) <= 1e-5 * max(abs(ref[key]), 1e-3), (key, m[key], ref[key])
+
+        engine = BuiltinEngine(hf)
+        sync = TrainerToEngine(group, LocalGroup([engine]), "broadcast", tensors_on_cpu=True, group_name="t_bcast")
+        assert [n for n, _, _ in sync.metadata] == list(one_rank["weights"])
+        before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        sync.push(version=7)
+        expected = group.call("hf_weights")[0]
+        state = engine.model.state_dict()
+        assert engine.weight_version == 7
+        assert all(torch.equal(state[k], v) for k, v in expected.items())
+        assert any(not torch.equal(before[k], v) for k, v in expected.items())  # the update arrived
+        # engine and trainer agree on the log-probs of a sample after the sync
+        sample = batch.tokens[0]
+        p = batch.prompt_lens[0]
+        engine_lp = engine.logprobs_of(sample[:p], sample[p:])
+        one = TrainBatch([sample], [p], [0.0], [[1] * (len(sample) - p)], [[0.0] * (len(sample) - p)])
+        trainer_lp = group.call("compute_logprobs", one)[0][0]
+        assert max(abs(a - b) for a, b in zip(engine_lp, trainer_lp)) <= 1e-4
+    finally:
+        group.kill()
+
+
+def test_subprocess_group_errors():
+    """A member's own exception comes back as itself; a member that dies is a transient error (the
+    chunk's Prefect retry rebuilds the actors)."""
+    import json
+    import os
+    import signal
+
+    from runtime.errors import TransientError
+    from runtime.subprocess_group import ProcessDiedError, SubprocessGroup
+
+    with pytest.raises(json.JSONDecodeError):
+        SubprocessGroup("json:loads", [{"s": "{"}])
+    group = SubprocessGroup("collections:Counter", [{"a": 1}, {"b": 2}])
+    try:
+        assert group.call("total") == [1, 2]
+        with pytest.raises(TypeError):
+            group.call("update", 5)
+        assert group.call("most_common") == [[("a", 1)], [("b", 2)]]  # the pipes stay in step after an error
+        os.kill(group.pids[1], signal.SIGKILL)
+        with pytest.raises(ProcessDiedError) as e:
+            group.call("total")
+        assert isinstance(e.value, TransientError)
+    finally:
+        group.kill()

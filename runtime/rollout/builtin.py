@@ -137,6 +137,39 @@ class BuiltinEngine(RolloutEngine):
                 state[name].copy_(tensor)
         self._weight_version = int(version)
 
+    # ---- weight sync over a torch.distributed group (runtime/weight_sync.py) --------------------
+
+    def weight_sync_ranks(self) -> int:
+        return 1
+
+    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, group_name: str) -> None:
+        from runtime import weight_sync
+        self._check_open()
+        if getattr(self, "_sync_group", None) is not None:
+            weight_sync.destroy_group(self._sync_group)
+        self._sync_group = weight_sync.init_group(host, port, rank, world_size, group_name=group_name,
+                                                  backend=weight_sync.backend_for(self.device.type))
+
+    def weight_sync_ready(self) -> bool:
+        return getattr(self, "_sync_group", None) is not None
+
+    def receive_weights(self, metadata, version: int) -> None:
+        """Receive the trainer's broadcast straight into the parameters (same dtype), else via a copy.
+        Everything is received before any check, so a bad name never leaves the sender blocked."""
+        from runtime import weight_sync
+        self._check_open()
+        metadata = weight_sync.as_metadata(metadata)
+        state = self.model.state_dict()
+        got = weight_sync.receive(self._sync_group, metadata, self.device, into=state)
+        unknown = sorted(name for name in got if name not in state)
+        if unknown:
+            raise ValueError(f"receive_weights: {len(unknown)} name(s) not in the model, e.g. {unknown[:3]}")
+        with torch.no_grad():
+            for name, tensor in got.items():
+                if tensor.data_ptr() != state[name].data_ptr():
+                    state[name].copy_(tensor)
+        self._weight_version = int(version)
+
     def health(self) -> dict:
         return {
             "ok": not self._closed,

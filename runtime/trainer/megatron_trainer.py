@@ -250,7 +250,7 @@ class MegatronTrainer:
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         # average over every DP rank's tokens
         keys = sorted(sums)
-        vec = torch.tensor([sums[k] for k in keys] + [float(tokens)], dtype=torch.float64)
+        vec = torch.tensor([sums[k] for k in keys] + [float(tokens)], dtype=torch.float64, device=self._device_obj())
         if self.dp_size > 1:
             torch.distributed.all_reduce(vec, group=self.mpu.get_data_parallel_group(with_context_parallel=False))
         total = dict(zip(keys + ["_tokens"], vec.tolist()))
@@ -265,15 +265,64 @@ class MegatronTrainer:
 
     # -- weights & checkpoints -----------------------------------------------------------------
     def hf_weights(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
-        """Full (TP-gathered) weights in Hugging Face names, on CPU, for the rollout engine."""
+        """Full (TP-gathered) weights in Hugging Face names for the rollout engine: on rank 0; the
+        other ranks take part in the gather and return {}."""
         from ..models import get_adapter
         from .tp_gather import full_state_dict
         if self.adapter is None:
             self.adapter = get_adapter(self.hf_config)
         sd = full_state_dict(self.model, self.hf_config)
+        if self.rank != 0:
+            return {}
         hf = self.adapter.to_hf(sd, self.hf_config, include_tied_lm_head=True)
-        # In-process engines take the tensors where they are; actors need them on CPU to travel.
+        # In-process engines and CUDA IPC take the tensors where they are; Ray actors need them on CPU.
         return {k: v.detach().to("cpu") if to_cpu else v.detach() for k, v in hf.items()}
+
+    # -- weight sync over a group of its own (runtime/weight_sync.py) --------------------------
+    def weight_sync_address(self) -> tuple[str, int]:
+        """Where rank 0 hosts the weight-sync rendezvous: this node's address (Ray's view of it in a
+        Ray actor, loopback otherwise) and a free port on it."""
+        from ..megatron_env import free_port
+        host = "127.0.0.1"
+        try:
+            import ray
+            if ray.is_initialized():
+                host = ray.util.get_node_ip_address()
+        except ImportError:
+            pass
+        return host, free_port(host)
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, group_name: str) -> None:
+        """Rank 0 joins the weight-sync group as its source (rank 0 of that group); others stay out."""
+        from .. import weight_sync
+        if self.rank != 0:
+            return
+        if getattr(self, "_sync_group", None) is not None:
+            weight_sync.destroy_group(self._sync_group)
+        self._sync_group = weight_sync.init_group(host, port, 0, world_size, group_name=group_name,
+                                                  backend=weight_sync.backend_for(self.device))
+
+    def weights_metadata(self) -> list:
+        """(name, dtype, shape) of the tensors `broadcast_weights` sends, in order (rank 0; [] elsewhere)."""
+        from .. import weight_sync
+        return weight_sync.metadata_of(self.hf_weights(to_cpu=False))  # every rank joins the TP gather
+
+    def broadcast_weights(self) -> dict[str, float]:
+        """Every rank gathers its TP shards; rank 0 broadcasts the HF-named tensors to the engines."""
+        from .. import weight_sync
+        t0 = time.time()
+        hf = self.hf_weights(to_cpu=False)
+        if self.rank != 0:
+            return {}
+        sent = weight_sync.send(self._sync_group, hf, self._device_obj())
+        if str(self.device).startswith("cuda"):
+            torch.cuda.synchronize()
+        return {"bytes": float(sent), "seconds": time.time() - t0}
+
+    def _device_obj(self) -> torch.device:
+        if str(self.device).startswith("cuda"):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def grads(self) -> dict[str, torch.Tensor]:
         """Gradients of the last optimizer step, whole and on CPU (for parallel-equivalence checks)."""

@@ -1,0 +1,307 @@
+"""Several GPUs of one host: the trainer with data or tensor parallelism, and rollout on a GPU of its own
+with NCCL weight sync, against one GPU on the same recorded rollout batches.
+
+    python bench/multi_gpu.py --results-dir bench/results     # 2 GPUs, Qwen3-0.6B shape, bf16 (< 10 min)
+    python bench/multi_gpu.py --cpu                           # CI smoke: tiny shapes, gloo, same code paths
+
+Sections (each its own process on GPU):
+  setup         random HF model + torch_dist checkpoint + prompts (bench/gpu_grpo.py's setup)
+  record        the built-in engine on GPU 0 samples R rollouts (16 prompts x 8 x 512 tokens); rewards and
+                group advantages make them training batches, saved for replay
+  replay_*      the trainer (cluster.backend local: one process per rank, NCCL) replays the recorded
+                batches: log-probs of every batch before its update, the update's loss, and the log-probs
+                of batch 0 after the last update. 1gpu_a / 1gpu_b: two 1-GPU runs (their gap is the noise
+                of bf16 kernels); dp2: DP=2 on 2 GPUs; tp2: TP=2 on 2 GPUs
+  stage_split   the real train stage (TrainSession) with the trainer on GPU 0 and the engine on GPU 1,
+                weights over NCCL each rollout: rollout/train tok/s, weight-sync time, engine-vs-trainer
+                log-probs after each sync
+  stage_dp2     the train stage with DP=2 and the engine colocated on GPU 0 (weights over CUDA IPC)
+The verdict compares every replay to 1gpu_a: within twice the 1gpu_a-vs-1gpu_b gap.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import gpu_grpo as g  # noqa: E402
+
+LAYOUTS = {"1gpu_a": (1, 1), "1gpu_b": (1, 1), "dp2": (2, 1), "tp2": (1, 2)}
+SECTIONS = ("setup", "record", *(f"replay_{k}" for k in LAYOUTS), "stage_split", "stage_dp2")
+SECTION_MAX_S = {"setup": 150, "record": 120, "stage_split": 150, "stage_dp2": 150}
+LR = 1e-5  # large enough that an update moves bf16 log-probs measurably
+
+
+def _cfg(S, W: Path, train: dict | None = None, **cluster) -> dict:
+    cfg = g.stage_config(S, W)
+    cfg["train"].update(lr=LR, **(train or {}))
+    cfg["cluster"].update(cluster)
+    return cfg
+
+
+def sec_setup(S, W: Path) -> dict:
+    r = g.sec_setup(S, W)
+    r["name"] = "setup"
+    return r
+
+
+def sec_record(S, W: Path) -> dict:
+    import torch
+
+    from bench.trivial_reward import length_mod13
+    from runtime.algo import group_advantages
+    from runtime.rollout.base import SamplingParams
+    from runtime.trainer.batch import TrainBatch
+
+    t0 = time.time()
+    eng = g._engine(S, W)
+    eng.eos_token_ids = set()  # fixed length, as in bench/gpu_grpo.py
+    sp = SamplingParams(temperature=1.0, max_new_tokens=S["new"])
+    batches, tok_s = [], []
+    for r in range(S["rollouts"]):
+        g.sync(S)
+        t1 = time.perf_counter()
+        out = eng.generate(g._requests(S, S["prompts"], S["samples"], rollout=r, seed=r), sp)
+        g.sync(S)
+        tok_s.append(sum(len(s.response_ids) for s in out) / (time.perf_counter() - t1))
+        rewards = torch.tensor([length_mod13(eng.tokenizer.decode(s.response_ids), "") for s in out])
+        adv = group_advantages(rewards, S["samples"], normalize_std=True)
+        batches.append(TrainBatch(tokens=[s.prompt_ids + s.response_ids for s in out],
+                                  prompt_lens=[len(s.prompt_ids) for s in out], advantages=adv.tolist(),
+                                  loss_masks=[[1] * len(s.response_ids) for s in out],
+                                  rollout_logprobs=[list(s.response_logprobs) for s in out]))
+    torch.save(batches, W / "batches.pt")
+    return {"name": "record", "rollouts": len(batches), "samples": len(batches[0]),
+            "tokens_per_sample": len(batches[0].tokens[0]), "engine_tok_s": [round(x) for x in tok_s],
+            "total_s": round(time.time() - t0, 1)}
+
+
+def sec_replay(S, W: Path, layout: str) -> dict:
+    import torch
+
+    from runtime.cluster import Cluster
+    from runtime.config import config_from_dict
+
+    dp, tp = LAYOUTS[layout]
+    gpus = dp * tp if S["device"] == "cuda" else 0
+    cfg = config_from_dict(_cfg(S, W, dict(data_parallel=dp, tensor_parallel=tp), trainer_gpus=gpus), "bench")
+    batches = torch.load(W / "batches.pt", weights_only=False)
+    t0 = time.time()
+    trainer = Cluster(cfg).trainer_group(
+        in_subprocesses=True, hf_dir=str(W / "hf"), init_checkpoint=str(W / "td"), train=cfg.train.model_dump(),
+        algorithm=cfg.algorithm.model_dump(), temperature=1.0)
+    load_s = time.time() - t0
+    try:
+        logprobs, metrics = [], []
+        for b in batches:
+            logprobs.append(trainer.call("compute_logprobs", b)[0])
+            metrics.append(trainer.call("train", b)[0])
+        logprobs.append(trainer.call("compute_logprobs", batches[0])[0])
+    finally:
+        trainer.kill()
+    torch.save({"logprobs": logprobs, "metrics": metrics}, W / f"replay_{layout}.pt")
+    tok_s = [m["train_tokens"] / m["train_time_s"] for m in metrics]
+    return {"name": f"replay_{layout}", "dp": dp, "tp": tp, "gpus": gpus, "load_s": round(load_s, 1),
+            "loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics],
+            "train_tok_s": [round(x) for x in tok_s],
+            "train_tok_s_steady": round(statistics.median(tok_s[1:] or tok_s))}
+
+
+def _stage(S, W: Path, name: str, cluster: dict, train: dict | None = None) -> dict:
+    from runtime.config import config_from_dict
+    from runtime.grpo import TrainSession
+    from runtime.rundir import RunDir
+
+    cfg = config_from_dict(_cfg(S, W, train, **cluster), "bench")
+    root = W / f"root_{name}"
+    shutil.rmtree(root, ignore_errors=True)
+    rd = RunDir(str(root), "bench")
+    for link, target in ((rd.hf_model, W / "hf"), (rd.torch_dist, W / "td"), (rd.train_data, W / "data" / "train.parquet")):
+        Path(link).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(target, link)
+    t0 = time.time()
+    sess = TrainSession(cfg, rd)
+    rows = []
+    try:
+        t_build = time.time()
+        sess.ensure_at(None)
+        build_s = time.time() - t_build
+        for r in range(S["rollouts"]):
+            m = sess.rollout(r)
+            rows.append({k: m[k] for k in ("rollout_tok_s", "train_tok_s", "weight_sync_s", "step_time_s",
+                                           "rollout_time_s", "train_time_s", "train_rollout_logp_absdiff", "loss")})
+            print("ROLLOUT", json.dumps(rows[-1]), flush=True)
+        weights = sess.weights
+        res = {"weight_sync": weights.mode, "engine_device": sess.cluster.engine_device,
+               "trainer_in_subprocesses": sess.cluster.trainer_in_subprocesses,
+               "tensors": len(weights.metadata) or None}
+    finally:
+        sess.close()
+    steady = rows[1:] or rows
+    med = lambda k: round(statistics.median(x[k] for x in steady), 4)  # noqa: E731
+    res.update(name=name, cluster=cluster, rollouts=rows, build_s=round(build_s, 1), total_s=round(time.time() - t0, 1),
+               rollout_tok_s=med("rollout_tok_s"), train_tok_s=med("train_tok_s"), weight_sync_s=med("weight_sync_s"),
+               step_time_s=med("step_time_s"),
+               engine_vs_trainer_logp_absdiff_max=max(x["train_rollout_logp_absdiff"] for x in rows))
+    return res
+
+
+def sec_stage_split(S, W: Path) -> dict:
+    if S["device"] == "cuda":
+        return _stage(S, W, "stage_split", dict(trainer_gpus=1, rollout_gpus=1, colocate=False))
+    return _stage(S, W, "stage_split", dict(colocate=False, weight_sync="broadcast"))
+
+
+def sec_stage_dp2(S, W: Path) -> dict:
+    if S["device"] == "cuda":
+        return _stage(S, W, "stage_dp2", dict(trainer_gpus=2, rollout_gpus=1, colocate=True))
+    return _stage(S, W, "stage_dp2", dict(colocate=True), dict(data_parallel=2))
+
+
+def _run(name: str, S, W: Path) -> dict:
+    if name.startswith("replay_"):
+        return sec_replay(S, W, name[len("replay_"):])
+    return {"setup": sec_setup, "record": sec_record, "stage_split": sec_stage_split, "stage_dp2": sec_stage_dp2}[name](S, W)
+
+
+def run_section(name: str, S, W: Path, out: Path) -> dict:
+    t0 = time.time()
+    try:
+        r = _run(name, S, W)
+        r["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - one section's failure is recorded, the rest still run
+        traceback.print_exc()
+        r = {"name": name, "status": "FAILED", "error": f"{type(e).__name__}: {e}"[:2000]}
+    r["section_s"] = round(time.time() - t0, 1)
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(r, default=str) + "\n")
+    print("RESULT", json.dumps(r, default=str), flush=True)
+    return r
+
+
+def compare(W: Path) -> dict:
+    """Every replay against 1gpu_a: max / mean |Δ log-prob| over all snapshots, max |Δ loss|."""
+    import torch
+
+    def load(name):
+        p = W / f"replay_{name}.pt"
+        return torch.load(p, weights_only=False) if p.exists() else None
+
+    ref = load("1gpu_a")
+    if ref is None:
+        return {}
+    out = {}
+    for name in LAYOUTS:
+        run = load(name)
+        if run is None or name == "1gpu_a":
+            continue
+        diffs, per_snapshot = [], []
+        for a, b in zip(ref["logprobs"], run["logprobs"]):
+            d = torch.cat([(torch.tensor(x) - torch.tensor(y)).abs() for x, y in zip(a, b)])
+            diffs.append(d)
+            per_snapshot.append(float(f"{float(d.max()):.3g}"))
+        d = torch.cat(diffs)
+        # the GRPO loss is ~0 at ratio 1 (advantages sum to zero per group): grad_norm carries the update
+        loss = [abs(x["loss"] - y["loss"]) for x, y in zip(ref["metrics"], run["metrics"])]
+        gn = [abs(x["grad_norm"] - y["grad_norm"]) / max(abs(x["grad_norm"]), 1e-12)
+              for x, y in zip(ref["metrics"], run["metrics"])]
+        out[name] = {"logp_absdiff_max": float(d.max()), "logp_absdiff_mean": float(d.mean()),
+                     "logp_absdiff_max_per_snapshot": per_snapshot, "loss_absdiff_max": max(loss),
+                     "grad_norm_rel_max": max(gn)}
+    gap = out.get("1gpu_b")
+    if gap:
+        for name, r in out.items():
+            if name != "1gpu_b":
+                r["within_2x_1gpu_gap"] = {
+                    "logp_max": r["logp_absdiff_max"] <= 2 * gap["logp_absdiff_max"],
+                    "logp_mean": r["logp_absdiff_mean"] <= 2 * gap["logp_absdiff_mean"],
+                    "loss": r["loss_absdiff_max"] <= 2 * gap["loss_absdiff_max"],
+                    "grad_norm": r["grad_norm_rel_max"] <= 2 * gap["grad_norm_rel_max"]}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (CI smoke)")
+    ap.add_argument("--sections", default=None, help=f"comma list of {SECTIONS}")
+    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/multi_gpu_out")
+    ap.add_argument("--results-dir", default=None)
+    ap.add_argument("--deadline", type=float, default=560.0)
+    a = ap.parse_args(argv)
+    S = dict(g.SHAPES["cpu" if a.cpu else "gpu"])
+    W = Path(a.work or ("/tmp/multi_gpu_work" + ("_cpu" if a.cpu else "")))
+    out = Path(a.out)
+    W.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if a.section:
+        r = run_section(a.section, S, W, out)
+        return 0 if r["status"] == "ok" else 1
+    sections = [x for x in (a.sections.split(",") if a.sections else SECTIONS) if x]
+    t_start = time.time()
+    (out / "results.jsonl").unlink(missing_ok=True)
+    for name in sections:
+        left = a.deadline - (time.time() - t_start)
+        limit = int(min(SECTION_MAX_S.get(name, 120), left))
+        if limit < 20:
+            run_rec = {"name": name, "status": "SKIPPED", "error": "no time left in this run"}
+            with open(out / "results.jsonl", "a") as f:
+                f.write(json.dumps(run_rec) + "\n")
+            continue
+        print(f"=== {name} (limit {limit}s) at {time.time() - t_start:.0f}s", flush=True)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--work", str(W), "--out", str(out)]
+        if a.cpu:
+            cmd.append("--cpu")
+        with open(out / "log.txt", "a") as log:
+            log.write(f"\n===== {name} =====\n")
+            log.flush()
+            try:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=limit, start_new_session=True).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        if name not in g.read_results(out):
+            with open(out / "results.jsonl", "a") as f:
+                f.write(json.dumps({"name": name, "status": "FAILED", "error": f"section process ended with {rc}"}) + "\n")
+        print(f"=== {name} rc={rc} at {time.time() - t_start:.0f}s", flush=True)
+    res = g.read_results(out)
+    info = g.env_info(S)
+    if S["device"] == "cuda":
+        import torch
+        info["gpus"] = torch.cuda.device_count()
+    summary = {"benchmark": "multi_gpu", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+               "device": info.get("gpu", "cpu"), "env": info, "shapes": S, "lr": LR, "comparison": compare(W),
+               "sections": res, "total_s": round(time.time() - t_start, 1)}
+    (out / "multi_gpu.json").write_text(json.dumps(summary, indent=1, default=str))
+    if a.results_dir:
+        name = (f"multi_gpu_{info.get('gpus', 1)}x{summary['device'].replace(' ', '_')}_{summary['date'][:10]}.json"
+                if not a.cpu else "multi_gpu_cpu_smoke.json")
+        Path(a.results_dir).mkdir(parents=True, exist_ok=True)
+        (Path(a.results_dir) / name).write_text(json.dumps(summary, indent=1, default=str))
+    for name, r in res.items():
+        keys = ("status", "train_tok_s_steady", "loss", "rollout_tok_s", "train_tok_s", "weight_sync_s",
+                "engine_vs_trainer_logp_absdiff_max", "engine_tok_s", "error")
+        print(f"{name:18s}", json.dumps({k: r[k] for k in keys if k in r}, default=str)[:300])
+    for name, c in summary["comparison"].items():
+        print(f"vs 1gpu_a {name:8s}", json.dumps(c))
+    failed = [n for n, r in res.items() if r.get("status") != "ok"]
+    return 1 if failed and a.cpu else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
