@@ -19,15 +19,23 @@ client uses, with the request and response shapes read from SGLang 0.5.23 (the P
                                                  of softmax(logits / temperature)
 
 Its "model" is a hash: the logits at a position are a pseudo-random function of a digest of the
-loaded weight files and the last few tokens, so outputs are deterministic given the weights, the
-prompt and `sampling_seed`, and they change when new weights are loaded. Test-only extras:
+loaded weights and the last few tokens, so outputs are deterministic given the weights, the prompt
+and `sampling_seed`, and they change when new weights are loaded. The weights it holds are a table
+name -> (dtype, shape, sha256 of the tensor's bytes), filled from the model dir's *.safetensors
+(read with the stdlib) and updated by name as SGLang's `load_weights` does: from disk, or from a
+real torch.distributed broadcast (/init_weights_update_group + /update_weights_from_distributed,
+gloo on CPU; torch is imported only then). The same tensors give the same digest whichever way they
+came, so a restarted engine re-synced from disk serves what its peers got by broadcast.
+Test-only extras:
   GET  /_calls   every call so far: path, body, status, wall-clock start/end, pid; max in-flight
+  GET  /_weights the weight table, its digest and the weight version
   POST /_hang    from now on answer nothing (a server that stops answering)
   --calls-file   also append each call as a JSON line there (survives the process being killed)
   --startup-delay S   sleep S seconds before binding the port (like SGLang loading a model)
   --gen-delay S, --gen-jitter S   each /generate sleeps S (+ up to S' pseudo-random) seconds
   --ignore-weight-updates          update calls succeed but the weights do not change
-Stdlib only, so it starts in a fraction of a second.
+  --weight-sync-timeout-s S        the weight-sync group's timeout (joining, each broadcast)
+Stdlib only until a weight-sync group is joined, so it starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -55,14 +63,39 @@ SAMPLING_KEYS = (
 CONTEXT_TOKENS = 3  # the fake model looks at this many previous tokens
 
 
-def weights_digest(model_path: str) -> str:
-    """A digest of the weight files in a model directory (config.json alone when there are none)."""
+# safetensors dtype codes -> torch dtype names (what /update_weights_from_distributed's `dtypes` use)
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def read_safetensors(path: str) -> dict[str, tuple[str, list[int], str]]:
+    """name -> (dtype, shape, sha256 of the raw little-endian bytes) for one .safetensors file."""
+    import struct
+    out = {}
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        base = 8 + n
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            f.seek(base + start)
+            dtype = SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"].lower())
+            out[name] = (dtype, [int(x) for x in info["shape"]], hashlib.sha256(f.read(end - start)).hexdigest())
+    return out
+
+
+def read_weight_files(model_path: str) -> dict[str, tuple[str, list[int], str]]:
+    """The weight table of every *.safetensors in a model directory (FileNotFoundError: none there)."""
     names = sorted(n for n in os.listdir(model_path) if n.endswith(".safetensors"))
-    h = hashlib.sha256()
-    for name in names or ["config.json"]:
-        with open(os.path.join(model_path, name), "rb") as f:
-            h.update(name.encode() + b"\0" + f.read())
-    return h.hexdigest()
+    if not names:
+        raise FileNotFoundError(f"no *.safetensors in {model_path}")
+    table = {}
+    for name in names:
+        table.update(read_safetensors(os.path.join(model_path, name)))
+    return table
 
 
 def _u64(*parts) -> int:
@@ -77,7 +110,25 @@ class FakeModel:
         self.vocab_size = int(config.get("vocab_size", 64))
         eos = config.get("eos_token_id", 0)
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
-        self.digest = weights_digest(model_path)
+        # sglang's Qwen/Llama load_weights skip lm_head.weight when the embeddings are tied
+        self.tied = bool(config.get("tie_word_embeddings", False))
+        try:
+            self.weights = read_weight_files(model_path)
+        except FileNotFoundError:  # a config-only model dir: its "weights" are the config
+            with open(os.path.join(model_path, "config.json"), "rb") as f:
+                self.weights = {"config.json": ("bytes", [], hashlib.sha256(f.read()).hexdigest())}
+        self.digest = self._digest()
+
+    def skips(self, name: str) -> bool:
+        return self.tied and name == "lm_head.weight"
+
+    def load(self, table: dict[str, tuple[str, list[int], str]]) -> None:
+        """Update the named weights (the others stay), as a model's load_weights does."""
+        self.weights.update({k: v for k, v in table.items() if not self.skips(k)})
+        self.digest = self._digest()
+
+    def _digest(self) -> str:
+        return hashlib.sha256(json.dumps(sorted(self.weights.items())).encode()).hexdigest()
 
     def log_softmax(self, context: list[int], temperature: float) -> list[float]:
         rng = random.Random(_u64(self.digest, *context[-CONTEXT_TOKENS:]))
@@ -100,6 +151,7 @@ class State:
         self.max_inflight_generate = 0
         self.hung = False
         self.ready_at = time.monotonic() + args.health_503_s
+        self.sync_groups: dict = {}  # group_name -> torch.distributed group (weight sync)
 
     def record(self, entry: dict) -> None:
         with self.lock:
@@ -203,13 +255,11 @@ def update_from_disk(state: State, body: dict) -> tuple[int, object]:
     if "weights" in state.released:
         return 400, {"success": False, "message": "stand-in: weights are released; resume them first", "num_paused_requests": 0}
     try:
-        if not path or not any(n.endswith(".safetensors") for n in os.listdir(path)):
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-        digest = weights_digest(path)
+        table = read_weight_files(path or "")
     except OSError as e:  # the wording of sglang's weight_updater.py
         return 400, {"success": False, "message": f"Failed to get weights iterator: {e}.", "num_paused_requests": 0}
     if not state.args.ignore_weight_updates:
-        state.model.digest = digest
+        state.model.load(table)
     state.model_path = path
     if body.get("weight_version") is not None:
         state.weight_version = body["weight_version"]
@@ -231,13 +281,88 @@ def update_from_tensor(state: State, body: dict) -> tuple[int, object]:
     return 200, {"success": True, "message": "Succeeded to update model weights."}
 
 
+def _weight_sync():
+    """runtime.weight_sync (and torch), imported on first use: the stand-in otherwise runs on the stdlib."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from runtime import weight_sync
+    return weight_sync
+
+
+def init_group(state: State, body: dict) -> tuple[int, object]:
+    """POST /init_weights_update_group: join the group for real and block until every member has.
+
+    SGLang's server joins with rank = rank_offset + tp_rank through a TCP rendezvous, a store
+    prefixed by the group name and c10d's group helper (its `init_custom_process_group`).
+    runtime.weight_sync.init_group builds the group the same way (it is what the trainer's side
+    uses), so the stand-in joins through it; it has one process, hence --tp-size 1 only."""
+    try:
+        address, port = str(body["master_address"]), int(body["master_port"])
+        rank_offset, world_size = int(body["rank_offset"]), int(body["world_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        return 400, {"success": False, "message": f"stand-in: bad InitWeightsUpdateGroupReqInput: {e!r}"}
+    name, backend = body.get("group_name", "weight_update_group"), body.get("backend", "nccl")
+    if state.args.tp_size != 1:
+        return 400, {"success": False, "message": "stand-in: weight-sync groups need --tp-size 1 (one process, one rank)"}
+    if name in state.sync_groups:
+        return 400, {"success": False, "message": f"Failed to initialize custom process group: group {name!r} exists."}
+    try:
+        ws = _weight_sync()
+        state.sync_groups[name] = ws.init_group(address, port, rank_offset, world_size, backend=backend,
+                                                group_name=name, timeout_s=state.args.weight_sync_timeout_s)
+    except Exception as e:  # noqa: BLE001 - the wording of sglang's model_runner
+        return 400, {"success": False, "message": f"Failed to initialize custom process group: {e}."}
+    return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+
+def destroy_group(state: State, body: dict) -> tuple[int, object]:
+    group = state.sync_groups.pop((body or {}).get("group_name", "weight_update_group"), None)
+    if group is None:
+        return 400, {"success": False, "message": "The group to be destroyed does not exist."}
+    _weight_sync().destroy_group(group)
+    return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+
+def tensor_sha256(t) -> str:
+    import torch
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
 def update_from_distributed(state: State, body: dict) -> tuple[int, object]:
+    """POST /update_weights_from_distributed: receive every tensor named in the body from rank 0 of the
+    group (one broadcast each, in order), then load them by name - as sglang's model runner does, so
+    the broadcast completes even when a name turns out not to fit, and that is reported after."""
     names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
     if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
             and len(names) == len(dtypes) == len(shapes)):
         return 400, {"success": False, "message": "stand-in: names, dtypes and shapes must be lists of one length"}
+    name = body.get("group_name", "weight_update_group")
+    group = state.sync_groups.get(name)
+    if group is None:
+        return 400, {"success": False, "message": f"Group {name} not in {sorted(state.sync_groups)}. "
+                                                  f"Please call `init_weights_update_group` first."}
+    if "weights" in state.released:
+        return 400, {"success": False, "message": "stand-in: weights are released; resume them first"}
+    ws = _weight_sync()
+    try:
+        metadata = ws.as_metadata(zip(names, dtypes, shapes))
+    except (AttributeError, TypeError, ValueError) as e:
+        return 400, {"success": False, "message": f"Failed to update parameter online: {e!r}."}
+    try:
+        received = ws.receive(group, metadata, "cpu")
+    except Exception as e:  # noqa: BLE001 - a broken collective
+        return 400, {"success": False, "message": f"Failed to update parameter online: {e}. The full weights of "
+                                                  f"the ModelRunner are partially updated. Please discard the whole weights."}
+    model = state.model
+    unknown = [n for n in received if n not in model.weights and not model.skips(n)]
+    if unknown:  # load_weights raises KeyError; sglang may have loaded some names by then, the stand-in none
+        return 400, {"success": False, "message": f"Failed to update parameter online: KeyError: {unknown[0]!r} "
+                                                  f"({len(unknown)} name(s) not in the model). The full weights of the "
+                                                  f"ModelRunner are partially updated. Please discard the whole weights."}
     if not state.args.ignore_weight_updates:
-        state.model.digest = hashlib.sha256(json.dumps([names, dtypes, shapes, body.get("weight_version")]).encode()).hexdigest()
+        model.load({n: (str(t.dtype).removeprefix("torch."), list(t.shape), tensor_sha256(t)) for n, t in received.items()})
     if body.get("weight_version") is not None:
         state.weight_version = body["weight_version"]
     return 200, {"success": True, "message": "Succeeded to update parameter online."}
@@ -312,8 +437,10 @@ def make_handler(state: State):
                 return (*update_from_tensor(state, body or {}), False)
             if path == "/update_weights_from_distributed" and method == "POST":
                 return (*update_from_distributed(state, body or {}), False)
-            if path in ("/init_weights_update_group", "/destroy_weights_update_group") and method == "POST":
-                return 200, {"success": True, "message": "stand-in: group call recorded"}, False
+            if path == "/init_weights_update_group" and method == "POST":
+                return (*init_group(state, body or {}), False)
+            if path == "/destroy_weights_update_group" and method == "POST":
+                return (*destroy_group(state, body or {}), False)
             if path == "/release_memory_occupation":
                 return (*memory(state, body, release=True), False)
             if path == "/resume_memory_occupation":
@@ -322,6 +449,9 @@ def make_handler(state: State):
                 with state.lock:
                     return 200, {"calls": list(state.calls), "max_inflight_generate": state.max_inflight_generate,
                                  "pid": os.getpid()}, False
+            if path == "/_weights":
+                return 200, {"weights": state.model.weights, "digest": state.model.digest,
+                             "weight_version": state.weight_version}, False
             if path == "/_hang" and method == "POST":
                 state.hung = True
                 return 200, {"hung": True}, False
@@ -359,6 +489,7 @@ def parse_args(argv=None):
     p.add_argument("--gen-delay", type=float, default=0.0)
     p.add_argument("--gen-jitter", type=float, default=0.0)
     p.add_argument("--ignore-weight-updates", action="store_true")
+    p.add_argument("--weight-sync-timeout-s", type=float, default=600.0)
     return p.parse_args(argv)
 
 

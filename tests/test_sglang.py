@@ -2,8 +2,10 @@
 
 What these tests show: the client's payloads and parsing as read from SGLang 0.5.23's source, result
 order under concurrency across engines, weight-update calls and their order relative to generation,
-colocate memory release/resume, restart + re-sync of a killed or hung engine, start-up failures and
-timeouts. They do not show that a real SGLang server accepts any of it.
+colocate memory release/resume, weight sync by a real gloo broadcast from a MegatronTrainer (the
+stand-in joins the group and receives the tensors), restart + re-sync of a killed or hung engine,
+start-up failures and timeouts. They do not show that a real SGLang server accepts any of it, nor
+anything about NCCL.
 """
 
 from __future__ import annotations
@@ -254,7 +256,7 @@ def test_colocate_release_and_resume_order(start):
                    ("/flush_cache", None), ("/release_memory_occupation", None), ("/resume_memory_occupation", None)]
 
 
-def test_tensor_and_distributed_sync_payloads(start):
+def test_tensor_sync_payloads(start):
     eng = start(tp_size=2, weight_sync="tensor")
     eng.update_weights({"w": torch.randn(4, 4), "b": torch.randn(4)}, 1)
     assert eng.weight_version == 1
@@ -264,21 +266,161 @@ def test_tensor_and_distributed_sync_payloads(start):
     assert up[0]["body"]["weight_version"] == "1"
     assert not [c for c in read_calls(start.calls_file) if c["path"] == "/update_weights_from_disk"]
 
-    eng.init_weights_update_group("127.0.0.1", 29555).result(timeout=10)
-    eng.update_weights_from_distributed([("w", torch.bfloat16, (4, 4)), ("b", torch.float32, (4,))], 2).result(timeout=10)
-    eng.mark_version(2)
-    assert eng.weight_version == 2
+
+# ---- weight sync by broadcast from a real trainer (gloo) -----------------------------------------
+# Trainer rank 0 is a MegatronTrainer in a process of its own (runtime.subprocess_group), the way
+# cluster.backend=local runs it with cluster.weight_sync=broadcast; the stand-ins join its group
+# through /init_weights_update_group and receive through /update_weights_from_distributed.
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    """(trainer group, HF dir) of a tiny Qwen3 (tied embeddings) on CPU; killed after the module."""
+    from runtime.config import GrpoConfig
+    from runtime.convert import hf_to_torch_dist
+    from runtime.megatron_env import free_port
+    from runtime.models.tiny import build_tiny_qwen3
+    from runtime.subprocess_group import SubprocessGroup
+    root = tmp_path_factory.mktemp("sglang-broadcast")
+    hf = build_tiny_qwen3(root / "hf", seed=5)["path"]
+    hf_to_torch_dist(hf, str(root / "td"))
+    cfg = GrpoConfig.model_validate({"train": {"micro_batch_size": 8, "lr": 1e-2}})
+    group = SubprocessGroup("runtime.trainer.megatron_trainer:MegatronTrainer", [dict(
+        hf_dir=str(hf), init_checkpoint=str(root / "td"), train=cfg.train.model_dump(),
+        algorithm=cfg.algorithm.model_dump(), temperature=1.0, rank=0, world_size=1, master_port=free_port(),
+        num_threads=1)])
+    try:
+        yield group, Path(hf)
+    finally:
+        group.kill()
+
+
+def train_step(trainer, seed: int) -> None:
+    """One optimizer step on a random batch, so the weights differ from the last sync."""
+    from runtime.trainer.batch import TrainBatch
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(3, 50, (8,), generator=g).tolist() for _ in range(8)]
+    trainer.call("train", TrainBatch(tokens, [4] * 8, torch.randn(8, generator=g).tolist(), [[1] * 4] * 8,
+                                     [[-1.0] * 4] * 8))
+
+
+def form_group(eng, trainer, name: str) -> list:
+    """What TrainSession does for cluster.weight_sync=broadcast: rank 0 and every engine rank join."""
+    host, port = trainer.call("weight_sync_address")[0]
+    world = 1 + eng.weight_sync_ranks()
+    pending = trainer.submit("init_weight_sync", host, port, world, name)
+    eng.init_weight_sync(host, port, 1, world, name)
+    pending.get()
+    return trainer.call("weights_metadata")[0]
+
+
+def push(eng, trainer, metadata, version: int) -> None:
+    pending = trainer.submit("broadcast_weights")  # rank 0 sends while the engines receive
+    try:
+        eng.receive_weights(metadata, version)
+    finally:
+        pending.get()
+
+
+def sha256(t: torch.Tensor) -> str:
+    import hashlib
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def served_weights(eng) -> list[dict]:
+    return [httpx.get(url + "/_weights", trust_env=False).json() for url in eng.urls]
+
+
+def assert_serves_trainer_weights(eng, trainer, version: int) -> None:
+    hf = trainer.call("hf_weights")[0]
+    want = {k: [str(t.dtype).removeprefix("torch."), list(t.shape), sha256(t)] for k, t in hf.items()}
+    assert want.pop("lm_head.weight") == want["model.embed_tokens.weight"]  # tied: sglang skips lm_head
+    for served in served_weights(eng):
+        assert served["weights"] == want and served["weight_version"] == str(version)
+    assert eng.weight_version == version and eng.health()["ok"]
+
+
+@pytest.mark.timeout(150)  # includes building the module's trainer
+def test_broadcast_from_a_megatron_trainer_and_a_restart(start, trainer):
+    from runtime.cluster import LocalGroup
+    from runtime.weight_sync import TrainerToEngine
+    group, hf = trainer
+    eng = start("--weight-sync-timeout-s", "30", model=hf, num_engines=2, sync_backend="gloo", request_timeout_s=30.0)
+    assert eng.weight_sync_ranks() == 2 and not eng.weight_sync_ready()
+    with pytest.raises(SGLangError, match="no weight-sync group"):
+        eng.receive_weights([], 1)  # refused before anything is sent
+    with pytest.raises(ConfigError, match="no room"):
+        eng.init_weight_sync("127.0.0.1", 1, 1, 2, "too-small")
+    requests = make_requests(3, 2)
+    before = eng.generate(requests, SAMPLING)
+    train_step(group, seed=1)
+
+    link = TrainerToEngine(group, LocalGroup([eng]), "broadcast", tensors_on_cpu=False, group_name="gf_bcast_a")
+    assert eng.weight_sync_ready()
+    link.push(1)
+    assert_serves_trainer_weights(eng, group, 1)
+    expected = eng.generate(requests, SAMPLING)
+    assert [r.response_logprobs for r in expected] != [r.response_logprobs for r in before]
+
     calls = read_calls(start.calls_file)
-    init = [c["body"] for c in calls if c["path"] == "/init_weights_update_group"]
-    assert init == [{"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 3,
-                     "group_name": "weight_update_group", "backend": "nccl"}]
-    dist = [c["body"] for c in calls if c["path"] == "/update_weights_from_distributed"]
-    assert dist == [{"names": ["w", "b"], "dtypes": ["bfloat16", "float32"], "shapes": [[4, 4], [4]],
-                     "group_name": "weight_update_group", "weight_version": "2", "flush_cache": True}]
-    # version 2 exists only in the engine: a restarted engine cannot be re-synced, and says so
-    os.kill(eng.pids[0], signal.SIGKILL)
-    with pytest.raises(TransientError, match="without a disk copy"):
+    joins = sorted((c["body"] for c in calls if c["path"] == "/init_weights_update_group"), key=lambda b: b["rank_offset"])
+    host, port = joins[0]["master_address"], joins[0]["master_port"]
+    assert joins == [{"master_address": host, "master_port": port, "rank_offset": r, "world_size": 3,
+                      "group_name": "gf_bcast_a", "backend": "gloo"} for r in (1, 2)]
+    sent = [c["body"] for c in calls if c["path"] == "/update_weights_from_distributed"]
+    assert len(sent) == 2 and sent[0] == sent[1]
+    assert sent[0]["names"] == [n for n, _, _ in link.metadata] and "lm_head.weight" in sent[0]["names"]
+    assert (sent[0]["group_name"], sent[0]["weight_version"], sent[0]["flush_cache"]) == ("gf_bcast_a", "1", True)
+    assert set(sent[0]["dtypes"]) == {"float32"} and sent[0]["shapes"][0] == list(link.metadata[0][2])
+
+    # a restart: version 1 exists only in the engines, so the restarted one comes back stale and gets
+    # no requests; the other serves on (same weights, same seeds: the same samples)
+    victim = eng.pids[0]
+    os.kill(victim, signal.SIGKILL)
+    assert as_tuples(eng.generate(requests, SAMPLING)) == as_tuples(expected)
+    assert not eng.weight_sync_ready()  # (waits for the restart under way)
+    h = eng.health()
+    assert [e["state"] for e in h["engines"]] == ["stale", "ready"] and h["engines"][0]["restarts"] == 1
+    assert "broadcast" in h["engines"][0]["last_fault"] and not alive(victim)
+    with pytest.raises(SGLangError, match="engine 0 restarted since it joined"):
+        eng.receive_weights(link.metadata, 2)  # refused at once: no collective is started
+    # forming the group again takes the restarted engine in; the next broadcast re-syncs it
+    metadata = form_group(eng, group, "gf_bcast_b")
+    train_step(group, seed=2)
+    push(eng, group, metadata, 2)
+    assert_serves_trainer_weights(eng, group, 2)
+    left = [c for c in read_calls(start.calls_file) if c["path"] == "/destroy_weights_update_group"]
+    assert [(c["pid"], c["body"]["group_name"]) for c in left] == [(eng.pids[1], "gf_bcast_a")]  # the survivor left
+
+
+@pytest.mark.timeout(150)  # includes building the module's trainer
+def test_failed_broadcast_is_an_error_not_a_hang(start, trainer):
+    group, hf = trainer
+    eng = start("--weight-sync-timeout-s", "30", model=hf, sync_backend="gloo", request_timeout_s=30.0)
+    metadata = form_group(eng, group, "gf_bcast_bad")
+    bad = [("model.layers.0.mlp.not_there.weight" if i == 3 else n, d, s) for i, (n, d, s) in enumerate(metadata)]
+    t0 = time.monotonic()
+    with pytest.raises(SGLangError, match=r"not_there.*not in the model.*discard the whole weights"):
+        push(eng, group, bad, 1)  # every tensor is received (the trainer finishes), then the name fails
+    assert time.monotonic() - t0 < 20
+    assert eng.weight_version == 0 and not eng.weight_sync_ready()
+    assert [e["state"] for e in eng.health()["engines"]] == ["stale"]  # maybe partly updated: serves nothing
+    with pytest.raises(TransientError, match="no SGLang engine serves"):
         eng.generate(make_requests(1, 1), SAMPLING)
+    with pytest.raises(SGLangError, match="broken"):
+        eng.receive_weights(metadata, 1)  # refused at once: no collective is started
+    # update_weights (disk) brings every engine, stale ones too, to the trainer's weights
+    train_step(group, seed=3)
+    eng.update_weights(group.call("hf_weights")[0], 1)
+    assert_serves_trainer_weights(eng, group, 1)
+    assert eng.generate(make_requests(1, 1), SAMPLING)
+    # and a new group carries broadcasts again
+    metadata = form_group(eng, group, "gf_bcast_good")
+    train_step(group, seed=4)
+    push(eng, group, metadata, 2)
+    assert_serves_trainer_weights(eng, group, 2)
+    left = [c["body"] for c in read_calls(start.calls_file) if c["path"] == "/destroy_weights_update_group"]
+    assert left == [{"group_name": "gf_bcast_bad"}]
 
 
 # ---- faults ---------------------------------------------------------------------------------------
@@ -401,10 +543,11 @@ def test_settings_come_from_the_config():
     cfg = config_from_dict({"rollout": {"engine": "sglang", "sglang_num_engines": 2, "sglang_tp_size": 4,
                                         "sglang_concurrency": 16, "sglang_port": 31000, "sglang_weight_sync": "tensor",
                                         "sglang_deterministic": False, "sglang_launch": ["{python}", "-m", "sglang.launch_server", "--attention-backend", "fa3"]},
-                            "cluster": {"colocate": False}, "train": {"seed": 99}})
+                            "cluster": {"colocate": False, "device": "cpu"}, "train": {"seed": 99}})
     s = SGLangSettings.from_config(cfg, kill_grace_s=1.0)
     assert (s.num_engines, s.tp_size, s.concurrency, s.port, s.weight_sync, s.deterministic) == (2, 4, 16, 31000, "tensor", False)
     assert (s.colocate, s.random_seed, s.kill_grace_s, s.mem_fraction) == (False, 99, 1.0, 0.7)
+    assert s.sync_backend == "gloo"  # the trainer's: gloo on CPU, nccl on CUDA
     assert s.launch_prefix() == [sys.executable, "-m", "sglang.launch_server", "--attention-backend", "fa3"]
     assert s.uses_real_sglang()
     with pytest.raises(ConfigError):

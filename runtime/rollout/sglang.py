@@ -7,14 +7,20 @@ protocol was read from SGLang **0.5.23** (the PyPI wheel `sglang-0.5.23`, built 
 
 - `sglang/srt/entrypoints/http_server.py`: routes `/health_generate`, `/generate`, `/flush_cache`,
   `/update_weights_from_disk`, `/update_weights_from_tensor`, `/init_weights_update_group`,
-  `/update_weights_from_distributed`, `/release_memory_occupation`, `/resume_memory_occupation`;
-  their status codes (400 with `{"success": false, "message"}` or `{"error": {"message"}}`).
+  `/destroy_weights_update_group`, `/update_weights_from_distributed`, `/release_memory_occupation`,
+  `/resume_memory_occupation`; their status codes (400 with `{"success": false, "message"}` or
+  `{"error": {"message"}}`).
 - `sglang/srt/managers/io_struct.py`: `GenerateReqInput` (`input_ids`, `sampling_params`,
   `return_logprob`, `logprob_start_len`, `rid`), `UpdateWeightFromDiskReqInput` (`model_path`,
   `weight_version`, `flush_cache`, `abort_all_requests`), `UpdateWeightsFromTensorReqInput`
   (`serialized_named_tensors`: one base64 ForkingPickler payload per TP rank),
-  `UpdateWeightsFromDistributedReqInput` (`names`, `dtypes`, `shapes`, `group_name`),
-  `InitWeightsUpdateGroupReqInput`, `Release/ResumeMemoryOccupationReqInput` (`tags`).
+  `UpdateWeightsFromDistributedReqInput` (`names`, `dtypes`, `shapes`, `group_name`,
+  `weight_version`, `flush_cache`), `InitWeightsUpdateGroupReqInput` (`master_address`,
+  `master_port`, `rank_offset`, `world_size`, `group_name`, `backend`),
+  `DestroyWeightsUpdateGroupReqInput` (`group_name`), `Release/ResumeMemoryOccupationReqInput` (`tags`).
+- `sglang/srt/model_executor/model_runner.py`: the server joins the group as rank
+  `rank_offset + tp_rank` (TCP rendezvous at master_address:master_port), receives every tensor of
+  an update (one broadcast from rank 0 each, in the order named) and only then loads them.
 - `sglang/api/v1/api_types.py`: the JSON contract of `/generate` - `SamplingParams` rejects
   unknown keys; `GenerateMetaInfo` has `finish_reason`, `completion_tokens`, `weight_version`,
   `output_token_logprobs` / `input_token_logprobs` as `[logprob, token_id, text]` lists.
@@ -47,11 +53,17 @@ Shape of the backend:
 - `update_weights` always writes the tensors as safetensors under the scratch dir and has every
   engine load them with `/update_weights_from_disk` (`sglang_weight_sync: tensor` pushes them with
   `/update_weights_from_tensor` instead, for engines on the trainer's host; the disk copy is still
-  written, for re-syncing a restarted engine). NCCL sync is offered as two calls,
-  `init_weights_update_group` and `update_weights_from_distributed`, for a trainer that
-  broadcasts on that group itself. After every update the engines are probed: each must report
-  the new `weight_version` and the same log-probs for fixed tokens; log-probs that did not move
-  are warned about.
+  written, for re-syncing a restarted engine).
+- `cluster.weight_sync: broadcast` (runtime/weight_sync.py): `init_weight_sync` has every engine
+  join a torch.distributed group with trainer rank 0 (`/init_weights_update_group`; engine i's
+  ranks start at rank_offset + i * tp_size), and `receive_weights` has them take the trainer's
+  broadcast (`/update_weights_from_distributed`). No copy exists on disk then, so an engine that
+  restarts cannot be re-synced by this client: it stays up but gets no requests ("stale") and the
+  group is broken (`weight_sync_ready()` is false; `receive_weights` refuses at once) until the
+  group is formed again with it (`init_weight_sync`, then a broadcast) or `update_weights` loads
+  weights from disk into every engine. A failed broadcast leaves every engine stale the same way.
+- After every update the engines are probed: each must report the new `weight_version` and the
+  same log-probs for fixed tokens; log-probs that did not move are warned about.
 - In colocate mode (`cluster.colocate`) servers start with `--enable-memory-saver`;
   `release_memory()` frees their GPU memory for training and the next update or generate resumes
   it (weights first, then the KV cache after the new weights are in).
@@ -81,7 +93,6 @@ import threading
 import time
 import uuid
 import weakref
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +116,9 @@ PROBE_IDS = (1, 5, 2, 8, 3, 13, 21, 4)
 PROBE_TOLERANCE = 0.02  # max |Δ logprob| between engines serving the same weights (bf16 noise)
 PORT_STRIDE = 10        # with a fixed base port, engine i listens on port + 10 * i
 _READY, _CHECKING, _RESTARTING, _DEAD, _STARTING = "ready", "checking", "restarting", "dead", "starting"
+# Up, but serving other weights than the rest (restarted after a broadcast update, or a broadcast
+# failed): no requests until an update (disk, or a broadcast on a group it joined) reaches it.
+_STALE = "stale"
 
 
 class SGLangError(RuntimeError):
@@ -117,6 +131,10 @@ class _EngineFault(Exception):
 
 class _StaleWeights(_EngineFault):
     """The engine answered with another weight_version than the one it must serve: restart and re-sync it."""
+
+
+class _NeedsWeights(Exception):
+    """A restarted engine cannot be brought to the current weights by this client (no disk copy)."""
 
 
 class _Aborted(Exception):
@@ -145,6 +163,9 @@ class SGLangSettings:
     deterministic: bool = True           # --enable-deterministic-inference (sampling_seed honoured)
     colocate: bool = False               # --enable-memory-saver; release/resume memory around training
     random_seed: int | None = None
+    # the torch.distributed backend the engines join a weight-sync group with: the trainer's
+    # (from_config: nccl when the trainer runs on CUDA, else gloo, which only the stand-in can use)
+    sync_backend: str = "nccl"
     # timing knobs, not in the config (tests shrink them)
     health_timeout_s: float = 20.0       # one health check of a suspect engine
     health_poll_s: float = 0.5           # start-up polling interval
@@ -167,6 +188,11 @@ class SGLangSettings:
                     values[ours] = getattr(r, theirs)
             values["colocate"] = bool(cfg.cluster.colocate)
             values["random_seed"] = int(cfg.train.seed)
+            # the backend trainer rank 0 joins the weight-sync group with (runtime.weight_sync.backend_for
+            # of the trainer's device, which the cluster resolves the same way)
+            from runtime.cluster import resolve_device
+            from runtime.weight_sync import backend_for
+            values["sync_backend"] = backend_for(resolve_device(cfg))
         values.update({k: v for k, v in overrides.items()})
         settings = cls(**values)
         settings.validate()
@@ -183,6 +209,8 @@ class SGLangSettings:
             raise ConfigError(f"rollout.sglang_concurrency must be >= 1, got {self.concurrency}")
         if self.weight_sync not in ("disk", "tensor"):
             raise ConfigError(f"rollout.sglang_weight_sync must be 'disk' or 'tensor', got {self.weight_sync!r}")
+        if self.sync_backend not in ("nccl", "gloo"):
+            raise ConfigError(f"SGLang sync_backend must be 'nccl' or 'gloo', got {self.sync_backend!r}")
         if self.port and not 0 < self.port + PORT_STRIDE * (self.num_engines - 1) < 65536:
             raise ConfigError(f"rollout.sglang_port={self.port}: engine ports port + 10*i must stay below 65536")
         for flag in self.launch or []:
@@ -366,6 +394,15 @@ class _Engine:
         return f"http://{host}:{self.port}{path}"
 
 
+@dataclass
+class _SyncGroup:
+    """The weight-sync group the engines joined (init_weight_sync)."""
+
+    name: str
+    members: dict[int, int]   # engine index -> its epoch when it joined; a restart leaves the group
+    broken: str = ""          # why it can carry no more broadcasts (a failed one), else ""
+
+
 def _log_task_error(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("sglang: engine check/restart failed: %r", task.exception())
@@ -381,9 +418,6 @@ class _LoopThread:
 
     def run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def submit(self, coro) -> Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def close(self, last=None) -> None:
         """Cancel whatever still runs (a caller blocked in run() gets CancelledError), run `last`, stop."""
@@ -441,6 +475,7 @@ class SGLangEngine(RolloutEngine):
         self._weights_dir: Path | None = None
         self._probe: list[float] | None = None              # probe log-probs of the current version
         self._released = False
+        self._sync: _SyncGroup | None = None                # cluster.weight_sync: broadcast
         self._procs: list[subprocess.Popen] = []             # every server started; the finalizer kills them
         self._finalizer = weakref.finalize(self, _kill_all, self._procs, 5.0)
         self._engines = [_Engine(index=i, port=0, log_path=self.scratch / "logs" / f"engine-{i}.log")
@@ -499,6 +534,7 @@ class SGLangEngine(RolloutEngine):
             "model_dir": self.model_dir,
             "weights_dir": str(self._weights_dir) if self._weights_dir else None,
             "released": self._released,
+            "weight_sync_group": self._sync.name if self._sync else None,
             "engines": engines,
         }
 
@@ -559,42 +595,75 @@ class SGLangEngine(RolloutEngine):
             if self._released:
                 self._loop.run(self._aresume(None))
 
-    def init_weights_update_group(self, master_address: str, master_port: int, *, group_name: str = "weight_update_group",
-                                  backend: str = "nccl") -> Future:
-        """Ask every engine to join a process group for NCCL weight sync (`/init_weights_update_group`).
+    # ---- weight sync over a torch.distributed group (cluster.weight_sync: broadcast) ---------
 
-        The trainer is rank 0; engine i's TP ranks are 1 + i * tp_size ... The engines block until the
-        trainer joins too, so this returns a Future: join the group, then wait on it.
-        """
-        self._check_open()
-        s = self.settings
-        world_size = 1 + s.num_engines * s.tp_size
-        payloads = {e.index: {"master_address": master_address, "master_port": int(master_port),
-                              "rank_offset": 1 + e.index * s.tp_size, "world_size": world_size,
-                              "group_name": group_name, "backend": backend} for e in self._engines}
-        return self._loop.submit(self._aall_post("/init_weights_update_group", payloads))
+    def weight_sync_ranks(self) -> int:
+        """Ranks the engines take in a weight-sync group: one per TP rank of every engine."""
+        return self.settings.num_engines * self.settings.tp_size
 
-    def update_weights_from_distributed(self, metadata: list[tuple[str, torch.dtype, tuple[int, ...]]], version: int, *,
-                                        group_name: str = "weight_update_group") -> Future:
-        """Tell every engine to receive tensors (name, dtype, shape) broadcast from rank 0 of the group.
-
-        Returns a Future; the caller broadcasts each tensor on the group in this order, then waits on
-        it and calls `mark_version(version)`. A restarted engine is re-synced from disk only if
-        update_weights has written a copy; NCCL-only runs should also call update_weights now and then.
-        """
-        self._check_open()
-        body = {"names": [n for n, _, _ in metadata],
-                "dtypes": [str(d).removeprefix("torch.") for _, d, _ in metadata],
-                "shapes": [list(shape) for _, _, shape in metadata],
-                "group_name": group_name, "weight_version": str(int(version)), "flush_cache": True}
-        return self._loop.submit(self._aall_post("/update_weights_from_distributed", {e.index: body for e in self._engines}))
-
-    def mark_version(self, version: int) -> None:
-        """Record a version pushed outside update_weights (NCCL), after verifying every engine serves it."""
+    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, group_name: str,
+                         backend: str | None = None) -> None:
+        """Have every engine join the group `group_name` hosted at host:port (`/init_weights_update_group`),
+        engine i as ranks rank_offset + i * tp_size ...; returns once all have joined, which takes the
+        trainer's rank 0 joining too (from another process or thread). Engines leave the group they
+        were in before (`/destroy_weights_update_group`). Stale engines join like the others: the next
+        broadcast brings them to the current weights. `backend`: settings.sync_backend by default."""
         with self._lock:
             self._check_open()
-            self._loop.run(self._averify(int(version)))
-            self._version = int(version)
+            s = self.settings
+            if int(world_size) < int(rank_offset) + self.weight_sync_ranks():
+                raise ConfigError(f"weight-sync group {group_name!r}: world_size {world_size} has no room for "
+                                  f"{self.weight_sync_ranks()} SGLang rank(s) from rank {rank_offset}")
+            bodies = {e.index: {"master_address": host, "master_port": int(port),
+                                "rank_offset": int(rank_offset) + e.index * s.tp_size, "world_size": int(world_size),
+                                "group_name": group_name, "backend": backend or s.sync_backend} for e in self._engines}
+            self._loop.run(self._ainit_sync(group_name, bodies))
+
+    def weight_sync_ready(self) -> bool:
+        """Whether receive_weights can run now: every engine is in the current group, as the process that
+        joined it, and no broadcast on it failed. False after a restart: form the group again first."""
+        with self._lock:
+            self._check_open()
+            self._loop.run(self._asettle())
+            return not self._sync_problem()
+
+    def receive_weights(self, metadata, version: int) -> None:
+        """Have every engine receive the tensors of `metadata` ((name, dtype, shape) in the order trainer
+        rank 0 broadcasts them) over the current group (`/update_weights_from_distributed`), verify,
+        then weight_version == version. Blocks until the engines have them.
+
+        Refuses at once (SGLangError) when the group cannot carry the broadcast (weight_sync_ready()
+        is False). When the broadcast or the check after it fails, no engine serves until weights
+        reach them again (a new group and a broadcast, or update_weights)."""
+        from runtime.weight_sync import as_metadata
+        with self._lock:
+            self._check_open()
+            self._loop.run(self._asettle())
+            problem = self._sync_problem()
+            if problem:
+                raise SGLangError(f"receive_weights: {problem}; form the group again (init_weight_sync) first")
+            version = int(version)
+            metadata = as_metadata(metadata)
+            body = {"names": [n for n, _, _ in metadata],
+                    "dtypes": [str(d).removeprefix("torch.") for _, d, _ in metadata],
+                    "shapes": [list(shape) for _, _, shape in metadata],
+                    "group_name": self._sync.name, "weight_version": str(version), "flush_cache": True}
+            previous = self._target
+            self._target = (version, None)  # no copy on disk: a restart now leaves the engine stale
+            try:
+                self._loop.run(self._aload(version, lambda: self._aall_post(
+                    "/update_weights_from_distributed", {e.index: body for e in self._engines})))
+            except BaseException as exc:
+                self._target = previous
+                if not self._closed:
+                    try:
+                        self._loop.run(self._abroadcast_failed(f"the broadcast of weight version {version} failed: {exc}"))
+                    except Exception:  # noqa: BLE001 - the first error is the one to report
+                        log.exception("sglang: marking the engines stale after a failed broadcast failed")
+                raise
+            old, self._weights_dir, self._version = self._weights_dir, None, version
+            if old is not None:  # an older version: of no use for re-syncing now
+                shutil.rmtree(old, ignore_errors=True)
 
     # ---- internals: start-up and process management ------------------------------------------
 
@@ -730,6 +799,11 @@ class SGLangEngine(RolloutEngine):
                     faults = "; ".join(f"engine {e.index}: {e.last_fault}" for e in self._engines)
                     raise TransientError(f"every SGLang engine is down after {self.settings.max_restarts} restart(s) "
                                          f"each ({faults}); logs under {self.scratch / 'logs'}")
+                if all(e.state in (_DEAD, _STALE) for e in self._engines):
+                    faults = "; ".join(f"engine {e.index} ({e.state}): {e.last_fault}" for e in self._engines)
+                    raise TransientError(f"no SGLang engine serves weight version {self._version}: {faults}. Stale "
+                                         f"engines serve again once weights reach them (a broadcast on a group formed "
+                                         f"again, or update_weights)")
                 await self._cond.wait()
 
     async def _release_slot(self, e: _Engine) -> None:
@@ -778,20 +852,20 @@ class SGLangEngine(RolloutEngine):
         """A request on `e` (sent in `epoch`) failed: check the engine once, restart it if it is down or
         serves stale weights. Concurrent failures share one check; one from before the last restart is
         ignored. Marks the engine unavailable at once; returns the task doing the check."""
-        if e.epoch == epoch and e.state == _READY and (e.fault_task is None or e.fault_task.done()):
+        if e.epoch == epoch and e.state in (_READY, _STALE) and (e.fault_task is None or e.fault_task.done()):
+            prior, e.state = e.state, _CHECKING
             e.last_fault = str(exc)
-            e.state = _CHECKING
-            e.fault_task = asyncio.ensure_future(self._check_or_restart(e, str(exc), isinstance(exc, _StaleWeights)))
+            e.fault_task = asyncio.ensure_future(self._check_or_restart(e, str(exc), isinstance(exc, _StaleWeights), prior))
             e.fault_task.add_done_callback(_log_task_error)
         return e.fault_task
 
-    async def _check_or_restart(self, e: _Engine, reason: str, force: bool) -> None:
+    async def _check_or_restart(self, e: _Engine, reason: str, force: bool, prior: str = _READY) -> None:
         if not force and e.proc is not None and e.proc.poll() is None:
             try:
                 r = await self._client.get(e.url(self.settings.host, "/health_generate"), timeout=self.settings.health_timeout_s)
                 if r.status_code == 200:
                     log.warning("sglang engine %d: a request failed (%s) but the engine is healthy; retrying", e.index, reason)
-                    await self._set_state(e, _READY)
+                    await self._set_state(e, prior)  # a stale engine stays stale
                     return
             except Exception:
                 pass
@@ -812,6 +886,12 @@ class SGLangEngine(RolloutEngine):
                 self._launch(e)
                 await self._wait_healthy(e)
                 await self._resync(e)
+            except _NeedsWeights as exc:
+                e.last_fault = f"restart {e.restarts}: {exc}"
+                log.warning("sglang engine %d restarted (pid %d) but %s: it gets no requests until new weights "
+                            "reach it (a broadcast on a group it joined, or update_weights)", e.index, e.pid, exc)
+                await self._set_state(e, _STALE)
+                return
             except SGLangError as exc:  # a consistency fault: restarting again will not fix it
                 e.last_fault = f"restart {e.restarts}: {exc}"
                 log.error("sglang engine %d: %s", e.index, e.last_fault)
@@ -830,9 +910,7 @@ class SGLangEngine(RolloutEngine):
         """Bring a freshly started engine to the weights the others serve, then check its probe."""
         version, path = self._target
         if version != self._target_disk_version:
-            raise SGLangError(f"SGLang engine {e.index} restarted, but weight version {version} was pushed without a "
-                              f"disk copy (NCCL); the last copy on disk is version {self._target_disk_version}. "
-                              f"Call update_weights to re-sync")
+            raise _NeedsWeights(f"weight version {version} came by broadcast and has no copy on disk")
         if path is not None:
             await self._post(e, "/update_weights_from_disk",
                              {"model_path": str(path), "weight_version": str(version), "flush_cache": True})
@@ -907,6 +985,8 @@ class SGLangEngine(RolloutEngine):
                         await asyncio.shield(task)
                     if e.epoch != epoch and e.state == _READY:
                         return "resynced"  # restarted after the target was set: it loaded the target weights
+                    if e.epoch != epoch and e.state == _STALE:
+                        return None  # restarted, and could not be given the target weights
             raise TransientError(f"SGLang engine {e.index}: gave up after {self.settings.max_attempts} tries")
         results = await asyncio.gather(*(one(e) for e in self._engines))
         if all(e.state == _DEAD for e in self._engines):
@@ -914,22 +994,96 @@ class SGLangEngine(RolloutEngine):
         return results
 
     async def _aall_post(self, path: str, bodies: dict[int, dict]) -> list:
-        return await asyncio.gather(*(self._post(e, path, bodies[e.index]) for e in self._engines))
+        """POST to every engine at once, for the collective calls every engine must take part in: an
+        engine fault fails the call (and gets the engine checked) rather than being retried."""
+        async def one(e: _Engine):
+            epoch = e.epoch
+            try:
+                return await self._post(e, path, bodies[e.index])
+            except _EngineFault as exc:
+                self._on_fault(e, epoch, exc)
+                raise TransientError(f"SGLang engine {e.index} {path}: {exc}") from exc
+        return await asyncio.gather(*(one(e) for e in self._engines))
+
+    async def _asettle(self) -> None:
+        """Restart the engines whose process has exited, and let the checks and restarts under way finish."""
+        for e in self._engines:
+            if e.proc is not None and e.proc.poll() is not None:
+                self._on_fault(e, e.epoch, _EngineFault(f"the server exited with code {e.proc.poll()}"))
+        for e in self._engines:
+            if e.fault_task is not None and not e.fault_task.done():
+                await asyncio.shield(e.fault_task)
+
+    def _sync_problem(self) -> str:
+        """Why the engines cannot receive a broadcast now ("" when they can)."""
+        sync = self._sync
+        if sync is None:
+            return "the engines are in no weight-sync group (init_weight_sync)"
+        if sync.broken:
+            return f"weight-sync group {sync.name!r} is broken: {sync.broken}"
+        for e in self._engines:
+            if e.state == _DEAD:
+                return f"SGLang engine {e.index} of weight-sync group {sync.name!r} is down ({e.last_fault})"
+            if sync.members.get(e.index) != e.epoch:
+                return f"SGLang engine {e.index} restarted since it joined weight-sync group {sync.name!r}"
+        return ""
+
+    async def _ainit_sync(self, name: str, bodies: dict[int, dict]) -> None:
+        await self._asettle()
+        old, self._sync = self._sync, None
+        if old is not None:  # leave it, where the process that joined it is still there
+            await asyncio.gather(*(self._aleave(e, old.name) for e in self._engines
+                                   if old.members.get(e.index) == e.epoch and e.state != _DEAD))
+        down = [e for e in self._engines if e.state == _DEAD]
+        if down:
+            raise SGLangError(f"SGLang engine(s) {[e.index for e in down]} are down for good "
+                              f"({'; '.join(e.last_fault for e in down)}): no weight-sync group of every engine can "
+                              f"be formed")
+        epochs = {e.index: e.epoch for e in self._engines}
+        await self._aall_post("/init_weights_update_group", bodies)
+        self._sync = _SyncGroup(name, epochs)
+
+    async def _aleave(self, e: _Engine, name: str) -> None:
+        try:
+            await self._post(e, "/destroy_weights_update_group", {"group_name": name},
+                             timeout=self.settings.health_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a group left behind costs memory, not correctness
+            log.warning("sglang engine %d: could not leave weight-sync group %r: %s", e.index, name, exc)
+
+    async def _abroadcast_failed(self, reason: str) -> None:
+        """After a failed broadcast an engine may hold part of the new weights (SGLang: "partially
+        updated. Please discard the whole weights"): none serves, and the group is done with."""
+        if self._sync is not None:
+            self._sync.broken = reason
+        for e in self._engines:
+            if e.state != _DEAD:
+                e.last_fault = reason
+                await self._set_state(e, _STALE)
 
     async def _aupdate(self, path: Path, version: int, tensor_payload: list[str] | None) -> None:
+        if tensor_payload is not None:
+            route, body = "/update_weights_from_tensor", {"serialized_named_tensors": tensor_payload,
+                                                          "flush_cache": True, "weight_version": str(version)}
+        else:
+            route, body = "/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version),
+                                                        "flush_cache": True, "abort_all_requests": False}
+        await self._aload(version, lambda: self._aall(lambda e: self._post(e, route, body)))
+
+    async def _aload(self, version: int, send) -> None:
+        """Load new weights into every engine: resume released weights, `send()`, resume the KV cache,
+        verify. Stale engines take part, and serve again once the check shows the new weights."""
+        stale = {e.index: e.epoch for e in self._engines if e.state == _STALE}
         if self._released:
             await self._aall(lambda e: self._post(e, "/resume_memory_occupation", {"tags": ["weights"]}))
-        if tensor_payload is not None:
-            body = {"serialized_named_tensors": tensor_payload, "flush_cache": True, "weight_version": str(version)}
-            await self._aall(lambda e: self._post(e, "/update_weights_from_tensor", body))
-        else:
-            body = {"model_path": str(path), "weight_version": str(version), "flush_cache": True,
-                    "abort_all_requests": False}
-            await self._aall(lambda e: self._post(e, "/update_weights_from_disk", body))
+        await send()
         if self._released:
             await self._aall(lambda e: self._post(e, "/resume_memory_occupation", {"tags": ["kv_cache"]}))
             self._released = False
         await self._averify(version)
+        for e in self._engines:
+            if e.state == _STALE and stale.get(e.index) == e.epoch:
+                e.last_fault = ""
+                await self._set_state(e, _READY)
 
     async def _averify(self, version: int) -> None:
         """Every engine reports `version` and the same probe log-probs; warn if they did not move."""
