@@ -11,7 +11,10 @@ Sections (each its own process on GPU):
   replay_*      the trainer (cluster.backend local: one process per rank, NCCL) replays the recorded
                 batches: log-probs of every batch before its update, the update's loss, and the log-probs
                 of batch 0 after the last update. 1gpu_a / 1gpu_b: two 1-GPU runs (their gap is the noise
-                of bf16 kernels); dp2: DP=2 on 2 GPUs; tp2: TP=2 on 2 GPUs
+                of bf16 kernels), each also syncing a colocated engine (CUDA IPC) after every update and
+                reading its log-probs of 8 recorded samples; dp2: DP=2 on 2 GPUs; tp2: TP=2 on 2 GPUs;
+                split: the trainer on GPU 0 and the engine on GPU 1, weights over NCCL, the same engine
+                log-probs
   stage_split   the real train stage (TrainSession) with the trainer on GPU 0 and the engine on GPU 1,
                 weights over NCCL each rollout: rollout/train tok/s, weight-sync time, engine-vs-trainer
                 log-probs after each sync
@@ -38,7 +41,9 @@ if str(ROOT) not in sys.path:
 
 from bench import gpu_grpo as g  # noqa: E402
 
-LAYOUTS = {"1gpu_a": (1, 1), "1gpu_b": (1, 1), "dp2": (2, 1), "tp2": (1, 2)}
+LAYOUTS = {"1gpu_a": (1, 1), "1gpu_b": (1, 1), "dp2": (2, 1), "tp2": (1, 2), "split": (1, 1)}
+ENGINE_LAYOUTS = ("1gpu_a", "1gpu_b", "split")  # replays that also sync an engine and read its log-probs
+ENGINE_ROWS = 8
 SECTIONS = ("setup", "record", *(f"replay_{k}" for k in LAYOUTS), "stage_split", "stage_dp2")
 SECTION_MAX_S = {"setup": 150, "record": 120, "stage_split": 150, "stage_dp2": 150}
 LR = 1e-5  # large enough that an update moves bf16 log-probs measurably
@@ -94,29 +99,54 @@ def sec_replay(S, W: Path, layout: str) -> dict:
     from runtime.cluster import Cluster
     from runtime.config import config_from_dict
 
+    from runtime.weight_sync import TrainerToEngine
+
     dp, tp = LAYOUTS[layout]
     gpus = dp * tp if S["device"] == "cuda" else 0
-    cfg = config_from_dict(_cfg(S, W, dict(data_parallel=dp, tensor_parallel=tp), trainer_gpus=gpus), "bench")
+    cluster_cfg = dict(trainer_gpus=gpus)
+    if layout == "split":  # (c): trainer on GPU 0, engine on GPU 1, weights over NCCL
+        cluster_cfg.update(colocate=False, rollout_gpus=1 if gpus else 0, weight_sync="broadcast")
+    elif layout in ENGINE_LAYOUTS:  # the engine colocated on GPU 0, weights over CUDA IPC
+        cluster_cfg.update(rollout_gpus=1 if gpus else 0)
+    cfg = config_from_dict(_cfg(S, W, dict(data_parallel=dp, tensor_parallel=tp), **cluster_cfg), "bench")
     batches = torch.load(W / "batches.pt", weights_only=False)
     t0 = time.time()
-    trainer = Cluster(cfg).trainer_group(
+    cluster = Cluster(cfg)
+    trainer = cluster.trainer_group(
         in_subprocesses=True, hf_dir=str(W / "hf"), init_checkpoint=str(W / "td"), train=cfg.train.model_dump(),
         algorithm=cfg.algorithm.model_dump(), temperature=1.0)
     load_s = time.time() - t0
+    engine_lp, sync_s, extra = [], [], {}
     try:
+        sync = None
+        if layout in ENGINE_LAYOUTS:
+            engine = cluster.engine(str(W / "hf"))
+            sync = TrainerToEngine(trainer, engine, cluster.weight_sync, tensors_on_cpu=False, group_name="replay")
+            extra = {"engine_device": cluster.engine_device, "weight_sync": cluster.weight_sync}
+            rows = [(b.tokens[i][:b.prompt_lens[i]], b.tokens[i][b.prompt_lens[i]:])
+                    for b in batches[:1] for i in range(min(ENGINE_ROWS, len(b)))]
         logprobs, metrics = [], []
-        for b in batches:
+        for i, b in enumerate(batches):
             logprobs.append(trainer.call("compute_logprobs", b)[0])
             metrics.append(trainer.call("train", b)[0])
+            if sync is not None:
+                g.sync(S)
+                t1 = time.perf_counter()
+                sync.push(i + 1)
+                g.sync(S)
+                sync_s.append(time.perf_counter() - t1)
+                engine_lp.append([engine.call("logprobs_of", p, r)[0] for p, r in rows])
         logprobs.append(trainer.call("compute_logprobs", batches[0])[0])
     finally:
         trainer.kill()
-    torch.save({"logprobs": logprobs, "metrics": metrics}, W / f"replay_{layout}.pt")
+    torch.save({"logprobs": logprobs, "metrics": metrics, "engine_logprobs": engine_lp}, W / f"replay_{layout}.pt")
+    if sync_s:
+        extra["weight_sync_s"] = [round(x, 4) for x in sync_s]
     tok_s = [m["train_tokens"] / m["train_time_s"] for m in metrics]
     return {"name": f"replay_{layout}", "dp": dp, "tp": tp, "gpus": gpus, "load_s": round(load_s, 1),
             "loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics],
             "train_tok_s": [round(x) for x in tok_s],
-            "train_tok_s_steady": round(statistics.median(tok_s[1:] or tok_s))}
+            "train_tok_s_steady": round(statistics.median(tok_s[1:] or tok_s)), **extra}
 
 
 def _stage(S, W: Path, name: str, cluster: dict, train: dict | None = None) -> dict:
@@ -217,7 +247,12 @@ def compare(W: Path) -> dict:
         loss = [abs(x["loss"] - y["loss"]) for x, y in zip(ref["metrics"], run["metrics"])]
         gn = [abs(x["grad_norm"] - y["grad_norm"]) / max(abs(x["grad_norm"]), 1e-12)
               for x, y in zip(ref["metrics"], run["metrics"])]
-        out[name] = {"logp_absdiff_max": float(d.max()), "logp_absdiff_mean": float(d.mean()),
+        eng = {}
+        if ref.get("engine_logprobs") and run.get("engine_logprobs"):
+            e = torch.cat([(torch.tensor(x) - torch.tensor(y)).abs() for a, b in
+                           zip(ref["engine_logprobs"], run["engine_logprobs"]) for x, y in zip(a, b)])
+            eng = {"engine_logp_absdiff_max": float(e.max()), "engine_logp_absdiff_mean": float(e.mean())}
+        out[name] = {**eng, "logp_absdiff_max": float(d.max()), "logp_absdiff_mean": float(d.mean()),
                      "logp_absdiff_max_per_snapshot": per_snapshot, "loss_absdiff_max": max(loss),
                      "grad_norm_rel_max": max(gn)}
     gap = out.get("1gpu_b")
@@ -228,7 +263,10 @@ def compare(W: Path) -> dict:
                     "logp_max": r["logp_absdiff_max"] <= 2 * gap["logp_absdiff_max"],
                     "logp_mean": r["logp_absdiff_mean"] <= 2 * gap["logp_absdiff_mean"],
                     "loss": r["loss_absdiff_max"] <= 2 * gap["loss_absdiff_max"],
-                    "grad_norm": r["grad_norm_rel_max"] <= 2 * gap["grad_norm_rel_max"]}
+                    "grad_norm": r["grad_norm_rel_max"] <= 2 * gap["grad_norm_rel_max"],
+                    **({"engine_logp_max": r["engine_logp_absdiff_max"] <= 2 * gap["engine_logp_absdiff_max"],
+                        "engine_logp_mean": r["engine_logp_absdiff_mean"] <= 2 * gap["engine_logp_absdiff_mean"]}
+                       if "engine_logp_absdiff_max" in r and "engine_logp_absdiff_max" in gap else {})}
     return out
 
 
