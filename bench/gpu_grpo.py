@@ -672,10 +672,18 @@ FUNCS = {"setup": sec_setup, "engine": sec_engine, "trainer": sec_trainer, "stag
 
 # ---- driver -------------------------------------------------------------------------------------------
 
-def run_section(name: str, S: dict, W: Path, out: Path) -> dict:
+def prepare_env() -> None:
+    """Offline, quiet tokenizers, and this repo importable by section processes."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
+def run_section(name: str, S: dict, W: Path, out: Path, fn=None) -> dict:
+    """Run one section (FUNCS[name], or fn), append its result line to OUT/results.jsonl."""
     t0 = time.time()
     try:
-        r = FUNCS[name](S, W)
+        r = (fn or FUNCS[name])(S, W)
         r["status"] = "ok"
     except Exception as e:  # noqa: BLE001 - one section's failure is recorded, the rest still run
         traceback.print_exc()
@@ -764,9 +772,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     W.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    prepare_env()
     if a.cpu:  # exercise the chunked output-layer path of the trainer on CPU too
         os.environ.setdefault("GRPOFLOW_CHUNKED_LOGPROBS", "1")
     if a.section:

@@ -32,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,18 +206,7 @@ def _run(name: str, S, W: Path) -> dict:
 
 
 def run_section(name: str, S, W: Path, out: Path) -> dict:
-    t0 = time.time()
-    try:
-        r = _run(name, S, W)
-        r["status"] = "ok"
-    except Exception as e:  # noqa: BLE001 - one section's failure is recorded, the rest still run
-        traceback.print_exc()
-        r = {"name": name, "status": "FAILED", "error": f"{type(e).__name__}: {e}"[:2000]}
-    r["section_s"] = round(time.time() - t0, 1)
-    with open(out / "results.jsonl", "a") as f:
-        f.write(json.dumps(r, default=str) + "\n")
-    print("RESULT", json.dumps(r, default=str), flush=True)
-    return r
+    return g.run_section(name, S, W, out, fn=lambda S, W: _run(name, S, W))
 
 
 def compare(W: Path) -> dict:
@@ -285,9 +273,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     W.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    g.prepare_env()
     if a.section:
         r = run_section(a.section, S, W, out)
         return 0 if r["status"] == "ok" else 1
