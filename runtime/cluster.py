@@ -6,19 +6,13 @@ runs a method on every member and returns the results in rank order.
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 from . import layout
 from .config import GrpoConfig
 from .errors import ConfigError
+from .ports import free_port
 from .subprocess_group import SubprocessGroup
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Done:
@@ -78,9 +72,6 @@ class RayGroup:
         self.actors = []
 
 
-world_size = layout.trainer_world_size
-
-
 def resolve_device(cfg: GrpoConfig) -> str:
     if cfg.cluster.device != "auto":
         return cfg.cluster.device
@@ -118,7 +109,7 @@ class Cluster:
 
     @property
     def trainer_in_subprocesses(self) -> bool:
-        return self.backend == "local" and (world_size(self.cfg) > 1 or self.weight_sync == "broadcast")
+        return self.backend == "local" and (layout.trainer_world_size(self.cfg) > 1 or self.weight_sync == "broadcast")
 
     @property
     def engine_device(self) -> str:
@@ -146,7 +137,7 @@ class Cluster:
             else:
                 # Logical CPUs: a placement group counts bundles, not cores, so DP ranks plus an
                 # engine fit on a 2-core machine.
-                kw["num_cpus"] = c.num_cpus or max(os.cpu_count() or 1, world_size(self.cfg) + 1)
+                kw["num_cpus"] = c.num_cpus or max(os.cpu_count() or 1, layout.trainer_world_size(self.cfg) + 1)
                 kw["_node_ip_address"] = "127.0.0.1"
                 if os.environ.get("GRPOFLOW_RAY_TEMP_DIR"):
                     kw["_temp_dir"] = os.environ["GRPOFLOW_RAY_TEMP_DIR"]
@@ -162,7 +153,7 @@ class Cluster:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         c = self.cfg.cluster
-        n = world_size(self.cfg)
+        n = layout.trainer_world_size(self.cfg)
         trainer_bundle = {"CPU": 1, **({"GPU": 1} if c.trainer_gpus else {})}
         engine_bundle = {"CPU": 1, **({"GPU": 1} if c.rollout_gpus and not c.colocate else {})}
         bundles = [trainer_bundle] * n + ([] if self._engine_shares_gpu else [engine_bundle])
@@ -195,12 +186,12 @@ class Cluster:
 
     # -- actors --------------------------------------------------------------------------------
     def _threads(self) -> int:
-        return max(1, (os.cpu_count() or 1) // (world_size(self.cfg) + (0 if self.cfg.cluster.colocate else 1)))
+        return max(1, (os.cpu_count() or 1) // (layout.trainer_world_size(self.cfg) + (0 if self.cfg.cluster.colocate else 1)))
 
     def trainer_group(self, in_subprocesses: bool | None = None, **trainer_kwargs) -> LocalGroup | RayGroup | SubprocessGroup:
         """in_subprocesses (local backend): None decides by the layout; True forces one process per rank."""
         from .trainer.megatron_trainer import MegatronTrainer
-        n = world_size(self.cfg)
+        n = layout.trainer_world_size(self.cfg)
         common = dict(trainer_kwargs, world_size=n, device=self.device, dtype=self.dtype)
         own = self.trainer_in_subprocesses if in_subprocesses is None else (in_subprocesses or n > 1)
         if self.backend == "local" and not own:
@@ -237,7 +228,7 @@ class Cluster:
         gpus = 0.5 if shared else (1 if self.cfg.cluster.rollout_gpus and not self.cfg.cluster.colocate else 0)
         actor = ray.remote(num_cpus=0 if shared else 1, num_gpus=gpus, max_restarts=0)(_EngineHost).options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self._pg, placement_group_bundle_index=0 if shared else world_size(self.cfg))).remote(
+                placement_group=self._pg, placement_group_bundle_index=0 if shared else layout.trainer_world_size(self.cfg))).remote(
                     num_threads=self._threads(), **kwargs)
         group = RayGroup([actor])
         group.call("health")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import socket
 import warnings
 from typing import Any
 
@@ -28,6 +27,8 @@ from megatron.core import tensor_parallel  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
+from .ports import free_port  # noqa: E402  (re-exported: callers set up ranks with it)
+
 _state: dict[str, Any] = {"device": None, "saved_cuda_fns": None}
 
 
@@ -37,12 +38,6 @@ def _resolve_device(device: str) -> str:
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', not {device!r}")
     return device
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _install_cpu_shims() -> None:

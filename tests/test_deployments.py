@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from flows.deploy_cli import main as deploy_main
+from runtime.ports import free_port
 
 psutil = pytest.importorskip("psutil")
 httpx = pytest.importorskip("httpx")
@@ -70,12 +70,6 @@ def _run(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProc
         _stop(proc)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tail(path: Path, n: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
 
@@ -109,7 +103,7 @@ class _Api:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prefect")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update({
@@ -237,7 +231,7 @@ def test_deploy_user_errors_are_one_line(args, expect, capsys):
 
 
 def test_deploy_without_a_reachable_api_is_a_user_error(capsys):
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     assert deploy_main(["deploy", "configs/tiny.yaml", "--api-url", f"http://127.0.0.1:{port}/api"]) == 2
     err = capsys.readouterr().err.strip()
     assert "cannot reach the Prefect API" in err and "\n" not in err, err

@@ -278,7 +278,7 @@ def trainer(tmp_path_factory):
     """(trainer group, HF dir) of a tiny Qwen3 (tied embeddings) on CPU; killed after the module."""
     from runtime.config import GrpoConfig
     from runtime.convert import hf_to_torch_dist
-    from runtime.megatron_env import free_port
+    from runtime.ports import free_port
     from runtime.models.tiny import build_tiny_qwen3
     from runtime.subprocess_group import SubprocessGroup
     root = tmp_path_factory.mktemp("sglang-broadcast")

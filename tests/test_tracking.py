@@ -18,6 +18,7 @@ from runtime.config import GrpoConfig
 from runtime.errors import TransientError, UserError
 from runtime.evaluate import save_eval
 from runtime.registry import aliases_of, register_checkpoint, should_move_best
+from runtime.ports import free_port
 from runtime.rundir import RunDir
 from runtime.tracking import Tracker, flatten_params, redact_uri, sqlite_uri
 
@@ -269,16 +270,10 @@ def test_models_list_without_a_store_creates_nothing(tmp_path, capsys):
 
 
 # ---- a real mlflow server ---------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tracker_and_registry_through_a_real_mlflow_server(tmp_path, capsys):
     from flows.models_cli import models_show
 
-    port = _free_port()
+    port = free_port()
     uri = f"http://127.0.0.1:{port}"
     mlflow_bin = Path(sys.executable).with_name("mlflow")
     proc = subprocess.Popen(

@@ -84,7 +84,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -100,6 +99,7 @@ from typing import Any
 import torch
 
 from runtime.errors import ConfigError, ModelError, TransientError
+from runtime.ports import free_port
 from runtime.rollout.base import RolloutEngine, SampleRequest, SampleResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -320,12 +320,6 @@ def parse_generate_response(body: Any, request: SampleRequest, expected_version:
 
 
 # ---- processes ----------------------------------------------------------------------------------
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -699,9 +693,9 @@ class SGLangEngine(RolloutEngine):
             e.port = s.port + PORT_STRIDE * e.index
         else:  # a fresh free port per launch, distinct from the other engines'
             taken = {x.port for x in self._engines if x is not e}
-            e.port = _free_port(s.host)
+            e.port = free_port(s.host)
             while e.port in taken:
-                e.port = _free_port(s.host)
+                e.port = free_port(s.host)
         cmd = self._command(e)
         with open(e.log_path, "ab") as logf:
             logf.write(f"\n==== grpoflow: launching engine {e.index} (restart {e.restarts}): {' '.join(cmd)}\n".encode())

@@ -282,7 +282,7 @@ class MegatronTrainer:
     def weight_sync_address(self) -> tuple[str, int]:
         """Where rank 0 hosts the weight-sync rendezvous: this node's address (Ray's view of it in a
         Ray actor, loopback otherwise) and a free port on it."""
-        from ..megatron_env import free_port
+        from ..ports import free_port
         host = "127.0.0.1"
         try:
             import ray
