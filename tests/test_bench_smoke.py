@@ -65,8 +65,11 @@ def test_fast_path_draws_the_slow_paths_tokens(tiny_dir):
         fast = BuiltinEngine(tiny_dir, fast_decode=True, max_batch_size=3)
         assert fast.health()["decode_path"] == "static" and slow.health()["decode_path"] == "dynamic"
         g = torch.Generator().manual_seed(0)
-        reqs = [SampleRequest(prompt_ids=torch.randint(3, 100, (int(torch.randint(1, 12, (1,), generator=g)),),
-                                                       generator=g).tolist(), key=(1, 2, i // 3, i % 3)) for i in range(13)]
+        prompts = [torch.randint(3, 100, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+                   for _ in range(6)]
+        # groups of 3 share a prompt (one prefix slot); prompt 0 comes back after its group finished
+        which = [0, 0, 0, 1, 1, 1, 2, 2, 2, 0, 3, 4, 5]
+        reqs = [SampleRequest(prompt_ids=prompts[w], key=(1, 2, i // 3, i % 3)) for i, w in enumerate(which)]
         for sp in (SamplingParams(max_new_tokens=14, stop_token_ids=[5, 6, 7]),
                    SamplingParams(temperature=0.7, top_p=0.9, top_k=30, max_new_tokens=9),
                    SamplingParams(temperature=0.0, max_new_tokens=5)):
@@ -75,6 +78,7 @@ def test_fast_path_draws_the_slow_paths_tokens(tiny_dir):
             assert [r.finish_reason for r in a] == [r.finish_reason for r in b]
             assert max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.response_logprobs, y.response_logprobs)) < 1e-5
         assert fast.fast.stats["max_active"] <= 3
+        assert 6 <= fast.fast.stats["prefills"] < len(reqs)  # a shared prompt is prefilled once while it is cached
         # weights pushed into the engine reach the fused buffers of the fast path
         new = {k: v * 1.05 for k, v in slow.model.state_dict().items()}
         slow.update_weights(new, 1)

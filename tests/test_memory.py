@@ -156,7 +156,7 @@ def test_kv_term_equals_the_engines_policy():
     # (kv_cache_gb, rows, max_slots) -> slots: budget-, rows- and max_slots-limited
     for gb, rows, max_slots, slots in ((per_slot * 5.5 / 1e9, 20, 16, 5), (1.0, 3, 16, 3), (1.0, 50, 7, 7)):
         dec = StaticDecoder(model, max_slots=max_slots, kv_cache_gb=gb, cuda_graphs=False, compile=False)
-        dec._ensure_cache(100, rows)
+        dec._ensure_cache(40, 60, rows)
         est = builtin_kv_cache(cfg, slot_tokens=100, rows=rows, max_slots=max_slots, free_bytes=0, dtype="float32",
                                device="cpu", kv_cache_gb=gb)
         assert (dec.slots, dec.slot_len, dec.kv_cache_bytes()) == (est["slots"], est["slot_len"], est["bytes"]) \
@@ -165,7 +165,7 @@ def test_kv_term_equals_the_engines_policy():
     # under one slot the engine refuses and the estimate says 0 slots
     dec = StaticDecoder(model, max_slots=4, kv_cache_gb=per_slot / 2e9, cuda_graphs=False, compile=False)
     with pytest.raises(MemoryError):
-        dec._ensure_cache(100, 4)
+        dec._ensure_cache(40, 60, 4)
     assert builtin_kv_cache(cfg, slot_tokens=100, rows=4, max_slots=4, free_bytes=0, dtype="float32", device="cpu",
                             kv_cache_gb=per_slot / 2e9)["slots"] == 0
     # on CUDA without kv_cache_gb: half of what is free when the cache is made

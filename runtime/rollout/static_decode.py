@@ -4,15 +4,18 @@
 modules' weights, no HF forward), so that one decode step is a fixed sequence of kernels over
 preallocated buffers that a CUDA graph can replay:
 
-* KV cache: one slab per layer, laid out [slot, position, kv_head, head_dim]; a slot holds one
-  sequence (prompt + response) up to `slot_len` tokens. The number of slots is bounded by a memory
-  budget (`kv_cache_gb`), so the KV memory is bounded whatever the request count and length.
+* KV cache: one slab per layer, laid out [slot, position, kv_head, head_dim]. A slot's first
+  `prefix_region` positions hold a prompt (a *prefix slot*), the rest one row's response. Rows with
+  the same prompt (a GRPO group) share one prefix slot: the prompt is prefilled once and its KV read
+  from one place (`decode_attention`). The number of slots is bounded by a memory budget
+  (`kv_cache_gb`), so the KV memory is bounded whatever the request count and length.
 * Continuous batching: requests wait in a queue; a slot whose sequence finished is refilled with
-  the next request (packed prefill of the new prompts), while the other slots keep decoding.
-* Decode attention: FlashAttention-2's varlen kernel (`aten._flash_attention_forward`) over the
-  slabs, with the per-slot lengths in `seqused_k` on the GPU: the launch shapes do not change from
-  step to step, so one CUDA graph per batch bucket serves every step. CPU (and any dtype FA2 does
-  not take) uses SDPA with a length mask: the same function, for tests.
+  the next request (packed prefill of the prompts not already cached), while the other slots keep
+  decoding. A prefix slot is reused once no active row points at it.
+* Decode attention: on CUDA a split-KV Triton kernel (`decode_attention`) that reads the per-row
+  lengths and prefix slots on the GPU, so one CUDA graph per batch bucket serves every step; CPU
+  (and any GPU without Triton) uses the same function in SDPA with a mask. Prefill uses
+  FlashAttention-2's varlen kernel on CUDA.
 * The per-layer pieces (norm + fused QKV + q/k-norm + RoPE; o-proj + residual + norm + fused
   gate/up + SwiGLU + down) go through torch.compile on CUDA (dynamic shapes: one compile serves
   prefill and every decode bucket).
@@ -35,6 +38,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from runtime.rollout.decode_attention import (decode_attention, reference_decode_attention, split_tokens_for,
+                                              triton_available)
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_next, uniform_noise
 
 log = logging.getLogger("grpoflow.rollout")
@@ -148,16 +153,6 @@ def _sdpa_prefill(q, k, v, lens: list[int], scale: float):
     return torch.cat(out, 0)
 
 
-def _sdpa_decode(q, kc, vc, lens, scale: float):
-    """q [B, nh, hd]; kc/vc [slots, S, nkv, hd]; row b attends to kc[b, :lens[b]]."""
-    b, s = q.shape[0], kc.shape[1]
-    rep = q.shape[1] // kc.shape[2]
-    k = kc[:b].transpose(1, 2).repeat_interleave(rep, 1)
-    v = vc[:b].transpose(1, 2).repeat_interleave(rep, 1)
-    mask = torch.arange(s, device=q.device)[None, :] < lens[:, None]
-    return F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale)[:, :, 0]
-
-
 @dataclass
 class _Layer:
     ln1: torch.Tensor
@@ -238,9 +233,10 @@ class StaticDecoder:
         self.kv_cache_gb = kv_cache_gb
         self.sync_every = int(sync_every)
         self.prefill_tokens = int(prefill_tokens)
-        self.use_flash = cuda and self.dtype in (torch.bfloat16, torch.float16)
-        # decode attention with each KV head's query heads packed as rows (see _step); off: one row per query
-        self.gqa_pack = self.nh > self.nkv
+        self.use_flash = cuda and self.dtype in (torch.bfloat16, torch.float16)  # prefill
+        self.use_triton = self.use_flash and triton_available()  # decode
+        self.split_tokens: int | None = None  # decode kernel's tokens per split; None: chosen per chunk
+        self._chunk_split_tokens = 4096
         self.use_graphs = cuda if cuda_graphs is None else bool(cuda_graphs and cuda)
         self.compiled = cuda if compile is None else bool(compile)
         inner = model.model
@@ -278,7 +274,7 @@ class StaticDecoder:
                 self.compile_error = f"{type(e).__name__}: {e}"
                 self.compiled = False
         self.k_cache = self.v_cache = None
-        self.slots = self.slot_len = 0
+        self.slots = self.slot_len = self.prefix_region = 0
         self.graphs: dict = {}
         self.stats: dict = {}
         self.trace: list | None = None  # set to [] to record every decode chunk
@@ -309,15 +305,19 @@ class StaticDecoder:
             free, _ = torch.cuda.mem_get_info(self.device)
         return kv_budget_bytes(self.kv_cache_gb, self.device.type, free, self.kv_cache_bytes())
 
-    def _ensure_cache(self, slot_len: int, rows: int) -> None:
-        """Slots of at least `slot_len` tokens, as many as `rows` asks for within the budget and `max_slots`."""
-        slot_len = kv_slot_len(slot_len)
-        if self.k_cache is not None and self.slot_len >= slot_len:
+    def _ensure_cache(self, prompt_len: int, max_new: int, rows: int) -> None:
+        """Slots with a prefix region of at least `prompt_len` and a response region of at least `max_new`
+        tokens (the slot length rounded up as `kv_slot_len`), as many as `rows` asks for within the budget
+        and `max_slots`."""
+        fits = (self.k_cache is not None and self.prefix_region >= prompt_len
+                and self.slot_len - self.prefix_region >= max_new)
+        if fits:
             if self.slots >= min(rows, self.max_slots):
                 return
             if min(rows, self.max_slots, self._budget_bytes() // (self.slot_len * self.kv_bytes_per_token())) <= self.slots:
                 return
-        slot_len = max(slot_len, self.slot_len)
+        prefix_region = max(prompt_len, self.prefix_region if fits else 0)
+        slot_len = kv_slot_len(prefix_region + max(max_new, self.slot_len - self.prefix_region if fits else 0))
         self.release()
         per_slot = slot_len * self.kv_bytes_per_token()
         budget = self._budget_bytes()
@@ -329,25 +329,25 @@ class StaticDecoder:
         dev = self.device
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
-        self.slots, self.slot_len = want, slot_len
+        self.slots, self.slot_len, self.prefix_region = want, slot_len, prefix_region
         n, ch = want, self.sync_every
         self.tok = torch.zeros(n, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(n, dtype=torch.long, device=dev)       # absolute position of the input token
+        self.plen = torch.zeros(n, dtype=torch.long, device=dev)      # prompt length of the row
+        self.pslot = torch.zeros(n, dtype=torch.long, device=dev)     # the slot holding the row's prompt
         self.spos = torch.zeros(n, dtype=torch.long, device=dev)
         self.key_hash = torch.zeros(n, dtype=torch.long, device=dev)
         self.out_tok = torch.zeros(n, ch, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros(n, ch, dtype=torch.float32, device=dev)
         self.chunk_i = torch.zeros(1, dtype=torch.long, device=dev)
         self.rows = torch.arange(n, dtype=torch.long, device=dev)
-        self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.cu_qp = torch.arange(n + 1, dtype=torch.int32, device=dev) * (self.nh // self.nkv)
-        self.cu_k = torch.arange(n + 1, dtype=torch.int32, device=dev) * slot_len
+        self.prefix_h = torch.zeros(n, self.embed.shape[1], dtype=self.dtype, device=dev)  # a prompt's last hidden state
 
     def release(self) -> None:
         """Drop the KV cache and the captured graphs (they point into it)."""
         self.graphs.clear()
         self.k_cache = self.v_cache = None
-        self.slots = self.slot_len = 0
+        self.slots = self.slot_len = self.prefix_region = 0
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -356,7 +356,7 @@ class StaticDecoder:
 
     # ---- forward pieces --------------------------------------------------------------------------------
     def _prefill(self, ids: torch.Tensor, lens: list[int], slots: list[int]) -> torch.Tensor:
-        """Packed prompts -> KV written into their slots; returns the last position's logits [n, V]."""
+        """Packed prompts -> KV written into the prefix regions of `slots`; returns each prompt's last hidden state."""
         dev = self.device
         pos = torch.cat([torch.arange(n, device=dev) for n in lens])
         widx = torch.cat([torch.arange(n, device=dev) + s * self.slot_len for n, s in zip(lens, slots)])
@@ -372,15 +372,16 @@ class StaticDecoder:
             else:
                 a = _sdpa_prefill(q, k, v, lens, self.scale)
             h = self._post(h, a.reshape(h.shape[0], -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w)
-        last = cu[1:].long() - 1
-        return self._head(h.index_select(0, last), self.norm, self.lm)
+        return h.index_select(0, cu[1:].long() - 1)
 
     def _step(self, b: int, sample_fn: Callable) -> None:
         """One decode step for slots [0, b): every tensor it touches is a static buffer (graph-safe)."""
-        S = self.slot_len
+        S, P = self.slot_len, self.prefix_region
         tok, pos = self.tok[:b], self.pos[:b]
-        lens = torch.clamp(pos + 1, max=S).to(torch.int32)
-        widx = self.rows[:b] * S + torch.clamp(pos, max=S - 1)
+        own = pos - self.plen[:b]  # the input token's place in the row's response
+        own_len = torch.clamp(own + 1, max=S - P)
+        widx = self.rows[:b] * S + P + torch.clamp(own, max=S - P - 1)
+        pslot, plen = self.pslot[:b], self.plen[:b]
         cos, sin = _cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype)
         h = F.embedding(tok, self.embed)
         for li, w in enumerate(self.layers):
@@ -388,19 +389,11 @@ class StaticDecoder:
             kc, vc = self.k_cache[li], self.v_cache[li]
             kc.view(-1, self.nkv, self.hd).index_copy_(0, widx, k)
             vc.view(-1, self.nkv, self.hd).index_copy_(0, widx, v)
-            if self.use_flash and self.gqa_pack:
-                # the n_rep query heads of a KV head become n_rep query rows of one sequence, so one
-                # kernel block streams that head's KV once for all of them
-                rep = self.nh // self.nkv
-                qp = q.view(b, self.nkv, rep, self.hd).transpose(1, 2).reshape(b * rep, self.nkv, self.hd)
-                a = _flash(qp, kc.view(-1, self.nkv, self.hd), vc.view(-1, self.nkv, self.hd), self.cu_qp[:b + 1],
-                           self.cu_k[:b + 1], rep, S, False, self.scale, seqused_k=lens)
-                a = a.view(b, rep, self.nkv, self.hd).transpose(1, 2)
-            elif self.use_flash:
-                a = _flash(q, kc.view(-1, self.nkv, self.hd), vc.view(-1, self.nkv, self.hd), self.cu_q[:b + 1],
-                           self.cu_k[:b + 1], 1, S, False, self.scale, seqused_k=lens)
+            if self.use_triton:
+                a = decode_attention(q, kc, vc, pslot, plen, own_len, P, self.scale,
+                                     split_tokens=self._chunk_split_tokens)
             else:
-                a = _sdpa_decode(q, kc, vc, lens, self.scale)
+                a = reference_decode_attention(q, kc, vc, pslot, plen, own_len, P, self.scale)
             h = self._post(h, a.reshape(b, -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w)
         logits = self._head(h, self.norm, self.lm)
         t, lp = sample_fn(logits, self.key_hash[:b], self.spos[:b])
@@ -422,7 +415,7 @@ class StaticDecoder:
         if not self.use_graphs:
             self._step(b, sample_fn)
             return
-        key = (b, skey)
+        key = (b, skey, self._chunk_split_tokens if self.use_triton else None)
         g = self.graphs.get(key)
         if g is not None:
             g.replay()
@@ -456,16 +449,18 @@ class StaticDecoder:
     def generate(self, prompts: list[list[int]], key_hash: torch.Tensor, sampling, stop_ids: set[int]):
         """Returns (response ids, response log-probs, finish reasons), one per prompt, in order.
 
-        If a speed feature fails at run time (the compiler, graph capture, the flash kernel), it is
-        switched off, the failure is kept in `stats["fallbacks"]`, and the call is redone: every
+        If a speed feature fails at run time (the compiler, graph capture, the Triton or flash kernel),
+        it is switched off, the failure is kept in `stats["fallbacks"]`, and the call is redone: every
         sample is a pure function of its key, so the redone call returns what the first would have.
         """
         while True:
             try:
                 return self._generate(prompts, key_hash, sampling, stop_ids)
+            except MemoryError:
+                raise
             except Exception as e:  # noqa: BLE001
                 feature = ("compile" if self.compiled else "cuda_graphs" if self.use_graphs
-                           else "flash" if self.use_flash else None)
+                           else "triton" if self.use_triton else "flash" if self.use_flash else None)
                 if feature is None:
                     raise
                 log.warning("fast decode: %s failed (%s: %s); retrying without it", feature, type(e).__name__, e)
@@ -475,6 +470,8 @@ class StaticDecoder:
                     self._eager_fns()
                 elif feature == "cuda_graphs":
                     self.use_graphs = False
+                elif feature == "triton":
+                    self.use_triton = False
                 else:
                     self.use_flash = False
                 self.graphs.clear()
@@ -486,18 +483,25 @@ class StaticDecoder:
         n = len(prompts)
         max_new = int(sampling.max_new_tokens)
         t_start = time.perf_counter()
-        self._ensure_cache(max(len(p) for p in prompts) + max_new, n)
-        S, slots = self.slot_len, self.slots
+        self._ensure_cache(max(len(p) for p in prompts), max_new, n)
+        slots = self.slots
+        dev = self.device
         step_fn, skey, prefill_fn = self._sampler(sampling)
-        key_hash = key_hash.to(self.device)
+        key_hash = key_hash.to(dev)
         out_ids: list[list[int]] = [[] for _ in range(n)]
         out_lp: list[list[float]] = [[] for _ in range(n)]
         finish = ["length"] * n
         slot_req = [-1] * slots
         queue = list(range(n))
         queue.reverse()  # pop() from the end takes requests in order
+        # prefix slots: which prompt each holds (valid for this call only: the weights change between calls)
+        prefix_of: dict[tuple, int] = {}
+        prefix_key: list[tuple | None] = [None] * slots
+        prefix_refs = [0] * slots
+        row_prefix = [0] * slots
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "chunks": 0,
-                 "slots": slots, "slot_len": S, "max_active": 0}
+                 "slots": slots, "slot_len": self.slot_len, "prefix_region": self.prefix_region, "max_active": 0,
+                 "prefills": 0, "prefill_tokens": 0}
 
         def take(row: int, toks: list[int], lps: list[float]) -> bool:
             """Append tokens to a request until it stops; True when it finished."""
@@ -511,34 +515,65 @@ class StaticDecoder:
                     return True
             return False
 
+        def release_row(s: int) -> None:
+            slot_req[s] = -1
+            prefix_refs[row_prefix[s]] -= 1
+
+        def free_prefix_slot() -> int:
+            # exists: the prefix slots in use are at most the active rows, fewer than the slots
+            j = next(j for j in range(slots) if prefix_refs[j] == 0)
+            if prefix_key[j] is not None:
+                del prefix_of[prefix_key[j]]
+                prefix_key[j] = None
+            return j
+
         while queue or any(r >= 0 for r in slot_req):
-            # refill free slots with queued requests (packed prefill, bounded in tokens)
+            # refill free slots with queued requests; prompts not cached yet get one packed prefill
             free = [s for s in range(slots) if slot_req[s] < 0]
             if queue and free:
                 t0 = time.perf_counter()
-                assign: list[tuple[int, int]] = []
+                assign: list[tuple[int, int, int]] = []  # (slot, request, prefix slot)
+                new_prefixes: list[tuple[int, list[int]]] = []
                 budget = self.prefill_tokens
                 while queue and len(assign) < len(free):
                     r = queue[-1]
-                    if assign and len(prompts[r]) > budget:
-                        break
+                    key = tuple(prompts[r])
+                    j = prefix_of.get(key)
+                    if j is None:
+                        if new_prefixes and len(prompts[r]) > budget:
+                            break
+                        j = free_prefix_slot()
+                        prefix_of[key], prefix_key[j] = j, key
+                        new_prefixes.append((j, prompts[r]))
+                        budget -= len(prompts[r])
                     queue.pop()
-                    assign.append((free[len(assign)], r))
-                    budget -= len(prompts[r])
-                lens = [len(prompts[r]) for _, r in assign]
-                ids = torch.tensor([t for _, r in assign for t in prompts[r]], dtype=torch.long, device=self.device)
-                s_idx = torch.tensor([s for s, _ in assign], dtype=torch.long, device=self.device)
-                r_idx = torch.tensor([r for _, r in assign], dtype=torch.long, device=self.device)
-                logits = self._prefill(ids, lens, [s for s, _ in assign])
+                    prefix_refs[j] += 1
+                    assign.append((free[len(assign)], r, j))
+                if new_prefixes:
+                    ids = torch.tensor([t for _, p in new_prefixes for t in p], dtype=torch.long, device=dev)
+                    lens = [len(p) for _, p in new_prefixes]
+                    js = [j for j, _ in new_prefixes]
+                    self.prefix_h.index_copy_(0, torch.tensor(js, dtype=torch.long, device=dev),
+                                              self._prefill(ids, lens, js))
+                    stats["prefills"] += len(new_prefixes)
+                    stats["prefill_tokens"] += sum(lens)
+                s_idx = torch.tensor([s for s, _, _ in assign], dtype=torch.long, device=dev)
+                r_idx = torch.tensor([r for _, r, _ in assign], dtype=torch.long, device=dev)
+                j_idx = torch.tensor([j for _, _, j in assign], dtype=torch.long, device=dev)
+                p_len = torch.tensor([len(prompts[r]) for _, r, _ in assign], dtype=torch.long, device=dev)
+                logits = self._head(self.prefix_h.index_select(0, j_idx), self.norm, self.lm)
                 kh = key_hash.index_select(0, r_idx)
                 t, lp = prefill_fn(logits, kh, torch.zeros_like(kh))
                 self.tok.index_copy_(0, s_idx, t)
-                self.pos.index_copy_(0, s_idx, torch.tensor(lens, dtype=torch.long, device=self.device))
+                self.pos.index_copy_(0, s_idx, p_len)
+                self.plen.index_copy_(0, s_idx, p_len)
+                self.pslot.index_copy_(0, s_idx, j_idx)
                 self.spos.index_copy_(0, s_idx, torch.ones_like(s_idx))
                 self.key_hash.index_copy_(0, s_idx, kh)
-                for (s, r), ti, li in zip(assign, t.tolist(), lp.float().tolist()):
-                    if not take(r, [ti], [li]):
-                        slot_req[s] = r
+                for (s, r, j), ti, li in zip(assign, t.tolist(), lp.float().tolist()):
+                    slot_req[s], row_prefix[s] = r, j
+                    if take(r, [ti], [li]):
+                        release_row(s)
                 stats["prefill_s"] += time.perf_counter() - t0
                 continue  # slots may have freed at once (stop on the first token): refill again
             active = [s for s in range(slots) if slot_req[s] >= 0]
@@ -547,6 +582,8 @@ class StaticDecoder:
             hi = max(active) + 1
             b = next(x for x in self._buckets() if x >= hi)
             steps = min(self.sync_every, max(max_new - len(out_ids[slot_req[s]]) for s in active))
+            longest = max(len(prompts[slot_req[s]]) + len(out_ids[slot_req[s]]) for s in active) + steps
+            self._chunk_split_tokens = self.split_tokens or split_tokens_for(len(active), self.nkv, longest, dev)
             t0 = time.perf_counter()
             self.chunk_i.zero_()
             for _ in range(steps):
@@ -555,27 +592,29 @@ class StaticDecoder:
             lps = self.out_lp[:b, :steps].tolist()
             dt = time.perf_counter() - t0
             stats["decode_s"] += dt
-            if self.trace is not None:  # (active rows, batch bucket, steps, ms per step, max used length)
-                self.trace.append((len(active), b, steps, round(1e3 * dt / steps, 3),
-                                   max(len(prompts[slot_req[s]]) + len(out_ids[slot_req[s]]) for s in active)))
+            if self.trace is not None:  # (active rows, batch bucket, steps, ms per step, max length, split tokens)
+                self.trace.append((len(active), b, steps, round(1e3 * dt / steps, 3), longest - steps,
+                                   self._chunk_split_tokens))
             stats["decode_steps"] += steps
             stats["row_steps"] += steps * b
             stats["chunks"] += 1
             stats["max_active"] = max(stats["max_active"], len(active))
             done = []
             for s in active:
-                r = slot_req[s]
-                if take(r, toks[s], lps[s]):
-                    slot_req[s] = -1
+                if take(slot_req[s], toks[s], lps[s]):
+                    release_row(s)
                     done.append(s)
-            if done:  # an idle slot attends to one cached token until it is refilled, not to its old length
-                self.pos.index_fill_(0, torch.tensor(done, dtype=torch.long, device=self.device), 0)
+            if done:  # an idle row attends to one token of its own until it is refilled, not to its old length
+                idx = torch.tensor(done, dtype=torch.long, device=dev)
+                self.pos.index_fill_(0, idx, 0)
+                self.plen.index_fill_(0, idx, 0)
         stats["total_s"] = time.perf_counter() - t_start
         stats["new_tokens"] = sum(len(x) for x in out_ids)
         stats["graphs"] = len(self.graphs)
         stats["compiled"] = self.compiled
         stats["cuda_graphs"] = self.use_graphs
-        stats["attention"] = ("flash_varlen" + ("_gqa_packed" if self.gqa_pack else "")) if self.use_flash else "sdpa"
+        stats["attention"] = "triton_split_kv" if self.use_triton else "sdpa"
+        stats["prefill_attention"] = "flash_varlen" if self.use_flash else "sdpa"
         if self.compile_error:
             stats["compile_error"] = self.compile_error
         self.stats.update(stats)

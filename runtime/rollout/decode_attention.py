@@ -1,0 +1,163 @@
+"""Decode attention over the engine's slot cache, with each group's prompt stored and read once.
+
+GRPO samples several responses per prompt. The KV cache (one slab per layer, [slot, position,
+kv_head, head_dim]) is split at `prefix_region` positions: the first part of a slot holds a prompt's
+KV (a *prefix slot*), the rest holds one row's response. Row b attends to the prompt in slot
+`prefix_slot[b]` (positions [0, prefix_len[b])) followed by its own response in slot b (positions
+[prefix_region, prefix_region + own_len[b])). The rows of one group point at the same prefix slot,
+so the prompt is prefilled once and, in the kernel, its KV is read from the same addresses by
+neighbouring programs (served from L2 after the first).
+
+`decode_attention` is a split-KV kernel in Triton: one program per (row, KV head, split) handles all
+of that KV head's query heads at once (no padding of the query rows to a 128-row tile, as
+FlashAttention-2's varlen kernel does), each split streams its share of the row's length, and a
+second kernel merges the splits by their log-sum-exp. The caller picks the split size for the
+rows it has: one split per row when many are active, many short ones when a few long rows are left. Every length is read on the device, so the launch is the same at every
+step and a CUDA graph can replay it.
+
+`reference_decode_attention` is the same function in plain PyTorch (SDPA with a mask): CPU, and the
+check the kernel is tested against.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:  # the CPU wheel of torch comes without Triton; the engine then uses the reference
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def reference_decode_attention(q, k_cache, v_cache, prefix_slot, prefix_len, own_len, prefix_region: int,
+                               scale: float):
+    """q [B, nh, hd]; caches [slots, S, nkv, hd]; prefix_slot/prefix_len/own_len [B] (long) -> [B, nh, hd]."""
+    b, nh, hd = q.shape
+    s_len, nkv = k_cache.shape[1], k_cache.shape[2]
+    j = torch.arange(s_len, device=q.device)
+    in_prefix = (j < prefix_region)[None, :, None, None]
+    k = torch.where(in_prefix, k_cache.index_select(0, prefix_slot), k_cache[:b])
+    v = torch.where(in_prefix, v_cache.index_select(0, prefix_slot), v_cache[:b])
+    mask = (j[None, :] < prefix_len[:, None]) | ((j[None, :] >= prefix_region)
+                                                 & (j[None, :] - prefix_region < own_len[:, None]))
+    rep = nh // nkv
+    k = k.transpose(1, 2).repeat_interleave(rep, 1)
+    v = v.transpose(1, 2).repeat_interleave(rep, 1)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return out[:, :, 0]
+
+
+def split_tokens_for(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
+    """Tokens per split: the largest power of two (128 to 4096) that still gives about four programs per
+    SM for `rows` active rows of up to `max_len` tokens. Many rows: one split per row; a few long rows:
+    many short splits."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    want = 4 * sms
+    tokens = 4096
+    while tokens > 128 and rows * kv_heads * -(-max_len // tokens) < want:
+        tokens //= 2
+    return tokens
+
+
+if triton is not None:
+    @triton.jit
+    def _split_kernel(Q, K, V, PSLOT, PLEN, OLEN, OPART, LSE,
+                      stride_qb, stride_qh, stride_ks, stride_kt, stride_kh,
+                      stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                      prefix_region, scale_log2, split_tokens,
+                      REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.program_id(2)
+        plen = tl.load(PLEN + b).to(tl.int32)
+        olen = tl.load(OLEN + b).to(tl.int32)
+        pslot = tl.load(PSLOT + b).to(tl.int64)
+        total = plen + olen
+        lo = sp * split_tokens
+        hi = tl.minimum(lo + split_tokens, total)  # splits past the row's length do nothing
+
+        rows = tl.arange(0, REP_PAD)
+        d = tl.arange(0, HD)
+        qh = h * REP + rows
+        q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=rows[:, None] < REP, other=0.0)
+        m = tl.full([REP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([REP_PAD], tl.float32)
+        acc = tl.zeros([REP_PAD, HD], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            valid = n < hi
+            in_prefix = n < plen
+            slot = tl.where(in_prefix, pslot, b.to(tl.int64))
+            t = tl.where(in_prefix, n, n - plen + prefix_region)
+            off = slot * stride_ks + t.to(tl.int64) * stride_kt + h * stride_kh
+            k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / l[:, None]
+        lse = m + tl.log2(l)
+        keep = (rows < REP) & ((rows * 0 + lo) < total)
+        tl.store(OPART + b * stride_ob + qh[:, None] * stride_oh + sp * stride_os + d[None, :], out,
+                 mask=keep[:, None])
+        tl.store(LSE + b * stride_lb + qh * stride_lh + sp, lse, mask=keep)
+
+    @triton.jit
+    def _merge_kernel(OPART, LSE, OUT, PLEN, OLEN, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b,
+                      stride_h, split_tokens, SPLITS_PAD: tl.constexpr, HD: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        total = tl.load(PLEN + b).to(tl.int32) + tl.load(OLEN + b).to(tl.int32)
+        s = tl.arange(0, SPLITS_PAD)
+        used = s < tl.cdiv(total, split_tokens)  # the splits that held part of the row
+        d = tl.arange(0, HD)
+        lse = tl.load(LSE + b * stride_lb + h * stride_lh + s, mask=used, other=float("-inf"))
+        w = tl.exp2(lse - tl.max(lse, 0))
+        o = tl.load(OPART + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :], mask=used[:, None],
+                    other=0.0)
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(OUT + b * stride_b + h * stride_h + d, out.to(OUT.dtype.element_ty))
+
+
+def decode_attention(q, k_cache, v_cache, prefix_slot, prefix_len, own_len, prefix_region: int, scale: float,
+                     split_tokens: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
+    """The kernel version of :func:`reference_decode_attention` (same arguments and result). `split_tokens`
+    (a multiple of `block_n`): how many positions one program streams; None: `split_tokens_for` the
+    whole batch at the slot length."""
+    b, nh, hd = q.shape
+    slot_len, nkv = k_cache.shape[1], k_cache.shape[2]
+    rep = nh // nkv
+    if split_tokens is None:
+        split_tokens = split_tokens_for(b, nkv, slot_len, q.device)
+    assert split_tokens % block_n == 0
+    splits = -(-slot_len // split_tokens)  # a row holds at most slot_len positions
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    o_part = torch.empty(b, nh, splits, hd, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, nh, splits, dtype=torch.float32, device=q.device)
+    _split_kernel[(b, nkv, splits)](
+        q, k_cache, v_cache, prefix_slot, prefix_len, own_len, o_part, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        int(prefix_region), float(scale) * 1.4426950408889634, int(split_tokens),
+        REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_N=block_n,
+        num_warps=num_warps, num_stages=num_stages)
+    out = torch.empty(b, nh, hd, dtype=q.dtype, device=q.device)
+    _merge_kernel[(b, nh)](o_part, lse, out, prefix_len, own_len, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                           lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), int(split_tokens),
+                           SPLITS_PAD=triton.next_power_of_2(splits), HD=hd, num_warps=1)
+    return out
+
+
+__all__ = ["decode_attention", "reference_decode_attention", "split_tokens_for", "triton_available"]
