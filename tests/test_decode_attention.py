@@ -33,6 +33,9 @@ def _check() -> None:
             out = decode_attention(q, k, v, pslot, plen, own, region, hd ** -0.5, split_tokens=split_tokens, block_n=16)
             err = (out.float() - ref).abs().max().item()
             assert out.dtype == dtype and err < tol, (dtype, split_tokens, err)
+        # the merge in blocks of 2 splits (three rounds for the longest row)
+        out = decode_attention(q, k, v, pslot, plen, own, region, hd ** -0.5, split_tokens=16, block_n=16, merge_block=2)
+        assert (out.float() - ref).abs().max().item() < tol
         # the region past own_len and the prefix past prefix_len are never read
         k2, v2 = k.clone(), v.clone()
         for b in range(5):

@@ -55,13 +55,13 @@ def reference_decode_attention(q, k_cache, v_cache, prefix_slot, prefix_len, own
 
 
 def split_tokens_for(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Tokens per split: the largest power of two (128 to 4096) that still gives about four programs per
+    """Tokens per split: the largest power of two (256 to 4096) that still gives about four programs per
     SM for `rows` active rows of up to `max_len` tokens. Many rows: one split per row; a few long rows:
     many short splits."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     want = 4 * sms
     tokens = 4096
-    while tokens > 128 and rows * kv_heads * -(-max_len // tokens) < want:
+    while tokens > 256 and rows * kv_heads * -(-max_len // tokens) < want:
         tokens //= 2
     return tokens
 
@@ -116,26 +116,37 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(OPART, LSE, OUT, PLEN, OLEN, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b,
-                      stride_h, split_tokens, SPLITS_PAD: tl.constexpr, HD: tl.constexpr):
+                      stride_h, split_tokens, SPLIT_BLOCK: tl.constexpr, HD: tl.constexpr):
+        # in blocks of splits: a few long rows can have ~70 of them, too many to hold at once
         b = tl.program_id(0)
         h = tl.program_id(1)
         total = tl.load(PLEN + b).to(tl.int32) + tl.load(OLEN + b).to(tl.int32)
-        s = tl.arange(0, SPLITS_PAD)
-        used = s < tl.cdiv(total, split_tokens)  # the splits that held part of the row
+        n = tl.cdiv(total, split_tokens)  # the splits that held part of the row
+        sb = tl.arange(0, SPLIT_BLOCK)
         d = tl.arange(0, HD)
-        lse = tl.load(LSE + b * stride_lb + h * stride_lh + s, mask=used, other=float("-inf"))
-        w = tl.exp2(lse - tl.max(lse, 0))
-        o = tl.load(OPART + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :], mask=used[:, None],
-                    other=0.0)
-        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-        tl.store(OUT + b * stride_b + h * stride_h + d, out.to(OUT.dtype.element_ty))
+        lse_row = LSE + b * stride_lb + h * stride_lh
+        m = tl.full([SPLIT_BLOCK], float("-inf"), tl.float32)
+        for s0 in range(0, n, SPLIT_BLOCK):
+            m = tl.maximum(m, tl.load(lse_row + s0 + sb, mask=s0 + sb < n, other=float("-inf")))
+        top = tl.max(m, 0)
+        acc = tl.zeros([HD], tl.float32)
+        wsum = tl.zeros([SPLIT_BLOCK], tl.float32)
+        for s0 in range(0, n, SPLIT_BLOCK):
+            used = s0 + sb < n
+            w = tl.exp2(tl.load(lse_row + s0 + sb, mask=used, other=float("-inf")) - top)
+            o = tl.load(OPART + b * stride_ob + h * stride_oh + (s0 + sb)[:, None] * stride_os + d[None, :],
+                        mask=used[:, None], other=0.0)
+            acc += tl.sum(o * w[:, None], 0)
+            wsum += w
+        tl.store(OUT + b * stride_b + h * stride_h + d, (acc / tl.sum(wsum, 0)).to(OUT.dtype.element_ty))
 
 
 def decode_attention(q, k_cache, v_cache, prefix_slot, prefix_len, own_len, prefix_region: int, scale: float,
-                     split_tokens: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
+                     split_tokens: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                     merge_block: int = 16):
     """The kernel version of :func:`reference_decode_attention` (same arguments and result). `split_tokens`
     (a multiple of `block_n`): how many positions one program streams; None: `split_tokens_for` the
-    whole batch at the slot length."""
+    whole batch at the slot length. `merge_block`: splits merged per step of the merge kernel's loop."""
     b, nh, hd = q.shape
     slot_len, nkv = k_cache.shape[1], k_cache.shape[2]
     rep = nh // nkv
@@ -156,7 +167,7 @@ def decode_attention(q, k_cache, v_cache, prefix_slot, prefix_len, own_len, pref
     out = torch.empty(b, nh, hd, dtype=q.dtype, device=q.device)
     _merge_kernel[(b, nh)](o_part, lse, out, prefix_len, own_len, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), int(split_tokens),
-                           SPLITS_PAD=triton.next_power_of_2(splits), HD=hd, num_warps=1)
+                           SPLIT_BLOCK=min(merge_block, triton.next_power_of_2(splits)), HD=hd, num_warps=4)
     return out
 
 

@@ -336,6 +336,7 @@ class StaticDecoder:
         self.plen = torch.zeros(n, dtype=torch.long, device=dev)      # prompt length of the row
         self.pslot = torch.zeros(n, dtype=torch.long, device=dev)     # the slot holding the row's prompt
         self.spos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.live = torch.zeros(n, dtype=torch.long, device=dev)      # 1 while the row decodes, 0 idle
         self.key_hash = torch.zeros(n, dtype=torch.long, device=dev)
         self.out_tok = torch.zeros(n, ch, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros(n, ch, dtype=torch.float32, device=dev)
@@ -400,8 +401,11 @@ class StaticDecoder:
         self.out_tok[:b].index_copy_(1, self.chunk_i, t[:, None])
         self.out_lp[:b].index_copy_(1, self.chunk_i, lp.to(torch.float32)[:, None])
         tok.copy_(t)
-        pos.add_(1)
-        self.spos[:b].add_(1)
+        # an idle row stays at one token of its own (its length would otherwise grow with every step
+        # the bucket runs, and so would the attention work for it)
+        live = self.live[:b]
+        pos.add_(live)
+        self.spos[:b].add_(live)
         self.chunk_i.add_(1)
 
     def _buckets(self) -> list[int]:
@@ -484,6 +488,8 @@ class StaticDecoder:
         max_new = int(sampling.max_new_tokens)
         t_start = time.perf_counter()
         self._ensure_cache(max(len(p) for p in prompts), max_new, n)
+        for buf in (self.pos, self.plen, self.live):  # every row idle (an earlier call may have stopped midway)
+            buf.zero_()
         slots = self.slots
         dev = self.device
         step_fn, skey, prefill_fn = self._sampler(sampling)
@@ -518,6 +524,13 @@ class StaticDecoder:
         def release_row(s: int) -> None:
             slot_req[s] = -1
             prefix_refs[row_prefix[s]] -= 1
+
+        def make_idle(rows: list[int]) -> None:
+            """Rows that finished attend to one token of their own until refilled, not to their old length."""
+            if rows:
+                idx = torch.tensor(rows, dtype=torch.long, device=dev)
+                for buf in (self.pos, self.plen, self.live):
+                    buf.index_fill_(0, idx, 0)
 
         def free_prefix_slot() -> int:
             # exists: the prefix slots in use are at most the active rows, fewer than the slots
@@ -570,10 +583,14 @@ class StaticDecoder:
                 self.pslot.index_copy_(0, s_idx, j_idx)
                 self.spos.index_copy_(0, s_idx, torch.ones_like(s_idx))
                 self.key_hash.index_copy_(0, s_idx, kh)
+                self.live.index_fill_(0, s_idx, 1)
+                first_done = []
                 for (s, r, j), ti, li in zip(assign, t.tolist(), lp.float().tolist()):
                     slot_req[s], row_prefix[s] = r, j
                     if take(r, [ti], [li]):
                         release_row(s)
+                        first_done.append(s)
+                make_idle(first_done)
                 stats["prefill_s"] += time.perf_counter() - t0
                 continue  # slots may have freed at once (stop on the first token): refill again
             active = [s for s in range(slots) if slot_req[s] >= 0]
@@ -604,10 +621,7 @@ class StaticDecoder:
                 if take(slot_req[s], toks[s], lps[s]):
                     release_row(s)
                     done.append(s)
-            if done:  # an idle row attends to one token of its own until it is refilled, not to its old length
-                idx = torch.tensor(done, dtype=torch.long, device=dev)
-                self.pos.index_fill_(0, idx, 0)
-                self.plen.index_fill_(0, idx, 0)
+            make_idle(done)
         stats["total_s"] = time.perf_counter() - t_start
         stats["new_tokens"] = sum(len(x) for x in out_ids)
         stats["graphs"] = len(self.graphs)
