@@ -172,12 +172,16 @@ def cuda_to_cpu() -> contextlib.AbstractContextManager:
 def build_transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                              init_weights: bool = True, **overrides):
     """megatron ``TransformerConfig`` for an HF config: the family's architecture fields plus the
-    settings RL post-training wants (no dropout, no fusions that need TE/apex)."""
+    settings RL post-training wants (no dropout, none of the fusions that need TE/apex). On CUDA the
+    pure-PyTorch fusions of :mod:`runtime.megatron_fusions` (RoPE, SwiGLU, bias-dropout-add) are on
+    unless $GRPOFLOW_TRAINER_FUSIONS says otherwise; on CPU all are off."""
     from megatron.core.transformer import TransformerConfig
 
+    from . import megatron_fusions
     from .models import get_adapter
 
     kwargs = get_adapter(hf_config).transformer_config_kwargs(hf_config)
+    device = _resolve_device(device)
     kwargs.update(
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -185,15 +189,14 @@ def build_transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, d
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=_resolve_device(device) == "cpu",
+        use_cpu_initialization=device == "cpu",
         perform_initialization=init_weights,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    # apply_rope_fusion, bias_activation_fusion, bias_dropout_fusion: False on CPU
+    kwargs.update(megatron_fusions.config_kwargs(device, {**kwargs, **overrides}))
     if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__:
         # 0.16's default "full" warns as deprecated on every build; [] means the same thing.
         kwargs["cuda_graph_scope"] = []
@@ -289,10 +292,19 @@ class SdpaCoreAttention(MegatronModule):
     For the causal mask type (every self-attention layer we build) the causal structure is
     applied by the kernel and the passed mask is not read: the trainer's mask is exactly the
     causal one, and right padding never reaches a real token under it. Other mask types use the
-    mask (True = masked out, megatron's convention)."""
+    mask (True = masked out, megatron's convention).
+
+    Grouped-query attention: K/V keep their own (fewer) heads and SDPA broadcasts them
+    (``enable_gqa=True``, cuDNN and flash take it natively) unless the ``gqa`` fusion is off
+    ($GRPOFLOW_TRAINER_FUSIONS, see :mod:`runtime.megatron_fusions`) or torch < 2.5; then they are
+    ``repeat_interleave``-d to every query head first. No copies otherwise: q/k/v go in as permuted
+    views of megatron's [s, b, h, d], and the output comes back as a view when the kernel wrote it
+    in that layout (cuDNN allocates it like the query)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, **_ignored):
+        from . import megatron_fusions
+
         super().__init__(config=config)
         tp = pg_collection.tp.size() if pg_collection is not None else mpu.get_tensor_model_parallel_world_size()
         self.heads = config.num_attention_heads // tp
@@ -301,21 +313,28 @@ class SdpaCoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        # this module is only built on CUDA (_with_flash_core_attention)
+        self.native_gqa = "gqa" in megatron_fusions.active("cuda") and megatron_fusions.sdpa_supports_gqa()
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         assert packed_seq_params is None and attention_bias is None
         sq, b = query.shape[0], query.shape[1]
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d] views
+        gqa = {}
         if self.heads != k.shape[1]:
-            rep = self.heads // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            if self.native_gqa:
+                gqa = {"enable_gqa": True}
+            else:
+                rep = self.heads // k.shape[1]
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type == AttnMaskType.causal
         mask = None if causal or attention_mask is None else ~attention_mask
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
-            dropout_p=self.dropout if self.training else 0.0)
+            dropout_p=self.dropout if self.training else 0.0, **gqa)
+        # [b, h, s, d] -> [s, b, h*d]: a view when `out` is laid out as [s, b, h, d], else one copy
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
 
 

@@ -1,0 +1,273 @@
+"""The CUDA trainer's pure-PyTorch fusions (runtime/megatron_fusions.py), checked on CPU without compiling:
+
+* our fused-RoPE function, eager, against megatron's unfused ``_apply_rotary_pos_emb_bshd``: the same
+  values and gradients (rotate-half and interleaved, whole and partial rotary dims, fp32 and bf16);
+* megatron's own routing (``apply_rotary_pos_emb`` with ``apply_rope_fusion``) reaches it;
+* a whole tiny GPT with RoPE, SwiGLU and bias-dropout-add fusions on (torch.compile forced eager)
+  gives the logits and gradients of the unfused model;
+* SdpaCoreAttention with native GQA (``enable_gqa``) against the ``repeat_interleave`` path;
+* the switches: nothing on CPU, ``GRPOFLOW_TRAINER_FUSIONS`` on CUDA.
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from runtime import megatron_fusions as mf
+
+
+def _freqs(s: int, rot_dim: int, interleaved: bool, base: float = 10000.0) -> torch.Tensor:
+    """What megatron's RotaryEmbedding.get_emb returns: [s, 1, 1, rot_dim] fp32 angles."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+    f = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
+    emb = torch.cat((f, f), -1) if not interleaved else torch.stack((f.view(-1, 1), f.view(-1, 1)), -1).view(s, -1)
+    return emb[:, None, None, :]
+
+
+ROPE_CASES = [  # (interleaved, head_dim, rot_dim)
+    (False, 32, 32), (False, 32, 16), (True, 32, 32), (True, 32, 16)]
+
+
+@pytest.mark.parametrize("interleaved,d,rot", ROPE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_megatrons_unfused_values_and_gradients(interleaved, d, rot, dtype):
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    g = torch.Generator().manual_seed(d + rot + int(interleaved))
+    s, b, h = 11, 3, 4
+    t0 = torch.randn(s, b, h, d, generator=g).to(dtype)
+    f0 = _freqs(s, rot, interleaved)
+    grad_out = torch.randn(s, b, h, d, generator=g).to(dtype)
+
+    outs, grads = [], []
+    for fn in (lambda t, f: _apply_rotary_pos_emb_bshd(t, f, rotary_interleaved=interleaved),
+               lambda t, f: mf.fused_apply_rotary_pos_emb(t, f, interleaved=interleaved)):
+        t, f = t0.clone().requires_grad_(True), f0.clone().requires_grad_(True)
+        y = fn(t, f)
+        y.backward(grad_out)
+        outs.append(y.detach())
+        grads.append((t.grad, f.grad))
+    assert outs[1].shape == (s, b, h, d) and outs[1].dtype == dtype
+    # the same ops in the same order: bitwise equal, forward and backward
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[1][1], grads[0][1], rtol=0, atol=0)
+    if rot < d:  # the unrotated part passes through untouched, and so does its gradient
+        assert torch.equal(outs[1][..., rot:], t0[..., rot:])
+        assert torch.equal(grads[1][0][..., rot:], grad_out[..., rot:])
+
+
+def test_megatron_routes_apply_rope_fusion_to_ours(monkeypatch):
+    """megatron's apply_rotary_pos_emb with config.apply_rope_fusion calls the installed global
+    (eager here: CPU tensors are never compiled) and gives what the unfused path gives."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import TransformerConfig
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
+    assert mf.install_rope_fusion() == "grpoflow"
+    calls = []
+    real = rope_utils.fused_apply_rotary_pos_emb
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: calls.append(k) or real(*a, **k))
+    kw = dict(num_layers=1, hidden_size=64, num_attention_heads=4, kv_channels=16)
+    fused = TransformerConfig(apply_rope_fusion=True, **kw)  # validation reads the global: no TE needed now
+    plain = TransformerConfig(apply_rope_fusion=False, **kw)
+    t = torch.randn(7, 2, 4, 16)
+    f = _freqs(7, 16, False)
+    cp = object()  # only the packed (thd) path reads the context-parallel group
+    a = rope_utils.apply_rotary_pos_emb(t, f, config=fused, cp_group=cp)
+    b = rope_utils.apply_rotary_pos_emb(t, f, config=plain, cp_group=cp)
+    assert calls == [{"interleaved": False}]
+    assert torch.equal(a, b)
+
+
+def test_install_keeps_an_existing_te_kernel(monkeypatch):
+    from megatron.core.models.common.embeddings import rope_utils
+
+    def te_kernel(t, freqs, transpose_output_memory=False, interleaved=False):
+        return t
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", te_kernel)
+    assert mf.install_rope_fusion() == "te"
+    assert rope_utils.fused_apply_rotary_pos_emb is te_kernel
+
+
+# ---- the switches ----------------------------------------------------------------------------------------
+
+def _qwen3_config(**kw):
+    from transformers import Qwen3Config
+    args = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256,
+                hidden_act="silu", tie_word_embeddings=False)
+    args.update(kw)
+    return Qwen3Config(**args)
+
+
+def test_switches(monkeypatch):
+    import torch.nn.functional as F
+
+    monkeypatch.delenv(mf.ENV, raising=False)
+    assert mf.active("cpu") == () and mf.active("cuda") == mf.FUSIONS
+    monkeypatch.setenv(mf.ENV, "all")
+    assert mf.active("cpu") == ()  # CPU: never, whatever the variable says
+    monkeypatch.setenv(mf.ENV, "gqa, rope")
+    assert mf.active("cuda") == ("rope", "gqa")
+    monkeypatch.setenv(mf.ENV, "none")
+    assert mf.active("cuda") == ()
+    monkeypatch.setenv(mf.ENV, "rope,flash")
+    with pytest.raises(ValueError, match="flash"):
+        mf.active("cuda")
+
+    monkeypatch.delenv(mf.ENV)
+    arch = dict(gated_linear_unit=True, activation_func=F.silu, rotary_interleaved=False)
+    assert mf.config_kwargs("cpu", arch) == dict(apply_rope_fusion=False, bias_activation_fusion=False,
+                                                 bias_dropout_fusion=False)
+    assert mf.config_kwargs("cuda", arch) == dict(apply_rope_fusion=True, bias_activation_fusion=True,
+                                                  bias_dropout_fusion=True)
+    # GLM4's interleaved RoPE: megatron refuses the fusion without TE >= 2.3, so it stays unfused
+    assert mf.config_kwargs("cuda", {**arch, "rotary_interleaved": True})["apply_rope_fusion"] is False
+    monkeypatch.setenv(mf.ENV, "swiglu")
+    assert mf.config_kwargs("cuda", arch) == dict(apply_rope_fusion=False, bias_activation_fusion=True,
+                                                  bias_dropout_fusion=False)
+
+
+def test_transformer_config_flags_per_device(monkeypatch):
+    """CPU builds keep every fusion off; a CUDA config (built, not run) passes megatron's validation
+    with them on, and each is switched off by the variable."""
+    from runtime.megatron_env import build_transformer_config
+
+    monkeypatch.setenv(mf.ENV, "all")
+    cfg = _qwen3_config()
+    flags = ("apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion")
+    cpu = build_transformer_config(cfg, device="cpu")
+    assert [getattr(cpu, f) for f in flags] == [False, False, False]
+    cuda = build_transformer_config(cfg, device="cuda", dtype=torch.bfloat16)
+    assert [getattr(cuda, f) for f in flags] == [True, True, True]
+    monkeypatch.setenv(mf.ENV, "none")
+    cuda = build_transformer_config(cfg, device="cuda", dtype=torch.bfloat16)
+    assert [getattr(cuda, f) for f in flags] == [False, False, False]
+
+
+# ---- a whole model with the fusions on, compiled code forced eager ---------------------------------------
+
+def test_tiny_gpt_with_fusions_matches_unfused(monkeypatch):
+    """megatron's fused paths as our CUDA config takes them (RoPE via our global, bias_swiglu_impl with
+    no bias, the bias-dropout-add functions), run eagerly on CPU: the unfused model's logits and grads."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from runtime.megatron_env import build_gpt_model, causal_attention_mask
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", rope_utils.fused_apply_rotary_pos_emb)
+    mf.install_rope_fusion()
+    cfg = _qwen3_config()
+    torch.manual_seed(0)
+    plain = build_gpt_model(cfg)
+    fused = build_gpt_model(cfg, init_weights=False, apply_rope_fusion=True, bias_activation_fusion=True,
+                            bias_dropout_fusion=True)
+    fused.load_state_dict(plain.state_dict())
+    assert fused.config.apply_rope_fusion and fused.config.bias_activation_fusion and fused.config.bias_dropout_fusion
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 96, (3, 10), generator=g)
+    pos = torch.arange(10).expand(3, 10)
+    mask = causal_attention_mask(3, 10)
+    outs = []
+    with torch.compiler.set_stance("force_eager"):  # megatron's jit_fuser is torch.compile: not on CPU CI
+        for model in (plain, fused):
+            model.zero_grad(set_to_none=True)
+            logits = model(ids, pos, mask)
+            (logits.float().square().mean()).backward()
+            outs.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-6, atol=1e-6)
+    assert outs[0][1].keys() == outs[1][1].keys()
+    for n in outs[0][1]:
+        torch.testing.assert_close(outs[1][1][n], outs[0][1][n], rtol=1e-5, atol=1e-6, msg=n)
+    assert mf.report(fused)["rope"] == "grpoflow-compiled" and mf.report(plain)["rope"] is False
+
+
+# ---- SDPA core attention: native GQA vs repeat_interleave --------------------------------------------------
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sdpa_native_gqa_equals_repeat_interleave(causal):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from runtime.megatron_env import SdpaCoreAttention, causal_attention_mask
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2,
+                               kv_channels=16, attention_dropout=0.0, hidden_dropout=0.0)
+    pg = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1))
+    mask_type = AttnMaskType.causal if causal else AttnMaskType.padding
+    attn = SdpaCoreAttention(config, 1, mask_type, "self", pg_collection=pg)
+    g = torch.Generator().manual_seed(2)
+    s, b = 9, 3
+    # q/k/v as megatron hands them over: [s, b, heads, d], k/v with the query-group count of heads
+    q0, k0, v0 = (torch.randn(s, b, n, 16, generator=g) for n in (8, 2, 2))
+    mask = causal_attention_mask(b, s)
+    if not causal:  # a padding mask: the last two keys of sample 0 masked out for every query
+        mask = torch.zeros(b, 1, s, s, dtype=torch.bool)
+        mask[0, :, :, -2:] = True
+    grad_out = torch.randn(s, b, 8 * 16, generator=g)
+    results = []
+    for native in (False, True):
+        attn.native_gqa = native
+        q, k, v = (x.clone().requires_grad_(True) for x in (q0, k0, v0))
+        out = attn(q, k, v, mask)
+        out.backward(grad_out)
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    assert results[0][0].shape == (s, b, 8 * 16)
+    for a, b_ in zip(results[0], results[1]):
+        torch.testing.assert_close(b_, a, rtol=1e-5, atol=1e-6)
+    # and both are attention: a direct softmax reference for the forward
+    kr, vr = (x.repeat_interleave(4, dim=2) for x in (k0, v0))
+    scores = torch.einsum("sbhd,tbhd->bhst", q0, kr) / 4.0
+    scores = scores.masked_fill(mask, float("-inf"))
+    ref = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), vr).reshape(s, b, -1)
+    torch.testing.assert_close(results[1][0], ref, rtol=1e-5, atol=1e-5)
+
+
+# ---- on a GPU only (skipped on CPU CI): the compiled RoPE and the SDPA backends' GQA ----------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+def test_compiled_rope_on_cuda_matches_megatron():
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    for grad in (False, True):
+        for s, b, h in ((64, 4, 16), (64, 4, 8), (96, 1, 8)):
+            t = torch.randn(s, b, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+            f = _freqs(s, 128, False).cuda()
+            with torch.set_grad_enabled(grad):
+                y = mf.fused_apply_rotary_pos_emb(t, f, interleaved=False)
+                ref = _apply_rotary_pos_emb_bshd(t, f)
+            # compiled code may skip eager's intermediate bf16 roundings: one bf16 ulp at |x| < 8
+            torch.testing.assert_close(y, ref, rtol=0, atol=0.0625)
+            if grad:
+                g = torch.randn_like(y)
+                (a,) = torch.autograd.grad(y, t, g)
+                (r,) = torch.autograd.grad(ref, t, g)
+                torch.testing.assert_close(a, r, rtol=0, atol=0.125)
+    assert mf._ROPE["error"] is None, mf._ROPE["error"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["CUDNN_ATTENTION", "FLASH_ATTENTION"])
+def test_sdpa_backends_take_native_gqa_on_megatron_layout(backend):
+    """cuDNN (what H100 picks) and flash accept enable_gqa on permuted [s, b, h, d] views (no
+    'No available kernel' error) and match the repeat_interleave path; cuDNN returns the output in
+    the [s, b, h, d] layout, so SdpaCoreAttention's final reshape is a view."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    F = torch.nn.functional
+    s, b, h, g, d = 256, 4, 16, 8, 128
+    q, k, v = (torch.randn(s, b, n, d, device="cuda", dtype=torch.bfloat16) for n in (h, g, g))
+    q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        ref = F.scaled_dot_product_attention(q, k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1),
+                                             is_causal=True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=2e-2)
+    if backend == "CUDNN_ATTENTION":  # cuDNN allocates the output in the query's layout (MHA.cpp)
+        assert out.permute(2, 0, 1, 3).is_contiguous()
