@@ -282,3 +282,30 @@ def test_fill_batch_keeps_first_passing_groups_in_order():
     assert fill_batch(ids, rewards, needed=0) == ([], 0)
     with pytest.raises(ValueError, match="5 group ids but 4"):
         fill_batch(ids, rewards[:4], needed=2)
+
+
+# ---------------------------------------------------------------- micro-batches by length
+
+
+def test_step_slices_group_samples_of_like_length():
+    import random
+
+    from runtime.trainer.batch import step_slices
+
+    rng = random.Random(0)
+    lengths = [rng.choice([40, 300, 2000, 8000]) + rng.randrange(20) for _ in range(64)]
+
+    def padding(slices):  # pad tokens: micro-batch rows x its longest sample, minus the real tokens
+        return sum(len(mb) * max(lengths[i] for i in mb) - sum(lengths[i] for i in mb) for step in slices for mb in step)
+
+    for dp_rank in (0, 1):
+        plain = step_slices(64, 2, 2, dp_rank, 4)
+        by_len = step_slices(64, 2, 2, dp_rank, 4, lengths=lengths)
+        for p, s in zip(plain, by_len):
+            # the same samples per step and rank, cut into micro-batches of the same size
+            assert sorted(i for mb in p for i in mb) == sorted(i for mb in s for i in mb)
+            assert [len(mb) for mb in p] == [len(mb) for mb in s]
+            flat = [i for mb in s for i in mb]
+            assert [lengths[i] for i in flat] == sorted((lengths[i] for i in flat), reverse=True)
+        assert padding(by_len) < 0.5 * padding(plain)
+    assert step_slices(8, 1, 1, 0, 4) == [[[0, 1, 2, 3], [4, 5, 6, 7]]]

@@ -67,13 +67,24 @@ def pack(batch: TrainBatch, idx: list[int], device: str | torch.device = "cpu", 
     return PackedMicroBatch(to(ids), to(pos), to(ids[:, 1:].contiguous()), to(mask), to(adv), to(rlp), to(olp), list(idx))
 
 
-def step_slices(n_samples: int, steps: int, dp_size: int, dp_rank: int, micro_batch_size: int) -> list[list[list[int]]]:
-    """For each optimizer step, this DP rank's micro-batches as lists of sample indices."""
+def step_slices(n_samples: int, steps: int, dp_size: int, dp_rank: int, micro_batch_size: int,
+                lengths: list[int] | None = None) -> list[list[list[int]]]:
+    """For each optimizer step, this DP rank's micro-batches as lists of sample indices.
+
+    With `lengths` (tokens per sample) a rank's samples of a step are ordered longest first before
+    they are cut, so a micro-batch holds samples of similar length and pads little (the loss is
+    normalised per step, so the order does not change the update), and the largest micro-batch
+    runs first: if it does not fit, that shows at once."""
     per_step = n_samples // steps
     per_rank = per_step // dp_size
     out = []
     for s in range(steps):
         start = s * per_step + dp_rank * per_rank
-        rank_idx = list(range(start, start + per_rank))
+        rank_idx = by_length(list(range(start, start + per_rank)), lengths)
         out.append([rank_idx[i: i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)])
     return out
+
+
+def by_length(idx: list[int], lengths: list[int] | None) -> list[int]:
+    """`idx` longest first (ties in index order); unchanged without lengths."""
+    return idx if lengths is None else sorted(idx, key=lambda i: (-lengths[i], i))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..algo import grpo_loss
-from .batch import TrainBatch, pack, step_slices
+from .batch import TrainBatch, by_length, pack, step_slices
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -172,9 +172,10 @@ class MegatronTrainer:
         model = self.model if which == "policy" else self.ref_model
         model.eval()
         mbs = int(self.train_cfg["micro_batch_size"])
-        out: list[list[float]] = []
+        order = by_length(list(range(len(batch))), [len(t) for t in batch.tokens])  # micro-batches of like lengths
+        out: list[list[float]] = [[] for _ in range(len(batch))]
         for s in range(0, len(batch), mbs):
-            mb = pack(batch, list(range(s, min(s + mbs, len(batch)))), self.device)
+            mb = pack(batch, order[s: s + mbs], self.device)
             select = None
             if self._chunked_logprobs_enabled():  # every response position, whatever its loss mask
                 select = torch.zeros(mb.targets.shape, dtype=torch.bool)
@@ -182,7 +183,8 @@ class MegatronTrainer:
                     p = batch.prompt_lens[i]
                     select[row, p - 1: len(batch.tokens[i]) - 1] = True
             logp, _ = self._token_logprobs(model, mb, select=select)
-            out.extend(self._unpack(logp, mb, batch))
+            for i, values in zip(mb.seq_ids, self._unpack(logp, mb, batch)):
+                out[i] = values
         return out
 
     # -- update --------------------------------------------------------------------------------
@@ -201,7 +203,8 @@ class MegatronTrainer:
             batch.old_logprobs = self.compute_logprobs(batch)
         ref_logprobs = self.compute_logprobs(batch, "ref") if self.ref_model is not None else None
         self.model.train()
-        slices = step_slices(len(batch), steps, self.dp_size, self.dp_rank, int(self.train_cfg["micro_batch_size"]))
+        slices = step_slices(len(batch), steps, self.dp_size, self.dp_rank, int(self.train_cfg["micro_batch_size"]),
+                             lengths=[len(t) for t in batch.tokens])
         per_step = len(batch) // steps
         sums: dict[str, float] = {}
         grad_norms, tokens = [], 0
