@@ -234,7 +234,8 @@ class StaticDecoder:
         self.sync_every = int(sync_every)
         self.prefill_tokens = int(prefill_tokens)
         self.use_flash = cuda and self.dtype in (torch.bfloat16, torch.float16)  # prefill
-        self.use_triton = self.use_flash and triton_available()  # decode
+        # decode; the kernel tiles the head dimension whole (a power of two, >= 16 for tensor-core dots)
+        self.use_triton = self.use_flash and triton_available() and self.hd >= 16 and self.hd & (self.hd - 1) == 0
         self.split_tokens: int | None = None  # decode kernel's tokens per split; None: chosen per chunk
         self._chunk_split_tokens = 4096
         self.use_graphs = cuda if cuda_graphs is None else bool(cuda_graphs and cuda)
