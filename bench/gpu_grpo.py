@@ -856,6 +856,38 @@ def print_table(summary: dict) -> None:
         print(f"{k.ljust(width)}  {v}")
 
 
+def run_sections_in_processes(script: Path, sections: list[str], W: Path, out: Path, deadline: float,
+                              max_s: dict, min_s: dict | None = None, extra_args: tuple = ()) -> None:
+    """Each section as `script --section NAME` in its own process under what is left of `deadline` (a
+    crash or a hang costs only that section); a section that wrote no result is recorded as FAILED, one
+    with too little time left as SKIPPED. Output goes to out/log.txt."""
+    t_start = time.time()
+    for name in sections:
+        left = deadline - (time.time() - t_start)
+        limit = int(min(max_s.get(name, 120), left))
+        if limit < max(20, (min_s or {}).get(name, 0)):
+            rec = {"name": name, "status": "SKIPPED", "error": "no time left in this run"}
+            with open(out / "results.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            continue
+        print(f"=== {name} (limit {limit}s) at {time.time() - t_start:.0f}s", flush=True)
+        cmd = [sys.executable, str(Path(script).resolve()), "--section", name, "--work", str(W), "--out", str(out),
+               *extra_args]
+        with open(out / "log.txt", "a") as log:
+            log.write(f"\n===== {name} =====\n")
+            log.flush()
+            try:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=limit,
+                                    start_new_session=True).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        if name not in read_results(out):
+            rec = {"name": name, "status": "FAILED", "error": f"section process ended with {rc} (see log.txt)"}
+            with open(out / "results.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        print(f"=== {name} rc={rc} at {time.time() - t_start:.0f}s", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (CI smoke)")
@@ -890,29 +922,7 @@ def main(argv=None) -> int:
         for name in sections:
             run_section(name, S, W, out)
     else:
-        for name in sections:
-            left = a.deadline - (time.time() - t_start)
-            limit = int(min(SECTION_MAX_S[name], left))
-            if limit < max(20, SECTION_MIN_S.get(name, 0)):
-                rec = {"name": name, "status": "SKIPPED", "error": "no time left in this run"}
-                with open(out / "results.jsonl", "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                continue
-            print(f"=== {name} (limit {limit}s) at {time.time() - t_start:.0f}s", flush=True)
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--work", str(W), "--out", str(out)]
-            with open(out / "log.txt", "a") as log:
-                log.write(f"\n===== {name} =====\n")
-                log.flush()
-                try:
-                    p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=limit)
-                    rc = p.returncode
-                except subprocess.TimeoutExpired:
-                    rc = "timeout"
-            if name not in read_results(out):
-                rec = {"name": name, "status": "FAILED", "error": f"section process ended with {rc} (see log.txt)"}
-                with open(out / "results.jsonl", "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-            print(f"=== {name} rc={rc} at {time.time() - t_start:.0f}s", flush=True)
+        run_sections_in_processes(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S, SECTION_MIN_S)
     summary = summarize(S, read_results(out), env_info(S))
     summary["total_s"] = round(time.time() - t_start, 1)
     (out / "gpu_grpo.json").write_text(json.dumps(summary, indent=1, default=str))

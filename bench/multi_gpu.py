@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -280,29 +279,8 @@ def main(argv=None) -> int:
     sections = [x for x in (a.sections.split(",") if a.sections else SECTIONS) if x]
     t_start = time.time()
     (out / "results.jsonl").unlink(missing_ok=True)
-    for name in sections:
-        left = a.deadline - (time.time() - t_start)
-        limit = int(min(SECTION_MAX_S.get(name, 120), left))
-        if limit < 20:
-            run_rec = {"name": name, "status": "SKIPPED", "error": "no time left in this run"}
-            with open(out / "results.jsonl", "a") as f:
-                f.write(json.dumps(run_rec) + "\n")
-            continue
-        print(f"=== {name} (limit {limit}s) at {time.time() - t_start:.0f}s", flush=True)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--work", str(W), "--out", str(out)]
-        if a.cpu:
-            cmd.append("--cpu")
-        with open(out / "log.txt", "a") as log:
-            log.write(f"\n===== {name} =====\n")
-            log.flush()
-            try:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=limit, start_new_session=True).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        if name not in g.read_results(out):
-            with open(out / "results.jsonl", "a") as f:
-                f.write(json.dumps({"name": name, "status": "FAILED", "error": f"section process ended with {rc}"}) + "\n")
-        print(f"=== {name} rc={rc} at {time.time() - t_start:.0f}s", flush=True)
+    g.run_sections_in_processes(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S,
+                                extra_args=("--cpu",) if a.cpu else ())
     res = g.read_results(out)
     info = g.env_info(S)
     if S["device"] == "cuda":
