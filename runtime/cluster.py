@@ -236,7 +236,8 @@ class Cluster:
 
 
 class _EngineHost:
-    """A Ray actor holding one rollout engine; forwards the engine interface."""
+    """A Ray actor holding one rollout engine; forwards the engine interface (`_ENGINE_METHODS`).
+    Ray calls only methods defined on the class, hence one forwarder per name rather than __getattr__."""
 
     def __init__(self, num_threads: int | None = None, **kwargs):
         import torch
@@ -245,38 +246,23 @@ class _EngineHost:
         from .rollout.factory import make_engine
         self.engine = make_engine(**kwargs)
 
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def generate(self, *a, **k):
-        return self.engine.generate(*a, **k)
-
-    def update_weights(self, *a, **k):
-        return self.engine.update_weights(*a, **k)
-
-    def health(self):
-        return self.engine.health()
-
     def pid(self):
         return os.getpid()
 
-    def logprobs_of(self, *a, **k):
-        return self.engine.logprobs_of(*a, **k)
 
-    def release_memory(self):
-        return self.engine.release_memory()
+_ENGINE_METHODS = ("generate", "update_weights", "health", "logprobs_of", "release_memory", "weight_sync_ranks",
+                   "init_weight_sync", "receive_weights", "weight_sync_ready")
 
-    def weight_sync_ranks(self):
-        return self.engine.weight_sync_ranks()
 
-    def init_weight_sync(self, *a, **k):
-        return self.engine.init_weight_sync(*a, **k)
+def _forwarder(name: str):
+    def forward(self, *a, **k):
+        return getattr(self.engine, name)(*a, **k)
+    forward.__name__ = name
+    return forward
 
-    def receive_weights(self, *a, **k):
-        return self.engine.receive_weights(*a, **k)
 
-    def weight_sync_ready(self):
-        return self.engine.weight_sync_ready()
+for _name in _ENGINE_METHODS:
+    setattr(_EngineHost, _name, _forwarder(_name))
 
 
 def _node_ip() -> str:
