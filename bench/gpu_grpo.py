@@ -12,7 +12,7 @@ Sections (each its own process on GPU, so a crash or a hang costs only itself):
            (tokens, log-probs), CUDA-graph replay vs eager, compiled vs eager keyed sampler
   trainer  (b) trainer tok/s and MFU for 128 x 768 tokens (bf16, fp32 master weights, flash attention,
            chunked output layer); engine vs trainer log-probs on the same samples
-  stage    (c) the real train stage (runtime.grpo.TrainSession, cluster.backend local): rollouts of
+  stage    (c) the real train stage (runtime.grpo.session.TrainSession, cluster.backend local): rollouts of
            16 x 8 x 512, reward, update, weight sync, checkpoint; rollout/train tok/s, step time, peak memory
   trl      (d) TRL GRPOTrainer, same model and shapes (HF generate, no vLLM)
   long     realistic lengths: up to 8k new tokens, lengths set by stop tokens (a set of token ids
@@ -163,8 +163,8 @@ def sec_setup(S, W: Path) -> dict:
     torch = _torch()
     from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from runtime.convert import hf_to_torch_dist
-    from runtime.data import prepare_dataset
+    from runtime.mcore.convert import hf_to_torch_dist
+    from runtime.inputs.datasets import prepare_dataset
     from runtime.models.tiny import _WORDS, build_tiny_qwen3
 
     t0 = time.time()
@@ -456,7 +456,7 @@ def sec_trainer(S, W: Path) -> dict:
     res["core_attention"] = type(tr.model.decoder.layers[0].self_attention.core_attention).__name__
     res["param_dtypes"] = sorted({str(p.dtype) for p in tr.model.parameters()})
     res["optimizer"] = type(tr.optimizer).__name__
-    from runtime.megatron_fusions import report as fusion_report
+    from runtime.mcore.fusions import report as fusion_report
     # which pure-PyTorch fusions the built model runs (GRPOFLOW_TRAINER_FUSIONS=all|none|rope,swiglu,bda,gqa)
     res["fusions"] = fusion_report(tr.model)
     # -- engine vs trainer log-probs on the same weights and samples (before any update)
@@ -561,8 +561,8 @@ def sec_stage(S, W: Path) -> dict:
     """Issue 3 item 9 / issue 10 (c): the real train stage (TrainSession.run_chunk), backend local."""
     torch = _torch()
     from runtime.config import config_from_dict
-    from runtime.grpo import TrainSession
-    from runtime.rundir import RunDir
+    from runtime.grpo.session import TrainSession
+    from runtime.run.directory import RunDir
 
     res: dict = {"name": "stage"}
     cfg = config_from_dict(stage_config(S, W), "bench")

@@ -1,12 +1,12 @@
 """Peak GPU memory of the shipped Qwen3-0.6B DAPO config, measured term by term against
-``runtime/memory.py``'s estimate (issue 9 item 3: the estimate must land within ±20%).
+``runtime/plan/memory.py``'s estimate (issue 9 item 3: the estimate must land within ±20%).
 
     python bench/memory_check.py                  # CUDA (H100): configs/qwen3-0.6b-dapo.yaml shapes, < 4 min
     python bench/memory_check.py --device cpu     # smoke: tiny model on CPU, same code paths, seconds
     python bench/memory_check.py --full-step      # all 64 micro-batches of the optimizer step (slower)
 
 What runs, in one process, in the order ``cluster.backend: local`` builds a run
-(``runtime.grpo.TrainSession``): a random model of the config's model shape (bench/gpu_grpo.py's
+(``runtime.grpo.session.TrainSession``): a random model of the config's model shape (bench/gpu_grpo.py's
 setup: HF checkpoint, tokenizer, torch_dist conversion, in a child process), then
 
 1. the trainer (``MegatronTrainer`` with the config's train/algorithm sections);
@@ -148,7 +148,7 @@ def load_cfg(path: str, overrides: list[str], device: str):
 
 
 def estimate(cfg, hf_config, gpu_gib: float, device: str, micro_batch: int | None = None) -> dict:
-    from runtime.memory import estimate_for_config
+    from runtime.plan.memory import estimate_for_config
     if micro_batch is not None and micro_batch != cfg.train.micro_batch_size:
         cfg = cfg.model_copy(deep=True)
         cfg.train.micro_batch_size = micro_batch
@@ -238,7 +238,7 @@ def _unique_bytes(tensors) -> int:
 
 def measure(cfg, S, W: Path, args, est: dict, hf_config, log) -> dict:
     torch = _torch()
-    from runtime.memory import first_rollout_rows
+    from runtime.plan.memory import first_rollout_rows
     from runtime.rollout.base import SampleRequest, SamplingParams
     from runtime.rollout.factory import make_engine
     from runtime.trainer.megatron_trainer import MegatronTrainer
@@ -505,7 +505,7 @@ def main(argv=None) -> int:
 
     est = estimate(cfg, hf_config, gpu_gib, args.device)
     log(f"config {args.config} ({cfg.name}), device {device_name}, GPU memory {gpu_gib:.2f} GiB")
-    from runtime.memory import format_estimate
+    from runtime.plan.memory import format_estimate
     for line in format_estimate(est).splitlines():
         log(line)
     report["estimate"] = _est_json(est)
@@ -523,7 +523,7 @@ def main(argv=None) -> int:
             log(report["error"])
             return 1
     report["setup_s"] = round(time.time() - t0, 1)
-    from runtime.memory import param_counts
+    from runtime.plan.memory import param_counts
     from runtime.models import load_hf_config
     saved = load_hf_config(str(W / "hf"))
     assert param_counts(saved) == param_counts(hf_config), "setup wrote another model shape than estimated"
@@ -549,7 +549,7 @@ def main(argv=None) -> int:
         log(f"\nthe config's micro-batch {cfg.train.micro_batch_size} did not fit (the estimate said "
             f"{'it fits' if est['fits'] else 'so'}); at micro-batch {res['train_fit']['micro_batch']}:")
         print_table(report["comparison_fit"], est_fit, log)
-    from runtime.memory import activation_bytes
+    from runtime.plan.memory import activation_bytes
     pts = []
     for p in res["points"]:
         if p.get("skipped"):

@@ -94,10 +94,10 @@ def sec_record(S, W: Path) -> dict:
 def sec_replay(S, W: Path, layout: str) -> dict:
     import torch
 
-    from runtime.cluster import Cluster
+    from runtime.placement.cluster import Cluster
     from runtime.config import config_from_dict
 
-    from runtime.weight_sync import TrainerToEngine
+    from runtime.placement.weight_sync import TrainerToEngine
 
     dp, tp = LAYOUTS[layout]
     gpus = dp * tp if S["device"] == "cuda" else 0
@@ -149,8 +149,8 @@ def sec_replay(S, W: Path, layout: str) -> dict:
 
 def _stage(S, W: Path, name: str, cluster: dict, train: dict | None = None) -> dict:
     from runtime.config import config_from_dict
-    from runtime.grpo import TrainSession
-    from runtime.rundir import RunDir
+    from runtime.grpo.session import TrainSession
+    from runtime.run.directory import RunDir
 
     cfg = config_from_dict(_cfg(S, W, train, **cluster), "bench")
     root = W / f"root_{name}"

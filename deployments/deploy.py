@@ -19,7 +19,7 @@ from typing import Iterator
 
 from runtime.config import load_config
 from runtime.errors import ConfigError, UserError
-from runtime.run_index import check_prefix, safe_prefix
+from runtime.run.scheduled_runs import check_prefix, safe_prefix
 
 FLOW_NAME = "grpo-scheduled"
 DEFAULT_CRON = "0 3 * * *"  # nightly, 03:00 UTC

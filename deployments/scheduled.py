@@ -4,7 +4,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 
 from runtime.config import load_config
-from runtime.run_index import check_prefix, next_run, safe_prefix
+from runtime.run.scheduled_runs import check_prefix, next_run, safe_prefix
 
 
 def _deployment_name() -> str | None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 from prefect import flow
 
 from runtime.config import load_config
-from runtime.lease import RunLease
-from runtime.rundir import RunDir
-from runtime.runs import freeze, frozen_config
+from runtime.run.lease import RunLease
+from runtime.run.directory import RunDir
+from runtime.run.frozen_config import freeze, frozen_config
 from tasks.stages import convert_task, fetch_task, prepare_task
 from tasks.train import train_stage
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import ConfigError
+from runtime.errors import ConfigError
 
 
 class Section(BaseModel):
@@ -133,7 +133,7 @@ class ClusterSection(Section):
     colocate: bool = True  # the engine shares the trainer's GPUs; false: rollout_gpus of its own
     trainer_gpus: int = Field(0, ge=0, description="= data_parallel × tensor_parallel; 0: one device, no GPU accounting")
     rollout_gpus: int = Field(0, ge=0)
-    weight_sync: Literal["auto", "direct", "broadcast"] = "auto"  # see runtime/layout.py:weight_sync_mode
+    weight_sync: Literal["auto", "direct", "broadcast"] = "auto"  # see runtime/placement/layout.py:weight_sync_mode
     num_cpus: int | None = None
     placement_timeout_s: float = Field(60.0, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -6,11 +6,12 @@ import uuid
 
 from prefect import task
 
-from runtime import stages, storage
+from runtime.run import stages
+from runtime import storage
 from runtime.config import GrpoConfig
-from runtime.rundir import RunDir
+from runtime.run.directory import RunDir
 
-from .common import RETRIES, retry_delay_s, retry_on_transient
+from tasks.common import RETRIES, retry_delay_s, retry_on_transient
 
 
 def _stage_key(stage: str, inputs_of):

@@ -6,12 +6,12 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from runtime.config import GrpoConfig
-from runtime.grpo import TrainSession, check_trainable
-from runtime.progress import RolloutTable
-from runtime.rundir import RunDir
-from runtime.stages import inputs_hash
+from runtime.grpo.session import TrainSession, check_trainable
+from runtime.tracking.progress_table import RolloutTable
+from runtime.run.directory import RunDir
+from runtime.run.stages import inputs_hash
 
-from .common import RETRIES, retry_delay_s, retry_on_transient
+from tasks.common import RETRIES, retry_delay_s, retry_on_transient
 
 _retrying = dict(retries=RETRIES, retry_delay_seconds=retry_delay_s(), retry_condition_fn=retry_on_transient,
                  cache_policy=NO_CACHE)
@@ -36,7 +36,7 @@ class LazyTracker:
 
     def get(self):
         if self._tracker is None:
-            from runtime.tracking import Tracker
+            from runtime.tracking.mlflow_tracker import Tracker
             self._tracker = Tracker(self.cfg, self.rd)
         return self._tracker
 
@@ -48,8 +48,8 @@ def log_metrics_task(tracking: LazyTracker, metrics: list[dict], end: int) -> in
 
 @task(name="register", task_run_name="register-{rollout}", **_retrying)
 def register_task(cfg: GrpoConfig, rd: RunDir, tracking: LazyTracker, rollout: int, results: dict) -> dict | None:
-    from runtime.evaluate import numeric_metrics
-    from runtime.registry import export_checkpoint, register_checkpoint
+    from runtime.grpo.evaluation import numeric_metrics
+    from runtime.tracking.model_registry import export_checkpoint, register_checkpoint
     tracker = tracking.get()
     tracker.log_eval(rollout, results)
     if rollout == 0 or not tracker.enabled:

@@ -282,11 +282,11 @@ def update_from_tensor(state: State, body: dict) -> tuple[int, object]:
 
 
 def _weight_sync():
-    """runtime.weight_sync (and torch), imported on first use: the stand-in otherwise runs on the stdlib."""
+    """runtime.placement.weight_sync (and torch), imported on first use: the stand-in otherwise runs on the stdlib."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in sys.path:
         sys.path.insert(0, root)
-    from runtime import weight_sync
+    from runtime.placement import weight_sync
     return weight_sync
 
 
@@ -295,7 +295,7 @@ def init_group(state: State, body: dict) -> tuple[int, object]:
 
     SGLang's server joins with rank = rank_offset + tp_rank through a TCP rendezvous, a store
     prefixed by the group name and c10d's group helper (its `init_custom_process_group`).
-    runtime.weight_sync.init_group builds the group the same way (it is what the trainer's side
+    runtime.placement.weight_sync.init_group builds the group the same way (it is what the trainer's side
     uses), so the stand-in joins through it; it has one process, hence --tp-size 1 only."""
     try:
         address, port = str(body["master_address"]), int(body["master_port"])

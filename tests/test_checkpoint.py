@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime import checkpoint, storage
-from runtime.rundir import RunDir
+from runtime.run import checkpoint
+from runtime import storage
+from runtime.run.directory import RunDir
 
 
 def _writer(payload: bytes):

@@ -61,7 +61,7 @@ def untied(work):
 @pytest.fixture(scope="module")
 def converted(work, tied, untied):
     """Both models converted once: name -> (hf_dir, torch_dist_dir, report)."""
-    from runtime.convert import hf_to_torch_dist
+    from runtime.mcore.convert import hf_to_torch_dist
 
     out = {}
     for name, hf_dir in (("tied", tied[0]), ("untied", untied)):
@@ -73,8 +73,8 @@ def converted(work, tied, untied):
 # ---- parity ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["tied", "untied"])
 def test_conversion_parity_is_reported_and_holds_for_the_saved_checkpoint(converted, name):
-    from runtime.convert import hf_logits, load_torch_dist_into, mcore_logits, probe_batch
-    from runtime.megatron_env import build_gpt_model
+    from runtime.mcore.convert import hf_logits, load_torch_dist_into, mcore_logits, probe_batch
+    from runtime.mcore.env import build_gpt_model
 
     hf_dir, td, report = converted[name]
     assert report["max_abs_logit_diff"] <= TOL
@@ -114,7 +114,7 @@ def _swap_gate_up(mcore_state, name):
     (_swap_gate_up, "decoder.layers.1.mlp.linear_fc1.weight"),
 ])
 def test_a_wrong_mapping_fails_the_parity_check(untied, work, monkeypatch, corrupt, key):
-    from runtime.convert import hf_to_torch_dist
+    from runtime.mcore.convert import hf_to_torch_dist
 
     original = Qwen3Adapter.from_hf
 
@@ -137,7 +137,7 @@ def test_a_wrong_mapping_fails_the_parity_check(untied, work, monkeypatch, corru
 def test_export_is_bitwise_equal_to_the_original(converted, work, name):
     from safetensors.torch import load_file
 
-    from runtime.convert import torch_dist_to_hf
+    from runtime.mcore.convert import torch_dist_to_hf
 
     hf_dir, td, _ = converted[name]
     out = work / f"{name}_export"
@@ -156,7 +156,7 @@ def test_export_is_bitwise_equal_to_the_original(converted, work, name):
 def test_export_loads_in_transformers_and_generates_like_the_original(converted, work):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from runtime.convert import torch_dist_to_hf
+    from runtime.mcore.convert import torch_dist_to_hf
 
     hf_dir, td, _ = converted["tied"]
     out = work / "tied_export_gen"
@@ -250,7 +250,7 @@ def test_qkv_fuse_split_round_trip_and_layout():
 
 
 def test_to_hf_reads_transformer_engine_names(untied):
-    from runtime.convert import load_hf_state_dict
+    from runtime.mcore.convert import load_hf_state_dict
 
     cfg = load_hf_config(untied)
     adapter = get_adapter(cfg)
@@ -290,7 +290,7 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
 
 
 def test_missing_dir_and_dir_without_config(work):
-    from runtime.convert import hf_to_torch_dist
+    from runtime.mcore.convert import hf_to_torch_dist
 
     missing = work / "nope"
     with pytest.raises(ModelError) as e:
@@ -317,7 +317,7 @@ def test_unsupported_model_type(work):
 
 
 def test_truncated_safetensors(tied, work):
-    from runtime.convert import hf_to_torch_dist
+    from runtime.mcore.convert import hf_to_torch_dist
 
     bad = work / "truncated_hf"
     shutil.copytree(tied[0], bad)
@@ -332,7 +332,7 @@ def test_truncated_safetensors(tied, work):
 
 
 def test_export_of_a_missing_checkpoint(tied, work):
-    from runtime.convert import torch_dist_to_hf
+    from runtime.mcore.convert import torch_dist_to_hf
 
     with pytest.raises(ModelError) as e:
         torch_dist_to_hf(work / "no_ckpt", tied[0], work / "out_no_ckpt")
@@ -345,7 +345,7 @@ def test_init_parallel_is_idempotent(converted):
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from runtime.megatron_env import cuda_to_cpu, init_parallel
+    from runtime.mcore.env import cuda_to_cpu, init_parallel
 
     init_parallel()  # already up from the conversions: must not raise
     assert dist.get_world_size() == 1 and mpu.get_tensor_model_parallel_world_size() == 1

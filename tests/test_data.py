@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from runtime import synthetic
-from runtime.data import PromptDataset, prepare_dataset, read_prepared
+from runtime.inputs import synthetic
+from runtime.inputs.datasets import PromptDataset, prepare_dataset, read_prepared
 from runtime.errors import ConfigError, DataError
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

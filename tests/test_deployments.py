@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.deploy_cli import main as deploy_main
-from runtime.ports import free_port
+from cli.deploy import main as deploy_main
+from runtime.placement.ports import free_port
 
 psutil = pytest.importorskip("psutil")
 httpx = pytest.importorskip("httpx")
@@ -135,7 +135,7 @@ def server(tmp_path_factory):
 
 
 def _deploy(server, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return _run([sys.executable, "-m", "flows.deploy_cli", "deploy", "configs/tiny.yaml", *args],
+    return _run([sys.executable, "-m", "cli.deploy", "deploy", "configs/tiny.yaml", *args],
                 env or server["env"], timeout=120)
 
 
@@ -327,7 +327,7 @@ def test_overlapping_runs_wait_and_an_unfinished_run_is_resumed(server, nightly,
 
 def test_serve_process_runs_flow_runs_and_stops_on_sigterm(server, tmp_path):
     log = tmp_path / "serve.log"
-    serve = _start([sys.executable, "-m", "flows.deploy_cli", "serve", "configs/tiny.yaml", "--name", "served",
+    serve = _start([sys.executable, "-m", "cli.deploy", "serve", "configs/tiny.yaml", "--name", "served",
                     *_tiny(tmp_path)], server["env"], log)
     api = server["api"]
     try:

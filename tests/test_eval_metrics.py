@@ -8,9 +8,9 @@ from fractions import Fraction
 
 import pytest
 
-from runtime.evaluate import eval_key, eval_metrics, evaluate, load_eval, numeric_metrics, pass_at_k, save_eval
+from runtime.grpo.evaluation import eval_key, eval_metrics, evaluate, load_eval, numeric_metrics, pass_at_k, save_eval
 from runtime.rollout.base import SampleRequest, SampleResult, SamplingParams
-from runtime.rundir import RunDir
+from runtime.run.directory import RunDir
 
 
 def brute_pass_at_k(n: int, c: int, k: int) -> Fraction:

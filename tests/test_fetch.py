@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from runtime import synthetic
+from runtime.inputs import synthetic
 from runtime.errors import DataError, ModelError, TransientError
-from runtime.fetch import fetch_dataset, fetch_model
+from runtime.inputs.fetch import fetch_dataset, fetch_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -142,7 +142,7 @@ def test_hub_failures_split_into_transient_and_user_errors(tmp_path, monkeypatch
 # -- the hub, offline, in a fresh process ---------------------------------------------------------------
 OFFLINE_SCRIPT = """
 import json, sys
-from runtime.fetch import fetch_dataset, fetch_model
+from runtime.inputs.fetch import fetch_dataset, fetch_model
 from runtime.errors import UserError
 out = []
 for fn, args, kwargs in json.loads(sys.argv[1]):

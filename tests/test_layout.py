@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import Qwen3Config
 
-from runtime import layout
+from runtime.placement import layout
 from runtime.config import config_from_dict
 from runtime.errors import ConfigError
 

@@ -6,10 +6,10 @@ import statistics
 
 import pytest
 
-from runtime import stages
+from runtime.run import stages
 from runtime.config import load_config
-from runtime.grpo import TrainSession
-from runtime.rundir import RunDir
+from runtime.grpo.session import TrainSession
+from runtime.run.directory import RunDir
 
 ROLLOUTS = 80
 WINDOW = 10  # rollouts averaged at each end

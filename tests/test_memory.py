@@ -1,4 +1,4 @@
-"""The per-GPU memory estimate (runtime/memory.py) against its own arithmetic, the engine's KV policy,
+"""The per-GPU memory estimate (runtime/plan/memory.py) against its own arithmetic, the engine's KV policy,
 and what was measured on an H100 (bench/memory_check.py, bench/gpu_grpo.py)."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ H100_ACTIVATIONS = {
 # at micro-batch 1.
 H100_GIB = 79.1787109375
 H100_DAPO = {"peak": 60.947, "kv_slots": 36, "kv_cache": 35.4375, "free_at_first_rollout": 71.059}
-# bench/gpu_grpo.py's stage section (runtime.grpo.TrainSession, backend local): 16 prompts x 8 samples,
+# bench/gpu_grpo.py's stage section (runtime.grpo.session.TrainSession, backend local): 16 prompts x 8 samples,
 # 256 + 512 tokens, micro-batch 32 (run7)
 H100_STAGE_PEAK = 55.53
 
@@ -66,7 +66,7 @@ def _llama_known():
 # ---- arithmetic ------------------------------------------------------------------------------------------
 
 def test_cpu_path_exact_arithmetic_on_a_known_config():
-    from runtime.memory import GIB, estimate_memory, param_counts
+    from runtime.plan.memory import GIB, estimate_memory, param_counts
 
     cfg = _llama_known()
     # embeddings + lm_head 2*1000*64; per layer qkv 64*(4+2*2)*16, o 64*64, mlp 3*64*128, 2 norms; final norm
@@ -103,7 +103,7 @@ def test_cpu_path_exact_arithmetic_on_a_known_config():
 
 
 def test_cuda_layer_bytes_count_what_the_sdpa_layer_saves(monkeypatch):
-    from runtime.memory import layer_bytes_per_token
+    from runtime.plan.memory import layer_bytes_per_token
 
     h, q, kv, f = 1024, 2048, 1024, 3072
     # Qwen3-0.6B, bf16, the trainer's CUDA fusions on (the default): norm inputs + outputs 4h, fused qkv
@@ -122,7 +122,7 @@ def test_cuda_layer_bytes_count_what_the_sdpa_layer_saves(monkeypatch):
 
 
 def test_cuda_activations_grow_linearly_with_micro_batch_tokens(monkeypatch):
-    from runtime.memory import activation_terms
+    from runtime.plan.memory import activation_terms
 
     cfg = _qwen3_06b()
 
@@ -151,7 +151,7 @@ def test_cuda_activations_grow_linearly_with_micro_batch_tokens(monkeypatch):
 def test_kv_term_equals_the_engines_policy():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from runtime.memory import builtin_kv_cache
+    from runtime.plan.memory import builtin_kv_cache
     from runtime.rollout.static_decode import StaticDecoder, kv_budget_bytes
 
     cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -183,7 +183,7 @@ def test_kv_term_equals_the_engines_policy():
 
 
 def test_fast_path_is_chosen_per_family():
-    from runtime.memory import estimate_memory
+    from runtime.plan.memory import estimate_memory
 
     kw = dict(micro_batch_size=1, seq_len=2048, rollout_batch=64, max_new_tokens=1024)
     assert estimate_memory(_qwen3_06b(), **kw)["decode_path"] == "static"
@@ -194,7 +194,7 @@ def test_fast_path_is_chosen_per_family():
 # ---- against the H100 --------------------------------------------------------------------------------------
 
 def test_activations_are_within_5_percent_of_the_h100_measurements():
-    from runtime.memory import GIB, activation_bytes
+    from runtime.plan.memory import GIB, activation_bytes
 
     for (b, s, r), measured in H100_ACTIVATIONS.items():
         est = activation_bytes(_qwen3_06b(), tp=1, micro_batch_size=b, seq_len=s, response_len=r) / GIB
@@ -203,7 +203,7 @@ def test_activations_are_within_5_percent_of_the_h100_measurements():
 
 def test_qwen3_dapo_config_fits_80gib_and_matches_the_h100_peak():
     from runtime.config import load_config
-    from runtime.memory import estimate_for_config, format_estimate
+    from runtime.plan.memory import estimate_for_config, format_estimate
 
     cfg = load_config(ROOT / "configs" / "qwen3-0.6b-dapo.yaml")
     est = estimate_for_config(cfg, _qwen3_06b(), gpu_mem_gb=80)
@@ -220,7 +220,7 @@ def test_qwen3_dapo_config_fits_80gib_and_matches_the_h100_peak():
 
 def test_qwen3_dapo_at_micro_batch_4_does_not_fit_and_says_which_does():
     from runtime.config import load_config
-    from runtime.memory import estimate_for_config, format_estimate
+    from runtime.plan.memory import estimate_for_config, format_estimate
 
     # measured before the trainer's fusions: out of memory in the first micro-batch
     # (bench/results/memory_check_H100_2026-11-22_micro_batch4.json); with them a micro-batch takes ~14.2 GiB
@@ -236,7 +236,7 @@ def test_qwen3_dapo_at_micro_batch_4_does_not_fit_and_says_which_does():
 
 
 def test_colocated_stage_matches_the_h100_peak():
-    from runtime.memory import estimate_memory
+    from runtime.plan.memory import estimate_memory
 
     est = estimate_memory(_qwen3_06b(), micro_batch_size=32, seq_len=256 + 512, rollout_batch=128, max_slots=128,
                           max_new_tokens=512, gpu_mem_gb=H100_GIB, global_batch_size=128)
@@ -246,7 +246,7 @@ def test_colocated_stage_matches_the_h100_peak():
 
 def test_glm_z1_9b_at_its_shipped_layout_does_not_fit_80gib():
     from runtime.config import load_config
-    from runtime.memory import GIB, estimate_for_config, param_counts
+    from runtime.plan.memory import GIB, estimate_for_config, param_counts
 
     cfg = load_config(ROOT / "configs" / "glm-z1-9b-dapo.yaml")
     glm = _glm_z1_9b()
@@ -266,7 +266,7 @@ def test_glm_z1_9b_at_its_shipped_layout_does_not_fit_80gib():
 
 
 def test_errors():
-    from runtime.memory import estimate_memory
+    from runtime.plan.memory import estimate_memory
 
     cfg = _qwen3_06b()
     with pytest.raises(ValueError, match="tensor_parallel=3 must divide"):

@@ -90,7 +90,7 @@ def hf_dirs(work, tokenizer):
 @pytest.fixture(scope="module")
 def converted(work, hf_dirs):
     """Every variant converted once: name -> (hf_dir, torch_dist_dir, parity report)."""
-    from runtime.convert import hf_to_torch_dist
+    from runtime.mcore.convert import hf_to_torch_dist
 
     out = {}
     for name, hf_dir in hf_dirs.items():
@@ -102,8 +102,8 @@ def converted(work, hf_dirs):
 # ---- parity and round trip ------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_logit_parity_with_hf(converted, name):
-    from runtime.convert import hf_logits, load_torch_dist_into, mcore_logits, probe_batch
-    from runtime.megatron_env import build_gpt_model
+    from runtime.mcore.convert import hf_logits, load_torch_dist_into, mcore_logits, probe_batch
+    from runtime.mcore.env import build_gpt_model
 
     hf_dir, td, report = converted[name]
     print(f"{name}: max |logit diff| {report['max_abs_logit_diff']:.3e} "
@@ -124,7 +124,7 @@ def test_logit_parity_with_hf(converted, name):
 def test_round_trip_is_bitwise(converted, work, name):
     from safetensors.torch import load_file
 
-    from runtime.convert import torch_dist_to_hf
+    from runtime.mcore.convert import torch_dist_to_hf
 
     hf_dir, td, _ = converted[name]
     out = work / f"{name}_export"
@@ -137,7 +137,7 @@ def test_round_trip_is_bitwise(converted, work, name):
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_from_hf_to_hf_is_exact_and_uses_every_tensor(hf_dirs, name):
-    from runtime.convert import load_hf_state_dict
+    from runtime.mcore.convert import load_hf_state_dict
 
     cfg = load_hf_config(hf_dirs[name])
     hf = load_hf_state_dict(hf_dirs[name])
@@ -177,7 +177,7 @@ def test_rotary_frequencies_equal_hf(hf_dirs, name):
     a short probe barely exercises the low frequencies that llama3 scaling changes."""
     from transformers import AutoModelForCausalLM
 
-    from runtime.megatron_env import build_gpt_model
+    from runtime.mcore.env import build_gpt_model
 
     cfg = load_hf_config(hf_dirs[name])
     hf = AutoModelForCausalLM.from_pretrained(hf_dirs[name], dtype=torch.float32)
@@ -197,7 +197,7 @@ def _swap_post_norms(out):
 
 def test_a_wrong_glm4_mapping_fails_parity(hf_dirs, work, monkeypatch):
     """Swapped post-norms, or rotate-half instead of interleaved RoPE, are caught by the parity check."""
-    from runtime.convert import hf_to_torch_dist
+    from runtime.mcore.convert import hf_to_torch_dist
 
     original = Glm4Adapter.from_hf
 
@@ -314,7 +314,7 @@ def test_one_grpo_rollout_with_trainer_and_builtin_engine(converted, name):
 def test_param_count_matches_hf(hf_dirs, name):
     from transformers import AutoModelForCausalLM
 
-    from runtime.memory import param_counts
+    from runtime.plan.memory import param_counts
 
     cfg = load_hf_config(hf_dirs[name])
     with torch.device("meta"):
@@ -326,7 +326,7 @@ def test_glm_z1_9b_config_and_its_estimate():
     from transformers import Glm4Config
 
     from runtime.config import load_config
-    from runtime.memory import estimate_for_config, param_counts
+    from runtime.plan.memory import estimate_for_config, param_counts
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "glm-z1-9b-dapo.yaml")
     r, t = cfg.rollout, cfg.train

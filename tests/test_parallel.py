@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.cluster import Cluster, LocalGroup
+from runtime.placement.cluster import Cluster, LocalGroup
 from runtime.config import GrpoConfig
 from runtime.trainer.batch import TrainBatch
 
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    from runtime.convert import hf_to_torch_dist
+    from runtime.mcore.convert import hf_to_torch_dist
     from runtime.models.tiny import build_tiny_qwen3
     root = tmp_path_factory.mktemp("parallel")
     hf = build_tiny_qwen3(root / "hf", seed=3)["path"]
@@ -101,8 +101,8 @@ def test_local_backend_tp2_processes_and_broadcast_weight_sync(tiny_checkpoint, 
     """cluster.backend=local: one spawned process per rank (the multi-GPU path, gloo here) trains like
     one Ray rank, and the weight broadcast puts exactly the trainer's weights into the engine."""
     from runtime.rollout.builtin import BuiltinEngine
-    from runtime.subprocess_group import SubprocessGroup
-    from runtime.weight_sync import TrainerToEngine
+    from runtime.placement.subprocess_group import SubprocessGroup
+    from runtime.placement.weight_sync import TrainerToEngine
 
     hf, td = tiny_checkpoint
     cfg = GrpoConfig.model_validate({
@@ -151,7 +151,7 @@ def test_subprocess_group_errors():
     import signal
 
     from runtime.errors import TransientError
-    from runtime.subprocess_group import ProcessDiedError, SubprocessGroup
+    from runtime.placement.subprocess_group import ProcessDiedError, SubprocessGroup
 
     with pytest.raises(json.JSONDecodeError):
         SubprocessGroup("json:loads", [{"s": "{"}])

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import main
-from runtime import checkpoint
-from runtime.rundir import RunDir
+from cli.main import main
+from runtime.run import checkpoint
+from runtime.run.directory import RunDir
 
 
 def test_reference_run_writes_every_stage(reference_run):

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.cli import main
-from runtime import checkpoint
-from runtime.lease import RunBusyError, RunLease
-from runtime.rundir import RunDir
+from cli.main import main
+from runtime.run import checkpoint
+from runtime.run.lease import RunBusyError, RunLease
+from runtime.run.directory import RunDir
 
 
 def checkpoint_tensors(path: str | Path, scratch: Path) -> dict[str, torch.Tensor]:
@@ -53,7 +53,7 @@ def _start_run(run_id: str, root: Path, log: Path) -> subprocess.Popen:
     sets = sum((["--set", o] for o in _overrides(root)), [])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # A session of its own: the kill reaches Prefect's and the trainer's child processes too.
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "--run-id", run_id, *sets],
+    return subprocess.Popen([sys.executable, "-m", "cli.main", "run", "configs/tiny.yaml", "--run-id", run_id, *sets],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from runtime import checkpoint, storage
+from runtime.run import checkpoint
+from runtime import storage
 from runtime.config import load_config
 from runtime.errors import ConfigError
-from runtime.run_index import check_prefix, new_run_id, next_run, runs_of, safe_prefix
-from runtime.rundir import RunDir
-from runtime.runs import freeze
+from runtime.run.scheduled_runs import check_prefix, new_run_id, next_run, runs_of, safe_prefix
+from runtime.run.directory import RunDir
+from runtime.run.frozen_config import freeze
 
 NOW = datetime(2026, 11, 22, 3, 0, 0, tzinfo=timezone.utc)
 

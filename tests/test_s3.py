@@ -170,8 +170,8 @@ def s3_run(s3, prefect_harness):
 
 
 def test_every_stage_writes_to_s3(s3, s3_run):
-    from runtime import checkpoint
-    from runtime.rundir import RunDir
+    from runtime.run import checkpoint
+    from runtime.run.directory import RunDir
     keys = _keys(s3["client"], _run_prefix() + "/")
     for rel in ("config.yaml", "model/hf/config.json", "model/hf/model.safetensors", "model/torch_dist/metadata.json",
                 "model/torch_dist/parity.json", "data/train.parquet", "data/eval/copy.parquet",
@@ -261,8 +261,9 @@ def test_crash_and_resume_on_s3(s3, s3_run, tmp_path):
 
 
 def test_half_uploaded_checkpoint_is_never_latest(s3, s3_run):
-    from runtime import checkpoint, storage
-    from runtime.rundir import RunDir
+    from runtime.run import checkpoint
+    from runtime import storage
+    from runtime.run.directory import RunDir
     client = s3["client"]
     rd = RunDir(ROOT, RUN_ID, str(s3["state_dir"]))
     good = _objects(client, _run_prefix("checkpoints", "rollout_4") + "/")
@@ -303,7 +304,7 @@ def test_half_uploaded_checkpoint_is_never_latest(s3, s3_run):
 
 def test_model_and_datasets_from_s3(s3, s3_run, tmp_path):
     """fetch: model.source and data sources as s3:// URIs (the run's own fetched files as inputs)."""
-    from runtime.fetch import fetch_dataset, fetch_model
+    from runtime.inputs.fetch import fetch_dataset, fetch_model
     client = s3["client"]
     for rel, data in _objects(client, _run_prefix("model", "hf") + "/").items():
         client.put_object(Bucket=BUCKET, Key=f"inputs/model/{rel}", Body=data)
@@ -320,7 +321,7 @@ def test_model_and_datasets_from_s3(s3, s3_run, tmp_path):
 
 def _cli_error(args: list[str], capsys) -> str:
     """Run the CLI; it must fail with exit 2 and one line on stderr, and print no credential."""
-    from flows.cli import main
+    from cli.main import main
     _clear_fs_cache()
     try:
         code = main(args)

@@ -268,7 +268,7 @@ def test_tensor_sync_payloads(start):
 
 
 # ---- weight sync by broadcast from a real trainer (gloo) -----------------------------------------
-# Trainer rank 0 is a MegatronTrainer in a process of its own (runtime.subprocess_group), the way
+# Trainer rank 0 is a MegatronTrainer in a process of its own (runtime.placement.subprocess_group), the way
 # cluster.backend=local runs it with cluster.weight_sync=broadcast; the stand-ins join its group
 # through /init_weights_update_group and receive through /update_weights_from_distributed.
 
@@ -277,10 +277,10 @@ def test_tensor_sync_payloads(start):
 def trainer(tmp_path_factory):
     """(trainer group, HF dir) of a tiny Qwen3 (tied embeddings) on CPU; killed after the module."""
     from runtime.config import GrpoConfig
-    from runtime.convert import hf_to_torch_dist
-    from runtime.ports import free_port
+    from runtime.mcore.convert import hf_to_torch_dist
+    from runtime.placement.ports import free_port
     from runtime.models.tiny import build_tiny_qwen3
-    from runtime.subprocess_group import SubprocessGroup
+    from runtime.placement.subprocess_group import SubprocessGroup
     root = tmp_path_factory.mktemp("sglang-broadcast")
     hf = build_tiny_qwen3(root / "hf", seed=5)["path"]
     hf_to_torch_dist(hf, str(root / "td"))
@@ -342,8 +342,8 @@ def assert_serves_trainer_weights(eng, trainer, version: int) -> None:
 
 @pytest.mark.timeout(150)  # includes building the module's trainer
 def test_broadcast_from_a_megatron_trainer_and_a_restart(start, trainer):
-    from runtime.cluster import LocalGroup
-    from runtime.weight_sync import TrainerToEngine
+    from runtime.placement.cluster import LocalGroup
+    from runtime.placement.weight_sync import TrainerToEngine
     group, hf = trainer
     eng = start("--weight-sync-timeout-s", "30", model=hf, num_engines=2, sync_backend="gloo", request_timeout_s=30.0)
     assert eng.weight_sync_ranks() == 2 and not eng.weight_sync_ready()

@@ -16,11 +16,11 @@ import pytest
 
 from runtime.config import GrpoConfig
 from runtime.errors import TransientError, UserError
-from runtime.evaluate import save_eval
-from runtime.registry import aliases_of, register_checkpoint, should_move_best
-from runtime.ports import free_port
-from runtime.rundir import RunDir
-from runtime.tracking import Tracker, flatten_params, redact_uri, sqlite_uri
+from runtime.grpo.evaluation import save_eval
+from runtime.tracking.model_registry import aliases_of, register_checkpoint, should_move_best
+from runtime.placement.ports import free_port
+from runtime.run.directory import RunDir
+from runtime.tracking.mlflow_tracker import Tracker, flatten_params, redact_uri, sqlite_uri
 
 pytest.importorskip("mlflow")
 
@@ -212,7 +212,7 @@ def register_sequence(tracker, root: Path, name: str, run_id: str, scores) -> li
 
 
 def test_registration_is_idempotent_and_aliases_move_right(root, capsys):
-    from flows.models_cli import models_list, models_show
+    from cli.models import models_list, models_show
 
     cfg = make_cfg(root)
     tracker = Tracker(cfg, RunDir(str(root), "reg-1"))
@@ -262,7 +262,7 @@ def test_registration_is_idempotent_and_aliases_move_right(root, capsys):
 
 
 def test_models_list_without_a_store_creates_nothing(tmp_path, capsys):
-    from flows.models_cli import models_list
+    from cli.models import models_list
 
     assert models_list(None, root=str(tmp_path)) == 0
     assert "No registered models" in capsys.readouterr().out
@@ -271,7 +271,7 @@ def test_models_list_without_a_store_creates_nothing(tmp_path, capsys):
 
 # ---- a real mlflow server ---------------------------------------------------------------------------
 def test_tracker_and_registry_through_a_real_mlflow_server(tmp_path, capsys):
-    from flows.models_cli import models_show
+    from cli.models import models_show
 
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
@@ -339,10 +339,10 @@ def test_export_of_a_trainer_checkpoint_loads_in_transformers_and_generates(tmp_
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from runtime import checkpoint
-    from runtime.convert import hf_to_torch_dist
+    from runtime.run import checkpoint
+    from runtime.mcore.convert import hf_to_torch_dist
     from runtime.models.tiny import build_tiny_qwen3, builtin_corpus
-    from runtime.registry import export_checkpoint
+    from runtime.tracking.model_registry import export_checkpoint
     from runtime.trainer.megatron_trainer import MegatronTrainer
 
     rd = RunDir(str(tmp_path), "export-1")

@@ -1,4 +1,4 @@
-"""The CUDA trainer's pure-PyTorch fusions (runtime/megatron_fusions.py), checked on CPU without compiling:
+"""The CUDA trainer's pure-PyTorch fusions (runtime/mcore/fusions.py), checked on CPU without compiling:
 
 * our fused-RoPE function, eager, against megatron's unfused ``_apply_rotary_pos_emb_bshd``: the same
   values and gradients (rotate-half and interleaved, whole and partial rotary dims, fp32 and bf16);
@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from runtime import megatron_fusions as mf
+from runtime.mcore import fusions as mf
 
 
 def _freqs(s: int, rot_dim: int, interleaved: bool, base: float = 10000.0) -> torch.Tensor:
@@ -135,7 +135,7 @@ def test_switches(monkeypatch):
 def test_transformer_config_flags_per_device(monkeypatch):
     """CPU builds keep every fusion off; a CUDA config (built, not run) passes megatron's validation
     with them on, and each is switched off by the variable."""
-    from runtime.megatron_env import build_transformer_config
+    from runtime.mcore.env import build_transformer_config
 
     monkeypatch.setenv(mf.ENV, "all")
     cfg = _qwen3_config()
@@ -156,7 +156,7 @@ def test_tiny_gpt_with_fusions_matches_unfused(monkeypatch):
     no bias, the bias-dropout-add functions), run eagerly on CPU: the unfused model's logits and grads."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    from runtime.megatron_env import build_gpt_model, causal_attention_mask
+    from runtime.mcore.env import build_gpt_model, causal_attention_mask
 
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", rope_utils.fused_apply_rotary_pos_emb)
     mf.install_rope_fusion()
@@ -192,7 +192,7 @@ def test_sdpa_native_gqa_equals_repeat_interleave(causal):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from runtime.megatron_env import SdpaCoreAttention, causal_attention_mask
+    from runtime.mcore.env import SdpaCoreAttention, causal_attention_mask
 
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2,
                                kv_channels=16, attention_dropout=0.0, hidden_dropout=0.0)

@@ -9,12 +9,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelError
-from .base import ModelAdapter
-from .glm4 import Glm4Adapter
-from .llama import LlamaAdapter
-from .qwen2 import Qwen2Adapter
-from .qwen3 import Qwen3Adapter
+from runtime.errors import ModelError
+from runtime.models.base import ModelAdapter
+from runtime.models.glm4 import Glm4Adapter
+from runtime.models.llama import LlamaAdapter
+from runtime.models.qwen2 import Qwen2Adapter
+from runtime.models.qwen3 import Qwen3Adapter
 
 _FAMILIES: tuple[type[ModelAdapter], ...] = (Qwen3Adapter, Qwen2Adapter, LlamaAdapter, Glm4Adapter)
 _REGISTRY: dict[str, type[ModelAdapter]] = {t: cls for cls in _FAMILIES for t in cls.model_types}

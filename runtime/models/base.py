@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from ..errors import ModelError
+from runtime.errors import ModelError
 
 # The TransformerEngine layer spec fuses the pre-attention/pre-MLP norms into the next linear; the
 # local spec (what we build) keeps them as separate modules.
@@ -118,7 +118,7 @@ class ModelAdapter:
 
     def transformer_config_kwargs(self, hf_config) -> dict[str, Any]:
         """Architecture fields of megatron's ``TransformerConfig`` (precision, dropout and fusions
-        are set by ``runtime.megatron_env``)."""
+        are set by ``runtime.mcore.env``)."""
         raise NotImplementedError
 
     def gpt_model_kwargs(self, hf_config) -> dict[str, Any]:
@@ -127,7 +127,7 @@ class ModelAdapter:
 
     def layer_spec(self, hf_config):
         """megatron ``ModuleSpec`` of one decoder layer. The default is megatron-core's local spec
-        (what ``runtime.megatron_env.build_gpt_model`` builds); a family whose layer megatron-core
+        (what ``runtime.mcore.env.build_gpt_model`` builds); a family whose layer megatron-core
         lacks (GLM4's post-attention / post-MLP norms) returns its own. Imports megatron lazily."""
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .base import DenseDecoderAdapter
+from runtime.models.base import DenseDecoderAdapter
 
 _LAYER_CLASS = None
 
@@ -69,7 +69,7 @@ def glm4_transformer_layer_class():
 class Glm4Adapter(DenseDecoderAdapter):
     model_types = ("glm4",)
     rotary_interleaved = True
-    post_norms = True  # two more RMSNorms per layer (read by runtime.memory)
+    post_norms = True  # two more RMSNorms per layer (read by runtime.plan.memory)
 
     def qkv_bias(self, hf_config) -> bool:
         return bool(getattr(hf_config, "attention_bias", True))

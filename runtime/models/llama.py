@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ModelError
-from .base import DenseDecoderAdapter, rope_parameters
+from runtime.errors import ModelError
+from runtime.models.base import DenseDecoderAdapter, rope_parameters
 
 # what megatron's RotaryEmbedding._apply_scaling hard-codes
 _MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

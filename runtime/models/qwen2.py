@@ -7,7 +7,7 @@ megatron's local attention has no per-layer window.
 """
 from __future__ import annotations
 
-from .base import DenseDecoderAdapter
+from runtime.models.base import DenseDecoderAdapter
 
 
 class Qwen2Adapter(DenseDecoderAdapter):

@@ -6,7 +6,7 @@ refused with a clear error (no released Qwen3 uses it).
 """
 from __future__ import annotations
 
-from .base import DenseDecoderAdapter
+from runtime.models.base import DenseDecoderAdapter
 
 
 class Qwen3Adapter(DenseDecoderAdapter):

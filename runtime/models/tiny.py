@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..storage import atomic_dir
+from runtime.storage import atomic_dir
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"

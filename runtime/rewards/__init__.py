@@ -3,7 +3,7 @@
 from runtime.rewards.dapo import dapo_reward
 from runtime.rewards.deepscaler import deepscaler_reward
 from runtime.rewards.math_reward import is_correct, math_reward
-from runtime.rewards.registry import BUILTIN_REWARDS, get_reward_fn
+from runtime.rewards.catalog import BUILTIN_REWARDS, get_reward_fn
 from runtime.rewards.timeout import reward_fail_value, score_batch, shutdown_pool
 
 __all__ = [

@@ -137,13 +137,13 @@ class BuiltinEngine(RolloutEngine):
                 state[name].copy_(tensor)
         self._weight_version = int(version)
 
-    # ---- weight sync over a torch.distributed group (runtime/weight_sync.py) --------------------
+    # ---- weight sync over a torch.distributed group (runtime/placement/weight_sync.py) --------------------
 
     def weight_sync_ranks(self) -> int:
         return 1
 
     def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, group_name: str) -> None:
-        from runtime import weight_sync
+        from runtime.placement import weight_sync
         self._check_open()
         if getattr(self, "_sync_group", None) is not None:
             weight_sync.destroy_group(self._sync_group)
@@ -156,7 +156,7 @@ class BuiltinEngine(RolloutEngine):
     def receive_weights(self, metadata, version: int) -> None:
         """Receive the trainer's broadcast straight into the parameters (same dtype), else via a copy.
         Everything is received before any check, so a bad name never leaves the sender blocked."""
-        from runtime import weight_sync
+        from runtime.placement import weight_sync
         self._check_open()
         metadata = weight_sync.as_metadata(metadata)
         state = self.model.state_dict()

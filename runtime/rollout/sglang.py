@@ -54,7 +54,7 @@ Shape of the backend:
   engine load them with `/update_weights_from_disk` (`sglang_weight_sync: tensor` pushes them with
   `/update_weights_from_tensor` instead, for engines on the trainer's host; the disk copy is still
   written, for re-syncing a restarted engine).
-- `cluster.weight_sync: broadcast` (runtime/weight_sync.py): `init_weight_sync` has every engine
+- `cluster.weight_sync: broadcast` (runtime/placement/weight_sync.py): `init_weight_sync` has every engine
   join a torch.distributed group with trainer rank 0 (`/init_weights_update_group`; engine i's
   ranks start at rank_offset + i * tp_size), and `receive_weights` has them take the trainer's
   broadcast (`/update_weights_from_distributed`). No copy exists on disk then, so an engine that
@@ -99,7 +99,7 @@ from typing import Any
 import torch
 
 from runtime.errors import ConfigError, ModelError, TransientError
-from runtime.ports import free_port
+from runtime.placement.ports import free_port
 from runtime.rollout.base import RolloutEngine, SampleRequest, SampleResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -188,10 +188,10 @@ class SGLangSettings:
                     values[ours] = getattr(r, theirs)
             values["colocate"] = bool(cfg.cluster.colocate)
             values["random_seed"] = int(cfg.train.seed)
-            # the backend trainer rank 0 joins the weight-sync group with (runtime.weight_sync.backend_for
+            # the backend trainer rank 0 joins the weight-sync group with (runtime.placement.weight_sync.backend_for
             # of the trainer's device, which the cluster resolves the same way)
-            from runtime.cluster import resolve_device
-            from runtime.weight_sync import backend_for
+            from runtime.placement.cluster import resolve_device
+            from runtime.placement.weight_sync import backend_for
             values["sync_backend"] = backend_for(resolve_device(cfg))
         values.update({k: v for k, v in overrides.items()})
         settings = cls(**values)
@@ -629,7 +629,7 @@ class SGLangEngine(RolloutEngine):
         Refuses at once (SGLangError) when the group cannot carry the broadcast (weight_sync_ready()
         is False). When the broadcast or the check after it fails, no engine serves until weights
         reach them again (a new group and a broadcast, or update_weights)."""
-        from runtime.weight_sync import as_metadata
+        from runtime.placement.weight_sync import as_metadata
         with self._lock:
             self._check_open()
             self._loop.run(self._asettle())

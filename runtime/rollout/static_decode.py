@@ -49,7 +49,7 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
 def unsupported_config_reason(cfg) -> str | None:
     """None when an HF config's architecture fits the fast path, else why not (one line). The memory
-    estimate (runtime/memory.py) uses it to know which decode path the engine will take."""
+    estimate (runtime/plan/memory.py) uses it to know which decode path the engine will take."""
     mt = getattr(cfg, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
         return f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}"
@@ -182,7 +182,7 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-# ---- the KV cache's size policy (pure functions: runtime/memory.py's estimate uses the same ones) -----
+# ---- the KV cache's size policy (pure functions: runtime/plan/memory.py's estimate uses the same ones) -----
 
 KV_FREE_FRACTION = 0.5        # without kv_cache_gb, on CUDA: this share of the free GPU memory (+ the current cache)
 CPU_KV_BUDGET_BYTES = 2 * 10**9

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from ..algo import grpo_loss
-from .batch import TrainBatch, by_length, pack, step_slices
+from runtime.algo import grpo_loss
+from runtime.trainer.batch import TrainBatch, by_length, pack, step_slices
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -31,9 +31,9 @@ class MegatronTrainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from .. import megatron_env as menv
-        from ..convert import load_torch_dist_into
-        from ..models import load_hf_config
+        from runtime.mcore import env as menv
+        from runtime.mcore.convert import load_torch_dist_into
+        from runtime.models import load_hf_config
 
         self.train_cfg, self.algo, self.temperature = train, algorithm, temperature
         self.device = device
@@ -119,8 +119,8 @@ class MegatronTrainer:
         return logp, entropy
 
     def _token_logprobs_chunked(self, model, mb, with_entropy: bool, entropy_grad: bool, select):
-        from .. import megatron_env as menv
-        from .logprobs import linear_logprobs
+        from runtime.mcore import env as menv
+        from runtime.trainer.logprobs import linear_logprobs
         gpt = menv.unwrap_model(model)
         gpt.post_process = False  # GPTModel then returns the final-norm hidden states, not logits
         try:
@@ -192,7 +192,7 @@ class MegatronTrainer:
         """One rollout's optimizer steps; returns metrics averaged over the rollout (same on every rank)."""
         from megatron.core.distributed import finalize_model_grads
 
-        from .. import megatron_env as menv
+        from runtime.mcore import env as menv
 
         t0 = time.time()
         a = self.algo
@@ -270,8 +270,8 @@ class MegatronTrainer:
     def hf_weights(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
         """Full (TP-gathered) weights in Hugging Face names for the rollout engine: on rank 0; the
         other ranks take part in the gather and return {}."""
-        from ..models import get_adapter
-        from .tp_gather import full_state_dict
+        from runtime.models import get_adapter
+        from runtime.trainer.tp_gather import full_state_dict
         if self.adapter is None:
             self.adapter = get_adapter(self.hf_config)
         sd = full_state_dict(self.model, self.hf_config)
@@ -281,11 +281,11 @@ class MegatronTrainer:
         # In-process engines and CUDA IPC take the tensors where they are; Ray actors need them on CPU.
         return {k: v.detach().to("cpu") if to_cpu else v.detach() for k, v in hf.items()}
 
-    # -- weight sync over a group of its own (runtime/weight_sync.py) --------------------------
+    # -- weight sync over a group of its own (runtime/placement/weight_sync.py) --------------------------
     def weight_sync_address(self) -> tuple[str, int]:
         """Where rank 0 hosts the weight-sync rendezvous: this node's address (Ray's view of it in a
         Ray actor, loopback otherwise) and a free port on it."""
-        from ..ports import free_port
+        from runtime.placement.ports import free_port
         host = "127.0.0.1"
         try:
             import ray
@@ -297,7 +297,7 @@ class MegatronTrainer:
 
     def init_weight_sync(self, host: str, port: int, world_size: int, group_name: str) -> None:
         """Rank 0 joins the weight-sync group as its source (rank 0 of that group); others stay out."""
-        from .. import weight_sync
+        from runtime.placement import weight_sync
         if self.rank != 0:
             return
         if getattr(self, "_sync_group", None) is not None:
@@ -307,12 +307,12 @@ class MegatronTrainer:
 
     def weights_metadata(self) -> list:
         """(name, dtype, shape) of the tensors `broadcast_weights` sends, in order (rank 0; [] elsewhere)."""
-        from .. import weight_sync
+        from runtime.placement import weight_sync
         return weight_sync.metadata_of(self.hf_weights(to_cpu=False))  # every rank joins the TP gather
 
     def broadcast_weights(self) -> dict[str, float]:
         """Every rank gathers its TP shards; rank 0 broadcasts the HF-named tensors to the engines."""
-        from .. import weight_sync
+        from runtime.placement import weight_sync
         t0 = time.time()
         hf = self.hf_weights(to_cpu=False)
         if self.rank != 0:
@@ -329,13 +329,13 @@ class MegatronTrainer:
 
     def grads(self) -> dict[str, torch.Tensor]:
         """Gradients of the last optimizer step, whole and on CPU (for parallel-equivalence checks)."""
-        from .tp_gather import full_grads
+        from runtime.trainer.tp_gather import full_grads
         return {k: v.to("cpu") for k, v in full_grads(self.model).items()}
 
     def save(self, path: str) -> None:
         from megatron.core import dist_checkpointing
 
-        from .. import megatron_env as menv
+        from runtime.mcore import env as menv
         os.makedirs(path, exist_ok=True)
         with menv.cuda_to_cpu():
             msd = self.model.sharded_state_dict()
@@ -346,7 +346,7 @@ class MegatronTrainer:
     def load(self, path: str) -> None:
         from megatron.core import dist_checkpointing
 
-        from .. import megatron_env as menv
+        from runtime.mcore import env as menv
         with menv.cuda_to_cpu():
             msd = self.model.sharded_state_dict()
             state = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd, is_loading=True),

@@ -1,0 +1,190 @@
+"""`grpoflow` — the command line. User mistakes print one line and exit 2; nothing heavy starts before the config is valid."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _prefect_env() -> None:
+    # The ephemeral API needs 10-18 s to start on a small machine; the default 20 s is too tight.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+
+
+class _HideUserErrors(logging.Filter):
+    """Prefect logs every failed task with its traceback; a user mistake is printed once, as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from runtime.errors import UserError
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, UserError):
+            return False
+        msg = record.getMessage() if record.levelno >= logging.ERROR else ""
+        return not any(f"exception {cls.__name__}" in msg or f"{cls.__name__}(" in msg for cls in _user_error_types())
+
+
+def _user_error_types() -> list[type]:
+    from runtime.errors import UserError
+    todo, seen = [UserError], []
+    while todo:
+        cls = todo.pop()
+        seen.append(cls)
+        todo.extend(cls.__subclasses__())
+    return seen
+
+
+def _quiet_prefect_user_errors() -> None:
+    # Logger filters (not handler filters): they survive Prefect re-running its logging set-up.
+    for name in ("prefect.flow_runs", "prefect.task_runs", "prefect.flow_engine", "prefect.task_engine"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _HideUserErrors) for f in logger.filters):
+            logger.addFilter(_HideUserErrors())
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grpoflow", description="GRPO post-training as a resumable Prefect pipeline")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def with_overrides(sp):
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config value, e.g. --set train.lr=1e-5 (repeatable)")
+
+    v = sub.add_parser("validate", help="check a config and print the plan")
+    v.add_argument("config")
+    v.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GPU memory for the estimate (default 80)")
+    with_overrides(v)
+
+    r = sub.add_parser("run", help="run the pipeline (fetch → convert → prepare → train → eval → register)")
+    r.add_argument("config")
+    r.add_argument("--run-id", default=None, help="default: <config name>-<UTC timestamp>")
+    with_overrides(r)
+
+    rs = sub.add_parser("resume", help="continue a run from its frozen config and latest checkpoint")
+    rs.add_argument("run_id")
+    rs.add_argument("--root", default="./grpoflow-data", help="storage.root of the run")
+    with_overrides(rs)
+
+    m = sub.add_parser("models", help="browse the model registry")
+    msub = m.add_subparsers(dest="models_cmd", required=True)
+    for name, helptext in (("list", "registered models, versions, aliases and eval metrics"),
+                           ("show", "one version: NAME, NAME@alias or NAME/version")):
+        sp = msub.add_parser(name, help=helptext)
+        if name == "show":
+            sp.add_argument("spec")
+        sp.add_argument("--tracking-uri", default=None, help="default: the SQLite store under --root")
+        sp.add_argument("--root", default="./grpoflow-data")
+
+    from cli.deploy import add_parsers
+    add_parsers(sub)  # deploy, serve
+    return p
+
+
+def _print_plan(cfg) -> None:
+    from runtime.plan.summary import plan_lines
+    for line in plan_lines(cfg):
+        print(line)
+
+
+def _summary(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"run {result['run_id']}", show_lines=False)
+    table.add_column("stage")
+    table.add_column("status")
+    table.add_column("output")
+    for stage in ("fetch", "convert", "prepare"):
+        res = result[stage]
+        status = "skipped (done before)" if res.get("skipped") else f"done in {res.get('seconds', 0)} s"
+        if stage == "fetch":
+            out = res["model_dir"]
+        elif stage == "convert":
+            out = f"{res['torch_dist']} (parity max|Δlogit| {res['parity']['max_abs_logit_diff']:.2e})"
+        else:
+            out = f"{res['train']['path']} ({res['train']['rows_out']} rows)" + "".join(
+                f", {v['path']} ({v['rows_out']} rows)" for v in res["eval"].values())
+        table.add_row(stage, status, out)
+    train = result.get("train") or {}
+    if train:
+        table.add_row("train", train.get("status", ""), train.get("summary", ""))
+    console.print(table)
+    # Plain lines, never wrapped, so they can be copied or grepped.
+    print(f"run directory:        {result['run_dir']}")
+    print(f"converted checkpoint: {result['convert']['torch_dist']}")
+    print(f"train data:           {result['prepare']['train']['path']}")
+    for name, res in result["prepare"]["eval"].items():
+        print(f"eval data ({name}): {res['path']}")
+    if train.get("checkpoint"):
+        print(f"final checkpoint:     {train['checkpoint']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from runtime.errors import TransientError, UserError
+
+    try:
+        if args.cmd == "validate":
+            from runtime.config import load_config
+            cfg = load_config(args.config, args.overrides)
+            from runtime.plan.summary import layout_lines, memory_lines
+            placement = layout_lines(cfg)  # before any output: a layout that cannot run is one line
+            _print_plan(cfg)
+            for line in placement + memory_lines(cfg, args.gpu_mem_gb):
+                print(line)
+            print("config is valid")
+            return 0
+        if args.cmd == "models":
+            from cli.models import models_list, models_show
+            if args.models_cmd == "list":
+                return models_list(args.tracking_uri, root=args.root)
+            return models_show(args.spec, args.tracking_uri, root=args.root)
+        _prefect_env()
+        _quiet_prefect_user_errors()
+        if args.cmd in ("deploy", "serve"):
+            from cli.deploy import deploy_command, serve_command
+            return deploy_command(args) if args.cmd == "deploy" else serve_command(args)
+        if args.cmd == "run":
+            from runtime.config import load_config
+            from runtime.plan.summary import default_run_id
+            cfg = load_config(args.config, args.overrides)
+            run_id = args.run_id or default_run_id(cfg)
+            print(f"run id: {run_id}")
+            _print_plan(cfg)
+            from flows.pipeline import grpo_pipeline
+            result = grpo_pipeline(config_path=args.config, overrides=args.overrides, run_id=run_id)
+        elif args.cmd == "resume":
+            from runtime.run.directory import RunDir
+            from runtime.run.frozen_config import frozen_config
+            rd = RunDir(args.root, args.run_id)
+            cfg = frozen_config(rd, args.overrides)  # unknown run id: fail before Prefect starts
+            from runtime.run.frozen_config import finished
+            if finished(cfg, rd):
+                print(f"run {args.run_id} is already finished ({cfg.train.num_rollout} rollouts); to train further, "
+                      f"resume it with --set train.num_rollout=N (N > {cfg.train.num_rollout})")
+                return 0
+            print(f"resuming run {args.run_id}")
+            from flows.pipeline import grpo_pipeline
+            result = grpo_pipeline(overrides=args.overrides, run_id=args.run_id, root=args.root, resume=True)
+        _summary(result)
+        return 0
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    except TransientError as err:
+        # still failing after the task's retries: nothing is lost, `grpoflow resume` continues later
+        print(f"error: {' '.join(str(err).split())} (still failing after retries; resume the run later)",
+              file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

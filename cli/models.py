@@ -1,0 +1,216 @@
+"""`grpoflow models list|show`: what the MLflow model registry holds for grpoflow checkpoints.
+
+``tracking_uri=None`` means the default SQLite store under ``root`` (what a run with a local
+storage.root and no tracking.uri writes to). Unknown models, versions or aliases are one-line
+UserErrors; an unreachable server a TransientError naming the URI.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from datetime import datetime, timezone
+
+from runtime.errors import UserError
+
+METRIC_TAG = "grpoflow.metric."
+
+
+def _uri(tracking_uri: str | None, root: str) -> str:
+    from runtime.tracking.mlflow_tracker import store_uri_for_root
+
+    return tracking_uri or store_uri_for_root(root)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 160, soft_wrap=False)
+
+
+def _store_missing(uri: str) -> bool:
+    from runtime.tracking.mlflow_tracker import sqlite_path
+
+    db = sqlite_path(uri)
+    return db is not None and not db.is_file()
+
+
+def _metrics(tags: dict[str, str]) -> dict[str, float]:
+    out = {}
+    for k, v in tags.items():
+        if k.startswith(METRIC_TAG):
+            try:
+                out[k[len(METRIC_TAG):]] = float(v)
+            except ValueError:
+                pass
+    return dict(sorted(out.items()))
+
+
+def _short_metric(name: str) -> str:
+    return name.removeprefix("eval/").replace("_at_", "@")
+
+
+def _aliases_by_version(aliases: dict[str, int]) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for alias, version in aliases.items():
+        out.setdefault(int(version), []).append(alias)
+    return {v: sorted(a) for v, a in out.items()}
+
+
+def _registered_models(client) -> list:
+    out, token = [], None
+    while True:
+        page = client.search_registered_models(max_results=1000, page_token=token)
+        out += list(page)
+        token = getattr(page, "token", None)
+        if not token:
+            return sorted(out, key=lambda m: m.name)
+
+
+def models_list(tracking_uri: str | None = None, root: str = "./grpoflow-data") -> int:
+    """Print every registered model version: model, version, aliases, rollout, run id, eval metrics."""
+    from rich.table import Table
+
+    from runtime.tracking.model_registry import aliases_of, all_versions
+    from runtime.tracking.mlflow_tracker import make_client, mlflow_errors, redact_uri
+
+    uri = _uri(tracking_uri, root)
+    console = _console()
+    if _store_missing(uri):
+        console.print(f"No registered models: no MLflow store at {redact_uri(uri)} (nothing registered yet).")
+        return 0
+    client = make_client(uri)
+    with mlflow_errors(uri, "list registered models"):
+        models = _registered_models(client)
+        rows = []
+        for m in models:
+            aliases = _aliases_by_version(aliases_of(client, m.name))
+            for v in sorted(all_versions(client, m.name), key=lambda v: int(v.version)):
+                metrics = _metrics(v.tags)
+                rows.append((m.name, str(v.version), ", ".join(aliases.get(int(v.version), [])),
+                             v.tags.get("grpoflow.rollout", ""), v.tags.get("grpoflow.run_id", ""),
+                             "  ".join(f"{_short_metric(k)}={val:.4g}" for k, val in metrics.items())))
+    if not rows:
+        console.print(f"No registered models in {redact_uri(uri)}.")
+        return 0
+    table = Table(title=f"registered models ({redact_uri(uri)})")
+    for col in ("model", "version", "aliases", "rollout", "run id", "eval metrics"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    return 0
+
+
+def parse_spec(spec: str) -> tuple[str, str | None, int | None]:
+    """``NAME`` / ``NAME@alias`` / ``NAME/version`` -> (name, alias, version)."""
+    spec = spec.strip()
+    if m := re.fullmatch(r"(.+)@([\w.\-]+)", spec):
+        return m.group(1), m.group(2), None
+    if m := re.fullmatch(r"(.+)/(\d+)", spec):
+        return m.group(1), None, int(m.group(2))
+    if not spec or "@" in spec or "/" in spec:
+        raise UserError(f"model spec {spec!r}: use NAME, NAME@alias or NAME/version (e.g. grpo@best, grpo/3)")
+    return spec, None, None
+
+
+def _load_snippet(source: str) -> str:
+    from runtime import storage
+
+    if source.startswith("file://"):
+        source = source[len("file://"):]
+    if not storage.is_remote(source):
+        return (f'from transformers import AutoModelForCausalLM, AutoTokenizer\n'
+                f'model = AutoModelForCausalLM.from_pretrained("{source}")\n'
+                f'tokenizer = AutoTokenizer.from_pretrained("{source}")')
+    return (f'import mlflow\n'
+            f'from transformers import AutoModelForCausalLM, AutoTokenizer\n'
+            f'path = mlflow.artifacts.download_artifacts("{source}")\n'
+            f'model = AutoModelForCausalLM.from_pretrained(path)\n'
+            f'tokenizer = AutoTokenizer.from_pretrained(path)')
+
+
+def models_show(spec: str, tracking_uri: str | None = None, root: str = "./grpoflow-data") -> int:
+    """Print one model version (``NAME`` = its newest version, as ``NAME@latest``): metrics, tags,
+    source, and how to load it."""
+    from mlflow.exceptions import MlflowException
+    from rich.table import Table
+
+    from runtime.tracking.model_registry import aliases_of
+    from runtime.tracking.mlflow_tracker import make_client, mlflow_errors, redact_uri
+
+    name, alias, version = parse_spec(spec)
+    uri = _uri(tracking_uri, root)
+    where = redact_uri(uri)
+    if _store_missing(uri):
+        raise UserError(f"unknown model '{name}': no MLflow store at {where} (give --tracking-uri, or --root of the runs)")
+    client = make_client(uri)
+    with mlflow_errors(uri, f"show {spec}"):
+        try:
+            client.get_registered_model(name)
+        except MlflowException as err:
+            if getattr(err, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            known = ", ".join(m.name for m in _registered_models(client)) or "none"
+            raise UserError(f"unknown model '{name}' in {where} (registered: {known}); "
+                            f"see `grpoflow models list`") from None
+        aliases = aliases_of(client, name)  # "latest" = the newest version
+        if alias is not None:
+            if alias not in aliases:
+                raise UserError(f"model '{name}' has no alias '{alias}' (aliases: "
+                                f"{', '.join(sorted(aliases)) or 'none'})")
+            version = aliases[alias]
+        elif version is None:
+            if "latest" not in aliases:
+                raise UserError(f"model '{name}' has no versions yet")
+            version = aliases["latest"]
+        try:
+            mv = client.get_model_version(name, str(version))
+        except MlflowException as err:
+            if getattr(err, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            raise UserError(f"model '{name}' has no version {version}; see `grpoflow models list`") from None
+
+    console = _console()
+    mine = sorted(a for a, v in aliases.items() if v == int(mv.version))
+    created = datetime.fromtimestamp(mv.creation_timestamp / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    console.print(f"[bold]{name}[/bold] version {mv.version}" + (f"  (aliases: {', '.join(mine)})" if mine else ""))
+    console.print(f"source:        {mv.source}", markup=False, highlight=False)
+    export_uri = mv.tags.get("grpoflow.export_uri")
+    if export_uri and export_uri != mv.source:
+        console.print(f"export:        {export_uri}", markup=False, highlight=False)
+    console.print(f"grpoflow run:  {mv.tags.get('grpoflow.run_id', '?')}  rollout {mv.tags.get('grpoflow.rollout', '?')}",
+                  markup=False, highlight=False)
+    console.print(f"mlflow run:    {mv.run_id or '-'}", markup=False, highlight=False)
+    console.print(f"created:       {created}", markup=False, highlight=False)
+    metrics = _metrics(mv.tags)
+    if metrics:
+        table = Table(title="metrics")
+        table.add_column("metric", overflow="fold")
+        table.add_column("value", justify="right")
+        primary = mv.tags.get("grpoflow.primary_metric")
+        for k, v in metrics.items():
+            table.add_row(_short_metric(k) + ("  (primary)" if k == primary else ""), f"{v:.6g}")
+        console.print(table)
+    others = {k: v for k, v in sorted(mv.tags.items()) if not k.startswith(METRIC_TAG)}
+    if others:
+        table = Table(title="tags")
+        table.add_column("tag", overflow="fold")
+        table.add_column("value", overflow="fold")
+        for k, v in others.items():
+            table.add_row(k, v)
+        console.print(table)
+    console.print("load it with:")
+    console.print(_load_snippet(_loadable(export_uri, mv.source)), markup=False, highlight=False)
+    return 0
+
+
+def _loadable(export_uri: str | None, source: str) -> str:
+    """The local export dir when it is on this machine (a server registers an uploaded copy), else the source."""
+    from pathlib import Path
+
+    if export_uri and "://" not in export_uri and Path(export_uri).is_dir():
+        return export_uri
+    return source
+
+
+__all__ = ["models_list", "models_show", "parse_spec"]

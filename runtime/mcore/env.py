@@ -1,0 +1,358 @@
+"""Everything megatron-core needs to run, in one place: process groups, the CPU shims, and the
+GPTModel builder.
+
+megatron-core assumes CUDA in a few places (``torch.cuda.current_device()`` used as a device,
+``torch.cuda.synchronize()`` in the torch_dist writer, ``device='cuda'`` scalars in its optimizer
+wrappers, a CUDA RNG tracker). On CPU we patch exactly those and nothing else; on CUDA nothing is
+patched. The shims are installed by :func:`init_parallel` and removed by :func:`destroy_parallel`.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import warnings
+from typing import Any
+
+# megatron warns at import time that TE/apex are missing; on CPU that is the expected state.
+warnings.filterwarnings("ignore", message=r".*Transformer Engine and Apex are not installed.*")
+warnings.filterwarnings("ignore", message=r".*Apex is not installed.*")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+from megatron.core import parallel_state as mpu  # noqa: E402
+from megatron.core import tensor_parallel  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
+
+from runtime.placement.ports import free_port  # noqa: E402  (re-exported: callers set up ranks with it)
+
+_state: dict[str, Any] = {"device": None, "saved_cuda_fns": None}
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', not {device!r}")
+    return device
+
+
+def _install_cpu_shims() -> None:
+    if _state["saved_cuda_fns"] is not None:
+        return
+    _state["saved_cuda_fns"] = (torch.cuda.current_device, torch.cuda.synchronize)
+    # megatron passes current_device() as a device argument (RoPE buffers, DDP grad buffers,
+    # optimizer scalars); "cpu" makes those land on CPU.
+    torch.cuda.current_device = lambda: "cpu"
+    # the torch_dist writer synchronises after device-to-host copies
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+def _remove_cpu_shims() -> None:
+    saved = _state["saved_cuda_fns"]
+    if saved is not None:
+        torch.cuda.current_device, torch.cuda.synchronize = saved
+        _state["saved_cuda_fns"] = None
+
+
+def parallel_device() -> str | None:
+    """The device :func:`init_parallel` set up for ("cpu"/"cuda"), None before it ran."""
+    return _state["device"] if dist.is_initialized() else None
+
+
+def init_parallel(rank: int = 0, world_size: int = 1, tp: int = 1, master_addr: str = "127.0.0.1",
+                  master_port: int | None = None, device: str = "cpu", seed: int = 1234) -> None:
+    """Start torch.distributed (gloo on CPU, nccl on CUDA) and megatron's model-parallel groups.
+
+    Idempotent: when torch.distributed is already up with the same rank and world size, only the
+    model-parallel state is (re)built for ``tp``. ``master_port=None`` uses $MASTER_PORT, or a free
+    port for a single process. ``seed`` seeds megatron's CUDA RNG tracker (CUDA only; on CPU the
+    inference tracker is used, whose ``fork()`` is a no-op: dropout is 0 in every model we build).
+    """
+    device = _resolve_device(device)
+    if dist.is_initialized():
+        if dist.get_rank() != rank or dist.get_world_size() != world_size:
+            raise RuntimeError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, not rank {rank} of {world_size}")
+        if _state["device"] is None:  # initialised by someone else (torchrun, a test harness)
+            _state["device"] = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device = _state["device"]
+    else:
+        if master_port is None:
+            if os.environ.get("MASTER_PORT"):
+                master_port = int(os.environ["MASTER_PORT"])
+            elif world_size == 1:
+                master_port = free_port(master_addr)
+            else:
+                raise ValueError("init_parallel: master_port (or $MASTER_PORT) is required for world_size > 1")
+        if device == "cuda":
+            local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(
+            backend="nccl" if device == "cuda" else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30))
+        _state["device"] = device
+
+    if device == "cpu":
+        _install_cpu_shims()
+    if mpu.model_parallel_is_initialized():
+        if mpu.get_tensor_model_parallel_world_size() == tp:
+            return
+        mpu.destroy_model_parallel()
+    if world_size % tp:
+        raise ValueError(f"init_parallel: world_size {world_size} is not a multiple of tp {tp}")
+    mpu.initialize_model_parallel(tp, 1)
+    if device == "cpu":
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    else:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def ensure_parallel(device: str = "cpu") -> None:
+    """``init_parallel()`` for a single process unless torch.distributed is already up."""
+    if not dist.is_initialized():
+        init_parallel(device=device)
+    elif not mpu.model_parallel_is_initialized():
+        init_parallel(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+
+
+def destroy_parallel() -> None:
+    """Tear down model-parallel groups and torch.distributed, and remove the CPU shims."""
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _remove_cpu_shims()
+    _state["device"] = None
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites ``device='cuda'`` (or ``'cuda:N'``, or an int) in every torch call to CPU.
+
+    megatron's optimizer wrappers allocate scalars on a hard-coded CUDA device and assert that
+    parameters are ``torch.cuda.FloatTensor``; both are answered here without touching real CUDA.
+    """
+
+    @staticmethod
+    def _fix(device):
+        if isinstance(device, str) and device.startswith("cuda"):
+            return "cpu"
+        if isinstance(device, torch.device) and device.type == "cuda":
+            return torch.device("cpu")
+        if isinstance(device, int) and not isinstance(device, bool):
+            return "cpu"
+        return device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], self._fix(args[1]), *args[2:])
+        if "device" in kwargs:
+            kwargs["device"] = self._fix(kwargs["device"])
+        return func(*args, **kwargs)
+
+
+def cuda_to_cpu() -> contextlib.AbstractContextManager:
+    """Context for megatron calls that hard-code CUDA (``get_megatron_optimizer``,
+    ``optimizer.step()``, ``sharded_state_dict``, dist_checkpointing save/load). A no-op on CUDA."""
+    device = parallel_device() or ("cuda" if torch.cuda.is_available() else "cpu")
+    return _CudaToCpuMode() if device == "cpu" else contextlib.nullcontext()
+
+
+def build_transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                             init_weights: bool = True, **overrides):
+    """megatron ``TransformerConfig`` for an HF config: the family's architecture fields plus the
+    settings RL post-training wants (no dropout, none of the fusions that need TE/apex). On CUDA the
+    pure-PyTorch fusions of :mod:`runtime.mcore.fusions` (RoPE, SwiGLU, bias-dropout-add) are on
+    unless $GRPOFLOW_TRAINER_FUSIONS says otherwise; on CPU all are off."""
+    from megatron.core.transformer import TransformerConfig
+
+    from runtime.mcore import fusions as megatron_fusions
+    from runtime.models import get_adapter
+
+    kwargs = get_adapter(hf_config).transformer_config_kwargs(hf_config)
+    device = _resolve_device(device)
+    kwargs.update(
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=device == "cpu",
+        perform_initialization=init_weights,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+    # apply_rope_fusion, bias_activation_fusion, bias_dropout_fusion: False on CPU
+    kwargs.update(megatron_fusions.config_kwargs(device, {**kwargs, **overrides}))
+    if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__:
+        # 0.16's default "full" warns as deprecated on every build; [] means the same thing.
+        kwargs["cuda_graph_scope"] = []
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                    init_weights: bool = True, parallel_output: bool = True, **config_overrides):
+    """A megatron ``GPTModel`` with the architecture of ``hf_config`` and its family's layer spec
+    (``adapter.layer_spec``: megatron-core's local spec unless the family needs its own).
+
+    ``init_weights=False`` skips the random init (the weights are garbage until loaded): use it
+    when a checkpoint is loaded right after. Calls :func:`ensure_parallel` first.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    from runtime.models import get_adapter
+
+    device = _resolve_device(device)
+    ensure_parallel(device)
+    config = build_transformer_config(hf_config, dtype=dtype, device=device, init_weights=init_weights,
+                                      **config_overrides)
+    adapter = get_adapter(hf_config)
+    spec = adapter.layer_spec(hf_config)
+    if device == "cuda":
+        spec = _with_flash_core_attention(spec)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        pre_process=True,
+        post_process=True,
+        parallel_output=parallel_output,
+        **adapter.gpt_model_kwargs(hf_config),
+    )
+    if not init_weights:
+        _mark_tensor_parallel_params(model)
+    if device == "cuda":
+        model = model.cuda(torch.cuda.current_device())
+    if dtype in (torch.bfloat16, torch.float16):
+        # What megatron's Float16Module does to the model it wraps: every parameter (and floating
+        # buffer) in the low-precision dtype. The local spec builds its norms in fp32 otherwise, and
+        # megatron's mixed-precision optimizer then has fp32 params that its sharded state dict
+        # cannot place ("Param id N does not match any model sharded param" at save).
+        model = model.to(dtype=dtype)
+    return model
+
+
+def _mark_tensor_parallel_params(model) -> None:
+    """Set the TP attributes megatron's init would have set (it skips them with perform_initialization
+    off on CPU); grad-norm de-duplication and our TP gathers read them."""
+    from megatron.core.tensor_parallel import layers as tpl
+    for module in model.modules():
+        if isinstance(module, (tpl.ColumnParallelLinear, tpl.VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, tpl.RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        w = getattr(module, "weight", None)
+        if w is not None and not getattr(w, "tensor_model_parallel", False):
+            tpl.set_tensor_model_parallel_attributes(w, True, dim, 1)
+        b = getattr(module, "bias", None)
+        if dim == 0 and b is not None and not getattr(b, "tensor_model_parallel", False):
+            tpl.set_tensor_model_parallel_attributes(b, True, 0, 1)
+    for p in model.parameters():
+        tpl.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+
+
+def _with_flash_core_attention(spec):
+    """The layer spec with megatron's unfused ``DotProductAttention`` (it materialises [b, h, s, s]
+    scores) replaced by :class:`SdpaCoreAttention` (FlashAttention through torch SDPA). CUDA only;
+    GRPOFLOW_MEGATRON_ATTENTION=local keeps megatron's."""
+    import copy
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if os.environ.get("GRPOFLOW_MEGATRON_ATTENTION", "sdpa") == "local":
+        return spec
+    attn = getattr(getattr(spec, "submodules", None), "self_attention", None)
+    sub = getattr(attn, "submodules", None)
+    if sub is None or getattr(sub, "core_attention", None) is not DotProductAttention:
+        return spec
+    spec = copy.deepcopy(spec)
+    spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    return spec
+
+
+class SdpaCoreAttention(MegatronModule):
+    """Drop-in for megatron's local ``DotProductAttention``: the same [s, b, h, d] in and
+    [s, b, h*d] out, computed by ``F.scaled_dot_product_attention`` (flash kernel on CUDA).
+
+    For the causal mask type (every self-attention layer we build) the causal structure is
+    applied by the kernel and the passed mask is not read: the trainer's mask is exactly the
+    causal one, and right padding never reaches a real token under it. Other mask types use the
+    mask (True = masked out, megatron's convention).
+
+    Grouped-query attention: K/V keep their own (fewer) heads and SDPA broadcasts them
+    (``enable_gqa=True``, cuDNN and flash take it natively) unless the ``gqa`` fusion is off
+    ($GRPOFLOW_TRAINER_FUSIONS, see :mod:`runtime.mcore.fusions`) or torch < 2.5; then they are
+    ``repeat_interleave``-d to every query head first. No copies otherwise: q/k/v go in as permuted
+    views of megatron's [s, b, h, d], and the output comes back as a view when the kernel wrote it
+    in that layout (cuDNN allocates it like the query)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **_ignored):
+        from runtime.mcore import fusions as megatron_fusions
+
+        super().__init__(config=config)
+        tp = pg_collection.tp.size() if pg_collection is not None else mpu.get_tensor_model_parallel_world_size()
+        self.heads = config.num_attention_heads // tp
+        self.groups = max(config.num_query_groups // tp, 1)
+        self.head_dim = config.kv_channels
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        # this module is only built on CUDA (_with_flash_core_attention)
+        self.native_gqa = "gqa" in megatron_fusions.active("cuda") and megatron_fusions.sdpa_supports_gqa()
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        assert packed_seq_params is None and attention_bias is None
+        sq, b = query.shape[0], query.shape[1]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d] views
+        gqa = {}
+        if self.heads != k.shape[1]:
+            if self.native_gqa:
+                gqa = {"enable_gqa": True}
+            else:
+                rep = self.heads // k.shape[1]
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type == AttnMaskType.causal
+        mask = None if causal or attention_mask is None else ~attention_mask
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0, **gqa)
+        # [b, h, s, d] -> [s, b, h*d]: a view when `out` is laid out as [s, b, h, d], else one copy
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
+
+
+
+def causal_attention_mask(batch: int, seq_len: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """megatron's mask convention: True = masked out, shape [b, 1, s, s]."""
+    mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)
+    return mask.view(1, 1, seq_len, seq_len).expand(batch, 1, seq_len, seq_len)
+
+
+def unwrap_model(model):
+    """The GPTModel inside DDP/Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+__all__ = [
+    "init_parallel", "ensure_parallel", "destroy_parallel", "parallel_device", "cuda_to_cpu",
+    "build_transformer_config", "build_gpt_model", "causal_attention_mask", "unwrap_model", "free_port",
+]

@@ -1,0 +1,270 @@
+"""Where the trainer ranks and the rollout engine live: in this process, or as Ray actors.
+
+Ray is the launcher, not the design: both backends hand back a `Group` whose `call(method, ...)`
+runs a method on every member and returns the results in rank order.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from runtime.placement import layout
+from runtime.config import GrpoConfig
+from runtime.errors import ConfigError
+from runtime.placement.ports import free_port
+from runtime.placement.subprocess_group import SubprocessGroup
+
+
+class _Done:
+    def __init__(self, results: list[Any]):
+        self._results = results
+
+    def get(self) -> list[Any]:
+        return self._results
+
+
+class LocalGroup:
+    """Members in this process: a call runs them one after another."""
+
+    def __init__(self, members: list[Any]):
+        self.members = members
+
+    def call(self, method: str, *args, **kwargs) -> list[Any]:
+        return [getattr(m, method)(*args, **kwargs) for m in self.members]
+
+    def submit(self, method: str, *args, **kwargs) -> _Done:
+        return _Done(self.call(method, *args, **kwargs))
+
+    def kill(self) -> None:
+        self.members = []
+
+
+class _RayPending:
+    def __init__(self, refs):
+        self._refs = refs
+
+    def get(self) -> list[Any]:
+        import ray
+        return ray.get(self._refs)
+
+
+class RayGroup:
+    def __init__(self, actors: list[Any]):
+        self.actors = actors
+
+    def submit(self, method: str, *args, **kwargs) -> _RayPending:
+        import ray
+        # Put large arguments once in the object store instead of once per actor.
+        args = tuple(ray.put(a) if len(self.actors) > 1 and not isinstance(a, (int, float, str, type(None))) else a
+                     for a in args)
+        return _RayPending([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def call(self, method: str, *args, **kwargs) -> list[Any]:
+        return self.submit(method, *args, **kwargs).get()
+
+    def kill(self) -> None:
+        import ray
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead is fine
+                pass
+        self.actors = []
+
+
+def resolve_device(cfg: GrpoConfig) -> str:
+    if cfg.cluster.device != "auto":
+        return cfg.cluster.device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(cfg: GrpoConfig, device: str) -> str:
+    if cfg.model.dtype != "auto":
+        return cfg.model.dtype
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+class Cluster:
+    """One connection to wherever the actors run, held for a whole train stage.
+
+    Placement (`runtime.placement.layout`): trainer rank r on GPU r, the engine on GPU 0 when colocated, else
+    on the first GPU after the trainer's. Under `cluster.backend: local` the trainer runs in this
+    process when it is one rank sharing the engine's device, else one spawned process per rank.
+    """
+
+    def __init__(self, cfg: GrpoConfig, hf_config=None):
+        self.cfg = cfg
+        self.backend = cfg.cluster.backend
+        self.device = resolve_device(cfg)
+        self.dtype = resolve_dtype(cfg, self.device)
+        self._pg = None
+        self._ray_started_here = False
+        self.weight_sync = layout.weight_sync_mode(cfg)
+        gpus = None
+        if self.backend == "local" and self.device == "cuda":
+            import torch
+            gpus = torch.cuda.device_count()
+        layout.check_layout(cfg, hf_config=hf_config, gpus_available=gpus)
+
+    @property
+    def trainer_in_subprocesses(self) -> bool:
+        return self.backend == "local" and (layout.trainer_world_size(self.cfg) > 1 or self.weight_sync == "broadcast")
+
+    @property
+    def engine_device(self) -> str:
+        if self.device != "cuda" or self.backend == "ray":  # Ray sets each actor's visible GPU
+            return self.device
+        return f"cuda:{layout.engine_gpu(self.cfg)}"
+
+    @property
+    def _engine_shares_gpu(self) -> bool:
+        """Ray, colocated on GPUs: the engine joins trainer rank 0's bundle and its GPU, half each."""
+        c = self.cfg.cluster
+        return self.backend == "ray" and c.colocate and c.trainer_gpus > 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> "Cluster":
+        if self.backend != "ray":
+            return self
+        import ray
+        if not ray.is_initialized():
+            c = self.cfg.cluster
+            kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
+                                  "ignore_reinit_error": True}
+            if c.address:
+                kw["address"] = c.address
+            else:
+                # Logical CPUs: a placement group counts bundles, not cores, so DP ranks plus an
+                # engine fit on a 2-core machine.
+                kw["num_cpus"] = c.num_cpus or max(os.cpu_count() or 1, layout.trainer_world_size(self.cfg) + 1)
+                kw["_node_ip_address"] = "127.0.0.1"
+                if os.environ.get("GRPOFLOW_RAY_TEMP_DIR"):
+                    kw["_temp_dir"] = os.environ["GRPOFLOW_RAY_TEMP_DIR"]
+                if os.environ.get("GRPOFLOW_RAY_OBJECT_STORE_MB"):
+                    kw["object_store_memory"] = int(os.environ["GRPOFLOW_RAY_OBJECT_STORE_MB"]) * 2**20
+            ray.init(**kw)
+            self._ray_started_here = True
+        layout.check_gpus(self.cfg, int(ray.cluster_resources().get("GPU", 0)), where="the Ray cluster")
+        self._place()
+        return self
+
+    def _place(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        c = self.cfg.cluster
+        n = layout.trainer_world_size(self.cfg)
+        trainer_bundle = {"CPU": 1, **({"GPU": 1} if c.trainer_gpus else {})}
+        engine_bundle = {"CPU": 1, **({"GPU": 1} if c.rollout_gpus and not c.colocate else {})}
+        bundles = [trainer_bundle] * n + ([] if self._engine_shares_gpu else [engine_bundle])
+        pg = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(pg.ready(), timeout=c.placement_timeout_s)
+        except Exception:  # GetTimeoutError
+            remove_placement_group(pg)
+            avail = ray.available_resources()
+            raise ConfigError(
+                f"the Ray cluster cannot place {len(bundles)} bundles {bundles} within "
+                f"cluster.placement_timeout_s={c.placement_timeout_s:g} s (available: "
+                f"{ {k: v for k, v in avail.items() if k in ('CPU', 'GPU')} }); lower train.data_parallel / "
+                f"tensor_parallel or cluster.*_gpus, or add nodes") from None
+        self._pg = pg
+
+    def shutdown(self) -> None:
+        if self.backend != "ray":
+            return
+        import ray
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+            try:
+                remove_placement_group(self._pg)
+            except Exception:  # noqa: BLE001
+                pass
+            self._pg = None
+        if self._ray_started_here and ray.is_initialized():
+            ray.shutdown()
+
+    # -- actors --------------------------------------------------------------------------------
+    def _threads(self) -> int:
+        return max(1, (os.cpu_count() or 1) // (layout.trainer_world_size(self.cfg) + (0 if self.cfg.cluster.colocate else 1)))
+
+    def trainer_group(self, in_subprocesses: bool | None = None, **trainer_kwargs) -> LocalGroup | RayGroup | SubprocessGroup:
+        """in_subprocesses (local backend): None decides by the layout; True forces one process per rank."""
+        from runtime.trainer.megatron_trainer import MegatronTrainer
+        n = layout.trainer_world_size(self.cfg)
+        common = dict(trainer_kwargs, world_size=n, device=self.device, dtype=self.dtype)
+        own = self.trainer_in_subprocesses if in_subprocesses is None else (in_subprocesses or n > 1)
+        if self.backend == "local" and not own:
+            return LocalGroup([MegatronTrainer(rank=0, master_port=free_port(), **common)])
+        port = free_port()
+        if self.backend == "local":
+            return SubprocessGroup(
+                "runtime.trainer.megatron_trainer:MegatronTrainer",
+                [dict(common, rank=r, master_port=port, num_threads=self._threads()) for r in range(n)],
+                [{"LOCAL_RANK": str(r)} for r in range(n)])
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        gpus = (0.5 if self._engine_shares_gpu else 1) if self.cfg.cluster.trainer_gpus else 0
+        cls = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(MegatronTrainer)
+        actors = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=self._pg, placement_group_bundle_index=r)).remote(
+                rank=r, master_addr="127.0.0.1" if not self.cfg.cluster.address else _node_ip(),
+                master_port=port, num_threads=self._threads(), **common) for r in range(n)]
+        group = RayGroup(actors)
+        group.call("ping")  # surface construction errors here, not at the first rollout
+        return group
+
+    def engine(self, model_dir: str) -> LocalGroup | RayGroup:
+        from runtime.rollout.factory import make_engine
+        kwargs = dict(cfg=self.cfg, model_dir=model_dir, device=self.engine_device, dtype=self.dtype)
+        if self.backend == "local":
+            if self.engine_device.startswith("cuda:"):
+                import torch
+                torch.cuda.set_device(int(self.engine_device.split(":")[1]))  # CUDA graphs capture on it
+            return LocalGroup([make_engine(**kwargs)])
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        shared = self._engine_shares_gpu
+        gpus = 0.5 if shared else (1 if self.cfg.cluster.rollout_gpus and not self.cfg.cluster.colocate else 0)
+        actor = ray.remote(num_cpus=0 if shared else 1, num_gpus=gpus, max_restarts=0)(_EngineHost).options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=0 if shared else layout.trainer_world_size(self.cfg))).remote(
+                    num_threads=self._threads(), **kwargs)
+        group = RayGroup([actor])
+        group.call("health")
+        return group
+
+
+class _EngineHost:
+    """A Ray actor holding one rollout engine; forwards the engine interface (`_ENGINE_METHODS`).
+    Ray calls only methods defined on the class, hence one forwarder per name rather than __getattr__."""
+
+    def __init__(self, num_threads: int | None = None, **kwargs):
+        import torch
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        from runtime.rollout.factory import make_engine
+        self.engine = make_engine(**kwargs)
+
+    def pid(self):
+        return os.getpid()
+
+
+_ENGINE_METHODS = ("generate", "update_weights", "health", "logprobs_of", "release_memory", "weight_sync_ranks",
+                   "init_weight_sync", "receive_weights", "weight_sync_ready")
+
+
+def _forwarder(name: str):
+    def forward(self, *a, **k):
+        return getattr(self.engine, name)(*a, **k)
+    forward.__name__ = name
+    return forward
+
+
+for _name in _ENGINE_METHODS:
+    setattr(_EngineHost, _name, _forwarder(_name))
+
+
+def _node_ip() -> str:
+    import ray
+    return ray.util.get_node_ip_address()

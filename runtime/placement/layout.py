@@ -1,0 +1,76 @@
+"""Where a run's pieces go: trainer ranks, rollout GPUs, weight-sync path, and the checks that the
+layout fits the model and the GPUs on offer. Every problem is one line naming the fields to change."""
+from __future__ import annotations
+
+from runtime.config import GrpoConfig
+from runtime.errors import ConfigError
+
+
+def trainer_world_size(cfg: GrpoConfig) -> int:
+    return cfg.train.data_parallel * cfg.train.tensor_parallel
+
+
+def engine_gpu(cfg: GrpoConfig) -> int:
+    """Index of the built-in engine's GPU on its host: shared with trainer rank 0, or the next one free."""
+    c = cfg.cluster
+    return 0 if c.colocate or not c.rollout_gpus else max(c.trainer_gpus, trainer_world_size(cfg))
+
+
+def gpus_needed(cfg: GrpoConfig) -> int:
+    c = cfg.cluster
+    return c.trainer_gpus + (0 if c.colocate else c.rollout_gpus)
+
+
+def weight_sync_mode(cfg: GrpoConfig) -> str:
+    """`direct`: the trainer hands tensors over (in-process, CUDA IPC, Ray's object store, or the
+    SGLang engine's own disk/tensor path); `broadcast`: a torch.distributed group, trainer rank 0 to
+    every engine rank (NCCL between GPUs, gloo on CPU)."""
+    c = cfg.cluster
+    if c.weight_sync != "auto":
+        return c.weight_sync
+    return "broadcast" if (not c.colocate and c.rollout_gpus > 0) else "direct"
+
+
+def check_layout(cfg: GrpoConfig, hf_config=None, gpus_available: int | None = None) -> None:
+    """Raise ConfigError when the parallel layout cannot run: model shapes vs TP, rollout GPUs vs
+    engines, and (when known) the GPUs of this host or cluster."""
+    c, t, r = cfg.cluster, cfg.train, cfg.rollout
+    tp = t.tensor_parallel
+    if hf_config is not None:
+        heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
+        kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        if heads and heads % tp:
+            raise ConfigError(f"train.tensor_parallel={tp} does not divide the model's {heads} attention heads; "
+                              f"use a divisor of {heads}")
+        if kv and kv % tp:
+            raise ConfigError(f"train.tensor_parallel={tp} does not divide the model's {kv} key/value heads; "
+                              f"use a divisor of {kv}")
+        vocab = int(getattr(hf_config, "vocab_size", 0) or 0)
+        if vocab and vocab % tp:
+            raise ConfigError(f"train.tensor_parallel={tp} does not divide the vocabulary ({vocab}); use a divisor")
+    if r.engine == "builtin" and c.rollout_gpus > 1:
+        raise ConfigError(f"cluster.rollout_gpus={c.rollout_gpus}: the built-in engine runs on one GPU; set "
+                          f"cluster.rollout_gpus=1, or rollout.engine=sglang with sglang_num_engines × "
+                          f"sglang_tp_size = {c.rollout_gpus}")
+    if r.engine == "sglang" and c.rollout_gpus and c.rollout_gpus != r.sglang_num_engines * r.sglang_tp_size:
+        raise ConfigError(f"cluster.rollout_gpus={c.rollout_gpus} but rollout.sglang_num_engines × sglang_tp_size = "
+                          f"{r.sglang_num_engines} × {r.sglang_tp_size}; make them equal")
+    if c.colocate and c.trainer_gpus and c.rollout_gpus > c.trainer_gpus:
+        raise ConfigError(f"cluster.colocate=true shares the trainer's {c.trainer_gpus} GPU(s), but "
+                          f"cluster.rollout_gpus={c.rollout_gpus}; lower rollout_gpus or set colocate=false")
+    if cfg.cluster.weight_sync == "broadcast" and c.backend == "local" and c.colocate and c.trainer_gpus:
+        raise ConfigError("cluster.weight_sync=broadcast needs the engine on GPUs of its own (NCCL cannot join two "
+                          "ranks on one GPU); set cluster.colocate=false, or weight_sync=auto")
+    if gpus_available is not None:
+        check_gpus(cfg, gpus_available, where="this machine")
+
+
+def check_gpus(cfg: GrpoConfig, gpus_available: int, where: str) -> None:
+    need = gpus_needed(cfg)
+    if need > gpus_available:
+        c = cfg.cluster
+        raise ConfigError(
+            f"the layout needs {need} GPU(s) (cluster.trainer_gpus={c.trainer_gpus}"
+            + ("" if c.colocate else f" + rollout_gpus={c.rollout_gpus}")
+            + f") but {where} has {gpus_available}; lower train.data_parallel / tensor_parallel or "
+            f"cluster.*_gpus, or add GPUs")

@@ -1,0 +1,142 @@
+"""Actors without Ray: one spawned process per member, driven over a pipe.
+
+`cluster.backend: local` with several trainer ranks (or a trainer on a GPU of its own) runs each
+rank here, the same class a Ray actor would hold. Results come back through torch's pickler, so
+CUDA tensors travel as IPC handles (no copy) and CPU tensors through shared memory.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import traceback
+import weakref
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from runtime.errors import TransientError
+
+
+class ProcessDiedError(TransientError):
+    """A member process exited; the chunk is rebuilt from the newest checkpoint on retry."""
+
+
+class RemoteError(RuntimeError):
+    """An exception raised in a member that could not be sent back as itself."""
+
+
+def _portable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - unpicklable exception types come back as text
+        return RemoteError(f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_exception(exc))}")
+
+
+def _serve(conn, target: str, kwargs: dict, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    module, _, name = target.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module), name)(**kwargs)
+        conn.send(("ok", os.getpid()))
+    except BaseException as exc:  # noqa: BLE001 - reported to the driver, which raises it
+        conn.send(("err", _portable(exc)))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the driver is gone
+            return
+        if msg is None:
+            return
+        method, args, kw = msg
+        try:
+            reply = ("ok", getattr(obj, method)(*args, **kw))
+        except BaseException as exc:  # noqa: BLE001
+            reply = ("err", _portable(exc))
+        try:
+            conn.send(reply)
+        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable result
+            conn.send(("err", _portable(exc)))
+
+
+class _Member:
+    def __init__(self, ctx, target: str, kwargs: dict, env: dict[str, str]):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, target, kwargs, env), daemon=False)
+        self.proc.start()
+        child.close()
+
+    def recv(self, what: str) -> Any:
+        while not self.conn.poll(1.0):
+            if not self.proc.is_alive():
+                break
+        try:
+            status, value = self.conn.recv()
+        except (EOFError, OSError):
+            self.proc.join(5)
+            raise ProcessDiedError(f"{what}: process {self.proc.pid} exited (code {self.proc.exitcode})") from None
+        if status == "err":
+            raise value
+        return value
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        try:
+            self.conn.send(None)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self.proc.join(grace_s)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+class Pending:
+    """Calls sent to every member; `get()` collects the results in rank order."""
+
+    def __init__(self, members: list[_Member], method: str):
+        self.members, self.method = members, method
+
+    def get(self) -> list[Any]:
+        results, first_error = [], None
+        for m in self.members:  # drain every reply, so the pipes stay in step after an error
+            try:
+                results.append(m.recv(self.method))
+            except BaseException as exc:  # noqa: BLE001
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+        return results
+
+
+class SubprocessGroup:
+    """`call(method, ...)` runs on every member at once and returns results in rank order."""
+
+    def __init__(self, target: str, member_kwargs: list[dict], member_env: list[dict[str, str]] | None = None):
+        ctx = mp.get_context("spawn")
+        envs = member_env or [{} for _ in member_kwargs]
+        self.members = [_Member(ctx, target, kw, env) for kw, env in zip(member_kwargs, envs)]
+        self._finalizer = weakref.finalize(self, _stop_all, list(self.members))
+        self.pids = Pending(self.members, f"starting {target}").get()
+
+    def submit(self, method: str, *args, **kwargs) -> Pending:
+        for m in self.members:
+            try:
+                m.conn.send((method, args, kwargs))
+            except (BrokenPipeError, OSError):
+                raise ProcessDiedError(f"{method}: process {m.proc.pid} is gone (code {m.proc.exitcode})") from None
+        return Pending(self.members, method)
+
+    def call(self, method: str, *args, **kwargs) -> list[Any]:
+        return self.submit(method, *args, **kwargs).get()
+
+    def kill(self) -> None:
+        self._finalizer()
+        self.members = []
+
+
+def _stop_all(members: list[_Member]) -> None:
+    for m in members:
+        m.stop()

@@ -1,0 +1,212 @@
+"""Training checkpoints: complete state written under a temp name, renamed, verified on load.
+
+`checkpoints/rollout_<N>/` holds `model/` (torch_dist model + optimizer + LR schedule),
+`trainer_state.json` (rollouts done, data cursor, metrics of the chunk) and `manifest.json` (every
+file with its size and sha256), written last. `checkpoints/latest` names the newest complete one and
+is replaced atomically after it. A checkpoint whose manifest does not match is skipped on load.
+
+On a remote run directory (s3://...) a checkpoint is written into the local scratch dir exactly as
+locally, then uploaded to ``checkpoints/rollout_<N>/`` with ``manifest.json`` last, and only then is
+``latest`` replaced (one PUT): a half-uploaded checkpoint has no manifest and is never taken. Remote
+checkpoints are verified by size against their manifest; ``Checkpoint.path`` is a local copy
+(downloaded on first use, verified by sha256 when it was just downloaded).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from runtime import storage
+from runtime.errors import TransientError
+from runtime.run.directory import RunDir
+
+log = logging.getLogger("grpoflow.checkpoint")
+MANIFEST = "manifest.json"
+STATE = "trainer_state.json"
+
+
+@dataclass
+class Checkpoint:
+    rollout: int
+    uri: str  # where it lives: a local dir or a remote prefix
+    state: dict
+    state_dir: str | None = None  # storage.state_dir: where a remote checkpoint is staged
+
+    @property
+    def path(self) -> str:
+        """A local directory holding this checkpoint (a remote one is downloaded once, then reused)."""
+        return stage(self.uri, self.state_dir)
+
+
+def stage(uri: str, state_dir: str | None = None) -> str:
+    """A local copy of the checkpoint at ``uri``; a fresh download is checked against the manifest (sha256)."""
+    if not storage.is_remote(uri):
+        return str(uri)
+    local, fresh = storage.stage(uri, state_dir)
+    if fresh:
+        problem = verify(local)
+        if problem is not None:
+            storage.forget_staged(local)
+            raise TransientError(f"checkpoint {uri}: the downloaded copy is damaged ({problem}); retry")
+    return local
+
+
+def read_state(path: str) -> dict:
+    """``trainer_state.json`` of the checkpoint at ``path`` (local or remote)."""
+    return storage.read_json(storage.join(str(path), STATE))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(root: Path) -> dict:
+    files = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            files[str(p.relative_to(root))] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    return {"files": files}
+
+
+def verify(path: str) -> str | None:
+    """None when the checkpoint at `path` is complete and intact, else what is wrong.
+    Local: sizes and sha256 of every file. Remote: sizes (the sha256 is checked when it is staged)."""
+    if storage.is_remote(str(path)):
+        return _verify_remote(str(path))
+    root = Path(path)
+    m = root / MANIFEST
+    if not m.is_file():
+        return "no manifest (incomplete write)"
+    try:
+        files = json.loads(m.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return f"unreadable manifest ({e})"
+    for rel, meta in files.items():
+        f = root / rel
+        if not f.is_file():
+            return f"missing {rel}"
+        if f.stat().st_size != meta["size"]:
+            return f"{rel} has {f.stat().st_size} bytes, manifest says {meta['size']}"
+        if _sha256(f) != meta["sha256"]:
+            return f"{rel} checksum mismatch"
+    return None
+
+
+def _verify_remote(uri: str) -> str | None:
+    try:
+        files = json.loads(storage.read_text(storage.join(uri, MANIFEST)))["files"]
+    except FileNotFoundError:
+        return "no manifest (incomplete write)"
+    except (ValueError, KeyError) as e:
+        return f"unreadable manifest ({e})"
+    listing = storage.remote_listing(uri) or {}
+    for rel, meta in files.items():
+        if rel not in listing:
+            return f"missing {rel}"
+        if listing[rel]["size"] != meta["size"]:
+            return f"{rel} has {listing[rel]['size']} bytes, manifest says {meta['size']}"
+    return None
+
+
+def save(rd: RunDir, rollout: int, write_model: Callable[[str], None], state: dict, keep_last: int) -> str:
+    """Write checkpoint `rollout_<rollout>` completely, then point `latest` at it, then prune.
+    Returns where it lives (a local dir, or the remote prefix)."""
+    remote = storage.is_remote(rd.checkpoints)
+    final = rd.staged(rd.checkpoint(rollout)) if remote else Path(rd.checkpoint(rollout))
+    base = final.parent
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = base / f".rollout_{rollout}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write_model(str(tmp / "model"))
+        storage.write_json_atomic(str(tmp / STATE), {**state, "rollout": rollout})
+        storage.write_json_atomic(str(tmp / MANIFEST), _manifest(tmp))
+        if remote:
+            storage.forget_staged(final)
+        elif final.exists():  # a stale or damaged copy of the same rollout
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    where = str(final)
+    if remote:
+        # Every file, the manifest last (a stale or half-uploaded copy of this rollout is replaced);
+        # the local copy stays as the staged mirror, so the next load downloads nothing.
+        where = rd.checkpoint(rollout)
+        storage.upload_dir(final, where, last=[MANIFEST], keep_local=True)
+    storage.write_json_atomic(rd.latest, {"rollout": rollout, "dir": f"rollout_{rollout}"})
+    prune(rd, keep_last)
+    return where
+
+
+def _listed(rd: RunDir) -> list[int]:
+    if storage.is_remote(rd.checkpoints):
+        # Names of prefixes that hold objects (some stores keep an emptied "directory" listed).
+        fs, path = storage.fs_for(rd.checkpoints)
+        base = path.rstrip("/") + "/"
+        with storage.s3_errors(rd.checkpoints):
+            try:
+                found = fs.find(path, detail=True)
+            except FileNotFoundError:
+                return []
+        names = {name[len(base):].split("/", 1)[0] for name, info in found.items()
+                 if name.startswith(base) and "/" in name[len(base):] and info.get("type", "file") == "file"}
+    else:
+        base = Path(rd.checkpoints)
+        if not base.is_dir():
+            return []
+        names = [p.name for p in base.iterdir()]
+    return sorted((int(m.group(1)) for name in names if (m := re.fullmatch(r"rollout_(\d+)", name))), reverse=True)
+
+
+def prune(rd: RunDir, keep_last: int) -> None:
+    latest = _latest_pointer(rd)
+    remote = storage.is_remote(rd.checkpoints)
+    for n in _listed(rd)[keep_last:]:
+        if n == latest:
+            continue
+        if remote:
+            fs, path = storage.fs_for(rd.checkpoint(n))
+            with storage.s3_errors(rd.checkpoint(n)):
+                fs.rm(path, recursive=True)
+            storage.forget_staged(rd.staged(rd.checkpoint(n)))
+        else:
+            shutil.rmtree(rd.checkpoint(n), ignore_errors=True)
+    local_base = rd.staged(rd.checkpoints) if remote else Path(rd.checkpoints)
+    for p in local_base.glob(".rollout_*.tmp-*"):  # leftovers of a killed writer
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _latest_pointer(rd: RunDir) -> int | None:
+    try:
+        return int(storage.read_json(rd.latest)["rollout"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def latest(rd: RunDir) -> Checkpoint | None:
+    """The newest intact checkpoint: `latest` if it verifies, else the newest older one that does."""
+    pointed = _latest_pointer(rd)
+    candidates = _listed(rd)
+    if pointed is not None:
+        candidates = [pointed] + [n for n in candidates if n < pointed]
+    for n in candidates:
+        path = rd.checkpoint(n)
+        problem = verify(path)
+        if problem is None:
+            return Checkpoint(rollout=n, uri=path, state=read_state(path), state_dir=rd.state_dir)
+        log.warning("checkpoint %s is unusable (%s); falling back to an older one", path, problem)
+    return None

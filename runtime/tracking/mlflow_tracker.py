@@ -1,0 +1,417 @@
+"""MLflow tracking: one MLflow run per grpoflow run, re-attached on resume, never a duplicate point.
+
+The MLflow run is found again by its tag ``grpoflow.run_id`` in the experiment (its id is also kept
+in ``<run dir>/tracking.json``), so a resumed run, a re-run flow or a second process continue the same
+MLflow run. Metrics are logged with step = rollout id; before the first write of a metric the
+tracker reads that metric's history once and skips every step already there, so re-running a chunk
+(or replaying a finished chunk's metrics) never adds a second point for a (metric, step).
+
+Params are the frozen config flattened (``section.key``), secrets stripped. MLflow params are
+immutable: a value that changed on resume is recorded as the tag ``grpoflow.override.<key>``.
+
+MLflow is imported inside functions only, so ``import runtime.tracking.mlflow_tracker`` works without it.
+Transient trouble (server unreachable, 5xx, a locked SQLite file) raises ``TransientError`` naming
+the URI, after the MLflow client's own retries (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``/``_TIMEOUT``).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import tempfile
+import time
+import urllib.parse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+from runtime import storage
+from runtime.errors import ConfigError, TransientError
+from runtime.run.directory import RunDir
+
+if TYPE_CHECKING:  # pragma: no cover
+    from runtime.config import GrpoConfig
+
+log = logging.getLogger("grpoflow.tracking")
+
+RUN_TAG = "grpoflow.run_id"
+OVERRIDE_TAG = "grpoflow.override."
+TRACKING_FILE = "tracking.json"
+REDACTED = "***"
+MAX_PARAM_LEN = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
+MAX_TAG_LEN = 8000
+_BATCH = 100  # params/tags per log_batch (MLflow's limit)
+_METRIC_BATCH = 1000
+# MLflow error codes worth a retry.
+_TRANSIENT_CODES = {"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED",
+                    "ABORTED", "CANCELLED", "UNAVAILABLE"}
+
+# A config key names a secret when its last component is, or ends in, one of these words
+# ("hf_token", "api_key", "password"); "max_new_tokens", "input_key" and "top_k" do not.
+_SECRET_KEY = re.compile(
+    r"(^|[_-])(token|secret|password|passwd|credentials?|api[_-]?key|access[_-]?key|secret[_-]?key|"
+    r"private[_-]?key|auth)$|^key$|secret|password|credential", re.I)
+# In a list of command-line args (rollout.sglang_launch): the value after a secret-looking flag.
+_SECRET_FLAG = re.compile(r"^--?[\w-]*(token|secret|password|passwd|credential|api[_-]?key|access[_-]?key)[\w-]*$", re.I)
+
+
+# ---- names and values ---------------------------------------------------------------------------
+def is_secret_key(key: str) -> bool:
+    return bool(_SECRET_KEY.search(str(key).rsplit(".", 1)[-1]))
+
+
+def redact_uri(uri: str) -> str:
+    """``scheme://user:password@host/...`` -> ``scheme://user:***@host/...``; anything else unchanged."""
+    text = str(uri)
+    try:
+        parts = urllib.parse.urlsplit(text)
+    except ValueError:
+        return text
+    if parts.password:
+        netloc = parts.netloc.rsplit("@", 1)
+        user = (parts.username or "")
+        return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:{REDACTED}@{netloc[-1]}"))
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    if any(is_secret_key(k) for k, _ in query):
+        q = urllib.parse.urlencode([(k, REDACTED if is_secret_key(k) else v) for k, v in query], safe="*")
+        return urllib.parse.urlunsplit(parts._replace(query=q))
+    return text
+
+
+def _redact_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact_uri(value) if "://" in value else value
+    if isinstance(value, (list, tuple)):
+        out, hide_next = [], False
+        for item in value:
+            if hide_next:
+                out.append(REDACTED)
+                hide_next = False
+                continue
+            s = str(item)
+            if _SECRET_FLAG.match(s.split("=", 1)[0]):
+                if "=" in s:
+                    out.append(s.split("=", 1)[0] + "=" + REDACTED)
+                else:
+                    out.append(s)
+                    hide_next = True
+                continue
+            out.append(_redact_value(item))
+        return out
+    return value
+
+
+def flatten_params(tree: dict, prefix: str = "") -> dict[str, str]:
+    """``{"train": {"lr": 1e-3}}`` -> ``{"train.lr": "0.001"}``; secret keys dropped, secret values
+    (passwords in URIs, ``--api-key X`` in arg lists) redacted; values cut to MLflow's limit."""
+    out: dict[str, str] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if is_secret_key(str(k)):
+            continue
+        if isinstance(v, dict):
+            out.update(flatten_params(v, key + "."))
+            continue
+        v = _redact_value(v)
+        text = "None" if v is None else (str(v) if not isinstance(v, (list, tuple)) else repr(list(v)))
+        if len(text) > MAX_PARAM_LEN:
+            text = text[:MAX_PARAM_LEN - 3] + "..."
+        out[_safe_name(key)] = text
+    return out
+
+
+def _safe_name(name: str) -> str:
+    """A name MLflow accepts for a param, metric or tag: ``@`` -> ``_at_``, other odd characters -> ``_``."""
+    name = str(name).replace("@", "_at_")
+    return re.sub(r"[^\w./\- :]", "_", name)
+
+
+def metric_key(name: str) -> str:
+    """The MLflow metric name of one of our metrics (``eval/aime/pass@1`` -> ``eval/aime/pass_at_1``)."""
+    return _safe_name(name)
+
+
+# ---- where the store is ---------------------------------------------------------------------------
+def sqlite_uri(directory: str | os.PathLike) -> str:
+    return f"sqlite:///{Path(directory).expanduser().resolve() / 'mlflow.db'}"
+
+
+def store_uri_for_root(root: str, state_dir: str | None = None) -> str:
+    """The default MLflow store of a storage root: SQLite under the root when it is local, under
+    ``state_dir`` when the root is remote (SQLite cannot live on S3)."""
+    if storage.is_remote(root):
+        if not state_dir:
+            raise ConfigError(f"storage.root {root} is remote: set storage.state_dir (a local dir for the MLflow "
+                              f"SQLite store) or tracking.uri (an MLflow server)")
+        return sqlite_uri(state_dir)
+    return sqlite_uri(root.removeprefix("file://"))
+
+
+def default_tracking_uri(cfg: "GrpoConfig") -> str:
+    """``tracking.uri`` when set, else the SQLite store of :func:`store_uri_for_root`."""
+    if cfg.tracking.uri:
+        return cfg.tracking.uri
+    return store_uri_for_root(cfg.storage.root, cfg.storage.state_dir)
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (None for any other store)."""
+    if not uri.startswith("sqlite:"):
+        return None
+    path = uri.split(":///", 1)[-1].split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def _artifact_location(uri: str, root: str | None = None) -> str | None:
+    """Where a new experiment of a SQLite store keeps artifacts: beside the database (MLflow's own
+    default is ./mlruns of the current directory), or ``<root>/mlartifacts`` when the storage root is
+    remote (MLflow uploads with boto3: MLFLOW_S3_ENDPOINT_URL or AWS_ENDPOINT_URL). None: the server decides."""
+    db = sqlite_path(uri)
+    if db is not None and root and storage.is_remote(root):
+        return storage.join(root, "mlartifacts")
+    return (db.parent / "mlartifacts").resolve().as_uri() if db is not None else None
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+def is_transient(err: BaseException) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(err, MlflowException):
+        code = str(getattr(err, "error_code", "") or "")
+        msg = str(err)
+        if code in _TRANSIENT_CODES:
+            return True
+        return "API request to" in msg and "failed" in msg  # the REST client gave up
+    names = {c.__module__.split(".")[0] + "." + c.__name__ for c in type(err).__mro__}
+    return bool(names & {"requests.ConnectionError", "requests.Timeout", "sqlalchemy.OperationalError",
+                         "urllib3.MaxRetryError", "builtins.ConnectionError", "builtins.TimeoutError"})
+
+
+@contextlib.contextmanager
+def mlflow_errors(uri: str, what: str) -> Iterator[None]:
+    """Turn MLflow's transient failures into TransientError naming the (redacted) URI."""
+    try:
+        yield
+    except TransientError:
+        raise
+    except Exception as err:
+        if is_transient(err):
+            first = " ".join(str(err).split())[:300]
+            raise TransientError(f"MLflow at {redact_uri(uri)} is unreachable or failing ({what}): {first}") from err
+        raise
+
+
+def make_client(uri: str):
+    """An ``MlflowClient`` for tracking and registry at ``uri`` (a SQLite store's directory is created)."""
+    try:
+        from mlflow.tracking import MlflowClient
+    except ImportError:
+        raise ConfigError("tracking is enabled but MLflow is not installed: pip install mlflow, "
+                          "or set tracking.enabled=false") from None
+    db = sqlite_path(uri)
+    if db is not None:
+        db.parent.mkdir(parents=True, exist_ok=True)
+    with mlflow_errors(uri, "connect"):
+        return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+# ---- the tracker ----------------------------------------------------------------------------------
+class Tracker:
+    """The MLflow side of one grpoflow run. ``tracking.enabled=False`` gives a tracker that does nothing."""
+
+    def __init__(self, cfg: "GrpoConfig", rd: RunDir):
+        self.cfg, self.rd = cfg, rd
+        self.enabled = bool(cfg.tracking.enabled)
+        self.uri: str | None = None
+        self.client = None
+        self.run_id: str | None = None  # the MLflow run id
+        self.experiment_id: str | None = None
+        self.resumed = False
+        self._steps: dict[str, set[int]] = {}
+        if not self.enabled:
+            return
+        self.uri = default_tracking_uri(cfg)
+        self.client = make_client(self.uri)
+        with mlflow_errors(self.uri, f"attach run {rd.run_id}"):
+            self.experiment_id = self._experiment()
+            self.run_id, self.resumed = self._attach()
+            self._log_params()
+        self._write_tracking_file()
+
+    def __repr__(self) -> str:
+        if not self.enabled:
+            return "Tracker(disabled)"
+        return f"Tracker(uri={redact_uri(self.uri or '')!r}, run={self.run_id}, resumed={self.resumed})"
+
+    # -- attach ----------------------------------------------------------------------------------
+    def _experiment(self) -> str:
+        from mlflow.exceptions import MlflowException
+
+        name = self.cfg.tracking.experiment
+        exp = self.client.get_experiment_by_name(name)
+        if exp is None:
+            try:
+                return self.client.create_experiment(name, artifact_location=_artifact_location(self.uri, self.rd.root))
+            except MlflowException as err:  # created by someone else meanwhile
+                if getattr(err, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                exp = self.client.get_experiment_by_name(name)
+        if exp.lifecycle_stage != "active":
+            raise ConfigError(f"MLflow experiment '{name}' at {redact_uri(self.uri)} is deleted; restore it "
+                              f"(mlflow experiments restore --experiment-id {exp.experiment_id}) or set "
+                              f"tracking.experiment to another name")
+        return exp.experiment_id
+
+    def _attach(self) -> tuple[str, bool]:
+        run_id = self.rd.run_id
+        runs = []
+        if re.fullmatch(r"[\w.\-:]+", run_id):
+            runs = self.client.search_runs([self.experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{run_id}'",
+                                           order_by=["attributes.start_time ASC"], max_results=10)
+        else:  # an id a filter string cannot quote: look through the experiment
+            runs = [r for r in self.client.search_runs([self.experiment_id], max_results=50000)
+                    if r.data.tags.get(RUN_TAG) == run_id]
+        if runs:
+            run = runs[0]
+            if len(runs) > 1:
+                log.warning("%d MLflow runs carry %s=%s; using the oldest, %s", len(runs), RUN_TAG, run_id,
+                            run.info.run_id)
+            if run.info.status != "RUNNING":
+                self.client.update_run(run.info.run_id, status="RUNNING")
+            return run.info.run_id, True
+        tags = {RUN_TAG: run_id, "mlflow.runName": run_id, "grpoflow.config_name": self.cfg.name,
+                "grpoflow.root": redact_uri(self.rd.root)}
+        run = self.client.create_run(self.experiment_id, tags=tags, run_name=run_id)
+        return run.info.run_id, False
+
+    def _log_params(self) -> None:
+        from mlflow.entities import Param, RunTag
+
+        wanted = flatten_params(self.cfg.model_dump(mode="json"))
+        run = self.client.get_run(self.run_id)
+        logged, tags = run.data.params, run.data.tags
+        new = [Param(k, v) for k, v in wanted.items() if k not in logged]
+        set_tags, del_tags = [], []
+        for k, v in wanted.items():
+            tag = _safe_name(OVERRIDE_TAG + k)
+            if k in logged and logged[k] != v:
+                if tags.get(tag) != v[:MAX_TAG_LEN]:
+                    set_tags.append(RunTag(tag, v[:MAX_TAG_LEN]))
+            elif tag in tags:  # back to the logged value
+                del_tags.append(tag)
+        for i in range(0, len(new), _BATCH):
+            self.client.log_batch(self.run_id, params=new[i:i + _BATCH])
+        for i in range(0, len(set_tags), _BATCH):
+            self.client.log_batch(self.run_id, tags=set_tags[i:i + _BATCH])
+        for tag in del_tags:
+            self.client.delete_tag(self.run_id, tag)
+        if set_tags:
+            log.info("config changed on resume: %s (recorded as %s* tags; MLflow params are immutable)",
+                     ", ".join(t.key.removeprefix(OVERRIDE_TAG) for t in set_tags), OVERRIDE_TAG)
+
+    def _write_tracking_file(self) -> None:
+        doc = {"tracking_uri": redact_uri(self.uri or ""), "experiment": self.cfg.tracking.experiment,
+               "experiment_id": self.experiment_id, "mlflow_run_id": self.run_id, "run_id": self.rd.run_id}
+        path = self.rd.sub(TRACKING_FILE)
+        try:
+            if storage.exists(path) and storage.read_json(path) == doc:
+                return
+        except (ValueError, OSError):
+            pass
+        storage.write_json_atomic(path, doc)
+
+    # -- metrics ---------------------------------------------------------------------------------
+    def _known_steps(self, key: str) -> set[int]:
+        steps = self._steps.get(key)
+        if steps is None:
+            steps = self._steps[key] = {int(m.step) for m in self.client.get_metric_history(self.run_id, key)}
+        return steps
+
+    def log_metrics(self, metrics: dict[str, Any], step: int) -> int:
+        """Log numeric values at ``step``, skipping (metric, step) pairs already in the run.
+        Returns the number of points written."""
+        return self._log_points((metric_key(k), v, int(step)) for k, v in metrics.items())
+
+    def _log_points(self, points: Iterable[tuple[str, Any, int]]) -> int:
+        if not self.enabled:
+            return 0
+        from mlflow.entities import Metric
+
+        with mlflow_errors(self.uri, "log metrics"):
+            now = int(time.time() * 1000)
+            batch, seen = [], set()
+            for key, value, step in points:
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
+                if (key, step) in seen or step in self._known_steps(key):
+                    continue
+                seen.add((key, step))
+                batch.append(Metric(key, float(value), now, step))
+            for i in range(0, len(batch), _METRIC_BATCH):
+                part = batch[i:i + _METRIC_BATCH]
+                self.client.log_batch(self.run_id, metrics=part)
+                for m in part:
+                    self._steps[m.key].add(m.step)
+        return len(batch)
+
+    def log_rollout_metrics(self, metrics: Iterable[dict[str, Any]], step_key: str = "rollout") -> int:
+        """Each dict is one rollout's metrics; its ``step_key`` entry (the rollout id) is the step.
+        Non-numeric entries are skipped. Returns the number of points written."""
+        points = []
+        for m in metrics:
+            if step_key not in m:
+                raise ValueError(f"log_rollout_metrics: a metrics dict has no '{step_key}' entry")
+            step = int(m[step_key])
+            points += [(metric_key(k), v, step) for k, v in m.items() if k != step_key]
+        return self._log_points(points)
+
+    def log_eval(self, rollout: int, metrics_by_set: dict[str, dict[str, Any]], *, artifact: bool = True) -> int:
+        """``eval/<set>/<metric>`` at step = rollout (rollouts trained so far), and the eval JSON of
+        that point (``eval/rollout_<N>.json``, if written) as an artifact under ``eval/``."""
+        if not self.enabled:
+            return 0
+        points = [(metric_key(f"eval/{name}/{k}"), v, int(rollout))
+                  for name, res in metrics_by_set.items() for k, v in res.items()]
+        n = self._log_points(points)
+        path = self.rd.eval_result(rollout)
+        if artifact and storage.exists(path):
+            self.log_artifact_file(path, "eval")
+        return n
+
+    # -- artifacts, tags, end --------------------------------------------------------------------
+    def log_artifact_file(self, path: str, artifact_path: str | None = None) -> None:
+        """Upload one file (local or remote URI) to the run's artifacts; re-uploading replaces it."""
+        if not self.enabled:
+            return
+        with mlflow_errors(self.uri, f"log artifact {path}"):
+            if storage.is_remote(path):
+                with tempfile.TemporaryDirectory() as tmp:
+                    local = Path(tmp) / str(path).rstrip("/").rsplit("/", 1)[-1]
+                    fs, fs_path = storage.fs_for(path)
+                    local.write_bytes(fs.cat_file(fs_path))
+                    self.client.log_artifact(self.run_id, str(local), artifact_path)
+            else:
+                self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        if not self.enabled or not tags:
+            return
+        from mlflow.entities import RunTag
+
+        items = [RunTag(_safe_name(k), str(v)[:MAX_TAG_LEN]) for k, v in tags.items()]
+        with mlflow_errors(self.uri, "set tags"):
+            for i in range(0, len(items), _BATCH):
+                self.client.log_batch(self.run_id, tags=items[i:i + _BATCH])
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Mark the MLflow run ended (FINISHED / FAILED / KILLED); a later resume sets it RUNNING again."""
+        if not self.enabled:
+            return
+        with mlflow_errors(self.uri, "end run"):
+            self.client.set_terminated(self.run_id, status=status)
+
+
+__all__ = [
+    "Tracker", "default_tracking_uri", "store_uri_for_root", "sqlite_uri", "sqlite_path", "make_client",
+    "flatten_params", "is_secret_key", "redact_uri", "metric_key", "mlflow_errors", "is_transient",
+]
