@@ -57,6 +57,9 @@ class RolloutSection(Section):
     custom_rollout: str | None = None  # module:function replacing generate+reward
     dynamic_sampling: bool = False
     over_sampling_factor: float = Field(1.0, ge=1.0)
+    # The built-in engine's KV cache: its size in GiB (None: what the memory plan leaves free on a GPU,
+    # a bounded default on CPU). Part of the plan that `grpoflow validate` checks.
+    kv_cache_gb: float | None = Field(None, gt=0)
     # SGLang backend (docs/sglang.md). sglang_launch: the server command prefix; None runs
     # `python -m sglang.launch_server`; extra server flags go at its end ("{python}" = this Python).
     sglang_launch: list[str] | None = None
@@ -137,6 +140,9 @@ class ClusterSection(Section):
     num_cpus: int | None = None
     placement_timeout_s: float = Field(60.0, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Memory of one GPU of the target machine, in GiB (24 for an RTX 4090): the plan `grpoflow validate`
+    # checks and the run re-checks before it takes a GPU. None: the GPU found at run time (80 for validate).
+    gpu_memory_gb: float | None = Field(None, gt=0)
 
 
 class StorageSection(Section):
