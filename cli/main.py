@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
 
     rs = sub.add_parser("resume", help="continue a run from its frozen config and latest checkpoint")
     rs.add_argument("run_id")
-    rs.add_argument("--root", default="./grpoflow-data", help="storage.root of the run")
+    rs.add_argument("--root", default=None, help="storage.root of the run (default ./grpoflow-data)")
     with_overrides(rs)
 
     m = sub.add_parser("models", help="browse the model registry")
@@ -127,6 +127,31 @@ def _summary(result: dict) -> None:
         print(f"final checkpoint:     {train['checkpoint']}")
 
 
+def _resume(args) -> dict | None:
+    """Resume a run; None when it is finished already (nothing to do but say so)."""
+    from runtime.run.directory import RunDir
+    from runtime.run.frozen_config import DEFAULT_ROOT, check_changes, finished, frozen_config
+    from runtime.run.lease import RunLease
+    root = args.root or DEFAULT_ROOT
+    rd = RunDir(root, args.run_id)  # a bad run id: one line, before anything is read or written
+    cfg = frozen_config(rd, args.overrides)  # unknown run id: fail before Prefect starts
+    if args.overrides:
+        check_changes(frozen_config(rd), cfg, rd, given_root=args.root is not None)
+    if finished(cfg, rd):
+        # The lease of a writer killed after its last step: taken over and dropped (a live one refuses),
+        # and whatever that writer left under a temp name with it.
+        from runtime.run.leftovers import remove_temp_leftovers
+        with RunLease(rd):
+            remove_temp_leftovers(rd)
+        print(f"run {args.run_id} is already finished ({cfg.train.num_rollout} rollouts); to train further, "
+              f"resume it with --set train.num_rollout=N (N > {cfg.train.num_rollout})")
+        return None
+    print(f"resuming run {args.run_id}")
+    from flows.pipeline import grpo_pipeline
+    from runtime.secrets import hold
+    return grpo_pipeline(overrides=hold(args.overrides), run_id=args.run_id, root=root, resume=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from runtime.errors import TransientError, UserError
@@ -155,25 +180,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run":
             from runtime.config import load_config
             from runtime.plan.summary import default_run_id
+            from runtime.run.directory import check_run_id
             cfg = load_config(args.config, args.overrides)
-            run_id = args.run_id or default_run_id(cfg)
+            run_id = check_run_id(args.run_id) if args.run_id is not None else default_run_id(cfg)
             print(f"run id: {run_id}")
             _print_plan(cfg)
             from flows.pipeline import grpo_pipeline
-            result = grpo_pipeline(config_path=args.config, overrides=args.overrides, run_id=run_id)
+            from runtime.secrets import hold
+            result = grpo_pipeline(config_path=args.config, overrides=hold(args.overrides), run_id=run_id)
         elif args.cmd == "resume":
-            from runtime.run.directory import RunDir
-            from runtime.run.frozen_config import frozen_config
-            rd = RunDir(args.root, args.run_id)
-            cfg = frozen_config(rd, args.overrides)  # unknown run id: fail before Prefect starts
-            from runtime.run.frozen_config import finished
-            if finished(cfg, rd):
-                print(f"run {args.run_id} is already finished ({cfg.train.num_rollout} rollouts); to train further, "
-                      f"resume it with --set train.num_rollout=N (N > {cfg.train.num_rollout})")
+            result = _resume(args)
+            if result is None:
                 return 0
-            print(f"resuming run {args.run_id}")
-            from flows.pipeline import grpo_pipeline
-            result = grpo_pipeline(overrides=args.overrides, run_id=args.run_id, root=args.root, resume=True)
         _summary(result)
         return 0
     except UserError as err:

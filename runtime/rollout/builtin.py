@@ -111,6 +111,8 @@ class BuiltinEngine(RolloutEngine):
 
     def generate(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
         self._check_open()
+        from runtime.testing.moments import moment
+        moment("generate")  # a rollout's (or an eval's) sampling starts
         if self.fast is not None and requests:
             return self._generate_fast(requests, sampling)
         results: list[SampleResult] = []

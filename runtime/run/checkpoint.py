@@ -27,6 +27,7 @@ from typing import Callable
 from runtime import storage
 from runtime.errors import TransientError
 from runtime.run.directory import RunDir
+from runtime.testing.moments import moment
 
 log = logging.getLogger("grpoflow.checkpoint")
 MANIFEST = "manifest.json"
@@ -131,8 +132,10 @@ def save(rd: RunDir, rollout: int, write_model: Callable[[str], None], state: di
     tmp.mkdir()
     try:
         write_model(str(tmp / "model"))
+        moment("checkpoint-model-written")
         storage.write_json_atomic(str(tmp / STATE), {**state, "rollout": rollout})
         storage.write_json_atomic(str(tmp / MANIFEST), _manifest(tmp))
+        moment("checkpoint-manifest-written")
         if remote:
             storage.forget_staged(final)
         elif final.exists():  # a stale or damaged copy of the same rollout
@@ -147,7 +150,9 @@ def save(rd: RunDir, rollout: int, write_model: Callable[[str], None], state: di
         # the local copy stays as the staged mirror, so the next load downloads nothing.
         where = rd.checkpoint(rollout)
         storage.upload_dir(final, where, last=[MANIFEST], keep_local=True)
+    moment("checkpoint-in-place")  # complete under its name (uploaded), `latest` not yet moved
     storage.write_json_atomic(rd.latest, {"rollout": rollout, "dir": f"rollout_{rollout}"})
+    moment("checkpoint-latest-moved")
     prune(rd, keep_last)
     return where
 

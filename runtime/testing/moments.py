@@ -1,0 +1,42 @@
+"""Named moments of a run, where a test can kill the process or copy the storage root.
+
+`moment("checkpoint-manifest-written")` does nothing unless the environment arms it:
+
+- ``GRPOFLOW_TEST_KILL_AT=<name>`` or ``<name>#<k>``: SIGKILL this process group the first (k-th) time
+  ``<name>`` is reached in this process — a node dying at exactly that point, with no clean-up.
+- ``GRPOFLOW_TEST_SNAPSHOT_AT=<name>[,<name>...]`` with ``GRPOFLOW_TEST_SNAPSHOT_ROOT`` (the storage root)
+  and ``GRPOFLOW_TEST_SNAPSHOT_DIR``: copy the root to ``<dir>/<name>`` when ``<name>`` is reached, so
+  a test can restart a run from that boundary without re-running what came before.
+
+A pure test/debug switch: it never changes results, and an unarmed moment costs one dict lookup.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections import Counter
+
+_hits: Counter = Counter()
+
+
+def moment(name: str) -> None:
+    kill_at = os.environ.get("GRPOFLOW_TEST_KILL_AT")
+    snap_at = os.environ.get("GRPOFLOW_TEST_SNAPSHOT_AT")
+    if not kill_at and not snap_at:
+        return
+    _hits[name] += 1
+    if snap_at and name in snap_at.split(","):
+        _snapshot(name)
+    if kill_at:
+        want, _, k = kill_at.partition("#")
+        if want == name and _hits[name] == int(k or 1):
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _snapshot(name: str) -> None:
+    root, dest = os.environ["GRPOFLOW_TEST_SNAPSHOT_ROOT"], os.environ["GRPOFLOW_TEST_SNAPSHOT_DIR"]
+    target = os.path.join(dest, name)
+    shutil.rmtree(target, ignore_errors=True)
+    # The lease names this (live) process: a copy restarted later must not see it as held.
+    shutil.copytree(root, target, ignore=shutil.ignore_patterns("lease.json"))
