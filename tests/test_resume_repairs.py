@@ -14,7 +14,8 @@ import pytest
 
 from cli.main import main
 from runtime.run.directory import RunDir
-from runtime.run.frozen_config import FINISHED_MARKER
+
+FINISHED_MARKER = "finished"  # stages/finished.json, the run's last act
 
 
 def _copy_reference(reference_run, dest: Path) -> Path:
@@ -39,7 +40,7 @@ def test_resume_finishes_what_a_kill_after_the_last_eval_left_undone(prefect_har
         if v.tags.get("grpoflow.run_id") == "ref":
             client.delete_model_version(name, v.version)
     client.update_run(mlflow_run, status="RUNNING")
-    Path(rd.stage_marker(FINISHED_MARKER)).unlink()
+    Path(rd.stage_marker(FINISHED_MARKER)).unlink(missing_ok=True)
     dead = os.fork()
     if dead == 0:
         os._exit(0)
@@ -93,7 +94,7 @@ def test_temp_leftovers_of_a_killed_writer_are_removed_on_the_next_start(prefect
         (p / "half.safetensors").write_bytes(b"x" * 10)
     stray = Path(rd.sub("data", ".train.parquet.k2j4h5g6.tmp"))
     stray.write_bytes(b"half")
-    Path(rd.stage_marker(FINISHED_MARKER)).unlink()  # a run killed before its end, so it is resumed
+    Path(rd.stage_marker(FINISHED_MARKER)).unlink(missing_ok=True)  # a run killed before its end, so it is resumed
     assert main(["resume", "ref", "--root", str(root)]) == 0
     assert not any(p.exists() for p in planted + [stray])
     assert sorted(p.name for p in Path(rd.sub("model")).iterdir()) == ["hf", "torch_dist"]

@@ -4,7 +4,7 @@
 
 - ``GRPOFLOW_TEST_KILL_AT=<name>`` or ``<name>#<k>``: SIGKILL this process group the first (k-th) time
   ``<name>`` is reached in this process — a node dying at exactly that point, with no clean-up.
-- ``GRPOFLOW_TEST_SNAPSHOT_AT=<name>[,<name>...]`` with ``GRPOFLOW_TEST_SNAPSHOT_ROOT`` (the storage root)
+- ``GRPOFLOW_TEST_SNAPSHOT_AT=<name>[#<k>][,...]`` with ``GRPOFLOW_TEST_SNAPSHOT_ROOT`` (the storage root)
   and ``GRPOFLOW_TEST_SNAPSHOT_DIR``: copy the root to ``<dir>/<name>`` when ``<name>`` is reached, so
   a test can restart a run from that boundary without re-running what came before.
 
@@ -26,8 +26,11 @@ def moment(name: str) -> None:
     if not kill_at and not snap_at:
         return
     _hits[name] += 1
-    if snap_at and name in snap_at.split(","):
-        _snapshot(name)
+    if snap_at:
+        wanted = snap_at.split(",")
+        label = f"{name}#{_hits[name]}"
+        if label in wanted or (_hits[name] == 1 and name in wanted):
+            _snapshot(label if label in wanted else name)
     if kill_at:
         want, _, k = kill_at.partition("#")
         if want == name and _hits[name] == int(k or 1):
