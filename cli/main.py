@@ -202,6 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {' '.join(str(err).split())} (still failing after retries; resume the run later)",
               file=sys.stderr)
         return 3
+    except Exception as err:
+        from tasks.common import _is_transient
+        if not _is_transient(err):
+            raise
+        # a lost Ray actor or node, a dropped connection: the same, said in one line
+        first = " ".join(str(err).split())[:300]
+        print(f"error: {type(err).__name__}: {first} (still failing after retries; resume the run later)",
+              file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -74,10 +74,16 @@ class Zygote:
         ready = json.loads(self.proc.stdout.readline())
         assert "ready" in ready, ready
 
-    def run(self, argv: list[str], env: dict, log: Path) -> dict:
+    def start(self, argv: list[str], env: dict, log: Path) -> None:
         self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "log": str(log)}) + "\n")
         self.proc.stdin.flush()
+
+    def wait(self) -> dict:
         return json.loads(self.proc.stdout.readline())
+
+    def run(self, argv: list[str], env: dict, log: Path) -> dict:
+        self.start(argv, env, log)
+        return self.wait()
 
     def close(self) -> None:
         self.proc.stdin.close()
