@@ -259,7 +259,7 @@ def sec_engine(S, W: Path) -> dict:
     res: dict = {"name": "engine"}
     B, P, NEW = S["prompts"] * S["samples"], S["prompt_len"], S["new"]
     t0 = time.time()
-    eng = _engine(S, W, fast_decode=True)
+    eng = _engine(S, W, decode_path="static")
     eng.eos_token_ids = set()  # fixed length: no stop token (a random model would hit eos at random)
     res["load_s"] = round(time.time() - t0, 1)
     reqs = _requests(S, S["prompts"], S["samples"])
@@ -269,7 +269,7 @@ def sec_engine(S, W: Path) -> dict:
     eng.generate(reqs, sp)  # compile + graph capture
     sync(S)
     res["warmup_s"] = round(time.time() - t0, 1)
-    res["warmup_stats"] = {k: v for k, v in eng.fast.stats.items() if k in ("graph_capture_s", "prefill_s", "decode_s")}
+    res["warmup_stats"] = {k: v for k, v in eng.decoder.stats.items() if k in ("graph_capture_s", "prefill_s", "decode_s")}
     times, stats = [], []
     for _ in range(S["decode_reps"]):
         sync(S)
@@ -277,7 +277,7 @@ def sec_engine(S, W: Path) -> dict:
         out = eng.generate(reqs, sp)
         sync(S)
         times.append(time.perf_counter() - t0)
-        stats.append(dict(eng.fast.stats))
+        stats.append(dict(eng.decoder.stats))
     t = statistics.median(times)
     st = stats[times.index(min(times, key=lambda x: abs(x - t)))]
     assert all(len(r.response_ids) == NEW for r in out)
@@ -295,11 +295,11 @@ def sec_engine(S, W: Path) -> dict:
                pct_of_bw_floor=round(100 * (B * NEW / t) / (B * NEW / floor_s), 1),
                bw_floor_shared_prompt_tok_s=round(B * NEW / floor_shared_s),
                pct_of_bw_floor_shared_prompt=round(100 * floor_shared_s / t, 1),
-               kv_cache_GiB=round(eng.fast.kv_cache_bytes() / 2**30, 2), peak_mem_GiB=peak_gib(S),
+               kv_cache_GiB=round(eng.decoder.kv_cache_bytes() / 2**30, 2), peak_mem_GiB=peak_gib(S),
                stats={k: v for k, v in st.items() if not isinstance(v, float) or True})
     # -- where a decode step's time goes: 8 graph replays and 8 eager steps at the full batch, every row
     #    halfway through its response (after generate all rows are idle, which would time nothing)
-    fast_obj = eng.fast
+    fast_obj = eng.decoder
     step_fn, skey, _ = fast_obj._sampler(sp)
     with torch.inference_mode():  # the decoder's buffers are inference tensors
         set_decode_state(fast_obj, B, P, P + NEW // 2, S["samples"])
@@ -339,9 +339,9 @@ def sec_engine(S, W: Path) -> dict:
     creqs = _requests(S, max(S["compare_rows"] // 4, 1), 4, rollout=1, seed=1)
     csp = SamplingParams(temperature=1.0, max_new_tokens=S["compare_new"])
     fast_out = eng.generate(creqs, csp)
-    eng.fast = None
+    eng.decoder = None
     slow_out = eng.generate(creqs, csp)
-    eng.fast = fast_obj
+    eng.decoder = fast_obj
     res["fast_vs_slow"] = _agreement(fast_out, slow_out)
     if S["device"] == "cuda":  # graph replay vs the same steps run eagerly
         fast_obj.use_graphs = False
@@ -473,7 +473,7 @@ def sec_trainer(S, W: Path) -> dict:
     diffs = [abs(a - b) for s, t in zip(samples, trainer_lp) for a, b in zip(s.response_logprobs, t)]
     res["engine_vs_trainer_logprobs"] = {"tokens": len(diffs), "max_abs_diff": max(diffs),
                                          "mean_abs_diff": sum(diffs) / len(diffs),
-                                         "engine_path": "static" if eng.fast is not None else "dynamic"}
+                                         "engine_path": eng.decode_path}
     if res["chunked_logprobs"]:
         before = os.environ.get("GRPOFLOW_CHUNKED_LOGPROBS")
         os.environ["GRPOFLOW_CHUNKED_LOGPROBS"] = "0"
@@ -718,7 +718,7 @@ def sec_long(S, W: Path) -> dict:
 
     res: dict = {"name": "long"}
     B = int(os.environ.get("BENCH_LONG_REQUESTS", S["prompts"] * S["samples"]))
-    eng = _engine(S, W, fast_decode=True, kv_cache_gb=S["long_kv_gb"], max_batch_size=B)
+    eng = _engine(S, W, decode_path="static", kv_cache_gb=S["long_kv_gb"], max_batch_size=B)
     eng.eos_token_ids = set()
     # k stop ids out of V: with the random model's near-uniform next-token distribution a row stops
     # with probability ~k/V per token, i.e. geometric lengths with mean ~V/k (capped at long_new).
@@ -731,24 +731,24 @@ def sec_long(S, W: Path) -> dict:
     res["warmup_s"] = round(time.time() - t0, 1)
     reset_peak(S)
     sync(S)
-    eng.fast.trace = []
+    eng.decoder.trace = []
     t0 = time.perf_counter()
     out = eng.generate(_requests(S, max(B // S["samples"], 1), min(S["samples"], B), rollout=3, seed=3), sp)
     sync(S)
     t = time.perf_counter() - t0
     lens = sorted(len(r.response_ids) for r in out)
-    st = dict(eng.fast.stats)
+    st = dict(eng.decoder.stats)
     ntok = sum(lens)
     res.update(requests=B, max_new_tokens=S["long_new"], stop_ids=k, new_tokens=ntok, s=round(t, 2), tok_s=round(ntok / t),
                len_mean=round(ntok / B, 1), len_p50=lens[B // 2], len_max=lens[-1],
                stopped=sum(r.finish_reason == "stop" for r in out), slots=st.get("slots"), slot_len=st.get("slot_len"),
-               kv_cache_GiB=round(eng.fast.kv_cache_bytes() / 2**30, 2), kv_budget_GB=S["long_kv_gb"],
+               kv_cache_GiB=round(eng.decoder.kv_cache_bytes() / 2**30, 2), kv_budget_GB=S["long_kv_gb"],
                decode_steps=st.get("decode_steps"), row_steps=st.get("row_steps"),
                slot_utilisation=round(ntok / max(st.get("row_steps") or 1, 1), 3), prefill_s=round(st["prefill_s"], 2),
                decode_s=round(st["decode_s"], 2), graphs=st.get("graphs"), peak_mem_GiB=peak_gib(S))
     if S["device"] == "cuda":
-        res["tail"] = tail_profile(S, eng.fast, sp)
-    tr = eng.fast.trace or []
+        res["tail"] = tail_profile(S, eng.decoder, sp)
+    tr = eng.decoder.trace or []
     # decode time by number of active rows (where the time goes: full slots vs the draining tail)
     bins: dict = {}
     for act, b, n, ms, mx, _split in tr:

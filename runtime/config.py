@@ -60,6 +60,10 @@ class RolloutSection(Section):
     # The built-in engine's KV cache: its size in GiB (None: what the memory plan leaves free on a GPU,
     # a bounded default on CPU). Part of the plan that `grpoflow validate` checks.
     kv_cache_gb: float | None = Field(None, gt=0)
+    # The built-in engine's decoder: paged = our paged KV cache with continuous batching and preemption
+    # (CUDA graphs and the Triton kernel on CUDA); hf = HF's forward with a dynamic cache (the reference);
+    # auto = paged where the model family has it (runtime/rollout/decode_model.py), else hf.
+    decode_path: Literal["auto", "paged", "hf"] = "auto"
     # SGLang backend (docs/sglang.md). sglang_launch: the server command prefix; None runs
     # `python -m sglang.launch_server`; extra server flags go at its end ("{python}" = this Python).
     sglang_launch: list[str] | None = None

@@ -60,10 +60,10 @@ def test_fast_path_draws_the_slow_paths_tokens(tiny_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        slow = BuiltinEngine(tiny_dir)
+        slow = BuiltinEngine(tiny_dir, decode_path="hf")
         # 3 slots for 13 requests: slots are refilled while others decode (continuous batching)
-        fast = BuiltinEngine(tiny_dir, fast_decode=True, max_batch_size=3)
-        assert fast.health()["decode_path"] == "static" and slow.health()["decode_path"] == "dynamic"
+        fast = BuiltinEngine(tiny_dir, decode_path="static", max_batch_size=3)
+        assert fast.health()["decode_path"] == "static" and slow.health()["decode_path"] == "hf"
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, 100, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
                    for _ in range(6)]
@@ -75,12 +75,12 @@ def test_fast_path_draws_the_slow_paths_tokens(tiny_dir):
                    SamplingParams(temperature=0.0, max_new_tokens=5)):
             a, b = slow.generate(reqs, sp), fast.generate(reqs, sp)
             # finished rows stay idle at one token (their attention does not grow with later steps)
-            assert int(fast.fast.pos.sum()) == 0 and int(fast.fast.live.sum()) == 0
+            assert int(fast.decoder.pos.sum()) == 0 and int(fast.decoder.live.sum()) == 0
             assert [r.response_ids for r in a] == [r.response_ids for r in b]
             assert [r.finish_reason for r in a] == [r.finish_reason for r in b]
             assert max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.response_logprobs, y.response_logprobs)) < 1e-5
-        assert fast.fast.stats["max_active"] <= 3
-        assert 6 <= fast.fast.stats["prefills"] < len(reqs)  # a shared prompt is prefilled once while it is cached
+        assert fast.decoder.stats["max_active"] <= 3
+        assert 6 <= fast.decoder.stats["prefills"] < len(reqs)  # a shared prompt is prefilled once while it is cached
         # weights pushed into the engine reach the fused buffers of the fast path
         new = {k: v * 1.05 for k, v in slow.model.state_dict().items()}
         slow.update_weights(new, 1)
