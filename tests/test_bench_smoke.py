@@ -43,6 +43,25 @@ def test_gpu_bench_cpu_mode_runs(tmp_path):
     assert lg["stopped"] > 0 and lg["new_tokens"] > 0 and lg["slots"] >= 1
 
 
+def test_rollout_bench_cpu_mode_runs(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_bench.py"), "--cpu", "--out", str(out),
+                           "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "rollout_bench.json").read_text())
+    assert summary["benchmark"] == "rollout_bench" and summary["device"] == "cpu" and summary["date"]
+    sec = summary["sections"]
+    assert {k for k, v in sec.items() if v["status"] == "ok"} == {"paged", "static", "capped"}
+    sched = summary["schedule"]
+    paged, static, capped = (sec[k]["realistic"] for k in ("paged", "static", "capped"))
+    # the forced stops make every engine produce exactly the schedule's tokens
+    assert paged["new_tokens"] == static["new_tokens"] == capped["new_tokens"] == sched["total"]
+    assert paged["attention"] == "sdpa_paged_reference" and paged["preemptions"] == 0
+    assert capped["preemptions"] > 0 and capped["pages"] < paged["pages"]  # the small pool preempts and still finishes
+    assert paged["trace"] and sec["paged"]["fixed_512"]["tok_s"] > 0 and sec["paged"]["fixed_512"]["handoff"]
+    assert summary["floor"]["floor_s"] > 0 and summary["ratios"]["paged_vs_fixed_slot"] > 0
+
+
 # ---- the fast decode path against the slow one, directly --------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ responses actually reach, not the longest they could reach.
   host reserves the pages each row will write in it and writes them into the page table, a static
   device buffer; every length lives on the device, so one CUDA graph per batch bucket replays every
   step.
-* Preemption: when the pool cannot hold the next chunk, the most recently admitted row gives up its
-  pages and goes back to the queue with the tokens it made. When it is admitted again its prompt and
+* Preemption: when the pool cannot hold the next chunk, the row that has made the fewest tokens gives
+  up its pages and goes back to the queue, ahead of every later request, with the tokens it made. When it is admitted again its prompt and
   those tokens are prefilled again (recompute) and it continues. Sampling is keyed by (request,
   response position) (`keyed_sampling`), so the tokens it makes after that are the ones it would have
   made uninterrupted.
@@ -264,13 +264,11 @@ class PagedDecoder(FusedModel):
         row_req = [-1] * R                       # request decoding in each row
         row_own: list[list[int]] = [[] for _ in range(R)]   # each row's own pages, in order
         row_key: list[tuple | None] = [None] * R            # the prompt (prefix) each row reads
-        row_order = [0] * R                                 # admission counter: preempt the newest first
         prefix_pages: dict[tuple, list[int]] = {}
         prefix_refs: dict[tuple, int] = {}
         prefix_h: dict[tuple, torch.Tensor] = {}  # a prompt's last hidden state (draws a sample's first token)
         queue = list(range(n))
-        queue.reverse()  # pop() from the end takes requests in order; preempted ones go back to the end
-        admitted = 0
+        queue.reverse()  # pop() from the end takes requests in order
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "chunks": 0, "rows": R,
                  "pages": pool.num_pages, "page_size": P, "max_active": 0, "prefills": 0, "prefill_tokens": 0,
                  "preemptions": 0, "reprefill_tokens": 0, "peak_pages_used": 0}
@@ -282,18 +280,23 @@ class PagedDecoder(FusedModel):
         self.table.zero_()
 
         def take(r: int, toks: list[int], lps: list[float]) -> bool:
-            """Append tokens to a request until it stops; True when it finished."""
-            for t, lp in zip(toks, lps):
-                if len(out_ids[r]) + 1 == cap[r] and cap[r] < max_new:
-                    t = forced_stop  # a benchmark's forced stop (stop_at)
-                out_ids[r].append(t)
-                out_lp[r].append(lp)
-                if t in stop_ids or len(out_ids[r]) == cap[r] and cap[r] < max_new:
-                    finish[r] = "stop"
-                    return True
-                if len(out_ids[r]) >= max_new:
-                    return True
-            return False
+            """Append a chunk's tokens to a request up to its stop; True when it finished."""
+            room = cap[r] - len(out_ids[r])
+            toks, lps = toks[:room], lps[:room]
+            stop = next((i for i, t in enumerate(toks) if t in stop_ids), None) if stop_ids else None
+            if stop is not None:
+                toks, lps = toks[:stop + 1], lps[:stop + 1]
+            out_ids[r].extend(toks)
+            out_lp[r].extend(lps)
+            if stop is not None:
+                finish[r] = "stop"
+                return True
+            if len(out_ids[r]) < cap[r]:
+                return False
+            if cap[r] < max_new:  # a benchmark's forced stop (stop_at)
+                out_ids[r][-1] = forced_stop
+                finish[r] = "stop"
+            return True
 
         def unref_prefix(key: tuple) -> None:
             prefix_refs[key] -= 1
@@ -370,8 +373,6 @@ class PagedDecoder(FusedModel):
                         s = free_rows[len(assign)]
                         assign.append((s, r))
                         row_req[s], row_key[s] = r, key
-                        admitted += 1
-                        row_order[s] = admitted
                         if new_prefix:
                             prefix_pages[key] = pool.alloc(pages_for(len(key), P))
                             prefix_refs[key] = 0
@@ -447,16 +448,21 @@ class PagedDecoder(FusedModel):
                             f"KV page pool: one sequence of {len(prompts[row_req[s]])} prompt + "
                             f"{kv_held(s) + steps} tokens needs more than the {pool.capacity} pages of {P} tokens "
                             f"({self.kv_cache_bytes() / 2**30:.3f} GiB); raise rollout.kv_cache_gb")
-                    victim = max(active, key=lambda x: row_order[x])
+                    # the row with the fewest tokens made: the least work to redo, and the rows that have run
+                    # longest (those that make the tail) keep going
+                    victim = min(active, key=lambda x: (len(out_ids[row_req[x]]), -row_req[x]))
                     r = row_req[victim]
                     vacate([victim])
                     queue.append(r)
+                    queue.sort(reverse=True)  # it is admitted again before every later request
                     stats["preemptions"] += 1
                     active.remove(victim)
                 entries = []
                 for s in active:
-                    cols, pages = give_pages(s, growth(s, steps))
-                    entries += [(s, c, p) for c, p in zip(cols, pages)]
+                    more = growth(s, steps)
+                    if more:
+                        cols, pages = give_pages(s, more)
+                        entries += [(s, c, p) for c, p in zip(cols, pages)]
                 write_table(entries)
                 # ---- decode the chunk -------------------------------------------------------------------------
                 hi = max(active) + 1
