@@ -72,6 +72,18 @@ def test_paged_draws_the_hf_paths_tokens(model_dir, hf):
         assert paged.decoder.pool.used == 0  # every page back
         assert int(paged.decoder.live.sum()) == 0 and int(paged.decoder.table.abs().sum()) == 0
     assert {r.finish_reason for r in paged.generate(reqs, SAMPLINGS[0])} == {"stop", "length"}
+    # 12 rows (batch buckets of 8 and 12), the requests of rows 8-11 long (forced stops: `stop_at`): once
+    # the short ones finished, the long rows move down to rows 0-3 and decode in the bucket of 8
+    from runtime.rollout.keyed_sampling import sample_key_hash
+    prompts, kh = [r.prompt_ids for r in reqs[:12]], sample_key_hash(torch.tensor([r.key for r in reqs[:12]]))
+    lengths, sp = [2] * 8 + [17, 18, 19, 20], SamplingParams(max_new_tokens=20)
+    wide = _paged(model_dir, rows=12)
+    got = wide.decoder.generate(prompts, kh, sp, set(), stop_at=lengths)
+    assert wide.decoder.stats["compactions"] > 0 and wide.decoder.pool.used == 0
+    narrow = paged.decoder.generate(prompts, kh, sp, set(), stop_at=lengths)  # 3 rows: never moved
+    assert got[0] == narrow[0] and got[2] == narrow[2]
+    assert max(abs(p - q) for x, y in zip(got[1], narrow[1]) for p, q in zip(x, y)) < 1e-5
+    assert [len(x) for x in got[0]] == lengths and got[2] == ["stop"] * 11 + ["length"]
     # weights pushed into the engine reach the decoder's fused buffers
     new = {k: v * 1.05 for k, v in hf.model.state_dict().items()}
     other_hf = BuiltinEngine(model_dir, decode_path="hf")

@@ -10,7 +10,8 @@ responses actually reach, not the longest they could reach.
   (response) pages, so a prompt page is never written by a sample and needs no copy.
 * Continuous batching: requests wait in a queue and are admitted into free rows while pages are free
   (after what the rows already running need for their next chunk of steps).
-* Decode steps run in chunks of `sync_every` steps with one host sync per chunk. Before a chunk, the
+* Decode steps run in chunks of `sync_every` steps with one host sync per chunk, over the smallest
+  batch bucket that holds the active rows (rows are moved down when rows below them finished). Before a chunk, the
   host reserves the pages each row will write in it and writes them into the page table, a static
   device buffer; every length lives on the device, so one CUDA graph per batch bucket replays every
   step.
@@ -271,7 +272,7 @@ class PagedDecoder(FusedModel):
         queue.reverse()  # pop() from the end takes requests in order
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "chunks": 0, "rows": R,
                  "pages": pool.num_pages, "page_size": P, "max_active": 0, "prefills": 0, "prefill_tokens": 0,
-                 "preemptions": 0, "reprefill_tokens": 0, "peak_pages_used": 0}
+                 "preemptions": 0, "reprefill_tokens": 0, "peak_pages_used": 0, "compactions": 0}
         pool.peak_used = pool.used
         self.stats.update(stats)
         stats = self.stats  # live: a failed call leaves what it got to
@@ -332,6 +333,24 @@ class PagedDecoder(FusedModel):
             first = len(row_own[s])
             row_own[s].extend(new)
             return [self.prefix_cols + first + i for i in range(count)], new
+
+        def compact(active: list[int], b: int) -> list[int]:
+            """Move the active rows at or above row b into the free rows below it (device state, page table and
+            bookkeeping); returns the active rows, now all below b."""
+            free = [s for s in range(b) if row_req[s] < 0]
+            moving = [s for s in active if s >= b]
+            src = torch.tensor(moving, dtype=torch.long, device=dev)
+            dst = torch.tensor(free[:len(moving)], dtype=torch.long, device=dev)
+            for buf in (self.tok, self.pos, self.plen, self.spos, self.live, self.key_hash, self.table):
+                buf.index_copy_(0, dst, buf.index_select(0, src))
+            for buf in (self.pos, self.plen, self.live):
+                buf.index_fill_(0, src, 0)
+            self.table.index_fill_(0, src, NULL_PAGE)
+            for a, d in zip(moving, free):
+                row_req[d], row_own[d], row_key[d] = row_req[a], row_own[a], row_key[a]
+                row_req[a], row_own[a], row_key[a] = -1, [], None
+            stats["compactions"] += 1
+            return [s for s in active if s < b] + free[:len(moving)]
 
         def write_table(entries: list[tuple[int, int, int]]) -> None:
             if entries:
@@ -465,8 +484,9 @@ class PagedDecoder(FusedModel):
                         entries += [(s, c, p) for c, p in zip(cols, pages)]
                 write_table(entries)
                 # ---- decode the chunk -------------------------------------------------------------------------
-                hi = max(active) + 1
-                b = next(x for x in self._buckets() if x >= hi)
+                b = next(x for x in self._buckets() if x >= len(active))
+                if max(active) >= b:  # rows finished below: move the top ones down, so the step runs b rows
+                    active = compact(active, b)
                 longest = max(len(prompts[row_req[s]]) + len(out_ids[row_req[s]]) for s in active) + steps
                 self._chunk_split_tokens = self.split_tokens or split_tokens_for(len(active), self.nkv, longest, dev)
                 t0 = time.perf_counter()
