@@ -560,6 +560,10 @@ def tail_aware_floor(S, lengths: list[int], step_lat: list[dict], hbm_GBps: floa
 
 def summarize(S, res: dict, info: dict) -> dict:
     lengths = schedule(S)
+    if (res.get("paged") or {}).get("status") == "ok":
+        res.pop("paged_realistic_only", None)  # the partial record of a section that went on to finish
+    elif "paged_realistic_only" in res:
+        res["paged"] = res.pop("paged_realistic_only")
     pg, st, cp = (res.get(k) or {} for k in ("paged", "static", "capped"))
     pr, sr, cr = pg.get("realistic") or {}, st.get("realistic") or {}, cp.get("realistic") or {}
     floor = tail_aware_floor(S, lengths, pg.get("step_latency_batch8") or [], pg.get("hbm_GBps"))

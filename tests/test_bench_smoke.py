@@ -51,7 +51,7 @@ def test_rollout_bench_cpu_mode_runs(tmp_path):
     summary = json.loads((out / "rollout_bench.json").read_text())
     assert summary["benchmark"] == "rollout_bench" and summary["device"] == "cpu" and summary["date"]
     sec = summary["sections"]
-    assert {k for k, v in sec.items() if v["status"] == "ok"} == {"paged", "static", "capped"}
+    assert {k for k, v in sec.items() if v["status"] == "ok"} == set(sec) == {"paged", "static", "capped", "kernels"}
     sched = summary["schedule"]
     paged, static, capped = (sec[k]["realistic"] for k in ("paged", "static", "capped"))
     # the forced stops make every engine produce exactly the schedule's tokens
