@@ -44,6 +44,46 @@ class DataSection(Section):
     shuffle: bool = True
 
 
+# The `sglang.launch_server` flags the SGLang backend sets from rollout.sglang itself; `launch` may not repeat them.
+SGLANG_MANAGED_FLAGS = ("--model-path", "--model", "--tp-size", "--tensor-parallel-size", "--mem-fraction-static",
+                        "--host", "--port", "--random-seed", "--weight-version", "--base-gpu-id",
+                        "--enable-memory-saver", "--enable-deterministic-inference")
+SGLANG_PORT_STRIDE = 10  # with a fixed base port, engine i listens on port + 10 * i
+
+
+class SGLangSection(Section):
+    """`rollout.engine: sglang`: the SGLang servers grpoflow launches and feeds (docs/sglang.md)."""
+
+    # The server command prefix; None runs `python -m sglang.launch_server`. Extra server flags go at
+    # its end ("{python}" = the running Python).
+    launch: list[str] | None = None
+    mem_fraction: float = Field(0.7, gt=0, lt=1, description="--mem-fraction-static")
+    concurrency: int = Field(64, gt=0, description="requests in flight per SGLang engine")
+    num_engines: int = Field(1, gt=0)
+    tp_size: int = Field(1, gt=0)
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, lt=65536, description="0: free ports; else engine i uses port + 10*i")
+    startup_timeout_s: float = Field(900.0, gt=0)
+    request_timeout_s: float = Field(1800.0, gt=0, description="one /generate; long reasoning rollouts take minutes")
+    max_restarts: int = Field(3, ge=0, description="per engine, over its life")
+    weight_sync: Literal["disk", "tensor"] = "disk"
+    scratch_dir: str | None = None  # weights pushed to the engines + their logs; None: a temp dir
+    deterministic: bool = True  # --enable-deterministic-inference: sampling_seed honoured
+
+    @model_validator(mode="after")
+    def _launch_and_ports(self) -> "SGLangSection":
+        for flag in self.launch or []:
+            name = flag.split("=", 1)[0]
+            if name in SGLANG_MANAGED_FLAGS:
+                raise ValueError(f"launch sets {name}, which grpoflow sets itself; remove it (rollout.sglang has "
+                                 f"keys for it: tp_size, mem_fraction, host, port, deterministic)")
+        last = self.port + SGLANG_PORT_STRIDE * (self.num_engines - 1)
+        if self.port and last >= 65536:
+            raise ValueError(f"port={self.port}: engine i listens on port + {SGLANG_PORT_STRIDE}*i, and engine "
+                             f"{self.num_engines - 1}'s port {last} is past 65535; lower port or num_engines")
+        return self
+
+
 class RolloutSection(Section):
     engine: Literal["builtin", "sglang"] = "builtin"
     rollout_batch_size: int = Field(8, gt=0, description="prompts per rollout")
@@ -60,21 +100,17 @@ class RolloutSection(Section):
     # The built-in engine's KV cache: its size in GiB (None: what the memory plan leaves free on a GPU,
     # a bounded default on CPU). Part of the plan that `grpoflow validate` checks.
     kv_cache_gb: float | None = Field(None, gt=0)
-    # SGLang backend (docs/sglang.md). sglang_launch: the server command prefix; None runs
-    # `python -m sglang.launch_server`; extra server flags go at its end ("{python}" = this Python).
-    sglang_launch: list[str] | None = None
-    sglang_mem_fraction: float = Field(0.7, gt=0, lt=1)
-    sglang_concurrency: int = Field(64, gt=0, description="requests in flight per SGLang engine")
-    sglang_num_engines: int = Field(1, gt=0)
-    sglang_tp_size: int = Field(1, gt=0)
-    sglang_host: str = "127.0.0.1"
-    sglang_port: int = Field(0, ge=0, lt=65536, description="0: free ports; else engine i uses port + 10*i")
-    sglang_startup_timeout_s: float = Field(900.0, gt=0)
-    sglang_request_timeout_s: float = Field(1800.0, gt=0)
-    sglang_max_restarts: int = Field(3, ge=0, description="per engine")
-    sglang_weight_sync: Literal["disk", "tensor"] = "disk"
-    sglang_scratch_dir: str | None = None  # weights pushed to the engines + their logs; None: a temp dir
-    sglang_deterministic: bool = True  # --enable-deterministic-inference: sampling_seed honoured
+    sglang: SGLangSection = SGLangSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_sglang_keys(cls, data: Any) -> Any:
+        # the flat rollout.sglang_* keys of older configs (and of frozen configs of older runs)
+        old = sorted(k for k in data if isinstance(k, str) and k.startswith("sglang_")) if isinstance(data, dict) else []
+        if old:
+            raise ValueError(f"{old[0]} is now sglang.{old[0].removeprefix('sglang_')}: the SGLang settings are one "
+                             f"section, rollout.sglang; move it there")
+        return data
 
 
 class AlgorithmSection(Section):
