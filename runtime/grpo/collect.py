@@ -8,14 +8,15 @@ is keyed by (seed, rollout id, prompt index, sample index).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from runtime.algo import fill_batch
 from runtime.config import GrpoConfig
 from runtime.grpo.rollout_batch import Group, RolloutBatch
 from runtime.placement.handles import EngineHandle
 from runtime.rewards.timeout import score_batch
-from runtime.rollout.base import SampleResult, SamplingParams, keyed_requests
+from runtime.rollout.base import SampleRequest, SampleResult, SamplingParams, keyed_requests
 from runtime.rollout.custom import validate_rollout_output
 
 MAX_DRAWS = 4  # prompt draws per rollout before the batch is filled with uninformative groups
@@ -24,6 +25,17 @@ MAX_DRAWS = 4  # prompt draws per rollout before the batch is filled with uninfo
 def sampling_params(d: dict) -> SamplingParams:
     return SamplingParams(temperature=d["temperature"], top_p=d["top_p"], top_k=d["top_k"],
                           max_new_tokens=d["max_new_tokens"])
+
+
+@dataclass
+class EngineForCustomRollout:
+    """What a custom rollout function gets as `engine` (runtime/rollout/custom.py's contract)."""
+
+    handle: EngineHandle
+    tokenizer: Any
+
+    def generate(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
+        return self.handle.generate(requests, sampling)
 
 
 class Collector:
@@ -64,7 +76,8 @@ class Collector:
                                   n=n, first_prompt=first_prompt)
         if self.custom_rollout is not None:
             keys = [[q.key for q in group] for group in requests]
-            out = self.custom_rollout(self.engine, prompts, self.sampling, keys, self._reward_of_sample)
+            out = self.custom_rollout(EngineForCustomRollout(self.engine, self.tokenizer), prompts, self.sampling, keys,
+                                      self._reward_of_sample)
             samples = validate_rollout_output(out, prompts, keys)
         else:
             flat = self.engine.generate([q for group in requests for q in group], self.sampling)
