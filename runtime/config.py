@@ -145,8 +145,11 @@ class ClusterSection(Section):
     gpu_memory_gb: float | None = Field(None, gt=0)
 
 
+DEFAULT_ROOT = "./grpoflow-data"  # storage.root when a config or a command names none
+
+
 class StorageSection(Section):
-    root: str = "./grpoflow-data"
+    root: str = DEFAULT_ROOT
     state_dir: str | None = None  # local dir for MLflow/Prefect state when root is remote
 
 
@@ -219,10 +222,6 @@ class GrpoConfig(Section):
     @property
     def samples_per_rollout(self) -> int:
         return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
-
-    @property
-    def num_chunks(self) -> int:
-        return -(-self.train.num_rollout // self.checkpoint.interval)
 
     def chunk_bounds(self) -> list[tuple[int, int]]:
         """[start, end) rollout ids of each chunk."""

@@ -21,7 +21,7 @@ from runtime.rewards.catalog import get_reward_fn
 from runtime.run import checkpoint
 from runtime.run.directory import RunDir
 
-log = logging.getLogger("grpoflow.train")
+log = logging.getLogger(__name__)
 
 
 class ChunkError(RuntimeError):

@@ -26,7 +26,7 @@ from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, 
 
 _ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
-log = logging.getLogger("grpoflow.rollout")
+log = logging.getLogger(__name__)
 
 
 def _as_id_set(value) -> set[int]:

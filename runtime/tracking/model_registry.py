@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from runtime.errors import ModelError
 from runtime.run.directory import RunDir
 from runtime.tracking.mlflow_tracker import metric_key, mlflow_errors, redact_uri
 
-log = logging.getLogger("grpoflow.registry")
+log = logging.getLogger(__name__)
 
 CHECKPOINT_TAG = "grpoflow.checkpoint"
 PRIMARY_METRIC_TAG = "grpoflow.primary_metric"
@@ -250,15 +249,8 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
         return files
 
     out = str(out_dir)
-    if storage.is_remote(out):
-        fs, root = storage.fs_for(out)
-        with tempfile.TemporaryDirectory() as tmp:
-            files = write(Path(tmp))
-            for name in sorted(files, key=lambda f: f == "config.json") + [EXPORT_MARKER]:  # marker last
-                fs.put_file(str(Path(tmp) / name), f"{root.rstrip('/')}/{name}")
-    else:
-        with storage.atomic_dir(out) as tmp:
-            files = write(tmp)
+    with storage.publish_dir(out, last=["config.json", EXPORT_MARKER]) as tmp:  # the marker last
+        files = write(tmp)
     return {**marker, "path": out, "files": sorted(files), "skipped": False, "seconds": round(time.time() - t0, 3)}
 
 
