@@ -1,9 +1,11 @@
 """Rule-based rewards, the reward registry, and time-bounded batch scoring."""
 
 import importlib
+import json
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -216,3 +218,43 @@ def test_inline_scoring_counts_exceptions(custom_module):
 def test_unsendable_reward_is_a_config_error():
     with pytest.raises(ConfigError, match="cannot be sent to a worker process"):
         score_batch(lambda r, l, m=None: 1.0, ["a"], ["b"])
+
+
+# ---------------------------------------------------------------- the grading case set
+
+GRADING_CASES = Path(__file__).parent / "data" / "grading_cases.jsonl"
+REQUIRED_CATEGORIES = {
+    "integer", "fraction", "root", "power", "pi", "percent", "thousands", "unicode_minus", "units",
+    "several_boxes", "nested_braces", "truncated_box", "middle_answer", "empty", "long", "think",
+    "answer_line_latex", "space_box", "text_wrapper", "infinity",
+}
+
+
+def load_grading_cases() -> list[dict]:
+    return [json.loads(line) for line in GRADING_CASES.read_text().splitlines() if line.strip()]
+
+
+def disagreements(reward_fn, cases) -> list[dict]:
+    """Cases where the reward's pass (a positive reward) differs from the verdict by plain meaning."""
+    return [c for c in cases if (reward_fn(c["response"], c["label"]) > 0) != (c["verdict"] == "correct")]
+
+
+def test_grading_case_set_is_well_formed():
+    cases = load_grading_cases()
+    assert len(cases) >= 200
+    assert len({c["id"] for c in cases}) == len(cases)
+    for c in cases:
+        assert set(c) == {"id", "category", "response", "label", "verdict", "reason"}, c["id"]
+        assert c["verdict"] in ("correct", "incorrect") and c["reason"], c["id"]
+    assert REQUIRED_CATEGORIES <= {c["category"] for c in cases}
+    assert max(len(c["response"]) for c in cases) >= 20_000
+
+
+def test_agreement_with_the_plain_meaning_before_the_fixes():
+    # Measured on the graders as they stood when the case set was written (issue #20).
+    cases = load_grading_cases()
+    math_wrong = disagreements(math_reward, cases)
+    assert len(cases) - len(math_wrong) == 176
+    assert sum(c["verdict"] == "incorrect" for c in math_wrong) == 13  # false positives
+    assert len(cases) - len(disagreements(dapo_reward, cases)) == 140
+    assert len(cases) - len(disagreements(deepscaler_reward, cases)) == 140
