@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.overrides)
             from runtime.plan.summary import layout_lines, memory_lines
             placement = layout_lines(cfg)  # before any output: a layout that cannot run is one line
+            from runtime.grpo.preflight import check_trainable
+            check_trainable(cfg)
             _print_plan(cfg)
             for line in placement + memory_lines(cfg, args.gpu_mem_gb):
                 print(line)

@@ -47,11 +47,11 @@ class DataSection(Section):
 class RolloutSection(Section):
     engine: Literal["builtin", "sglang"] = "builtin"
     rollout_batch_size: int = Field(8, gt=0, description="prompts per rollout")
-    n_samples_per_prompt: int = Field(8, gt=0)
+    n_samples_per_prompt: int = Field(8, ge=2, description="group advantages need at least 2 samples per prompt")
     max_new_tokens: int = Field(16, gt=0)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, description="-1: off")
+    top_k: int = Field(-1, ge=-1, description="-1: off")
     reward: str = "math"  # math | dapo | deepscaler | module:function
     reward_timeout_s: float = Field(5.0, gt=0)
     custom_rollout: str | None = None  # module:function replacing generate+reward
@@ -130,10 +130,10 @@ class EvalSection(Section):
     before_train: bool = False
     n_samples_per_prompt: int = Field(4, gt=0)
     pass_k: list[int] = Field(default_factory=lambda: [1])
-    max_new_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_prompts: int | None = None
+    max_new_tokens: int | None = Field(None, gt=0)
+    temperature: float = Field(1.0, ge=0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_prompts: int | None = Field(None, gt=0)
 
 
 class CheckpointSection(Section):
@@ -222,6 +222,11 @@ class GrpoConfig(Section):
             raise ValueError(
                 f"eval.interval={self.eval.interval} must be a multiple of checkpoint.interval="
                 f"{self.checkpoint.interval} (an eval needs a checkpoint to export)")
+        if r.top_k == 0:
+            raise ValueError("rollout.top_k=0 keeps no token: use -1 (off) or a count >= 1")
+        if self.algorithm.entropy_coef and t.tensor_parallel > 1:
+            raise ValueError("algorithm.entropy_coef > 0 needs train.tensor_parallel=1 (the entropy bonus is not "
+                             "computed under tensor parallelism); set one of them back")
         if any(k < 1 or k > self.eval.n_samples_per_prompt for k in self.eval.pass_k):
             raise ValueError(f"eval.pass_k={self.eval.pass_k}: every k must be in 1..eval.n_samples_per_prompt")
         if self.storage.root.startswith("s3://") and self.tracking.enabled:
