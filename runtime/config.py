@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from runtime.errors import ConfigError
 
@@ -81,12 +81,30 @@ class AlgorithmSection(Section):
     normalize_adv_std: bool = True  # False = Dr.GRPO
     eps_clip: float = Field(0.2, ge=0)
     eps_clip_high: float | None = None  # None: = eps_clip; DAPO's clip-higher uses 0.28
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    # runtime/algo/losses.py:aggregate; seq_mean_token_sum_norm is Dr.GRPO's (divides by loss_norm_tokens)
+    loss_agg: Literal["token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = "token_mean"
+    loss_norm_tokens: int | None = Field(None, gt=0, description="seq_mean_token_sum_norm's constant; None: rollout.max_new_tokens")
     kl_coef: float = Field(0.0, ge=0)
     kl_type: Literal["k1", "k2", "k3"] = "k3"
+    kl_clamp: float | None = Field(None, gt=0, description="cap on k3's value (verl: 10); None: off")
     entropy_coef: float = 0.0
     use_tis: bool = False
     tis_cap: float = Field(2.0, gt=0)
+    logratio_clamp: float = Field(20.0, gt=0, description="|log-ratio| bound before exp (policy, TIS, KL)")
+    dual_clip_c: float | None = Field(None, description="verl's dual clip for A < 0 (verl: 3); None: off")
+
+    @field_validator("dual_clip_c")
+    @classmethod
+    def _dual_clip_above_one(cls, c: float | None) -> float | None:
+        if c is not None and not c > 1:
+            raise ValueError(f"must be > 1 (verl uses 3), or null for off; got {c}")
+        return c
+
+    @model_validator(mode="after")
+    def _kl_clamp_is_for_k3(self) -> "AlgorithmSection":
+        if self.kl_clamp is not None and self.kl_type != "k3":
+            raise ValueError(f"kl_clamp caps the k3 estimator only; unset it or use kl_type k3 (not {self.kl_type})")
+        return self
 
 
 class TrainSection(Section):
@@ -175,6 +193,13 @@ class GrpoConfig(Section):
             if isinstance(gpus, int) and isinstance(tp, int) and gpus > 0 and tp > 0 and gpus % tp == 0:
                 data = {**data, "train": {**train, "data_parallel": gpus // tp}}
         return data
+
+    @model_validator(mode="after")
+    def _derive_loss_norm_tokens(self) -> "GrpoConfig":
+        a = self.algorithm
+        if a.loss_agg == "seq_mean_token_sum_norm" and a.loss_norm_tokens is None:
+            a.loss_norm_tokens = self.rollout.max_new_tokens  # Dr.GRPO's constant: the longest a response can be
+        return self
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "GrpoConfig":

@@ -91,6 +91,12 @@ def _score(texts: list[str], labels: list[str], timeout_s: float | None) -> tupl
     return [s >= 0.5 for s in scores], failed
 
 
+def _grader() -> dict[str, str | None]:
+    from runtime.rewards import grader_record
+
+    return grader_record("math")
+
+
 def evaluate(engine_generate: EngineGenerate, tokenizer, rows: list[dict], *, n_samples: int,
              sampling: SamplingParams, seed: int, eval_point: int, ks: Sequence[int] = (1,),
              max_prompts: int | None = None, batch_prompts: int | None = None,
@@ -98,7 +104,8 @@ def evaluate(engine_generate: EngineGenerate, tokenizer, rows: list[dict], *, n_
     """Evaluate the policy behind ``engine_generate`` on prepared rows (``prompt``, ``label``).
 
     Returns the metrics of :func:`eval_metrics` plus ``score_failures`` (answers whose check raised
-    or timed out: counted wrong) and ``eval_time_s``; with ``details=True`` also ``details``: per
+    or timed out: counted wrong), ``grader`` (``runtime.rewards.grader_record``: the rule and
+    math-verify version that scored them) and ``eval_time_s``; with ``details=True`` also ``details``: per
     prompt its label, the number correct and the first response. ``max_prompts`` keeps the first rows;
     ``batch_prompts`` bounds how many prompts go to the engine per call (results do not depend on
     it: every sample's noise is keyed). ``reward_timeout_s=None`` checks answers inline.
@@ -133,6 +140,7 @@ def evaluate(engine_generate: EngineGenerate, tokenizer, rows: list[dict], *, n_
         correct, grouped([len(r.response_ids) for r in results]),
         grouped([r.finish_reason == "length" for r in results]), ks)
     metrics["score_failures"] = failed
+    metrics["grader"] = _grader()  # which rule scored these numbers (kept in eval/rollout_<N>.json)
     metrics["eval_time_s"] = time.time() - t0
     if details:
         metrics["details"] = [
