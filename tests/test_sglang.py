@@ -317,20 +317,21 @@ def test_tensor_sync_payloads(start):
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    """(trainer group, HF dir) of a tiny Qwen3 (tied embeddings) on CPU; killed after the module."""
+    """(trainer handle, HF dir) of a tiny Qwen3 (tied embeddings) on CPU; killed after the module."""
     from runtime.config import GrpoConfig
     from runtime.mcore.convert import hf_to_torch_dist
     from runtime.placement.ports import free_port
     from runtime.models.tiny import build_tiny_qwen3
+    from runtime.placement.handles import TrainerHandle
     from runtime.placement.subprocess_group import SubprocessGroup
     root = tmp_path_factory.mktemp("sglang-broadcast")
     hf = build_tiny_qwen3(root / "hf", seed=5)["path"]
     hf_to_torch_dist(hf, str(root / "td"))
     cfg = GrpoConfig.model_validate({"train": {"micro_batch_size": 8, "lr": 1e-2}})
-    group = SubprocessGroup("runtime.trainer.megatron_trainer:MegatronTrainer", [dict(
+    group = TrainerHandle(SubprocessGroup("runtime.trainer.megatron_trainer:MegatronTrainer", [dict(
         hf_dir=str(hf), init_checkpoint=str(root / "td"), train=cfg.train.model_dump(),
         algorithm=cfg.algorithm.model_dump(), temperature=1.0, rank=0, world_size=1, master_port=free_port(),
-        num_threads=1)])
+        num_threads=1)]))
     try:
         yield group, Path(hf)
     finally:
@@ -342,22 +343,21 @@ def train_step(trainer, seed: int) -> None:
     from runtime.trainer.batch import TrainBatch
     g = torch.Generator().manual_seed(seed)
     tokens = [torch.randint(3, 50, (8,), generator=g).tolist() for _ in range(8)]
-    trainer.call("train", TrainBatch(tokens, [4] * 8, torch.randn(8, generator=g).tolist(), [[1] * 4] * 8,
-                                     [[-1.0] * 4] * 8))
+    trainer.train(TrainBatch(tokens, [4] * 8, torch.randn(8, generator=g).tolist(), [[1] * 4] * 8, [[-1.0] * 4] * 8))
 
 
 def form_group(eng, trainer, name: str) -> list:
     """What TrainSession does for cluster.weight_sync=broadcast: rank 0 and every engine rank join."""
-    host, port = trainer.call("weight_sync_address")[0]
+    host, port = trainer.weight_sync_address()
     world = 1 + eng.weight_sync_ranks()
-    pending = trainer.submit("init_weight_sync", host, port, world, name)
+    pending = trainer.init_weight_sync(host, port, world, name)
     eng.init_weight_sync(host, port, 1, world, name)
     pending.get()
-    return trainer.call("weights_metadata")[0]
+    return trainer.weights_metadata()
 
 
 def push(eng, trainer, metadata, version: int) -> None:
-    pending = trainer.submit("broadcast_weights")  # rank 0 sends while the engines receive
+    pending = trainer.broadcast_weights()  # rank 0 sends while the engines receive
     try:
         eng.receive_weights(metadata, version)
     finally:
@@ -374,7 +374,7 @@ def served_weights(eng) -> list[dict]:
 
 
 def assert_serves_trainer_weights(eng, trainer, version: int) -> None:
-    hf = trainer.call("hf_weights")[0]
+    hf = trainer.hf_weights()
     want = {k: [str(t.dtype).removeprefix("torch."), list(t.shape), sha256(t)] for k, t in hf.items()}
     assert want.pop("lm_head.weight") == want["model.embed_tokens.weight"]  # tied: sglang skips lm_head
     for served in served_weights(eng):
@@ -385,7 +385,8 @@ def assert_serves_trainer_weights(eng, trainer, version: int) -> None:
 @pytest.mark.race
 @pytest.mark.timeout(150)  # includes building the module's trainer
 def test_broadcast_from_a_megatron_trainer_and_a_restart(start, trainer):
-    from runtime.placement.cluster import LocalGroup
+    from runtime.placement.groups import LocalGroup
+    from runtime.placement.handles import EngineHandle
     from runtime.placement.weight_sync import TrainerToEngine
     group, hf = trainer
     eng = start("--weight-sync-timeout-s", "30", model=hf, num_engines=2, sync_backend="gloo")
@@ -398,7 +399,7 @@ def test_broadcast_from_a_megatron_trainer_and_a_restart(start, trainer):
     before = eng.generate(requests, SAMPLING)
     train_step(group, seed=1)
 
-    link = TrainerToEngine(group, LocalGroup([eng]), "broadcast", tensors_on_cpu=False, group_name="gf_bcast_a")
+    link = TrainerToEngine(group, EngineHandle(LocalGroup([eng])), "broadcast", tensors_on_cpu=False, group_name="gf_bcast_a")
     assert eng.weight_sync_ready()
     link.push(1)
     assert_serves_trainer_weights(eng, group, 1)
@@ -456,7 +457,7 @@ def test_failed_broadcast_is_an_error_not_a_hang(start, trainer):
         eng.receive_weights(metadata, 1)  # refused at once: no collective is started
     # update_weights (disk) brings every engine, stale ones too, to the trainer's weights
     train_step(group, seed=3)
-    eng.update_weights(group.call("hf_weights")[0], 1)
+    eng.update_weights(group.hf_weights(), 1)
     assert_serves_trainer_weights(eng, group, 1)
     assert eng.generate(make_requests(1, 1), SAMPLING)
     # and a new group carries broadcasts again

@@ -37,7 +37,7 @@ from runtime.rollout.sglang.server_process import (
     RESTARTING,
     STALE,
     Server,
-    launch,
+    launch_server,
     terminate_process,
     wait_healthy,
 )
@@ -90,7 +90,8 @@ class EnginePool:
     def launch(self, server: Server) -> None:
         if self.closed:
             raise RuntimeError("SGLangEngine was shut down")
-        self.procs.append(launch(self.settings, self.model_dir, server, {s.port for s in self.servers if s is not server}))
+        taken = {s.port for s in self.servers if s is not server}
+        self.procs.append(launch_server(self.settings, self.model_dir, server, taken))
 
     async def aclose(self) -> None:
         client = getattr(self, "_client", None)

@@ -75,7 +75,7 @@ def server_command(settings: SGLangSettings, model_dir: str, server: Server) -> 
     return cmd
 
 
-def launch(settings: SGLangSettings, model_dir: str, server: Server, taken_ports: set[int]) -> subprocess.Popen:
+def launch_server(settings: SGLangSettings, model_dir: str, server: Server, taken_ports: set[int]) -> subprocess.Popen:
     """Start `server`'s process on its port (a fresh free one unless rollout.sglang.port is set);
     it is STARTING in a new epoch."""
     sec = settings.section
