@@ -558,7 +558,7 @@ def stage_config(S, W: Path) -> dict:
 
 
 def sec_stage(S, W: Path) -> dict:
-    """Issue 3 item 9 / issue 10 (c): the real train stage (TrainSession.run_chunk), backend local."""
+    """(c) the real train stage (TrainSession.run_chunk), backend local: what a user's step costs."""
     torch = _torch()
     from runtime.config import config_from_dict
     from runtime.grpo.session import TrainSession
