@@ -83,6 +83,7 @@ import math
 import os
 from typing import Any
 
+from runtime.devices import resolve_dtype
 from runtime.mcore import fusions as megatron_fusions
 
 GIB = 2**30
@@ -418,7 +419,7 @@ def _why_not(est: dict[str, Any]) -> str:
         hints.append("fewer samples per rollout or a smaller rollout.max_new_tokens (the engine's slow path "
                      "caches every row at full length)")
     if est["engine"] == "sglang" and est["colocate"] and est["kv_cache"] <= 0:
-        hints.append("cluster.colocate=false or a larger rollout.sglang_mem_fraction: SGLang's share of the GPU "
+        hints.append("cluster.colocate=false or a larger rollout.sglang.mem_fraction: SGLang's share of the GPU "
                      "is taken by the trainer before it starts")
     return (f"needs {est['total']:.1f} GiB per GPU but the GPU has {gpu:g}; largest: "
             + ", ".join(f"{k} {v:.1f} GiB" for k, v in big) + "; try " + "; or ".join(hints or ["a larger GPU"]))
@@ -464,7 +465,7 @@ def estimate_for_config(cfg, hf_config, *, gpu_mem_gb: float = 80.0, device: str
     ``device``: default the config's ``cluster.device`` ("auto" counts as a GPU run)."""
     if device is None:
         device = "cpu" if cfg.cluster.device == "cpu" else "cuda"
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    dtype = resolve_dtype(cfg, device)
     r = cfg.rollout
     return estimate_memory(
         hf_config, tp=cfg.train.tensor_parallel, dp=cfg.train.data_parallel,
@@ -473,5 +474,5 @@ def estimate_for_config(cfg, hf_config, *, gpu_mem_gb: float = 80.0, device: str
         rollout_batch=first_rollout_rows(cfg), max_slots=max(cfg.samples_per_rollout, 1),
         max_new_tokens=r.max_new_tokens, dtype=dtype, colocate=cfg.cluster.colocate,
         gpu_mem_gb=gpu_mem_gb, ref_model=cfg.algorithm.kl_coef > 0, device=device, engine=r.engine,
-        sglang_mem_fraction=getattr(r, "sglang_mem_fraction", 0.7), sglang_tp=getattr(r, "sglang_tp_size", 1),
+        sglang_mem_fraction=r.sglang.mem_fraction, sglang_tp=r.sglang.tp_size,
         global_batch_size=cfg.train.global_batch_size)

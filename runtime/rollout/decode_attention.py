@@ -17,6 +17,11 @@ step and a CUDA graph can replay it.
 
 `reference_decode_attention` is the same function in plain PyTorch (SDPA with a mask): CPU, and the
 check the kernel is tested against.
+
+`paged_decode_attention` (and `reference_paged_decode_attention`) are the same over the paged cache of
+`paged_decode`: pools [page, token, kv_head, head_dim] and a page table per row whose first
+`prefix_cols` columns hold the row's prompt pages (shared by its group) and the rest its own pages;
+the kernel finds every position through the table.
 """
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ from runtime.rollout.decode_attention import (decode_attention, reference_decode
 from runtime.rollout.decode_model import (SUPPORTED_MODEL_TYPES, FusedModel, _cos_sin, _cumsum, _flash, _round_up,
                                           _sdpa_prefill, plain_sample, unsupported_config_reason, unsupported_reason)
 
-log = logging.getLogger("grpoflow.rollout")
+log = logging.getLogger(__name__)
 
 # ---- the KV cache's size policy (pure functions: runtime/plan/memory.py's estimate uses the same ones) -----
 
