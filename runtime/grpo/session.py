@@ -105,9 +105,12 @@ class TrainSession:
     def rollout(self, rollout_id: int) -> dict[str, Any]:
         c = self.cfg
         t0 = time.time()
+        colocated = c.cluster.colocate
+        if colocated:
+            self.engine.resume_memory()  # the KV pool back from the last update
         batch = self.collector.collect(rollout_id, self.state["cursor"])  # generate + score (+ dynamic sampling)
         adv = advantages(batch, c.rollout.n_samples_per_prompt, c.algorithm.normalize_adv_std)
-        if c.cluster.colocate:
+        if colocated:
             self.engine.release_memory()  # the trainer gets the memory generation used
         train = self.trainer.train(to_train_batch(batch, adv))
         t_sync = time.time()
