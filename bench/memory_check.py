@@ -257,8 +257,8 @@ def measure(cfg, S, W: Path, args, est: dict, hf_config, log) -> dict:
 
     # 1. trainer
     t0 = time.time()
-    tr = MegatronTrainer(hf_dir=str(W / "hf"), init_checkpoint=str(W / "td"), train=cfg.train.model_dump(),
-                         algorithm=cfg.algorithm.model_dump(), temperature=cfg.rollout.temperature,
+    tr = MegatronTrainer(hf_dir=str(W / "hf"), init_checkpoint=str(W / "td"), train=cfg.train,
+                         algorithm=cfg.algorithm, temperature=cfg.rollout.temperature,
                          device=dev, dtype=dtype)
     M.sync()
     master, _ = optimizer_state_bytes(tr)

@@ -65,7 +65,7 @@ class TrainSession:
         c = self.cfg
         self.trainer = self.cluster.trainer_group(
             hf_dir=self.rd.local(self.rd.hf_model), init_checkpoint=self.rd.local(self.rd.torch_dist),
-            train=c.train.model_dump(), algorithm=c.algorithm.model_dump(), temperature=c.rollout.temperature)
+            train=c.train, algorithm=c.algorithm, temperature=c.rollout.temperature)
         self.engine = self.cluster.engine(self.rd.local(self.rd.hf_model))
         self.at = None
         self.builds += 1
