@@ -338,3 +338,22 @@ def test_errors():
         estimate_memory(cfg, micro_batch_size=1, seq_len=8, rollout_batch=1, max_new_tokens=9)
     with pytest.raises(ValueError, match="device must be"):
         estimate_memory(cfg, micro_batch_size=1, seq_len=8, rollout_batch=1, max_new_tokens=1, device="tpu")
+
+
+def test_the_plans_kv_pool_is_written_into_the_frozen_config(tmp_path):
+    """The run freezes what the plan chose (the 24 GB config: its KV pool, from the shipped Qwen3-0.6B
+    config.json since the model is not fetched); re-freezing the same config is no change."""
+    import yaml
+
+    from runtime.config import load_config
+    from runtime.run.directory import RunDir
+    from runtime.run.frozen_config import freeze, frozen_config
+
+    cfg = load_config(ROOT / "configs" / "qwen3-0.6b-dapo-24gb.yaml", [f"storage.root={tmp_path}"])
+    assert cfg.rollout.kv_cache_gb is None
+    rd = RunDir(str(tmp_path), "r1")
+    frozen = freeze(cfg, rd)
+    gb = frozen.rollout.kv_cache_gb
+    assert gb is not None and gb > 4
+    assert yaml.safe_load(open(rd.config))["rollout"]["kv_cache_gb"] == gb == frozen_config(rd).rollout.kv_cache_gb
+    assert freeze(cfg, rd).rollout.kv_cache_gb == gb

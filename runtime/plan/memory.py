@@ -10,9 +10,20 @@ Trainer (``runtime.trainer.megatron_trainer``), both devices:
   weights are already fp32), made when the trainer is built, and Adam's two fp32 moments, made at the
   first optimizer step. Weights, gradients and optimizer are split by tensor parallelism only (data
   parallelism replicates them). A reference copy of the weights when ``kl_coef > 0``.
-* activations of one micro-batch, all of them kept for the backward (no recomputation), every
-  sample padded to the micro-batch's longest (the estimate takes the worst case: every sample at
-  ``max_prompt_len + max_new_tokens``).
+* activations of one micro-batch: ``micro_batch_size`` samples padded to the longest (the worst case:
+  every sample at ``max_prompt_len + max_new_tokens``), or with ``train.max_tokens_per_micro_batch``
+  a packed micro-batch of that many tokens (no padding; the worst case: the budget full). Without
+  recomputation every layer keeps what it saves for its backward; ``train.recompute: selective``
+  drops what the named modules save (the pre-norm outputs for ``layernorm``, the SwiGLU tensors for
+  ``mlp``); ``full`` keeps only each recomputed layer's bf16 input. The backward's working set is one
+  layer's worth in every case (the recomputed layer).
+* ``cluster.offload_trainer_state``: gradients, fp32 master and Adam moments are off the GPU during the
+  rollout phase (``runtime/trainer/state_offload.py``).
+* the engine's KV pool is ``rollout.kv_cache_gb`` GiB (the paged engine; the fixed-slot engine fills
+  that many 10^9 bytes with slots of the longest sample); unset on a GPU, the plan chooses the largest
+  pool, in quarter GiB, that leaves ``KV_MARGIN_FRACTION`` of the GPU free in both phases, and the run
+  writes it into its frozen config. The pool counts in the training phase unless the engine gives it
+  back for training (``engine_releases_kv``).
 
 On CUDA (what runs on a GPU; ``runtime.mcore.env`` / ``_chunked_logprobs_enabled``):
 
@@ -22,7 +33,7 @@ On CUDA (what runs on a GPU; ``runtime.mcore.env`` / ``_chunked_logprobs_enabled
   q/k/v output (kept alive by the k-norm's input view) and the q-norm's input copy, SDPA's q, k at
   its own heads (v is a view of the fused output), its output and fp32 log-sum-exp, and the fused
   SwiGLU's fc1 output and product (``runtime.mcore.fusions``, on by default; with
-  ``GRPOFLOW_TRAINER_FUSIONS=none``: k and v copied to every head, a context copy before the output
+  ``train.fusions: none``: k and v copied to every head, a context copy before the output
   projection, and SwiGLU's silu output as well); the norms' fp32 row statistics; one more layer's
   worth for the backward's working set; per position (not per sample) the bf16 cos/sin tables each
   RoPE multiply saves. No ``[heads, s, s]`` scores exist. Measured on the H100 with the fusions:
@@ -33,24 +44,15 @@ On CUDA (what runs on a GPU; ``runtime.mcore.env`` / ``_chunked_logprobs_enabled
   its fp32 cast, one chunk's ``[2048, vocab]`` logits gradient, plus the saved response rows and
   the final norm's input. Under TP > 1 megatron's vocab-parallel cross-entropy keeps full logits
   (20 bytes per logit, as on CPU).
-* the built-in engine (``runtime.rollout.builtin``) takes the fast path (``static_decode``) when the
-  model family has it (``unsupported_config_reason``): the HF weights (not TP-split), and a KV cache
-  preallocated once, at the first rollout, by the engine's own policy (``kv_slot_len``,
-  ``kv_budget_bytes``, ``kv_slots``): slots of ``round_up(max_prompt_len + max_new_tokens, 64)``
-  tokens, as many as the first call's rows (dynamic sampling's over-sampled prompts × samples), at
-  most ``max_batch_size`` (= samples per rollout, ``rollout/factory.py``), within half of the GPU
-  memory free at that moment; continuous batching refills slots, so the cache never grows with
-  length or request count. What is free then: the GPU minus the trainer's weights, gradients and
-  master copy (Adam's moments come later, at the first step), the engine's weights and the
-  overhead. Beyond the cache: a packed prefill of up to 16,384 prompt tokens and the sampler's
-  per-slot vocab-sized temporaries. A family without the fast path decodes with HF's dynamic cache:
-  every row of a batch (up to ``max_batch_size``) at full length, one layer's concatenation copy
-  and the sampler's temporaries (~40 bytes per logit).
-* colocated (``cluster.colocate``), nothing is released between rollout and training: the fast
-  path keeps its cache, so the peak is the resident state (with Adam's moments, after the first
-  step) + the KV cache + the larger of the training activations and the rollout's working set; the
-  slow path's dynamic cache lives for one generate call, so there the peak is the resident state +
-  the larger of the activations and the cache with its working set.
+* the built-in engine (``runtime.rollout.builtin``) takes the fast path when the model family has it
+  (``unsupported_config_reason``): the HF weights (not TP-split), the KV pool above, and beyond it a
+  packed prefill of up to 16,384 prompt tokens and the sampler's per-row vocab-sized temporaries (rows:
+  at most ``max_batch_size`` = samples per rollout, or the fixed-slot engine's slots). A family without
+  the fast path decodes with HF's dynamic cache: every row of a batch (up to ``max_batch_size``) at full
+  length for one generate call, one layer's concatenation copy and the sampler's temporaries.
+* colocated: the peak is the larger of the rollout phase (trainer weights, its state unless offloaded,
+  engine weights, KV pool, rollout working set) and the training phase (trainer weights and state,
+  engine weights, the pool unless released, activations).
 * SGLang (``rollout.engine: sglang``): by SGLang's documented ``--mem-fraction-static`` rule its
   weights plus KV pool fill ``mem_fraction × GPU`` minus what other processes hold when it starts
   (the trainer's resident state, when colocated); colocated it runs with ``--enable-memory-saver``
