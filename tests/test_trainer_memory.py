@@ -124,12 +124,13 @@ def test_pack_varlen_layout():
     assert mb.response_select(batch).tolist() == mb.loss_select().tolist()
 
 
-@pytest.mark.parametrize("loss_agg,chunked", [("token_mean", "off"), ("seq_mean", "on")])
-def test_packed_update_equals_the_unpacked_one(tiny, loss_agg, chunked):
+@pytest.mark.parametrize("loss_agg,chunked,recompute", [("token_mean", "off", "none"), ("seq_mean", "on", "full")])
+def test_packed_update_equals_the_unpacked_one(tiny, loss_agg, chunked, recompute):
     batch = _batch(tiny["vocab"])
     algo = AlgorithmSection(use_tis=True, loss_agg=loss_agg, entropy_coef=0.01)
     plain = _trainer(tiny, algorithm=algo, chunked_logprobs=chunked)
-    packed = _trainer(tiny, algorithm=algo, chunked_logprobs=chunked, max_tokens_per_micro_batch=30)
+    packed = _trainer(tiny, algorithm=algo, chunked_logprobs=chunked, max_tokens_per_micro_batch=30,
+                      recompute=recompute)
     assert type(packed.model.decoder.layers[0].self_attention.core_attention).__name__ == "SdpaCoreAttention"
     lp_plain, lp_packed = plain.compute_logprobs(batch), packed.compute_logprobs(batch)
     for a, b in zip(lp_plain, lp_packed):
