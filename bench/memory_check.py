@@ -1,35 +1,26 @@
-"""Peak GPU memory of the shipped Qwen3-0.6B DAPO config, measured term by term against
-``runtime/plan/memory.py``'s estimate (issue 9 item 3: the estimate must land within ±20%).
+"""Peak GPU memory of a config (default the Qwen3-0.6B DAPO recipe), measured term by term against
+``runtime/plan/memory.py``'s plan, and the trainer's throughput at the recipe's lengths (issue 17).
 
-    python bench/memory_check.py                  # CUDA (H100): configs/qwen3-0.6b-dapo.yaml shapes, < 4 min
-    python bench/memory_check.py --device cpu     # smoke: tiny model on CPU, same code paths, seconds
-    python bench/memory_check.py --full-step      # all 64 micro-batches of the optimizer step (slower)
+    python bench/memory_check.py                                    # the 80 GiB recipe on this GPU
+    GPU_CAP_GIB=23.39 PYTHONPATH=.gpucap:$PYTHONPATH python bench/memory_check.py \
+        --config configs/qwen3-0.6b-dapo-24gb.yaml                  # the 24 GB card (cap = 24 - CUDA context)
+    python bench/memory_check.py --reuse --throughput               # + trainer alone: unpacked mb 1 vs packed
+    python bench/memory_check.py --device cpu                       # smoke: tiny model on CPU, same code paths
+    python bench/memory_check.py --from-json R.json --out R2.json   # re-compare a run with the current plan
 
-What runs, in one process, in the order ``cluster.backend: local`` builds a run
-(``runtime.grpo.session.TrainSession``): a random model of the config's model shape (bench/gpu_grpo.py's
-setup: HF checkpoint, tokenizer, torch_dist conversion, in a child process), then
+What runs, in one process, as ``cluster.backend: local`` builds a run: a random model of the config's
+shape (bench/gpu_grpo.py's setup, child process); the plan's choices applied (``plan_choices``: the KV
+pool the run would write into its frozen config); the trainer (``MegatronTrainer`` with the config's
+sections); the engine (BuiltinEngine with the factory's settings and the pool); a weight sync; the
+trainer's state offloaded (``cluster.offload_trainer_state``); one rollout's generate (the first call's
+rows, prompts at ``max_prompt_len``, ``max_new_tokens``, cut short by stop tokens: the pool is allocated
+up front, so the peak does not depend on the steps run); the state reloaded; a first step of full-length
+samples filling one micro-batch (Adam's state appears); a whole optimizer step of the global batch at the
+recipe's lengths (log-normal responses, 1/16 at the cap); with ``--throughput``, the engine shut down,
+the same step with today's layout (unpacked, micro-batch 1) and packed (``--throughput-budget`` tokens).
 
-1. the trainer (``MegatronTrainer`` with the config's train/algorithm sections);
-2. the engine (``rollout/factory.make_engine``: BuiltinEngine, fast path on CUDA, its production
-   ``max_batch_size`` and KV policy) and a weight sync;
-3. one rollout's generate: the first call's rows (dynamic sampling's over-sampled prompts x
-   samples), prompts of ``max_prompt_len`` random tokens and the config's ``max_new_tokens``, so the
-   KV cache is allocated exactly as in production. The decode is cut short by stop tokens (a set of
-   ids whose total probability under the random model gives ~``--decode-mean`` tokens per row): the
-   cache is preallocated, so its size, and the peak, do not depend on how many steps run;
-4. the optimizer step on a replayed synthetic batch at full length (every sample
-   ``max_prompt_len + max_new_tokens`` tokens, the worst case) at the config's micro-batch: a first
-   step of one micro-batch (Adam's moments are made at the first step) and a steady step of
-   ``--train-micro-batches`` micro-batches (default 2; every micro-batch frees its activations after
-   its backward, so the peak is the same as over all 64; ``--full-step`` runs the whole step);
-5. if the config's micro-batch runs out of memory, the same at the largest micro-batch the estimate
-   says fits, and the estimate for that layout;
-6. activation points: one micro-batch at a few (micro-batch, length) pairs, estimate vs measured.
-
-Printed: the estimate lines first (so a failure still yields them), then a table term by term,
-estimate vs measured, and the ratio of the totals (estimate minus its CUDA-context overhead vs
-``torch.cuda.max_memory_allocated``). JSON goes to ``--out`` (default
-``bench/results/memory_check_<device>_<date>.json``).
+Printed: the plan first (so a failure still yields it), then estimate vs measured term by term and the
+totals. JSON goes to ``--out`` (default ``bench/results/memory_check_<device>_<date>.json``).
 """
 from __future__ import annotations
 
@@ -408,11 +399,16 @@ def compare(est: dict, res: dict) -> dict:
     peaks_res = [x["peak_reserved"] for x in ([ro] + steps) if x.get("ok") and x.get("peak_reserved") is not None]
     measured_total = max(peaks) if len(peaks) == 1 + len(steps) and steps else None
     ctx = res.get("context_and_others")
+    steady = t.get("steady_step") or {}
+    # activations: the whole step at the recipe's lengths holds the worst micro-batches (first-fit packs the
+    # full-length samples into full budgets); the first step is not used: Adam's moments and its step's
+    # temporaries appear in it (reported as first_step_optimizer)
+    act = steady["peak"] - steady["allocated_before"] if steady.get("ok") and steady.get("peak") is not None else None
     rows = [
         ("weights", b["weights"], tr.get("weights"), "trainer parameters' bytes"),
         ("gradients", b["grads"], tr.get("grads"), "DDP main_grad buffers"),
         ("optimizer", b["optimizer"], opt, "fp32 master params + Adam state tensors"),
-        ("activations", b["activations"], t.get("activations"), "worst micro-batch: peak - allocated before"),
+        ("activations", b["activations"], act, "whole step: peak - allocated before"),
         ("engine weights", b["engine_weights"], en.get("allocated_delta") if en.get("allocated_delta") is not None
          else en.get("weights"), "allocated by building the engine (CPU: its tensors' bytes)"),
         ("KV cache", b["kv_cache"], ro.get("kv_cache"), "StaticDecoder.kv_cache_bytes()"),
@@ -429,6 +425,12 @@ def compare(est: dict, res: dict) -> dict:
              "measured_peak_reserved_plus_context_GiB": gib(max(peaks_res) + ctx) if peaks_res and ctx else None,
              "ratio": round(est_alloc / measured_total, 3) if measured_total else None}
     total["within_10pct"] = None if total["ratio"] is None else abs(total["ratio"] - 1) <= 0.1
+    first = t.get("first_step") or {}
+    if first.get("ok") and first.get("peak") is not None:
+        total["first_step_optimizer_GiB"] = {
+            "moments_made": gib(first["allocated_after"] - first["allocated_before"]),
+            "peak_beyond_before": gib(first["peak"] - first["allocated_before"]),
+            "estimate_moments_plus_step": gib(b["optimizer_moments"] + 4 * est["params_per_gpu"])}
     return {"micro_batch": est["micro_batch_size"], "max_tokens": est.get("max_tokens"), "terms": terms,
             "total": total,
             "kv_slots": {"estimate": est.get("kv_slots"), "measured": ro.get("slots")},
@@ -475,6 +477,8 @@ def main(argv=None) -> int:
                                                                  "config would not (CPU smoke)")
     ap.add_argument("--reuse", action="store_true", help="reuse the work dir's model if it is there")
     ap.add_argument("--deadline", type=float, default=400.0, help="seconds after which the throughput rows are skipped")
+    ap.add_argument("--from-json", default=None, help="re-compare a measured JSON with the current plan (no GPU)")
+    ap.add_argument("--plan-label", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # 'setup': the child process
     args = ap.parse_args(argv)
     args.t_start = time.time()
@@ -490,6 +494,8 @@ def main(argv=None) -> int:
         return 0
 
     lines: list[str] = []
+    if args.from_json:
+        return recompare(args, S)
 
     def log(msg: str = "") -> None:
         print(msg, flush=True)
@@ -576,6 +582,26 @@ def main(argv=None) -> int:
     report["lines"] = lines
     dump()
     log(f"\nJSON: {out}  ({report['total_s']} s)")
+    return 0
+
+
+def recompare(args, S) -> int:
+    """The measurements of a saved run against the current plan (same config, overrides and plan choices)."""
+    report = json.loads(Path(args.from_json).read_text())
+    hf_config = hf_config_of(S)
+    overrides = list(report["overrides"]) + [f"{k}={v}" for k, v in (report.get("plan_choices") or {}).items()]
+    cfg = load_cfg(report["config"], overrides, args.device)
+    est = estimate(cfg, hf_config, report["gpu_mem_GiB"] if report["gpu_mem_GiB"] != round(
+        report["device_mem_GiB"], 2) else report["measured"]["gpu_total"] / GIB, args.device)
+    report["estimate_at_measurement"] = report.get("estimate")
+    report["estimate"] = _est_json(est)
+    report["comparison"] = compare(est, report["measured"])
+    report.setdefault("notes", []).append(
+        f"comparison recomputed with --from-json against the plan at {args.plan_label or 'the current code'}")
+    print_table(report["comparison"], est, print)
+    out = Path(args.out or args.from_json)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    print(f"JSON: {out}")
     return 0
 
 

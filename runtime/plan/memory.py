@@ -103,6 +103,8 @@ _LOGPROB_CHUNK = 2048      # rows per output-layer chunk (runtime/trainer/logpro
 _BACKWARD_LAYERS = 1       # layers' worth of activations the backward holds on top of the saved ones
 _PREFILL_TOKENS = 16384    # StaticDecoder's packed-prefill budget
 _FAST_SAMPLER_BYTES_PER_LOGIT = 24  # bf16 logits, fp32 scaled logits, log-softmax, noise, sum
+_PREFILL_LOGIT_BYTES = 12  # the prefill's last-position logits per row (bf16 and fp32 copies)
+_OPT_STEP_BYTES_PER_PARAM = 4  # transient of the optimizer step, beside its state
 
 
 def _dtype_bytes(dtype) -> int:
@@ -226,9 +228,12 @@ def activation_terms(hf_config, *, tp: int, micro_batch_size: int, seq_len: int,
     full = (min(recompute_num_layers or L, L)) if recompute == "full" else 0
     # full recompute: those layers keep only their input (the residual stream, e x h per token)
     saved = (L - full) * tokens * kept + full * tokens * e * h
-    rope = L * (tokens if packed else s) * 4 * m["rot"] * e     # RoPE cos/sin (q and k): per position
+    # RoPE cos/sin (q and k), per position, saved by the layers that keep their activations (and the one
+    # being recomputed)
+    rope = (L - full + (1 if full else 0)) * (tokens if packed else s) * 4 * m["rot"] * e
     if flash:
-        layers = saved + _BACKWARD_LAYERS * tokens * per_token + rope
+        layers = saved + rope
+        backward = _BACKWARD_LAYERS * tokens * per_token
         scores = 0
     else:
         layers = saved + (_BACKWARD_LAYERS * tokens * per_token if recompute != "none" else 0)
@@ -237,13 +242,17 @@ def activation_terms(hf_config, *, tp: int, micro_batch_size: int, seq_len: int,
         span = tokens if packed else longest
         scores = (L if recompute == "none" else 1) * (1 if packed else micro_batch_size) * (nh // tp) * span * span \
             * score_bytes
+        backward = 0
     if _chunked_logprobs(device, tp, chunked_logprobs):
         head = (resp_tokens * h * e + tokens * h * e        # saved response rows, the final norm's input
                 + V * h * (4 + e + 4)                       # fp32 weight-grad accumulator, dz^T h and its fp32 cast
                 + _LOGPROB_CHUNK * V * e)                   # one chunk's logits gradient
     else:
         head = tokens * (V // tp) * (_LOGIT_BYTES_SINGLE if (micro_batch_size == 1 or packed) else _LOGIT_BYTES)
-    return {"layers": layers, "attention_scores": scores, "logprob_head": head, "total": layers + scores + head}
+    # the head's backward (its weight-gradient accumulators) runs first, before any layer's backward
+    # (or recomputation) holds its working set: they peak one after the other, beside what the layers keep
+    return {"layers": layers + backward, "attention_scores": scores, "logprob_head": head,
+            "total": layers + scores + (max(head, backward) if flash else head)}
 
 
 def activation_bytes(hf_config, **kwargs) -> int:
@@ -343,6 +352,9 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     moments = per_rank * 8                                 # Adam m, v: made at the first step
     optimizer = master + moments
     state = grads + optimizer                              # what offload_state moves
+    # Adam's step (torch's foreach implementation) holds about one fp32 copy of the parameters in
+    # temporaries: measured 2.27 GiB for Qwen3-0.6B's 2.22 GiB (bench/results/memory_check_H100_2026-11-23_24gb.json)
+    opt_step = _OPT_STEP_BYTES_PER_PARAM * per_rank
     act_kw = dict(tp=tp, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, device=device,
                   response_len=max_new_tokens, **settings)
     act = activation_terms(hf_config, **act_kw)
@@ -379,8 +391,11 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
             per_slot = per_sample_kv if paged else _slot_len(seq_len) * kv_per_token
 
             def extra(live: int) -> int:
-                prefill = min(_PREFILL_TOKENS, rows * max(prompt, 1)) * e * (
-                    3 * m["h"] + 2 * m["nh"] * m["d"] + 2 * m["ng"] * m["d"] + 3 * m["f"])
+                # a packed prefill of the admitted rows' prompts (at most _PREFILL_TOKENS) and their last logits,
+                # or a decode step's sampler over the live rows
+                prefill = min(_PREFILL_TOKENS, live * max(prompt, 1)) * e * (
+                    3 * m["h"] + 2 * m["nh"] * m["d"] + 2 * m["ng"] * m["d"] + 3 * m["f"]) \
+                    + live * m["V"] * _PREFILL_LOGIT_BYTES
                 return max(prefill, live * m["V"] * _FAST_SAMPLER_BYTES_PER_LOGIT)
 
             live = min(rows, slots_max)
@@ -390,7 +405,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                 kv_chosen = True
                 room = _kv_room(limit, colocate=colocate, kv_released=kv_released, weights=weights, state=state,
                                 offload=offload, engine_weights=engine_weights, rollout_activations=extra(live),
-                                activations=activations)
+                                activations=max(activations, opt_step))
                 budget = max(int(room // (KV_STEP_GIB * GIB)), 0) * int(KV_STEP_GIB * GIB)
             if paged:
                 kv_cache = budget
@@ -414,12 +429,13 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
         min(rows, slots_max) if decode_path == "dynamic" else None)
 
     def totals(act_bytes: int) -> tuple[int, int, int, int, int]:
-        trainer_total = weights + state + act_bytes + OVERHEAD_BYTES
+        trainer_total = weights + state + max(act_bytes, opt_step) + OVERHEAD_BYTES
         rollout_total = engine_weights + kv_cache + rollout_activations + OVERHEAD_BYTES
         if not colocate:
             return trainer_total, rollout_total, rollout_total, trainer_total, max(trainer_total, rollout_total)
         at_rollout = weights + (0 if offload else state) + engine_weights + kv_cache + rollout_activations + overhead
-        at_training = weights + state + engine_weights + (0 if kv_released else kv_cache) + act_bytes + overhead
+        at_training = weights + state + engine_weights + (0 if kv_released else kv_cache) \
+            + max(act_bytes, opt_step) + overhead
         return trainer_total, rollout_total, at_rollout, at_training, max(at_rollout, at_training)
 
     trainer_total, rollout_total, at_rollout, at_training, total = totals(activations)
@@ -457,7 +473,10 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
 
 
 KV_STEP_GIB = 0.25        # the plan's KV pool comes in quarters of a GiB
-KV_MARGIN_FRACTION = 0.05  # of the GPU, left free by the pool the plan chooses (estimate error, fragmentation)
+# of the GPU, left free by the pool the plan chooses: the allocator's slack (reserved - allocated) measured
+# 2.05 GiB on the 24 GB config with packed micro-batches of varying size (0.87 GiB at 80 GiB unpacked;
+# bench/results/memory_check_H100_2026-11-23_*.json) beside the 1 GiB overhead, and the estimate's error
+KV_MARGIN_FRACTION = 0.08
 
 
 def _kv_room(limit: float, *, colocate: bool, kv_released: bool, weights: int, state: int, offload: bool,
@@ -612,6 +631,18 @@ def settings_that_fit(hf_config, gpu_mem_gb: float, kw: dict[str, Any]):
     if kw["kv_cache_gb"] is not None:
         pools += [round(kw["kv_cache_gb"] * f / KV_STEP_GIB) * KV_STEP_GIB for f in (0.75, 0.5, 0.25)]
         pools.append(None)  # what the plan leaves free
+    for min_slots in sorted({min(n, kw["rollout_batch"]) for n in (_SEARCH_MIN_KV_SAMPLES, 4, 1)}, reverse=True):
+        found = _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots)
+        if found is not None:
+            return found
+    return None
+
+
+_SEARCH_MIN_KV_SAMPLES = 8  # the search prefers pools that hold a group of full-length samples at once
+
+
+def _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots):
+    seq = kw["seq_len"]
     best = None
     for pi, pool in enumerate(pools):
         for ri, (rec, mods) in enumerate(recomputes):
@@ -625,7 +656,7 @@ def settings_that_fit(hf_config, gpu_mem_gb: float, kw: dict[str, Any]):
                     if budget is not None and budget < seq:
                         continue
                     est = estimate_memory(hf_config, gpu_mem_gb=gpu_mem_gb, **trial)
-                    if est["fits"]:
+                    if est["fits"] and (est["kv_slots"] or 0) >= min_slots:
                         best = (cost, trial, est)
                         break  # larger budgets come first: the first that fits is the best of this row
     if best is None:
