@@ -509,7 +509,7 @@ def sec_trainer(S, W: Path) -> dict:
     mbs = [S["micro_batch"] // 2, S["micro_batch"]] \
         if S["device"] == "cuda" and os.environ.get("BENCH_EXTRA", "1") != "0" else [S["micro_batch"]]
     for mb in mbs:
-        tr.train_cfg["micro_batch_size"] = mb
+        tr.train_cfg.micro_batch_size = mb
         reset_peak(S)
         try:
             t0 = time.time()
@@ -537,7 +537,7 @@ def sec_trainer(S, W: Path) -> dict:
     best = max((v for v in variants if "tok_s" in v), key=lambda v: v["tok_s"])
     res.update(seqs=B, seq_len=SEQ, resp_len=R, variants=variants, **{k: best[k] for k in (
         "micro_batch", "s_per_step", "tok_s", "resp_tok_s", "mfu_6N_pct", "mfu_exact_pct", "peak_mem_GiB")})
-    tr.train_cfg["micro_batch_size"] = best["micro_batch"]
+    tr.train_cfg.micro_batch_size = best["micro_batch"]
     res["profile_one_step"] = kernel_profile(S, lambda: tr.train(batch))
     res["fusions"] = fusion_report(tr.model)  # again: a RoPE compile failure shows only after the first call
     return res
@@ -565,7 +565,7 @@ def stage_config(S, W: Path) -> dict:
 
 
 def sec_stage(S, W: Path) -> dict:
-    """Issue 3 item 9 / issue 10 (c): the real train stage (TrainSession.run_chunk), backend local."""
+    """(c) the real train stage (TrainSession.run_chunk), backend local: what a user's step costs."""
     torch = _torch()
     from runtime.config import config_from_dict
     from runtime.grpo.session import TrainSession
@@ -606,7 +606,7 @@ def sec_stage(S, W: Path) -> dict:
                train_all_tok_s=round(statistics.median((m["train_tokens"] + S["prompts"] * S["samples"] * S["prompt_len"])
                                                        / m["train_time_s"] for m in steady)),
                peak_mem_GiB=peak_gib(S), skipped=out.get("skipped"),
-               engine_path=sess.engine.call("health")[0].get("decode_path"))
+               engine_path=sess.engine.health().get("decode_path"))
     if S["device"] == "cuda":
         res["max_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
     sess.close()

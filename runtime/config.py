@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from runtime.errors import ConfigError
 
@@ -44,14 +44,54 @@ class DataSection(Section):
     shuffle: bool = True
 
 
+# The `sglang.launch_server` flags the SGLang backend sets from rollout.sglang itself; `launch` may not repeat them.
+SGLANG_MANAGED_FLAGS = ("--model-path", "--model", "--tp-size", "--tensor-parallel-size", "--mem-fraction-static",
+                        "--host", "--port", "--random-seed", "--weight-version", "--base-gpu-id",
+                        "--enable-memory-saver", "--enable-deterministic-inference")
+SGLANG_PORT_STRIDE = 10  # with a fixed base port, engine i listens on port + 10 * i
+
+
+class SGLangSection(Section):
+    """`rollout.engine: sglang`: the SGLang servers grpoflow launches and feeds (docs/sglang.md)."""
+
+    # The server command prefix; None runs `python -m sglang.launch_server`. Extra server flags go at
+    # its end ("{python}" = the running Python).
+    launch: list[str] | None = None
+    mem_fraction: float = Field(0.7, gt=0, lt=1, description="--mem-fraction-static")
+    concurrency: int = Field(64, gt=0, description="requests in flight per SGLang engine")
+    num_engines: int = Field(1, gt=0)
+    tp_size: int = Field(1, gt=0)
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, lt=65536, description="0: free ports; else engine i uses port + 10*i")
+    startup_timeout_s: float = Field(900.0, gt=0)
+    request_timeout_s: float = Field(1800.0, gt=0, description="one /generate; long reasoning rollouts take minutes")
+    max_restarts: int = Field(3, ge=0, description="per engine, over its life")
+    weight_sync: Literal["disk", "tensor"] = "disk"
+    scratch_dir: str | None = None  # weights pushed to the engines + their logs; None: a temp dir
+    deterministic: bool = True  # --enable-deterministic-inference: sampling_seed honoured
+
+    @model_validator(mode="after")
+    def _launch_and_ports(self) -> "SGLangSection":
+        for flag in self.launch or []:
+            name = flag.split("=", 1)[0]
+            if name in SGLANG_MANAGED_FLAGS:
+                raise ValueError(f"launch sets {name}, which grpoflow sets itself; remove it (rollout.sglang has "
+                                 f"keys for it: tp_size, mem_fraction, host, port, deterministic)")
+        last = self.port + SGLANG_PORT_STRIDE * (self.num_engines - 1)
+        if self.port and last >= 65536:
+            raise ValueError(f"port={self.port}: engine i listens on port + {SGLANG_PORT_STRIDE}*i, and engine "
+                             f"{self.num_engines - 1}'s port {last} is past 65535; lower port or num_engines")
+        return self
+
+
 class RolloutSection(Section):
     engine: Literal["builtin", "sglang"] = "builtin"
     rollout_batch_size: int = Field(8, gt=0, description="prompts per rollout")
-    n_samples_per_prompt: int = Field(8, gt=0)
+    n_samples_per_prompt: int = Field(8, ge=2, description="group advantages need at least 2 samples per prompt")
     max_new_tokens: int = Field(16, gt=0)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, description="-1: off")
+    top_k: int = Field(-1, ge=-1, description="-1: off")
     reward: str = "math"  # math | dapo | deepscaler | module:function
     reward_timeout_s: float = Field(5.0, gt=0)
     custom_rollout: str | None = None  # module:function replacing generate+reward
@@ -60,33 +100,47 @@ class RolloutSection(Section):
     # The built-in engine's KV cache: its size in GiB (None: what the memory plan leaves free on a GPU,
     # a bounded default on CPU). Part of the plan that `grpoflow validate` checks.
     kv_cache_gb: float | None = Field(None, gt=0)
-    # SGLang backend (docs/sglang.md). sglang_launch: the server command prefix; None runs
-    # `python -m sglang.launch_server`; extra server flags go at its end ("{python}" = this Python).
-    sglang_launch: list[str] | None = None
-    sglang_mem_fraction: float = Field(0.7, gt=0, lt=1)
-    sglang_concurrency: int = Field(64, gt=0, description="requests in flight per SGLang engine")
-    sglang_num_engines: int = Field(1, gt=0)
-    sglang_tp_size: int = Field(1, gt=0)
-    sglang_host: str = "127.0.0.1"
-    sglang_port: int = Field(0, ge=0, lt=65536, description="0: free ports; else engine i uses port + 10*i")
-    sglang_startup_timeout_s: float = Field(900.0, gt=0)
-    sglang_request_timeout_s: float = Field(1800.0, gt=0)
-    sglang_max_restarts: int = Field(3, ge=0, description="per engine")
-    sglang_weight_sync: Literal["disk", "tensor"] = "disk"
-    sglang_scratch_dir: str | None = None  # weights pushed to the engines + their logs; None: a temp dir
-    sglang_deterministic: bool = True  # --enable-deterministic-inference: sampling_seed honoured
+    sglang: SGLangSection = SGLangSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_sglang_keys(cls, data: Any) -> Any:
+        # the flat rollout.sglang_* keys of older configs (and of frozen configs of older runs)
+        old = sorted(k for k in data if isinstance(k, str) and k.startswith("sglang_")) if isinstance(data, dict) else []
+        if old:
+            raise ValueError(f"{old[0]} is now sglang.{old[0].removeprefix('sglang_')}: the SGLang settings are one "
+                             f"section, rollout.sglang; move it there")
+        return data
 
 
 class AlgorithmSection(Section):
     normalize_adv_std: bool = True  # False = Dr.GRPO
     eps_clip: float = Field(0.2, ge=0)
     eps_clip_high: float | None = None  # None: = eps_clip; DAPO's clip-higher uses 0.28
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    # runtime/algo/losses.py:aggregate; seq_mean_token_sum_norm is Dr.GRPO's (divides by loss_norm_tokens)
+    loss_agg: Literal["token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = "token_mean"
+    loss_norm_tokens: int | None = Field(None, gt=0, description="seq_mean_token_sum_norm's constant; None: rollout.max_new_tokens")
     kl_coef: float = Field(0.0, ge=0)
     kl_type: Literal["k1", "k2", "k3"] = "k3"
+    kl_clamp: float | None = Field(None, gt=0, description="cap on k3's value (verl: 10); None: off")
     entropy_coef: float = 0.0
     use_tis: bool = False
     tis_cap: float = Field(2.0, gt=0)
+    logratio_clamp: float = Field(20.0, gt=0, description="|log-ratio| bound before exp (policy, TIS, KL)")
+    dual_clip_c: float | None = Field(None, description="verl's dual clip for A < 0 (verl: 3); None: off")
+
+    @field_validator("dual_clip_c")
+    @classmethod
+    def _dual_clip_above_one(cls, c: float | None) -> float | None:
+        if c is not None and not c > 1:
+            raise ValueError(f"must be > 1 (verl uses 3), or null for off; got {c}")
+        return c
+
+    @model_validator(mode="after")
+    def _kl_clamp_is_for_k3(self) -> "AlgorithmSection":
+        if self.kl_clamp is not None and self.kl_type != "k3":
+            raise ValueError(f"kl_clamp caps the k3 estimator only; unset it or use kl_type k3 (not {self.kl_type})")
+        return self
 
 
 class TrainSection(Section):
@@ -131,10 +185,10 @@ class EvalSection(Section):
     before_train: bool = False
     n_samples_per_prompt: int = Field(4, gt=0)
     pass_k: list[int] = Field(default_factory=lambda: [1])
-    max_new_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_prompts: int | None = None
+    max_new_tokens: int | None = Field(None, gt=0)
+    temperature: float = Field(1.0, ge=0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_prompts: int | None = Field(None, gt=0)
 
 
 class CheckpointSection(Section):
@@ -167,8 +221,11 @@ class ClusterSection(Section):
     offload_trainer_state: Literal["auto", "on", "off"] = "auto"
 
 
+DEFAULT_ROOT = "./grpoflow-data"  # storage.root when a config or a command names none
+
+
 class StorageSection(Section):
-    root: str = "./grpoflow-data"
+    root: str = DEFAULT_ROOT
     state_dir: str | None = None  # local dir for MLflow/Prefect state when root is remote
 
 
@@ -194,6 +251,13 @@ class GrpoConfig(Section):
             if isinstance(gpus, int) and isinstance(tp, int) and gpus > 0 and tp > 0 and gpus % tp == 0:
                 data = {**data, "train": {**train, "data_parallel": gpus // tp}}
         return data
+
+    @model_validator(mode="after")
+    def _derive_loss_norm_tokens(self) -> "GrpoConfig":
+        a = self.algorithm
+        if a.loss_agg == "seq_mean_token_sum_norm" and a.loss_norm_tokens is None:
+            a.loss_norm_tokens = self.rollout.max_new_tokens  # Dr.GRPO's constant: the longest a response can be
+        return self
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "GrpoConfig":
@@ -236,6 +300,11 @@ class GrpoConfig(Section):
             raise ValueError(
                 f"eval.interval={self.eval.interval} must be a multiple of checkpoint.interval="
                 f"{self.checkpoint.interval} (an eval needs a checkpoint to export)")
+        if r.top_k == 0:
+            raise ValueError("rollout.top_k=0 keeps no token: use -1 (off) or a count >= 1")
+        if self.algorithm.entropy_coef and t.tensor_parallel > 1:
+            raise ValueError("algorithm.entropy_coef > 0 needs train.tensor_parallel=1 (the entropy bonus is not "
+                             "computed under tensor parallelism); set one of them back")
         if any(k < 1 or k > self.eval.n_samples_per_prompt for k in self.eval.pass_k):
             raise ValueError(f"eval.pass_k={self.eval.pass_k}: every k must be in 1..eval.n_samples_per_prompt")
         if self.storage.root.startswith("s3://") and self.tracking.enabled:
@@ -253,10 +322,6 @@ class GrpoConfig(Section):
     @property
     def samples_per_rollout(self) -> int:
         return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
-
-    @property
-    def num_chunks(self) -> int:
-        return -(-self.train.num_rollout // self.checkpoint.interval)
 
     def chunk_bounds(self) -> list[tuple[int, int]]:
         """[start, end) rollout ids of each chunk."""

@@ -85,6 +85,7 @@ import math
 import os
 from typing import Any
 
+from runtime.devices import resolve_dtype
 from runtime.mcore import fusions as megatron_fusions
 
 GIB = 2**30
@@ -574,14 +575,14 @@ def target_gpu_memory_gb(cfg, override: float | None = None) -> float:
 def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
     """:func:`estimate_memory`'s keywords for a ``GrpoConfig`` (training; eval generation is not counted)."""
     device = device or config_device(cfg)
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    dtype = resolve_dtype(cfg, device)
     r, t = cfg.rollout, cfg.train
     return dict(
         tp=t.tensor_parallel, dp=t.data_parallel, micro_batch_size=t.micro_batch_size,
         seq_len=cfg.data.max_prompt_len + r.max_new_tokens, rollout_batch=first_rollout_rows(cfg),
         max_slots=max(cfg.samples_per_rollout, 1), max_new_tokens=r.max_new_tokens, dtype=dtype,
         colocate=cfg.cluster.colocate, ref_model=cfg.algorithm.kl_coef > 0, device=device, engine=r.engine,
-        sglang_mem_fraction=r.sglang_mem_fraction, sglang_tp=r.sglang_tp_size, global_batch_size=t.global_batch_size,
+        sglang_mem_fraction=r.sglang.mem_fraction, sglang_tp=r.sglang.tp_size, global_batch_size=t.global_batch_size,
         kv_cache_gb=r.kv_cache_gb, offload=offload_enabled(cfg, device), max_tokens=t.max_tokens_per_micro_batch,
         recompute=t.recompute, recompute_modules=tuple(t.recompute_modules), recompute_num_layers=t.recompute_num_layers,
         fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention)

@@ -32,7 +32,7 @@ from runtime.run.directory import RunDir
 if TYPE_CHECKING:  # pragma: no cover
     from runtime.config import GrpoConfig
 
-log = logging.getLogger("grpoflow.tracking")
+log = logging.getLogger(__name__)
 
 RUN_TAG = "grpoflow.run_id"
 OVERRIDE_TAG = "grpoflow.override."
@@ -51,7 +51,7 @@ _TRANSIENT_CODES = {"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_
 _SECRET_KEY = re.compile(
     r"(^|[_-])(token|secret|password|passwd|credentials?|api[_-]?key|access[_-]?key|secret[_-]?key|"
     r"private[_-]?key|auth)$|^key$|secret|password|credential", re.I)
-# In a list of command-line args (rollout.sglang_launch): the value after a secret-looking flag.
+# In a list of command-line args (rollout.sglang.launch): the value after a secret-looking flag.
 _SECRET_FLAG = re.compile(r"^--?[\w-]*(token|secret|password|passwd|credential|api[_-]?key|access[_-]?key)[\w-]*$", re.I)
 
 
@@ -326,11 +326,6 @@ class Tracker:
         if steps is None:
             steps = self._steps[key] = {int(m.step) for m in self.client.get_metric_history(self.run_id, key)}
         return steps
-
-    def log_metrics(self, metrics: dict[str, Any], step: int) -> int:
-        """Log numeric values at ``step``, skipping (metric, step) pairs already in the run.
-        Returns the number of points written."""
-        return self._log_points((metric_key(k), v, int(step)) for k, v in metrics.items())
 
     def _log_points(self, points: Iterable[tuple[str, Any, int]]) -> int:
         if not self.enabled:

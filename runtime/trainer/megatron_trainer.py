@@ -267,13 +267,9 @@ class MegatronTrainer:
                         ref[row, p - 1: p - 1 + len(ref_logprobs[i])] = torch.tensor(ref_logprobs[i])
                 old = mb.old_logp if mb.old_logp is not None else logp.detach()
                 loss, metrics = grpo_loss(
-                    logp, old, mb.advantages, mb.resp_mask, eps_clip=a.eps_clip,
-                    eps_clip_high=a.eps_clip_high, loss_agg=a.loss_agg,
-                    ref_logp=ref, kl_coef=a.kl_coef, kl_type=a.kl_type,
-                    entropy=entropy, entropy_coef=a.entropy_coef,
-                    rollout_logp=mb.rollout_logp if a.use_tis else None,
-                    tis_cap=a.tis_cap if a.use_tis else None,
-                    normalizer=normalizer)
+                    logp, old, mb.advantages, mb.resp_mask,
+                    a if isinstance(a, AlgorithmSection) else AlgorithmSection.model_validate(a),
+                    ref_logp=ref, entropy=entropy, rollout_logp=mb.rollout_logp, normalizer=normalizer)
                 # Megatron DDP averages gradients over DP ranks; our loss is already a global sum.
                 (loss * self.dp_size).backward()
                 n_tok = float(mb.resp_mask.sum())
