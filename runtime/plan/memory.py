@@ -280,9 +280,11 @@ def _slot_len(tokens: int) -> int:
 
 def engine_releases_kv() -> bool:
     """Whether the built-in engine gives its KV pool back while the trainer trains (a colocated run calls
-    ``release_memory`` before the update): the plan then does not count the pool at training time."""
+    ``release_memory`` before the update): it overrides ``RolloutEngine.release_memory``, a no-op for
+    engines that keep their memory. The plan then does not count the pool at training time."""
+    from runtime.rollout.base import RolloutEngine
     from runtime.rollout.builtin import BuiltinEngine
-    return callable(getattr(BuiltinEngine, "release_memory", None))
+    return getattr(BuiltinEngine, "release_memory", None) is not getattr(RolloutEngine, "release_memory", None)
 
 
 def _fits_micro_batch(total_at, mb: int, limit: float, global_per_rank: int | None) -> int:
