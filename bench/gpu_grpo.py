@@ -437,6 +437,16 @@ def attention_microbench(S) -> dict:
     return out
 
 
+def trainer_numerics(S) -> dict:
+    """train.* settings of the bench's trainer: on CPU the chunked output-layer path is exercised too;
+    BENCH_TRAINER_FUSIONS (none, or a comma list such as rope,swiglu) A/Bs the CUDA fusions."""
+    out: dict = {"chunked_logprobs": "on"} if S["device"] == "cpu" else {}
+    fusions = os.environ.get("BENCH_TRAINER_FUSIONS")
+    if fusions:
+        out["fusions"] = fusions if fusions in ("auto", "none") else [x.strip() for x in fusions.split(",") if x.strip()]
+    return out
+
+
 def sec_trainer(S, W: Path) -> dict:
     torch = _torch()
     from runtime.rollout.base import SamplingParams
@@ -447,17 +457,18 @@ def sec_trainer(S, W: Path) -> dict:
     B, P, R = S["prompts"] * S["samples"], S["prompt_len"], S["new"]
     SEQ = P + R
     t0 = time.time()
-    tr = MegatronTrainer(hf_dir=str(W / "hf"), init_checkpoint=str(W / "td"),
-                         train=dict(lr=1e-6, micro_batch_size=S["micro_batch"], num_rollout=100,
-                                    num_steps_per_rollout=1, weight_decay=0.0, clip_grad=1.0),
-                         algorithm={}, temperature=1.0, device=S["device"], dtype=S["dtype"])
+    from runtime.config import AlgorithmSection, TrainSection
+    train = TrainSection(lr=1e-6, micro_batch_size=S["micro_batch"], num_rollout=100, num_steps_per_rollout=1,
+                         weight_decay=0.0, clip_grad=1.0, **trainer_numerics(S))
+    tr = MegatronTrainer(hf_dir=str(W / "hf"), init_checkpoint=str(W / "td"), train=train,
+                         algorithm=AlgorithmSection(), temperature=1.0, device=S["device"], dtype=S["dtype"])
     res["load_s"] = round(time.time() - t0, 1)
     res["chunked_logprobs"] = tr._chunked_logprobs_enabled()
     res["core_attention"] = type(tr.model.decoder.layers[0].self_attention.core_attention).__name__
     res["param_dtypes"] = sorted({str(p.dtype) for p in tr.model.parameters()})
     res["optimizer"] = type(tr.optimizer).__name__
     from runtime.mcore.fusions import report as fusion_report
-    # which pure-PyTorch fusions the built model runs (GRPOFLOW_TRAINER_FUSIONS=all|none|rope,swiglu,bda,gqa)
+    # which pure-PyTorch fusions the built model runs (train.fusions; BENCH_TRAINER_FUSIONS=none|rope,swiglu,bda,gqa)
     res["fusions"] = fusion_report(tr.model)
     # -- engine vs trainer log-probs on the same weights and samples (before any update)
     eng = _engine(S, W)
@@ -475,13 +486,9 @@ def sec_trainer(S, W: Path) -> dict:
                                          "mean_abs_diff": sum(diffs) / len(diffs),
                                          "engine_path": eng.decode_path}
     if res["chunked_logprobs"]:
-        before = os.environ.get("GRPOFLOW_CHUNKED_LOGPROBS")
-        os.environ["GRPOFLOW_CHUNKED_LOGPROBS"] = "0"
+        tr.train_cfg.chunked_logprobs = "off"
         plain_lp = tr.compute_logprobs(batch)
-        if before is None:
-            os.environ.pop("GRPOFLOW_CHUNKED_LOGPROBS")
-        else:
-            os.environ["GRPOFLOW_CHUNKED_LOGPROBS"] = before
+        tr.train_cfg.chunked_logprobs = train.chunked_logprobs
         d2 = [abs(a - b) for s, t in zip(plain_lp, trainer_lp) for a, b in zip(s, t)]
         res["chunked_vs_full_logits_logprobs"] = {"max_abs_diff": max(d2), "mean_abs_diff": sum(d2) / len(d2)}
     eng.shutdown()
@@ -502,7 +509,7 @@ def sec_trainer(S, W: Path) -> dict:
     mbs = [S["micro_batch"] // 2, S["micro_batch"]] \
         if S["device"] == "cuda" and os.environ.get("BENCH_EXTRA", "1") != "0" else [S["micro_batch"]]
     for mb in mbs:
-        tr.train_cfg["micro_batch_size"] = mb
+        tr.train_cfg.micro_batch_size = mb
         reset_peak(S)
         try:
             t0 = time.time()
@@ -530,7 +537,7 @@ def sec_trainer(S, W: Path) -> dict:
     best = max((v for v in variants if "tok_s" in v), key=lambda v: v["tok_s"])
     res.update(seqs=B, seq_len=SEQ, resp_len=R, variants=variants, **{k: best[k] for k in (
         "micro_batch", "s_per_step", "tok_s", "resp_tok_s", "mfu_6N_pct", "mfu_exact_pct", "peak_mem_GiB")})
-    tr.train_cfg["micro_batch_size"] = best["micro_batch"]
+    tr.train_cfg.micro_batch_size = best["micro_batch"]
     res["profile_one_step"] = kernel_profile(S, lambda: tr.train(batch))
     res["fusions"] = fusion_report(tr.model)  # again: a RoPE compile failure shows only after the first call
     return res
@@ -548,7 +555,7 @@ def stage_config(S, W: Path) -> dict:
                     "reward": "bench.trivial_reward:length_mod13"},
         "algorithm": {"eps_clip": 0.2, "eps_clip_high": 0.28, "use_tis": True},
         "train": {"num_rollout": S["rollouts"], "global_batch_size": B, "micro_batch_size": S["micro_batch"],
-                  "lr": 1e-6, "weight_decay": 0.1},
+                  "lr": 1e-6, "weight_decay": 0.1, **trainer_numerics(S)},
         "eval": {"interval": None},
         "checkpoint": {"interval": S["rollouts"], "keep_last": 1},
         "tracking": {"enabled": False},
@@ -905,8 +912,6 @@ def main(argv=None) -> int:
     W.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     prepare_env()
-    if a.cpu:  # exercise the chunked output-layer path of the trainer on CPU too
-        os.environ.setdefault("GRPOFLOW_CHUNKED_LOGPROBS", "1")
     if a.section:
         if a.cpu:
             _torch().set_num_threads(1)

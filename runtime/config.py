@@ -163,6 +163,25 @@ class TrainSection(Section):
     tensor_parallel: int = Field(1, gt=0)
     data_parallel: int = Field(1, gt=0, description="unset: cluster.trainer_gpus / tensor_parallel (1 without GPUs)")
     seed: int = 1234
+    # -- memory (runtime/plan/memory.py models each of these; `grpoflow validate` names the ones that fit) --
+    # megatron activation recomputation: none; selective (the named submodules of every layer are run again
+    # in the backward instead of keeping their outputs; "core_attn" saves nothing beside flash attention);
+    # full (whole layers keep only their input: the first recompute_num_layers of them, None = all).
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_modules: list[Literal["layernorm", "mlp", "core_attn"]] = Field(
+        default_factory=lambda: ["layernorm", "mlp"])
+    recompute_num_layers: int | None = Field(None, gt=0)
+    # Micro-batches by a token budget: samples packed back to back without padding (per-sample positions,
+    # attention within each sample), as many as fit this many tokens. None: micro_batch_size samples, padded.
+    max_tokens_per_micro_batch: int | None = Field(None, gt=0)
+    # -- numerics of the trainer's forward (change results within float noise; the defaults are the fast ones) --
+    # chunked output layer for the log-probs (no [tokens x vocab] fp32 logits): auto = at TP 1 on CUDA
+    chunked_logprobs: Literal["auto", "on", "off"] = "auto"
+    # pure-PyTorch fusions on CUDA (runtime/mcore/fusions.py): auto = all of them; none; or a list. CPU: none.
+    fusions: Literal["auto", "none"] | list[Literal["rope", "swiglu", "bda", "gqa"]] = "auto"
+    # core attention: auto = torch SDPA (flash) on CUDA, megatron's unfused one on CPU (SDPA there too when
+    # packing); sdpa; megatron (refuses packed micro-batches)
+    core_attention: Literal["auto", "sdpa", "megatron"] = "auto"
 
 
 class EvalSection(Section):
@@ -201,6 +220,9 @@ class ClusterSection(Section):
     # Memory of one GPU of the target machine, in GiB (24 for an RTX 4090): the plan `grpoflow validate`
     # checks and the run re-checks before it takes a GPU. None: the GPU found at run time (80 for validate).
     gpu_memory_gb: float | None = Field(None, gt=0)
+    # The trainer's gradients, fp32 master weights and Adam state go to pinned CPU memory while the engine
+    # generates (colocated), and come back for the update. auto: on when colocated on a GPU.
+    offload_trainer_state: Literal["auto", "on", "off"] = "auto"
 
 
 DEFAULT_ROOT = "./grpoflow-data"  # storage.root when a config or a command names none
@@ -261,6 +283,23 @@ class GrpoConfig(Section):
             raise ValueError(
                 f"train.global_batch_size={t.global_batch_size} must be divisible by train.data_parallel × "
                 f"train.micro_batch_size = {dp} × {t.micro_batch_size}")
+        if t.max_tokens_per_micro_batch is not None:
+            longest = self.data.max_prompt_len + r.max_new_tokens
+            if t.max_tokens_per_micro_batch < longest:
+                raise ValueError(
+                    f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} is below the longest sample "
+                    f"(data.max_prompt_len + rollout.max_new_tokens = {longest}); raise it to at least {longest}")
+            if t.core_attention == "megatron":
+                raise ValueError("train.max_tokens_per_micro_batch packs samples, which megatron's own core attention "
+                                 "refuses; set train.core_attention=auto (or sdpa)")
+        if t.recompute_num_layers is not None and t.recompute != "full":
+            raise ValueError(f"train.recompute_num_layers={t.recompute_num_layers} is only read with "
+                             f"train.recompute=full (got {t.recompute}); remove it or set recompute: full")
+        if t.recompute == "selective" and not t.recompute_modules:
+            raise ValueError("train.recompute=selective needs train.recompute_modules (e.g. [layernorm, mlp])")
+        if t.chunked_logprobs == "on" and t.tensor_parallel != 1:
+            raise ValueError(f"train.chunked_logprobs=on needs train.tensor_parallel=1 (got {t.tensor_parallel}); "
+                             f"under TP the log-probs use megatron's vocab-parallel cross-entropy: set it to auto")
         if self.eval.interval is not None and self.eval.interval % self.checkpoint.interval != 0:
             raise ValueError(
                 f"eval.interval={self.eval.interval} must be a multiple of checkpoint.interval="

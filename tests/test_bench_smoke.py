@@ -115,7 +115,8 @@ def test_fast_path_draws_the_slow_paths_tokens(tiny_dir):
 def test_memory_check_cpu_mode_runs(tmp_path):
     out = tmp_path / "memory_check.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_check.py"), "--device", "cpu", "--out", str(out),
-                           "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--work", str(tmp_path / "work"), "--force-offload"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the estimate is printed before anything is measured
     assert proc.stdout.index("memory per GPU") < proc.stdout.index("random model")
@@ -127,7 +128,7 @@ def test_memory_check_cpu_mode_runs(tmp_path):
     assert [t["term"] for t in cmp["terms"]] == ["weights", "gradients", "optimizer", "activations", "engine weights",
                                                  "KV cache", "rollout extra", "overhead"]
     assert {"estimate_GiB", "measured_peak_allocated_GiB", "measured_peak_reserved_GiB", "ratio",
-            "within_20pct"} <= set(cmp["total"])
+            "within_10pct"} <= set(cmp["total"])
     # CPU has no allocator statistics, but the trainer's and engine's tensors are counted exactly
     m, b = rep["measured"], est["bytes"]
     assert m["trainer"]["weights"] == b["weights"] and m["trainer"]["grads"] == b["grads"]
@@ -135,5 +136,7 @@ def test_memory_check_cpu_mode_runs(tmp_path):
     assert m["engine"]["weights"] == b["engine_weights"]
     assert m["rollout"]["ok"] and m["rollout"]["rows"] == 6  # 2 prompts x 1.5 over-sampling x 2 samples
     assert m["train"]["first_step"]["ok"] and m["train"]["steady_step"]["ok"]
-    assert m["train"]["steady_step"]["micro_batches"] == 2
-    assert rep["activation_points"] and all(p["ok"] for p in rep["activation_points"])
+    assert m["train"]["steady_step"]["samples"] == 4  # the config's global batch at the recipe's lengths
+    # the state offload's round trip around the rollout (forced on CPU): the same bytes out and back
+    off = m["offload"]
+    assert off["offload"]["bytes"] == off["reload"]["bytes"] == b["grads"] + b["optimizer"] - b["optimizer_moments"]

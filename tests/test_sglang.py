@@ -329,8 +329,8 @@ def trainer(tmp_path_factory):
     hf_to_torch_dist(hf, str(root / "td"))
     cfg = GrpoConfig.model_validate({"train": {"micro_batch_size": 8, "lr": 1e-2}})
     group = TrainerHandle(SubprocessGroup("runtime.trainer.megatron_trainer:MegatronTrainer", [dict(
-        hf_dir=str(hf), init_checkpoint=str(root / "td"), train=cfg.train.model_dump(),
-        algorithm=cfg.algorithm.model_dump(), temperature=1.0, rank=0, world_size=1, master_port=free_port(),
+        hf_dir=str(hf), init_checkpoint=str(root / "td"), train=cfg.train,
+        algorithm=cfg.algorithm, temperature=1.0, rank=0, world_size=1, master_port=free_port(),
         num_threads=1)]))
     try:
         yield group, Path(hf)

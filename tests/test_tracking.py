@@ -355,8 +355,8 @@ def test_export_of_a_trainer_checkpoint_loads_in_transformers_and_generates(tmp_
     build_tiny_qwen3(rd.hf_model, seed=3, corpus=builtin_corpus(0, 300))
     hf_to_torch_dist(rd.hf_model, rd.torch_dist)
     base = GrpoConfig()
-    trainer = MegatronTrainer(hf_dir=rd.hf_model, init_checkpoint=rd.torch_dist, train=base.train.model_dump(),
-                              algorithm=base.algorithm.model_dump(), temperature=1.0)
+    trainer = MegatronTrainer(hf_dir=rd.hf_model, init_checkpoint=rd.torch_dist, train=base.train,
+                              algorithm=base.algorithm, temperature=1.0)
     with torch.no_grad():  # make the checkpoint differ from the fetched model, so the export must carry it
         for p in trainer.model.parameters():
             p.add_(0.01)

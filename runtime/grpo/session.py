@@ -55,7 +55,7 @@ class TrainSession:
         c = self.cfg
         self.trainer = self.cluster.trainer(
             hf_dir=self.rd.local(self.rd.hf_model), init_checkpoint=self.rd.local(self.rd.torch_dist),
-            train=c.train.model_dump(), algorithm=c.algorithm.model_dump(), temperature=c.rollout.temperature)
+            train=c.train, algorithm=c.algorithm, temperature=c.rollout.temperature)
         self.engine = self.cluster.engine(self.rd.local(self.rd.hf_model))
         self.collector = Collector(c, self.engine, self.dataset, self.tokenizer, self.reward_fn, self.custom_rollout)
         self.at = None
