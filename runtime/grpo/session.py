@@ -17,6 +17,7 @@ from runtime.grpo.rollout_batch import advantages, rollout_metrics, to_train_bat
 from runtime.placement.cluster import Cluster
 from runtime.placement.handles import EngineHandle, TrainerHandle
 from runtime.placement.weight_sync import TrainerToEngine
+from runtime.plan.memory import offload_enabled
 from runtime.rewards.catalog import get_reward_fn
 from runtime.run import checkpoint
 from runtime.run.directory import RunDir
@@ -45,6 +46,7 @@ class TrainSession:
             self.custom_rollout = load_custom_rollout(cfg.rollout.custom_rollout)
         self.trainer: TrainerHandle | None = None
         self.engine: EngineHandle | None = None
+        self.offload = offload_enabled(cfg, self.cluster.device)
         self.at: int | None = None  # rollouts done by the state the live actors hold
         self.state: dict = {}
         self.builds = 0
@@ -106,12 +108,16 @@ class TrainSession:
         c = self.cfg
         t0 = time.time()
         colocated = c.cluster.colocate
+        if self.offload:
+            self.trainer.offload_state()  # grads, master weights, Adam to host while the engine generates
         if colocated:
             self.engine.resume_memory()  # the KV pool back from the last update
         batch = self.collector.collect(rollout_id, self.state["cursor"])  # generate + score (+ dynamic sampling)
         adv = advantages(batch, c.rollout.n_samples_per_prompt, c.algorithm.normalize_adv_std)
         if colocated:
             self.engine.release_memory()  # the trainer gets the memory generation used
+        if self.offload:
+            self.trainer.reload_state()
         train = self.trainer.train(to_train_batch(batch, adv))
         t_sync = time.time()
         self.weights.push(version=rollout_id + 1)

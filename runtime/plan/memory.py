@@ -267,12 +267,6 @@ def kv_bytes_per_token(hf_config, dtype="bfloat16") -> int:
     return m["L"] * 2 * m["ng"] * m["d"] * _dtype_bytes(dtype)
 
 
-def _paged_engine() -> bool:
-    """Whether the built-in engine keeps KV in pages of one pool (else fixed slots of the longest sample)."""
-    import importlib.util
-    return importlib.util.find_spec("runtime.rollout.kv_pages") is not None
-
-
 def _slot_len(tokens: int) -> int:
     from runtime.rollout.static_decode import kv_slot_len
     return kv_slot_len(tokens)
@@ -305,8 +299,11 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     kv_cache_gb: float | None = None, offload: bool = False, kv_released: bool | None = None,
                     max_tokens: int | None = None, recompute: str = "none", recompute_modules=("layernorm", "mlp"),
                     recompute_num_layers: int | None = None, fusions="auto", chunked_logprobs: str = "auto",
-                    core_attention: str = "auto") -> dict[str, Any]:
+                    core_attention: str = "auto", kv_layout: str = "paged") -> dict[str, Any]:
     """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
+
+    ``kv_layout``: "paged" (the built-in engine: one pool of ``kv_cache_gb`` GiB) or "slots" (the
+    earlier fixed-slot decoder, whose H100 measurements the tests keep comparing against).
 
     ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
     engine's first generate call, split over ``rollout_engines``; ``max_slots``: the engine's
@@ -390,7 +387,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
             # the paged engine (runtime/rollout/kv_pages.py) takes kv_cache_gb GiB as its pool and admits
             # up to max_batch_size rows; the fixed-slot engine (static_decode) takes kv_cache_gb x 10^9
             # bytes as its budget for slots of a full-length sample, one row each
-            paged = _paged_engine()
+            paged = kv_layout == "paged"
             per_slot = per_sample_kv if paged else _slot_len(seq_len) * kv_per_token
 
             def extra(live: int) -> int:
@@ -590,12 +587,13 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention)
 
 
-def estimate_for_config(cfg, hf_config, *, gpu_mem_gb: float | None = None, device: str | None = None) -> dict[str, Any]:
+def estimate_for_config(cfg, hf_config, *, gpu_mem_gb: float | None = None, device: str | None = None,
+                        **engine_model) -> dict[str, Any]:
     """:func:`estimate_memory` for a ``GrpoConfig``; ``gpu_mem_gb`` default :func:`target_gpu_memory_gb`.
     When it does not fit, ``fix`` names the settings that would (:func:`settings_that_fit`) and ``reason``
     ends with them."""
     gpu = target_gpu_memory_gb(cfg, gpu_mem_gb)
-    kw = config_kwargs(cfg, device)
+    kw = {**config_kwargs(cfg, device), **engine_model}  # engine_model: kv_layout / kv_released for old measurements
     est = estimate_memory(hf_config, gpu_mem_gb=gpu, **kw)
     est["fix"] = None
     if not est["fits"]:
