@@ -315,16 +315,21 @@ def measure(cfg, S, W: Path, args, est: dict, hf_config, log) -> dict:
         rollout.update(ok=True, new_tokens=sum(lens), len_mean=round(sum(lens) / len(lens), 1), len_max=max(lens))
     except _oom_types() as e:
         rollout.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
-    fast = getattr(eng, "fast", None)
+    dec = getattr(eng, "decoder", None)
     rollout.update(seconds=round(time.time() - t0, 1), allocated_before=a, allocated_after=M.allocated(),
                    peak=M.peak(), peak_reserved=M.peak_reserved())
-    if fast is not None:
-        st = fast.stats
-        rollout.update(kv_cache=fast.kv_cache_bytes(), slots=fast.slots, slot_len=fast.slot_len,
+    if dec is not None:
+        st = dec.stats
+        rollout.update(kv_cache=dec.kv_cache_bytes(), slots=getattr(dec, "slots", None),
+                       slot_len=getattr(dec, "slot_len", None), pages=st.get("pages"),
+                       peak_pages_used=st.get("peak_pages_used"), preemptions=st.get("preemptions"),
                        decode_steps=st.get("decode_steps"), graphs=st.get("graphs"), compiled=st.get("compiled"),
                        cuda_graphs=st.get("cuda_graphs"), attention=st.get("attention"))
         if M.cuda:
             rollout["extra"] = rollout["peak"] - a - rollout["kv_cache"]
+    if cfg.cluster.colocate:  # as the loop does: the pool goes back while the trainer trains
+        eng.release_memory()
+        rollout["allocated_after_release"] = M.allocated()
     res["rollout"] = rollout
     log(f"rollout: {rows} rows in {rollout['seconds']} s, {rollout.get('slots')} slots x {rollout.get('slot_len')} "
         f"tokens, KV {gib(rollout.get('kv_cache'))} GiB, peak {gib(rollout['peak'])} GiB"
@@ -411,7 +416,7 @@ def compare(est: dict, res: dict) -> dict:
         ("activations", b["activations"], act, "whole step: peak - allocated before"),
         ("engine weights", b["engine_weights"], en.get("allocated_delta") if en.get("allocated_delta") is not None
          else en.get("weights"), "allocated by building the engine (CPU: its tensors' bytes)"),
-        ("KV cache", b["kv_cache"], ro.get("kv_cache"), "StaticDecoder.kv_cache_bytes()"),
+        ("KV cache", b["kv_cache"], ro.get("kv_cache"), "the engine's decoder.kv_cache_bytes()"),
         ("rollout extra", b["rollout_activations"], ro.get("extra"), "generate peak - before - KV"),
         ("overhead", b["overhead"], (ctx + max(peaks_res) - measured_total) if ctx is not None and measured_total
          and peaks_res else None, "CUDA context + (peak reserved - peak allocated)"),
