@@ -6,6 +6,8 @@ import logging
 import os
 import sys
 
+from runtime.config import DEFAULT_ROOT
+
 
 def _prefect_env() -> None:
     # The ephemeral API needs 10-18 s to start on a small machine; the default 20 s is too tight.
@@ -51,6 +53,8 @@ def _quiet_prefect_user_errors() -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpoflow", description="GRPO post-training as a resumable Prefect pipeline")
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="how much of grpoflow's own log to show on stderr (default WARNING)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def with_overrides(sp):
@@ -59,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="check a config and print the plan")
     v.add_argument("config")
-    v.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GPU memory for the estimate (default 80)")
+    v.add_argument("--gpu-mem-gb", type=float, default=None,
+                   help="GPU memory of the target machine in GiB (default: cluster.gpu_memory_gb, else 80); "
+                        "a config that does not fit is an error (exit 2) naming settings that would")
     with_overrides(v)
 
     r = sub.add_parser("run", help="run the pipeline (fetch → convert → prepare → train → eval → register)")
@@ -69,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 
     rs = sub.add_parser("resume", help="continue a run from its frozen config and latest checkpoint")
     rs.add_argument("run_id")
-    rs.add_argument("--root", default=None, help="storage.root of the run (default ./grpoflow-data)")
+    rs.add_argument("--root", default=None, help=f"storage.root of the run (default {DEFAULT_ROOT})")
     with_overrides(rs)
 
     m = sub.add_parser("models", help="browse the model registry")
@@ -80,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "show":
             sp.add_argument("spec")
         sp.add_argument("--tracking-uri", default=None, help="default: the SQLite store under --root")
-        sp.add_argument("--root", default="./grpoflow-data")
+        sp.add_argument("--root", default=DEFAULT_ROOT)
 
     from cli.deploy import add_parsers
     add_parsers(sub)  # deploy, serve
@@ -130,7 +136,7 @@ def _summary(result: dict) -> None:
 def _resume(args) -> dict | None:
     """Resume a run; None when it is finished already (nothing to do but say so)."""
     from runtime.run.directory import RunDir
-    from runtime.run.frozen_config import DEFAULT_ROOT, check_changes, finished, frozen_config
+    from runtime.run.frozen_config import check_changes, finished, frozen_config
     from runtime.run.lease import RunLease
     root = args.root or DEFAULT_ROOT
     rd = RunDir(root, args.run_id)  # a bad run id: one line, before anything is read or written
@@ -152,19 +158,38 @@ def _resume(args) -> dict | None:
     return grpo_pipeline(overrides=hold(args.overrides), run_id=args.run_id, root=root, resume=True)
 
 
+def _setup_logging(level: str) -> None:
+    """One handler for grpoflow's loggers (named by module: runtime.*, tasks.*, flows.*, cli.*)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    for name in ("runtime", "tasks", "flows", "cli", "deployments"):
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        if not any(getattr(h, "grpoflow", False) for h in logger.handlers):
+            handler.grpoflow = True  # type: ignore[attr-defined]
+            logger.addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    _setup_logging(args.log_level)
     from runtime.errors import TransientError, UserError
 
     try:
         if args.cmd == "validate":
             from runtime.config import load_config
             cfg = load_config(args.config, args.overrides)
-            from runtime.plan.summary import layout_lines, memory_lines
+            from runtime.errors import ConfigError
+            from runtime.plan.summary import layout_lines, memory_report
             placement = layout_lines(cfg)  # before any output: a layout that cannot run is one line
+            from runtime.grpo.preflight import check_trainable
+            check_trainable(cfg)
             _print_plan(cfg)
-            for line in placement + memory_lines(cfg, args.gpu_mem_gb):
+            memory, does_not_fit = memory_report(cfg, args.gpu_mem_gb)
+            for line in placement + memory:
                 print(line)
+            if does_not_fit:
+                raise ConfigError(f"{args.config}: {does_not_fit}")
             print("config is valid")
             return 0
         if args.cmd == "models":

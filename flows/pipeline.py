@@ -4,8 +4,9 @@ from __future__ import annotations
 from prefect import flow
 
 from runtime import storage
-from runtime.config import load_config
+from runtime.config import DEFAULT_ROOT, load_config
 from runtime.errors import UserError
+from runtime.grpo.preflight import check_fits, check_trainable
 from runtime.run.directory import RunDir
 from runtime.run.frozen_config import config_to_resume, freeze, mark_finished
 from runtime.run.leftovers import remove_temp_leftovers
@@ -37,16 +38,18 @@ def grpo_pipeline(config_path: str | None = None, overrides: list[str] | None = 
     """Run (or resume) one grpoflow run. Finished stages and chunks are read from the run directory and skipped."""
     overrides = reveal(overrides)  # the CLI hands secrets over in-process, never as stored parameters
     if resume:
-        probe = RunDir(root or "./grpoflow-data", run_id)
+        probe = RunDir(root or DEFAULT_ROOT, run_id)
         cfg = config_to_resume(probe, overrides)
     else:
         cfg = load_config(config_path, overrides)
+    check_trainable(cfg)  # cheap checks before anything is fetched or a GPU is taken
+    check_fits(cfg)
     rd = RunDir(root or cfg.storage.root, run_id, cfg.storage.state_dir).checked()  # fails early on an unusable S3 root
     new_run = not storage.exists(rd.path)
     try:
         with RunLease(rd):  # one writer per run
             remove_temp_leftovers(rd)  # of a writer killed mid-write; nobody else writes while we hold the lease
-            freeze(cfg, rd)
+            cfg = freeze(cfg, rd)  # with the memory plan's choices: the run uses what was frozen
             moment("frozen")
             fetched = _stage(fetch_task, cfg, rd)
             moment("fetched")

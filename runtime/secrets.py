@@ -1,4 +1,4 @@
-"""Secrets in a config (an `--api-key` among rollout.sglang_launch's args, a password in tracking.uri):
+"""Secrets in a config (an `--api-key` among rollout.sglang.launch's args, a password in tracking.uri):
 recognised by name, masked wherever a config is written — the frozen config.yaml, MLflow params, the
 flow-run parameters Prefect stores — and never read back from there.
 
@@ -20,7 +20,7 @@ REDACTED = "***"
 _SECRET_KEY = re.compile(
     r"(^|[_-])(token|secret|password|passwd|credentials?|api[_-]?key|access[_-]?key|secret[_-]?key|"
     r"private[_-]?key|auth)$|^key$|secret|password|credential", re.I)
-# In a list of command-line args (rollout.sglang_launch): the value after a secret-looking flag.
+# In a list of command-line args (rollout.sglang.launch): the value after a secret-looking flag.
 _SECRET_FLAG = re.compile(r"^--?[\w-]*(token|secret|password|passwd|credential|api[_-]?key|access[_-]?key)[\w-]*$", re.I)
 
 

@@ -101,11 +101,11 @@ def test_temp_leftovers_of_a_killed_writer_are_removed_on_the_next_start(prefect
 
 
 def test_a_secret_is_never_written(prefect_harness, tmp_path, capsys):
-    """An SGLang --api-key among rollout.sglang_launch's args: masked in the frozen config, in MLflow and in
+    """An SGLang --api-key among rollout.sglang.launch's args: masked in the frozen config, in MLflow and in
     the flow-run parameters Prefect stores; a resume must be given it again rather than run with the mask."""
     secret = "S3CRET-7f3a9"
     root = tmp_path / "root"
-    launch = f"rollout.sglang_launch=[python, -m, sglang.launch_server, --api-key, {secret}]"
+    launch = f"rollout.sglang.launch=[python, -m, sglang.launch_server, --api-key, {secret}]"
     code = main(["run", "configs/tiny.yaml", "--run-id", "secret", "--set", f"storage.root={root}", "--set", launch,
                  "--set", "train.num_rollout=1", "--set", "checkpoint.interval=1", "--set", "eval.interval=null",
                  "--set", "data.eval={}"])
@@ -120,4 +120,4 @@ def test_a_secret_is_never_written(prefect_harness, tmp_path, capsys):
     capsys.readouterr()
     assert main(["resume", "secret", "--root", str(root), "--set", "train.num_rollout=2"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "rollout.sglang_launch held a secret" in err and len(err.splitlines()) == 1, err
+    assert "rollout.sglang.launch held a secret" in err and len(err.splitlines()) == 1, err

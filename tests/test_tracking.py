@@ -131,25 +131,25 @@ def test_secrets_are_stripped_from_params(root):
     flat = flatten_params({
         "hub": {"hf_token": "hf_abc", "api_key": "k1", "password": "p", "aws_secret_access_key": "s",
                 "credentials": "c", "key": "k2"},
-        "rollout": {"max_new_tokens": 16, "top_k": -1, "sglang_launch": ["--api-key", "sk-1", "--port", "30000",
-                                                                          "--admin-token=tok"]},
+        "rollout": {"max_new_tokens": 16, "top_k": -1, "sglang": {"launch": ["--api-key", "sk-1", "--port", "30000",
+                                                                                     "--admin-token=tok"]}},
         "data": {"input_key": "question", "label_key": "answer", "source": "https://user:pw@host/d.jsonl"},
     })
     assert not any(k.startswith("hub.") for k in flat), flat
     assert flat["rollout.max_new_tokens"] == "16" and flat["rollout.top_k"] == "-1"
     assert flat["data.input_key"] == "question" and flat["data.label_key"] == "answer"
     assert "pw" not in flat["data.source"] and flat["data.source"] == "https://user:***@host/d.jsonl"
-    assert "sk-1" not in flat["rollout.sglang_launch"] and "tok" not in flat["rollout.sglang_launch"].replace("token", "")
-    assert "30000" in flat["rollout.sglang_launch"]
+    assert "sk-1" not in flat["rollout.sglang.launch"] and "tok" not in flat["rollout.sglang.launch"].replace("token", "")
+    assert "30000" in flat["rollout.sglang.launch"]
     assert redact_uri("http://u:secret@h:5000/x") == "http://u:***@h:5000/x"
 
-    cfg = make_cfg(root, rollout={"sglang_launch": ["--api-key", "sk-live-123"]},
+    cfg = make_cfg(root, rollout={"sglang": {"launch": ["--api-key", "sk-live-123"]}},
                    model={"source": "s3://bob:hunter2@models-bucket/m"})  # https:// is not a model source
     t = Tracker(cfg, RunDir(str(root), "secrets-1"))
     params = client_for(t.uri).get_run(t.run_id).data.params
     everything = " ".join(f"{k}={v}" for k, v in params.items())
     assert "sk-live-123" not in everything and "hunter2" not in everything
-    assert params["rollout.sglang_launch"] == "['--api-key', '***']"
+    assert params["rollout.sglang.launch"] == "['--api-key', '***']"
 
 
 def test_disabled_tracker_is_a_no_op(tmp_path):
@@ -236,6 +236,12 @@ def test_registration_is_idempotent_and_aliases_move_right(root, capsys):
     assert v2.source == infos[1]["export_uri"] and v2.run_id == tracker.run_id
     assert v2.tags["grpoflow.checkpoint"] == "reg-1/rollout_4" and v2.tags["grpoflow.config_hash"] == "abc123"
     assert float(v2.tags["grpoflow.metric.eval/arith/avg_at_4"]) == 0.5  # first registration's metrics stay
+    # the rule that scored those metrics (evaluation's grader) is on the version
+    from importlib.metadata import version
+
+    assert {k: v for k, v in v2.tags.items() if k.startswith("grpoflow.grader.")} == {
+        "grpoflow.grader.grader": "math", "grpoflow.grader.rule_version": "math-2",
+        "grpoflow.grader.math_verify_version": version("math-verify")}
 
     # the CLI views
     capsys.readouterr()
@@ -349,8 +355,8 @@ def test_export_of_a_trainer_checkpoint_loads_in_transformers_and_generates(tmp_
     build_tiny_qwen3(rd.hf_model, seed=3, corpus=builtin_corpus(0, 300))
     hf_to_torch_dist(rd.hf_model, rd.torch_dist)
     base = GrpoConfig()
-    trainer = MegatronTrainer(hf_dir=rd.hf_model, init_checkpoint=rd.torch_dist, train=base.train.model_dump(),
-                              algorithm=base.algorithm.model_dump(), temperature=1.0)
+    trainer = MegatronTrainer(hf_dir=rd.hf_model, init_checkpoint=rd.torch_dist, train=base.train,
+                              algorithm=base.algorithm, temperature=1.0)
     with torch.no_grad():  # make the checkpoint differ from the fetched model, so the export must carry it
         for p in trainer.model.parameters():
             p.add_(0.01)

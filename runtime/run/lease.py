@@ -18,7 +18,7 @@ from runtime import forced_exit, storage
 from runtime.errors import UserError
 from runtime.run.directory import RunDir
 
-log = logging.getLogger("grpoflow.lease")
+log = logging.getLogger(__name__)
 
 
 class RunBusyError(UserError):

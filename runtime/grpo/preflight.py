@@ -1,0 +1,25 @@
+"""Checks of a config that need more than its own fields (user code to import), run by `grpoflow
+validate` and again before the train stage builds anything: whatever the train stage would refuse,
+validate refuses first."""
+from __future__ import annotations
+
+from runtime.config import GrpoConfig
+
+
+def check_trainable(cfg: GrpoConfig) -> None:
+    """Raise ConfigError (one line) for a reward or custom rollout that cannot be loaded."""
+    from runtime.rewards.catalog import get_reward_fn
+    get_reward_fn(cfg.rollout.reward)
+    if cfg.rollout.custom_rollout:
+        from runtime.rollout.custom import load_custom_rollout
+        load_custom_rollout(cfg.rollout.custom_rollout)
+
+
+def check_fits(cfg: GrpoConfig) -> None:
+    """Raise ConfigError (one line naming settings that would fit) when the memory plan says the run
+    does not fit `cluster.gpu_memory_gb` (80 GiB when unset)."""
+    from runtime.errors import ConfigError
+    from runtime.plan.summary import memory_report
+    _, does_not_fit = memory_report(cfg)
+    if does_not_fit:
+        raise ConfigError(does_not_fit)
