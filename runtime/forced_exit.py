@@ -30,13 +30,13 @@ def forget(key: int) -> None:
 def forced_exit(message: str, code: int = 3) -> None:
     with _lock:
         todo = list(_cleanups.values())
+    hint = f"; {resume_hint[-1]}" if resume_hint else ""  # before the clean-ups (releasing the lease clears it)
     for fn in todo:
         try:
             fn()
         except Exception:  # noqa: BLE001 - best effort: the exit must happen
             pass
     _end_children()
-    hint = f"; {resume_hint[-1]}" if resume_hint else ""
     sys.stderr.write(f"error: {' '.join(message.split())}{hint}\n")
     sys.stderr.flush()
     os._exit(code)

@@ -49,7 +49,9 @@ class RayNodes:
         # its "current cluster" file in there too, not in /tmp/ray where any ray.init() on this host would find it.
         self._tmp = tempfile.mkdtemp(prefix="rn-")
         os.makedirs(os.path.join(self._tmp, "ray"))
-        self._args = {"node_ip_address": "127.0.0.1", "object_store_memory": 80 * 2**20,
+        # The nodes take this host's address, not 127.0.0.1: a driver given 127.0.0.1:PORT connects to the
+        # host's address (Ray's canonicalize_bootstrap_address), where a loopback-bound GCS does not answer.
+        self._args = {"object_store_memory": 80 * 2**20,
                       "include_dashboard": False, "temp_dir": self._tmp}
         self.env = {**(env or {}), "RAY_TMPDIR": self._tmp}
         with self._environment():

@@ -121,3 +121,36 @@ def test_a_secret_is_never_written(prefect_harness, tmp_path, capsys):
     assert main(["resume", "secret", "--root", str(root), "--set", "train.num_rollout=2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "rollout.sglang.launch held a secret" in err and len(err.splitlines()) == 1, err
+
+
+_LOST_CLUSTER_SCRIPT = r'''
+import socket, subprocess, sys, threading
+from runtime.placement.cluster_watch import ClusterWatch
+from runtime.run.directory import RunDir
+from runtime.run.lease import RunLease
+head = socket.socket(); head.bind(("127.0.0.1", 0)); head.listen()
+port = head.getsockname()[1]
+child = subprocess.Popen(["sleep", "600"])  # stands for the Prefect server a run starts
+print(child.pid, flush=True)
+RunLease(RunDir(sys.argv[1], "lost")).acquire()
+ClusterWatch(f"127.0.0.1:{port}", lost_after_s=1, every_s=0.2).start()
+head.close()  # the cluster's head is gone
+threading.Event().wait()  # the main thread blocked, as in a ray.get that never returns
+'''
+
+
+def test_a_lost_cluster_ends_in_one_line_with_the_lease_released_and_no_orphan(tmp_path):
+    """The whole Ray cluster gone while the main thread waits on it: one `error:` line, exit 3, the lease
+    released and the run's child processes ended — before Ray's own hard exit, which does none of that."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _LOST_CLUSTER_SCRIPT, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert len(err) == 1 and err[0].startswith("error: lost the Ray cluster"), err
+    assert f"grpoflow resume lost --root {tmp_path}" in err[0]
+    assert not Path(RunDir(str(tmp_path), "lost").sub("lease.json")).exists()
+    child = int(proc.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)

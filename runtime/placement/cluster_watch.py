@@ -38,7 +38,14 @@ def _answers(host: str, port: int, timeout_s: float) -> bool:
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """One line instead of Ray's endless retries when ``cluster.address`` has no cluster behind it."""
     hp = _host_port(address)
-    if hp is not None and not _answers(*hp, timeout_s):
+    if hp is None:
+        return
+    hosts = [hp[0]]
+    if hp[0] in ("127.0.0.1", "localhost", "::1"):
+        # Ray connects to this host's address instead (canonicalize_bootstrap_address): try that too
+        from ray._private.services import get_node_ip_address
+        hosts.append(get_node_ip_address())
+    if not any(_answers(h, hp[1], timeout_s) for h in hosts):
         raise ClusterUnreachable(f"no Ray cluster answers at cluster.address={address}; start it (`ray start --head` "
                                  f"on that node) or fix cluster.address, then run again")
 
