@@ -152,12 +152,17 @@ class TrainSession:
         cursor = self.state["cursor"]
         rows_all, groups_all, rewards_all = [], [], []
         attempts = 0
+        generate_s = reward_s = 0.0
         # Dynamic sampling draws extra prompts and keeps the first `need` groups whose rewards differ.
         while True:
             want = need if not c.rollout.dynamic_sampling else max(need, int(need * c.rollout.over_sampling_factor))
             rows, cursor = self.dataset.batch(cursor, want)
+            t_gen = time.time()
             groups = self._generate(rows, rollout_id, len(rows_all), sampling, n)
+            t_reward = time.time()
             rewards = self._score(rows, groups)
+            generate_s += t_reward - t_gen
+            reward_s += time.time() - t_reward
             rows_all += rows
             groups_all += groups
             rewards_all += rewards
@@ -208,6 +213,8 @@ class TrainSession:
             "truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
             "rollout_tok_s": gen_tokens / max(gen_time, 1e-9),
             "rollout_time_s": gen_time,
+            "generate_s": generate_s,
+            "reward_s": reward_s,
             "weight_sync_s": sync_s,
             "groups_dropped": dropped,
             "reward_failures": self._reward_failures,
@@ -237,9 +244,12 @@ class TrainSession:
         # draws no random numbers (dropout is off).
         state = {"cursor": self.state["cursor"], "metrics": chunk_metrics, "rng": {"keyed_seed": self.cfg.train.seed}}
         trainer = self.trainer
+        t_save = time.time()
         checkpoint.save(self.rd, end, lambda path: trainer.call("save", path), state, self.cfg.checkpoint.keep_last)
         if not chunk_metrics:
             raise ChunkError(f"chunk [{start}, {end}) trained nothing")
+        # The chunk's save is charged to its last rollout (the metrics logged to MLflow after the chunk).
+        chunk_metrics[-1]["checkpoint_s"] = time.time() - t_save
         self.at = end
         self.state = {**state, "rollout": end}
         return {"start": start, "end": end, "skipped": False, "metrics": chunk_metrics,
