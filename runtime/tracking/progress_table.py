@@ -63,7 +63,8 @@ class RolloutTable:
     def row(self, m: dict) -> None:
         if not self._header:
             heads = PROGRESS + [h for h, _, _ in COLUMNS]
-            self.console.print("  ".join(h.rjust(w) for h, w in zip(heads, self.widths)), style="bold")
+            self.console.print("  ".join(h.rjust(w) for h, w in zip(heads, self.widths)), style="bold", soft_wrap=True)
             self._header = True
         cells = self.progress(m) + [_fmt(f, m.get(k)) for _, k, f in COLUMNS]
-        self.console.print("  ".join(c.rjust(w) for c, w in zip(cells, self.widths)))
+        # one line per rollout however narrow the terminal or log (a row is ~170 characters)
+        self.console.print("  ".join(c.rjust(w) for c, w in zip(cells, self.widths)), soft_wrap=True)
