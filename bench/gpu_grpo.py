@@ -558,7 +558,7 @@ def stage_config(S, W: Path) -> dict:
 
 
 def sec_stage(S, W: Path) -> dict:
-    """Issue 3 item 9 / issue 10 (c): the real train stage (TrainSession.run_chunk), backend local."""
+    """(c) the real train stage (TrainSession.run_chunk), backend local: what a user's step costs."""
     torch = _torch()
     from runtime.config import config_from_dict
     from runtime.grpo.session import TrainSession
@@ -599,7 +599,7 @@ def sec_stage(S, W: Path) -> dict:
                train_all_tok_s=round(statistics.median((m["train_tokens"] + S["prompts"] * S["samples"] * S["prompt_len"])
                                                        / m["train_time_s"] for m in steady)),
                peak_mem_GiB=peak_gib(S), skipped=out.get("skipped"),
-               engine_path=sess.engine.call("health")[0].get("decode_path"))
+               engine_path=sess.engine.health().get("decode_path"))
     if S["device"] == "cuda":
         res["max_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
     sess.close()

@@ -1,5 +1,5 @@
 """Peak GPU memory of the shipped Qwen3-0.6B DAPO config, measured term by term against
-``runtime/plan/memory.py``'s estimate (issue 9 item 3: the estimate must land within ±20%).
+``runtime/plan/memory.py``'s estimate (the plan is only useful if it lands near the measured peak).
 
     python bench/memory_check.py                  # CUDA (H100): configs/qwen3-0.6b-dapo.yaml shapes, < 4 min
     python bench/memory_check.py --device cpu     # smoke: tiny model on CPU, same code paths, seconds

@@ -110,7 +110,7 @@ def sec_replay(S, W: Path, layout: str) -> dict:
     batches = torch.load(W / "batches.pt", weights_only=False)
     t0 = time.time()
     cluster = Cluster(cfg)
-    trainer = cluster.trainer_group(
+    trainer = cluster.trainer(
         in_subprocesses=True, hf_dir=str(W / "hf"), init_checkpoint=str(W / "td"), train=cfg.train.model_dump(),
         algorithm=cfg.algorithm.model_dump(), temperature=1.0)
     load_s = time.time() - t0
@@ -125,16 +125,16 @@ def sec_replay(S, W: Path, layout: str) -> dict:
                     for b in batches[:1] for i in range(min(ENGINE_ROWS, len(b)))]
         logprobs, metrics = [], []
         for i, b in enumerate(batches):
-            logprobs.append(trainer.call("compute_logprobs", b)[0])
-            metrics.append(trainer.call("train", b)[0])
+            logprobs.append(trainer.compute_logprobs(b))
+            metrics.append(trainer.train(b))
             if sync is not None:
                 g.sync(S)
                 t1 = time.perf_counter()
                 sync.push(i + 1)
                 g.sync(S)
                 sync_s.append(time.perf_counter() - t1)
-                engine_lp.append([engine.call("logprobs_of", p, r)[0] for p, r in rows])
-        logprobs.append(trainer.call("compute_logprobs", batches[0])[0])
+                engine_lp.append([engine.logprobs_of(p, r) for p, r in rows])
+        logprobs.append(trainer.compute_logprobs(batches[0]))
     finally:
         trainer.kill()
     torch.save({"logprobs": logprobs, "metrics": metrics, "engine_logprobs": engine_lp}, W / f"replay_{layout}.pt")

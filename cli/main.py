@@ -6,6 +6,8 @@ import logging
 import os
 import sys
 
+from runtime.config import DEFAULT_ROOT
+
 
 def _prefect_env() -> None:
     # The ephemeral API needs 10-18 s to start on a small machine; the default 20 s is too tight.
@@ -51,6 +53,8 @@ def _quiet_prefect_user_errors() -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpoflow", description="GRPO post-training as a resumable Prefect pipeline")
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="how much of grpoflow's own log to show on stderr (default WARNING)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def with_overrides(sp):
@@ -69,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 
     rs = sub.add_parser("resume", help="continue a run from its frozen config and latest checkpoint")
     rs.add_argument("run_id")
-    rs.add_argument("--root", default="./grpoflow-data", help="storage.root of the run")
+    rs.add_argument("--root", default=DEFAULT_ROOT, help="storage.root of the run")
     with_overrides(rs)
 
     m = sub.add_parser("models", help="browse the model registry")
@@ -80,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "show":
             sp.add_argument("spec")
         sp.add_argument("--tracking-uri", default=None, help="default: the SQLite store under --root")
-        sp.add_argument("--root", default="./grpoflow-data")
+        sp.add_argument("--root", default=DEFAULT_ROOT)
 
     rp = sub.add_parser("report", help="write a run's HTML report (curves, evals, versions, config) into its run directory")
     rp.add_argument("run_id")
@@ -239,8 +243,21 @@ def _runs_command(args) -> int:
     return 0
 
 
+def _setup_logging(level: str) -> None:
+    """One handler for grpoflow's loggers (named by module: runtime.*, tasks.*, flows.*, cli.*)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    for name in ("runtime", "tasks", "flows", "cli", "deployments"):
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        if not any(getattr(h, "grpoflow", False) for h in logger.handlers):
+            handler.grpoflow = True  # type: ignore[attr-defined]
+            logger.addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    _setup_logging(args.log_level)
     from runtime.errors import TransientError, UserError
 
     try:
@@ -249,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.overrides)
             from runtime.plan.summary import layout_lines, memory_lines
             placement = layout_lines(cfg)  # before any output: a layout that cannot run is one line
+            from runtime.grpo.preflight import check_trainable
+            check_trainable(cfg)
             _print_plan(cfg)
             for line in placement + memory_lines(cfg, args.gpu_mem_gb):
                 print(line)

@@ -10,6 +10,7 @@ import re
 import sys
 from datetime import datetime, timezone
 
+from runtime.config import DEFAULT_ROOT
 from runtime.errors import UserError
 
 METRIC_TAG = "grpoflow.metric."
@@ -66,7 +67,7 @@ def _registered_models(client) -> list:
             return sorted(out, key=lambda m: m.name)
 
 
-def models_list(tracking_uri: str | None = None, root: str = "./grpoflow-data") -> int:
+def models_list(tracking_uri: str | None = None, root: str = DEFAULT_ROOT) -> int:
     """Print every registered model version: model, version, aliases, rollout, run id, eval metrics."""
     from rich.table import Table
 
@@ -129,7 +130,7 @@ def _load_snippet(source: str) -> str:
             f'tokenizer = AutoTokenizer.from_pretrained(path)')
 
 
-def models_show(spec: str, tracking_uri: str | None = None, root: str = "./grpoflow-data") -> int:
+def models_show(spec: str, tracking_uri: str | None = None, root: str = DEFAULT_ROOT) -> int:
     """Print one model version (``NAME`` = its newest version, as ``NAME@latest``): metrics, tags,
     source, and how to load it."""
     from mlflow.exceptions import MlflowException

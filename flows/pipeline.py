@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from runtime.config import load_config
+from runtime.config import DEFAULT_ROOT, load_config
 from runtime.run.lease import RunLease
 from runtime.run.directory import RunDir
 from runtime.run.frozen_config import freeze, frozen_config
@@ -24,7 +24,7 @@ def grpo_pipeline(config_path: str | None = None, overrides: list[str] | None = 
                   run_id: str | None = None, root: str | None = None, resume: bool = False) -> dict:
     """Run (or resume) one grpoflow run. Finished stages and chunks are read from the run directory and skipped."""
     if resume:
-        probe = RunDir(root or "./grpoflow-data", run_id)
+        probe = RunDir(root or DEFAULT_ROOT, run_id)
         cfg = frozen_config(probe, overrides)
     else:
         cfg = load_config(config_path, overrides)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from runtime.errors import ConfigError
 
@@ -47,11 +47,11 @@ class DataSection(Section):
 class RolloutSection(Section):
     engine: Literal["builtin", "sglang"] = "builtin"
     rollout_batch_size: int = Field(8, gt=0, description="prompts per rollout")
-    n_samples_per_prompt: int = Field(8, gt=0)
+    n_samples_per_prompt: int = Field(8, ge=2, description="group advantages need at least 2 samples per prompt")
     max_new_tokens: int = Field(16, gt=0)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, description="-1: off")
+    top_k: int = Field(-1, ge=-1, description="-1: off")
     reward: str = "math"  # math | dapo | deepscaler | module:function
     reward_timeout_s: float = Field(5.0, gt=0)
     custom_rollout: str | None = None  # module:function replacing generate+reward
@@ -81,12 +81,30 @@ class AlgorithmSection(Section):
     normalize_adv_std: bool = True  # False = Dr.GRPO
     eps_clip: float = Field(0.2, ge=0)
     eps_clip_high: float | None = None  # None: = eps_clip; DAPO's clip-higher uses 0.28
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    # runtime/algo/losses.py:aggregate; seq_mean_token_sum_norm is Dr.GRPO's (divides by loss_norm_tokens)
+    loss_agg: Literal["token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = "token_mean"
+    loss_norm_tokens: int | None = Field(None, gt=0, description="seq_mean_token_sum_norm's constant; None: rollout.max_new_tokens")
     kl_coef: float = Field(0.0, ge=0)
     kl_type: Literal["k1", "k2", "k3"] = "k3"
+    kl_clamp: float | None = Field(None, gt=0, description="cap on k3's value (verl: 10); None: off")
     entropy_coef: float = 0.0
     use_tis: bool = False
     tis_cap: float = Field(2.0, gt=0)
+    logratio_clamp: float = Field(20.0, gt=0, description="|log-ratio| bound before exp (policy, TIS, KL)")
+    dual_clip_c: float | None = Field(None, description="verl's dual clip for A < 0 (verl: 3); None: off")
+
+    @field_validator("dual_clip_c")
+    @classmethod
+    def _dual_clip_above_one(cls, c: float | None) -> float | None:
+        if c is not None and not c > 1:
+            raise ValueError(f"must be > 1 (verl uses 3), or null for off; got {c}")
+        return c
+
+    @model_validator(mode="after")
+    def _kl_clamp_is_for_k3(self) -> "AlgorithmSection":
+        if self.kl_clamp is not None and self.kl_type != "k3":
+            raise ValueError(f"kl_clamp caps the k3 estimator only; unset it or use kl_type k3 (not {self.kl_type})")
+        return self
 
 
 class TrainSection(Section):
@@ -112,10 +130,10 @@ class EvalSection(Section):
     before_train: bool = False
     n_samples_per_prompt: int = Field(4, gt=0)
     pass_k: list[int] = Field(default_factory=lambda: [1])
-    max_new_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_prompts: int | None = None
+    max_new_tokens: int | None = Field(None, gt=0)
+    temperature: float = Field(1.0, ge=0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_prompts: int | None = Field(None, gt=0)
 
 
 class CheckpointSection(Section):
@@ -145,8 +163,11 @@ class ClusterSection(Section):
     gpu_memory_gb: float | None = Field(None, gt=0)
 
 
+DEFAULT_ROOT = "./grpoflow-data"  # storage.root when a config or a command names none
+
+
 class StorageSection(Section):
-    root: str = "./grpoflow-data"
+    root: str = DEFAULT_ROOT
     state_dir: str | None = None  # local dir for MLflow/Prefect state when root is remote
 
 
@@ -174,6 +195,13 @@ class GrpoConfig(Section):
         return data
 
     @model_validator(mode="after")
+    def _derive_loss_norm_tokens(self) -> "GrpoConfig":
+        a = self.algorithm
+        if a.loss_agg == "seq_mean_token_sum_norm" and a.loss_norm_tokens is None:
+            a.loss_norm_tokens = self.rollout.max_new_tokens  # Dr.GRPO's constant: the longest a response can be
+        return self
+
+    @model_validator(mode="after")
     def _cross_checks(self) -> "GrpoConfig":
         r, t = self.rollout, self.train
         samples = r.rollout_batch_size * r.n_samples_per_prompt
@@ -197,6 +225,11 @@ class GrpoConfig(Section):
             raise ValueError(
                 f"eval.interval={self.eval.interval} must be a multiple of checkpoint.interval="
                 f"{self.checkpoint.interval} (an eval needs a checkpoint to export)")
+        if r.top_k == 0:
+            raise ValueError("rollout.top_k=0 keeps no token: use -1 (off) or a count >= 1")
+        if self.algorithm.entropy_coef and t.tensor_parallel > 1:
+            raise ValueError("algorithm.entropy_coef > 0 needs train.tensor_parallel=1 (the entropy bonus is not "
+                             "computed under tensor parallelism); set one of them back")
         if any(k < 1 or k > self.eval.n_samples_per_prompt for k in self.eval.pass_k):
             raise ValueError(f"eval.pass_k={self.eval.pass_k}: every k must be in 1..eval.n_samples_per_prompt")
         if self.storage.root.startswith("s3://") and self.tracking.enabled:
@@ -214,10 +247,6 @@ class GrpoConfig(Section):
     @property
     def samples_per_rollout(self) -> int:
         return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
-
-    @property
-    def num_chunks(self) -> int:
-        return -(-self.train.num_rollout // self.checkpoint.interval)
 
     def chunk_bounds(self) -> list[tuple[int, int]]:
         """[start, end) rollout ids of each chunk."""

@@ -44,3 +44,26 @@ def ray_session(tmp_path_factory):
              object_store_memory=256 * 2**20, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+# ---- markers: `pytest -m "not slow"` is the inner loop (< 3 min on 2 cores) ------------------------
+# Modules whose tests build megatron trainers, run the pipeline or start servers: minutes, not seconds.
+SLOW_MODULES = {
+    "test_learning", "test_resume", "test_pipeline", "test_deployments", "test_s3", "test_parallel",
+    "test_tracking", "test_sglang", "test_bench_smoke", "test_custom_rollout_run", "test_convert",
+    "test_model_families",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & {"prefect_harness", "reference_run"}:
+            item.add_marker(pytest.mark.prefect)
+        if "ray_session" in fixtures:
+            item.add_marker(pytest.mark.ray)
+        if any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)
+        if item.module.__name__.rpartition(".")[2] in SLOW_MODULES or item.get_closest_marker("prefect") \
+                or item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.slow)

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from runtime.algo import (
+    KL_KINDS,
+    LOSS_AGGS,
     aggregate,
     entropy_from_logits,
     fill_batch,
@@ -16,6 +18,7 @@ from runtime.algo import (
     masked_mean,
     policy_loss,
 )
+from runtime.config import AlgorithmSection
 from runtime.errors import ConfigError
 
 f64 = torch.float64
@@ -205,10 +208,13 @@ def random_batch(seed, batch=6, length=7):
     )
 
 
+def algo(**kw) -> AlgorithmSection:
+    return AlgorithmSection(**{"eps_clip": 0.2, "eps_clip_high": 0.28, **kw})
+
+
 def test_grpo_loss_composes_pg_kl_and_entropy_terms():
     b = random_batch(1)
-    kw = dict(eps_clip=0.2, eps_clip_high=0.28, loss_agg="token_mean")
-    loss, m = grpo_loss(**b, kl_coef=0.1, kl_type="k2", entropy_coef=0.01, **kw)
+    loss, m = grpo_loss(**b, algorithm=algo(kl_coef=0.1, kl_type="k2", entropy_coef=0.01))
     pg, _ = policy_loss(b["logp"], b["old_logp"], b["advantages"], b["mask"], 0.2, 0.28)
     kl = masked_mean(0.5 * (b["logp"] - b["ref_logp"]) ** 2, b["mask"])
     ent = masked_mean(b["entropy"], b["mask"])
@@ -220,13 +226,19 @@ def test_grpo_loss_composes_pg_kl_and_entropy_terms():
     assert not any(v.requires_grad for v in m.values())
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean"])
-def test_micro_batches_with_global_normalizer_sum_to_full_batch(loss_agg):
-    b = random_batch(2)
-    kw = dict(eps_clip=0.2, eps_clip_high=0.28, loss_agg=loss_agg, kl_coef=0.05, entropy_coef=0.01, tis_cap=1.5)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("loss_agg", LOSS_AGGS)
+def test_micro_batches_with_global_normalizer_sum_to_full_batch(loss_agg, dtype):
+    # every option on: dual clip, the k3 clamp, TIS, a tight log-ratio clamp; and a stale token far out
+    b = {k: v.to(dtype) for k, v in random_batch(2).items()}
+    b["logp"][1, 2] += 8.0  # beyond logratio_clamp: ratio e^5, gradient 0
+    b["advantages"] = b["advantages"] - b["advantages"].mean()
+    a = algo(loss_agg=loss_agg, kl_coef=0.05, kl_type="k3", kl_clamp=0.02, entropy_coef=0.01, use_tis=True,
+             tis_cap=1.5, dual_clip_c=1.5, logratio_clamp=5.0, loss_norm_tokens=9)
+    tol = dict(rtol=0, atol=1e-13) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
 
     full_logp = b["logp"].clone().requires_grad_()
-    full_loss, full_metrics = grpo_loss(**{**b, "logp": full_logp}, **kw)
+    full_loss, full_metrics = grpo_loss(**{**b, "logp": full_logp}, algorithm=a)
     full_loss.backward()
 
     normalizer = b["mask"].sum().item() if loss_agg == "token_mean" else float(b["mask"].shape[0])
@@ -235,18 +247,20 @@ def test_micro_batches_with_global_normalizer_sum_to_full_batch(loss_agg):
     for rows in (slice(0, 2), slice(2, 6)):
         part = {k: v[rows] for k, v in b.items()}
         part["logp"] = micro_logp[rows]
-        loss, metrics = grpo_loss(**part, normalizer=normalizer, **kw)
+        loss, metrics = grpo_loss(**part, algorithm=a, normalizer=normalizer)
         loss.backward()  # gradients accumulate as in the trainer
         total_loss = total_loss + loss.detach()
         for k, v in metrics.items():
             total_metrics[k] = total_metrics.get(k, 0.0) + v
 
-    torch.testing.assert_close(total_loss, full_loss.detach(), rtol=0, atol=1e-13)
-    torch.testing.assert_close(micro_logp.grad, full_logp.grad, rtol=0, atol=1e-13)
+    assert full_metrics["dual_clip_frac"] > 0 and full_metrics["tis_clip_frac"] > 0  # the options are exercised
+    torch.testing.assert_close(total_loss, full_loss.detach(), **tol)
+    torch.testing.assert_close(micro_logp.grad, full_logp.grad, **tol)
+    assert full_logp.grad[1, 2] == 0  # clamped log-ratio
     for k in full_metrics:
-        torch.testing.assert_close(total_metrics[k], full_metrics[k], rtol=0, atol=1e-13)
+        torch.testing.assert_close(total_metrics[k], full_metrics[k], **tol)
     # without the global normalizer each micro-batch normalises itself and the sum is wrong
-    wrong = sum(grpo_loss(**{k: v[r] for k, v in b.items()}, **kw)[0] for r in (slice(0, 2), slice(2, 6)))
+    wrong = sum(grpo_loss(**{k: v[r] for k, v in b.items()}, algorithm=a)[0] for r in (slice(0, 2), slice(2, 6)))
     assert abs(wrong.item() - full_loss.item()) > 1e-3
 
 
@@ -309,3 +323,149 @@ def test_step_slices_group_samples_of_like_length():
             assert [lengths[i] for i in flat] == sorted((lengths[i] for i in flat), reverse=True)
         assert padding(by_len) < 0.5 * padding(plain)
     assert step_slices(8, 1, 1, 0, 4) == [[[0, 1, 2, 3], [4, 5, 6, 7]]]
+
+
+# ---------------------------------------------------------------- finiteness, masking and the peers' options
+
+BOTH_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+
+
+def token_loss(log_ratio, advantage, dtype, **kw):
+    """Loss and d loss / d logp of one token with the given log-ratio (old_logp = 0)."""
+    logp = torch.tensor([[float(log_ratio)]], dtype=dtype, requires_grad=True)
+    loss, metrics = policy_loss(logp, torch.zeros(1, 1, dtype=dtype), torch.tensor([float(advantage)], dtype=dtype),
+                                torch.ones(1, 1), kw.pop("eps_clip", 0.2), **kw)
+    loss.backward()
+    return loss.item(), logp.grad.item(), metrics
+
+
+@BOTH_DTYPES
+@pytest.mark.parametrize("log_ratio", [100.0, -100.0, 1e4, -1e4, -math.inf])
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_extreme_log_ratios_give_a_finite_loss_and_gradient(log_ratio, advantage, dtype):
+    loss, grad, metrics = token_loss(log_ratio, advantage, dtype)
+    clamped_ratio = torch.exp(torch.tensor(math.copysign(20.0, log_ratio), dtype=dtype)).item()
+    # A > 0 takes the clipped branch above 1+eps (-1.2) and the ratio below; A < 0 the reverse
+    bound = {True: -torch.tensor(1.2, dtype=dtype).item(), False: torch.tensor(0.8, dtype=dtype).item()}
+    expected = {(1.0, True): bound[True], (1.0, False): -clamped_ratio, (-1.0, True): clamped_ratio,
+                (-1.0, False): bound[False]}
+    assert loss == expected[(advantage, log_ratio > 0)]  # exact, in the loss's own dtype
+    assert grad == 0.0  # clamped or clipped: no gradient, never NaN
+    assert all(math.isfinite(v.item()) for v in metrics.values())
+
+
+@BOTH_DTYPES
+def test_logratio_clamp_is_configurable_and_stops_the_gradient_only_beyond_it(dtype):
+    e = torch.exp(torch.tensor(1.0, dtype=dtype)).item()
+    loss, grad, _ = token_loss(2.0, -1.0, dtype, logratio_clamp=1.0)
+    assert loss == e and grad == 0.0
+    loss, grad, _ = token_loss(0.5, -1.0, dtype, logratio_clamp=1.0)  # inside: -A·ratio and its gradient
+    r = torch.exp(torch.tensor(0.5, dtype=dtype)).item()
+    assert loss == r and grad == r
+
+
+@BOTH_DTYPES
+def test_dual_clip_caps_negative_advantage_losses(dtype):
+    ln = math.log
+    loss, grad, m = token_loss(ln(5.0), -2.0, dtype, dual_clip_c=3.0)  # -A·ratio = 10 > -A·c = 6
+    assert loss == 6.0 and grad == 0.0 and m["dual_clip_frac"].item() == 1.0
+    loss, grad, m = token_loss(ln(2.0), -2.0, dtype, dual_clip_c=3.0)  # 4 < 6: the PPO loss and its gradient
+    assert loss == pytest.approx(4.0, rel=1e-6) and grad == pytest.approx(4.0, rel=1e-6)
+    assert m["dual_clip_frac"].item() == 0.0
+    loss, _, m = token_loss(ln(5.0), 2.0, dtype, dual_clip_c=3.0)  # positive advantages are untouched
+    assert loss == pytest.approx(-2.4, rel=1e-6) and m["dual_clip_frac"].item() == 0.0
+    loss, _, _ = token_loss(ln(5.0), -2.0, dtype)  # off by default: the pessimistic unclipped loss
+    assert loss == pytest.approx(10.0, rel=1e-6)
+    with pytest.raises(ValueError, match="dual_clip_c must be > 1"):
+        token_loss(0.0, -1.0, dtype, dual_clip_c=1.0)
+
+
+@BOTH_DTYPES
+def test_kl_clamp_caps_k3_and_its_gradient(dtype):
+    logp = torch.zeros(2, dtype=dtype, requires_grad=True)
+    ref = torch.tensor([5.0, 1.0], dtype=dtype)
+    k3 = kl_penalty(logp, ref, "k3", kl_clamp=10.0)
+    e = torch.exp(torch.tensor(1.0, dtype=dtype))
+    torch.testing.assert_close(k3, torch.stack([torch.tensor(10.0, dtype=dtype), e - 2]), rtol=0, atol=0)
+    k3.sum().backward()
+    # d/dlogp [exp(r - l) - (r - l) - 1] = 1 - exp(r - l); 0 where the cap holds
+    torch.testing.assert_close(logp.grad, torch.stack([torch.tensor(0.0, dtype=dtype), 1 - e]), rtol=0, atol=0)
+    assert kl_penalty(logp, ref, "k3")[0].item() == pytest.approx(math.exp(5) - 6, rel=1e-6)  # off by default
+    with pytest.raises(ConfigError, match="algorithm.kl_clamp caps the k3 estimator only"):
+        kl_penalty(logp, ref, "k1", kl_clamp=10.0)
+
+
+@BOTH_DTYPES
+@pytest.mark.parametrize("kind", KL_KINDS)
+def test_kl_estimators_finite_for_extreme_inputs(kind, dtype):
+    logp = torch.tensor([-1e4, 1e4, -math.inf, 0.0], dtype=dtype, requires_grad=True)
+    ref = torch.tensor([1e4, -1e4, 0.0, -math.inf], dtype=dtype)
+    kl = kl_penalty(logp, ref, kind)
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(logp.grad).all()
+
+
+def test_token_sum_aggregations_exact():
+    # sequence 0: one token of value 3; sequence 1: three tokens of value 1; padding holds junk
+    values = t([[3.0, math.nan, math.inf], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    assert aggregate(values, mask, "seq_mean_token_sum").item() == (3 + 3) / 2
+    assert aggregate(values, mask, "seq_mean_token_sum_norm", norm_tokens=4).item() == (3 + 3) / (2 * 4)
+    # with a global normalizer (sequences of the whole step) the division is by it
+    assert aggregate(values, mask, "seq_mean_token_sum", normalizer=6.0).item() == 1.0
+    assert aggregate(values, mask, "seq_mean_token_sum_norm", normalizer=6.0, norm_tokens=4).item() == 0.25
+    with pytest.raises(ValueError, match="norm_tokens"):
+        aggregate(values, mask, "seq_mean_token_sum_norm")
+    # through the loss: ratio 1, per-token loss -A
+    a = algo(loss_agg="seq_mean_token_sum_norm", loss_norm_tokens=4)
+    zeros = torch.zeros(2, 3, dtype=f64)
+    loss, _ = grpo_loss(zeros, zeros, -torch.nan_to_num(values, nan=0.0, posinf=0.0), mask, a)
+    assert loss.item() == 0.75
+
+
+@BOTH_DTYPES
+@pytest.mark.parametrize("loss_agg", LOSS_AGGS)
+def test_nan_and_inf_at_masked_positions_poison_nothing(loss_agg, dtype):
+    clean = {k: v.to(dtype) for k, v in random_batch(3).items()}
+    clean["advantages"] = clean["advantages"][:, None].expand(-1, 7).clone()  # per token, so junk fits
+    masked_out = clean["mask"] == 0
+    dirty = {k: v.clone() for k, v in clean.items()}
+    junk = torch.tensor([math.nan, math.inf, -math.inf], dtype=dtype).repeat(20)[: int(masked_out.sum())]
+    for k in ("logp", "old_logp", "ref_logp", "rollout_logp", "entropy", "advantages"):
+        dirty[k][masked_out] = junk
+    a = algo(loss_agg=loss_agg, kl_coef=0.1, entropy_coef=0.01, use_tis=True, dual_clip_c=3.0, kl_clamp=10.0,
+             loss_norm_tokens=7)
+
+    def run(batch):
+        logp = batch["logp"].clone().requires_grad_()
+        entropy = batch["entropy"].clone().requires_grad_()
+        loss, metrics = grpo_loss(**{**batch, "logp": logp, "entropy": entropy}, algorithm=a)
+        loss.backward()
+        return loss, metrics, logp.grad, entropy.grad
+
+    loss_c, m_c, g_c, e_c = run(clean)
+    loss_d, m_d, g_d, e_d = run(dirty)
+    assert torch.isfinite(loss_d) and torch.isfinite(g_d).all() and torch.isfinite(e_d).all()
+    assert loss_d.item() == loss_c.item()
+    assert torch.equal(g_d, g_c) and torch.equal(e_d, e_c) and (g_d[masked_out] == 0).all()
+    assert {k: v.item() for k, v in m_d.items()} == {k: v.item() for k, v in m_c.items()}
+
+
+def test_algorithm_options_validate_with_one_line_errors():
+    from pydantic import ValidationError
+
+    assert AlgorithmSection().logratio_clamp == 20.0 and AlgorithmSection().dual_clip_c is None
+    for bad, match in [({"dual_clip_c": 1.0}, "must be > 1"), ({"kl_clamp": 10.0, "kl_type": "k2"}, "k3 estimator only"),
+                       ({"logratio_clamp": 0.0}, "greater than 0"), ({"loss_agg": "sum"}, "seq_mean_token_sum_norm")]:
+        with pytest.raises(ValidationError, match=match):
+            AlgorithmSection(**bad)
+
+
+def test_dr_grpo_constant_defaults_to_max_new_tokens():
+    from runtime.config import load_config
+
+    cfg = load_config("configs/tiny.yaml", ["algorithm.loss_agg=seq_mean_token_sum_norm", "rollout.max_new_tokens=7"])
+    assert cfg.algorithm.loss_norm_tokens == 7
+    cfg = load_config("configs/tiny.yaml", ["algorithm.loss_agg=seq_mean_token_sum_norm", "algorithm.loss_norm_tokens=64"])
+    assert cfg.algorithm.loss_norm_tokens == 64
+    assert load_config("configs/tiny.yaml", []).algorithm.loss_norm_tokens is None  # unused: left unset

@@ -118,6 +118,10 @@ def test_evaluate_keys_counts_and_correctness_ignore_training_reward():
     assert res["pass@1"] == pytest.approx(res["avg@3"])
     assert res["truncated_frac"] == pytest.approx(1 / 3)
     assert res["score_failures"] == 0
+    # the rule and the math-verify version that scored them travel with the numbers
+    from importlib.metadata import version
+
+    assert res["grader"] == {"grader": "math", "rule_version": "math-2", "math_verify_version": version("math-verify")}
     assert [d["n_correct"] for d in res["details"]] == [3, 1, 3, 1, 3]
     assert res["details"][1]["correct"] == [True, False, False]
     # the loggable view drops the details; a JSON round trip keeps everything

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import statistics
 
-import pytest
 
 from runtime.run import stages
 from runtime.config import load_config

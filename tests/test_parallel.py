@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.placement.cluster import Cluster, LocalGroup
+from runtime.placement.cluster import Cluster
+from runtime.placement.groups import LocalGroup
+from runtime.placement.handles import EngineHandle
 from runtime.config import GrpoConfig
 from runtime.trainer.batch import TrainBatch
 
@@ -42,8 +44,9 @@ def _run(tiny_checkpoint, dp: int, tp: int) -> dict:
     })
     cluster = Cluster(cfg).start()
     try:
-        group = cluster.trainer_group(hf_dir=hf, init_checkpoint=td, train=cfg.train.model_dump(),
-                                      algorithm=cfg.algorithm.model_dump(), temperature=1.0)
+        trainer = cluster.trainer(hf_dir=hf, init_checkpoint=td, train=cfg.train.model_dump(),
+                                  algorithm=cfg.algorithm.model_dump(), temperature=1.0)
+        group = trainer.group  # per-rank results: every rank's metrics and gradients are compared
         from runtime.models import load_hf_config
         batch = recorded_batch(load_hf_config(hf).vocab_size)
         metrics = group.call("train", batch)
@@ -111,8 +114,9 @@ def test_local_backend_tp2_processes_and_broadcast_weight_sync(tiny_checkpoint, 
         "algorithm": {"kl_coef": 0.0, "use_tis": True}})
     cluster = Cluster(cfg)
     assert cluster.trainer_in_subprocesses and cluster.weight_sync == "broadcast"
-    group = cluster.trainer_group(hf_dir=hf, init_checkpoint=td, train=cfg.train.model_dump(),
-                                  algorithm=cfg.algorithm.model_dump(), temperature=1.0)
+    trainer = cluster.trainer(hf_dir=hf, init_checkpoint=td, train=cfg.train.model_dump(),
+                              algorithm=cfg.algorithm.model_dump(), temperature=1.0)
+    group = trainer.group
     try:
         assert isinstance(group, SubprocessGroup) and len(set(group.call("pid"))) == 2
         from runtime.models import load_hf_config
@@ -123,11 +127,12 @@ def test_local_backend_tp2_processes_and_broadcast_weight_sync(tiny_checkpoint, 
                 assert abs(m[key] - ref[key]) <= 1e-5 * max(abs(ref[key]), 1e-3), (key, m[key], ref[key])
 
         engine = BuiltinEngine(hf)
-        sync = TrainerToEngine(group, LocalGroup([engine]), "broadcast", tensors_on_cpu=True, group_name="t_bcast")
+        sync = TrainerToEngine(trainer, EngineHandle(LocalGroup([engine])), "broadcast", tensors_on_cpu=True,
+                               group_name="t_bcast")
         assert [n for n, _, _ in sync.metadata] == list(one_rank["weights"])
         before = {k: v.clone() for k, v in engine.model.state_dict().items()}
         sync.push(version=7)
-        expected = group.call("hf_weights")[0]
+        expected = trainer.hf_weights()
         state = engine.model.state_dict()
         assert engine.weight_version == 7
         assert all(torch.equal(state[k], v) for k, v in expected.items())
@@ -137,7 +142,7 @@ def test_local_backend_tp2_processes_and_broadcast_weight_sync(tiny_checkpoint, 
         p = batch.prompt_lens[0]
         engine_lp = engine.logprobs_of(sample[:p], sample[p:])
         one = TrainBatch([sample], [p], [0.0], [[1] * (len(sample) - p)], [[0.0] * (len(sample) - p)])
-        trainer_lp = group.call("compute_logprobs", one)[0][0]
+        trainer_lp = trainer.compute_logprobs(one)[0]
         assert max(abs(a - b) for a, b in zip(engine_lp, trainer_lp)) <= 1e-4
     finally:
         group.kill()

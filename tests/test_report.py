@@ -38,8 +38,8 @@ def test_series_on_the_page_equal_mlflow(report):
     series = series_of_page(report["page"])
     # what the pictures draw: reward, evals, kl, entropy, lengths, truncation, each part of a rollout's time
     for key in ("reward_mean", "reward_std", "eval/copy/avg_at_4", "eval/copy/pass_at_1", "eval/copy/pass_at_4",
-                "kl", "entropy", "response_len_mean", "response_len_max", "truncated_frac", "generate_s",
-                "reward_s", "train_time_s", "weight_sync_s", "checkpoint_s", "eval/copy/eval_time_s"):
+                "kl", "entropy", "response_len_mean", "response_len_max", "truncated_frac", "generate_time_s",
+                "reward_time_s", "train_time_s", "weight_sync_s", "checkpoint_s", "eval/copy/eval_time_s"):
         assert key in series, key
     for key, s in series.items():
         history = sorted(client.get_metric_history(mlflow_run, key), key=lambda m: m.step)

@@ -236,6 +236,12 @@ def test_registration_is_idempotent_and_aliases_move_right(root, capsys):
     assert v2.source == infos[1]["export_uri"] and v2.run_id == tracker.run_id
     assert v2.tags["grpoflow.checkpoint"] == "reg-1/rollout_4" and v2.tags["grpoflow.config_hash"] == "abc123"
     assert float(v2.tags["grpoflow.metric.eval/arith/avg_at_4"]) == 0.5  # first registration's metrics stay
+    # the rule that scored those metrics (evaluation's grader) is on the version
+    from importlib.metadata import version
+
+    assert {k: v for k, v in v2.tags.items() if k.startswith("grpoflow.grader.")} == {
+        "grpoflow.grader.grader": "math", "grpoflow.grader.rule_version": "math-2",
+        "grpoflow.grader.math_verify_version": version("math-verify")}
 
     # the CLI views
     capsys.readouterr()

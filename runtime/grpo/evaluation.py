@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from runtime import storage
-from runtime.rollout.base import SampleRequest, SampleResult, SamplingParams
+from runtime.rollout.base import SampleRequest, SampleResult, SamplingParams, keyed_requests, sample_key
 from runtime.run.directory import RunDir
 
 EngineGenerate = Callable[[list[SampleRequest], SamplingParams], list[SampleResult]]
@@ -72,9 +72,14 @@ def eval_metrics(correct: Sequence[Sequence[bool]], lengths: Sequence[Sequence[i
     return out
 
 
+def eval_slot(eval_point: int) -> int:
+    """The key slot of an evaluation: negative, so eval samples never share a training rollout's noise."""
+    return -(1 + int(eval_point))
+
+
 def eval_key(seed: int, eval_point: int, prompt_index: int, sample_index: int) -> tuple[int, int, int, int]:
-    """The randomness key of one eval sample; the rollout slot is negative, training's never is."""
-    return (int(seed), -(1 + int(eval_point)), int(prompt_index), int(sample_index))
+    """The randomness key of one eval sample."""
+    return sample_key(seed, eval_slot(eval_point), prompt_index, sample_index)
 
 
 def _score(texts: list[str], labels: list[str], timeout_s: float | None) -> tuple[list[bool], int]:
@@ -86,6 +91,12 @@ def _score(texts: list[str], labels: list[str], timeout_s: float | None) -> tupl
     return [s >= 0.5 for s in scores], failed
 
 
+def _grader() -> dict[str, str | None]:
+    from runtime.rewards import grader_record
+
+    return grader_record("math")
+
+
 def evaluate(engine_generate: EngineGenerate, tokenizer, rows: list[dict], *, n_samples: int,
              sampling: SamplingParams, seed: int, eval_point: int, ks: Sequence[int] = (1,),
              max_prompts: int | None = None, batch_prompts: int | None = None,
@@ -93,7 +104,8 @@ def evaluate(engine_generate: EngineGenerate, tokenizer, rows: list[dict], *, n_
     """Evaluate the policy behind ``engine_generate`` on prepared rows (``prompt``, ``label``).
 
     Returns the metrics of :func:`eval_metrics` plus ``score_failures`` (answers whose check raised
-    or timed out: counted wrong) and ``eval_time_s``; with ``details=True`` also ``details``: per
+    or timed out: counted wrong), ``grader`` (``runtime.rewards.grader_record``: the rule and
+    math-verify version that scored them) and ``eval_time_s``; with ``details=True`` also ``details``: per
     prompt its label, the number correct and the first response. ``max_prompts`` keeps the first rows;
     ``batch_prompts`` bounds how many prompts go to the engine per call (results do not depend on
     it: every sample's noise is keyed). ``reward_timeout_s=None`` checks answers inline.
@@ -109,10 +121,9 @@ def evaluate(engine_generate: EngineGenerate, tokenizer, rows: list[dict], *, n_
     step = batch_prompts or len(rows)
     results: list[SampleResult] = []
     for start in range(0, len(rows), step):
-        reqs = []
-        for i, row in enumerate(rows[start:start + step], start=start):
-            ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-            reqs += [SampleRequest(prompt_ids=list(ids), key=eval_key(seed, eval_point, i, j)) for j in range(n_samples)]
+        ids = [tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] for row in rows[start:start + step]]
+        reqs = [q for group in keyed_requests(ids, seed=seed, slot=eval_slot(eval_point), n=n_samples,
+                                              first_prompt=start) for q in group]
         out = engine_generate(reqs, sampling)
         if len(out) != len(reqs):
             raise RuntimeError(f"evaluate: the engine returned {len(out)} results for {len(reqs)} requests")
@@ -129,6 +140,7 @@ def evaluate(engine_generate: EngineGenerate, tokenizer, rows: list[dict], *, n_
         correct, grouped([len(r.response_ids) for r in results]),
         grouped([r.finish_reason == "length" for r in results]), ks)
     metrics["score_failures"] = failed
+    metrics["grader"] = _grader()  # which rule scored these numbers (kept in eval/rollout_<N>.json)
     metrics["eval_time_s"] = time.time() - t0
     if details:
         metrics["details"] = [

@@ -15,7 +15,6 @@ import fnmatch
 import io
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -90,25 +89,17 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def _publish_dir(build, dest_dir: str) -> None:
-    """Run ``build(scratch_dir)`` and make the result appear at ``dest_dir`` all at once.
-
-    Locally: a scratch dir beside ``dest_dir``, renamed into place (storage.atomic_dir). On an object
-    store a directory cannot be renamed: the files are uploaded with config.json last, so a reader
-    that finds config.json finds a complete checkpoint.
-    """
-    if not storage.is_remote(dest_dir):
-        with storage.atomic_dir(dest_dir) as scratch:
+    """Run ``build(scratch_dir)`` and make the result appear at ``dest_dir`` all at once
+    (``storage.publish_dir``: renamed into place, or uploaded with config.json last)."""
+    try:  # bucket missing / access denied / unreachable: one-line StorageError from the upload
+        with storage.publish_dir(dest_dir, last=["config.json"]) as scratch:
             build(scratch)
-        return
-    with tempfile.TemporaryDirectory(prefix="grpoflow-fetch-") as tmp:
-        scratch = Path(tmp)
-        build(scratch)
-        try:  # bucket missing / access denied / unreachable: one-line StorageError from upload_dir
-            storage.upload_dir(scratch, dest_dir, last=["config.json"])
-        except PermissionError as err:
-            raise ModelError(f"{dest_dir}: access denied ({err}); check the storage credentials") from None
-        except OSError as err:
-            raise TransientError(f"{dest_dir}: upload failed ({err})") from err
+    except PermissionError as err:
+        raise ModelError(f"{dest_dir}: access denied ({err}); check the storage credentials") from None
+    except OSError as err:
+        if not storage.is_remote(dest_dir):
+            raise
+        raise TransientError(f"{dest_dir}: upload failed ({err})") from err
 
 
 def _verify_model_dir(path: Path, shown: str) -> list[str]:

@@ -1,7 +1,7 @@
 """Pure-PyTorch fusions for megatron-core's local layer spec on CUDA (no TransformerEngine, no apex).
 
 Why: without TE megatron runs RoPE, SwiGLU and the residual add as chains of eager kernels. An H100
-profile of one training step (issue 10: 128 x 768 tokens, Qwen3-0.6B shape, bf16) spent 7.8% of its
+profile of one training step (128 x 768 tokens, Qwen3-0.6B shape, bf16) spent 7.8% of its
 kernel time in ``CatArrayBatchedCopy`` alone (RoPE's ``_rotate_half`` cat and its final
 ``cat((t, t_pass))``, the unfused SwiGLU's backward), ~26% in small elementwise kernels and ~16% in
 copies (part of them the ``repeat_interleave`` of K/V for GQA in ``SdpaCoreAttention``). The switches:

@@ -1,7 +1,7 @@
 """Where the trainer ranks and the rollout engine live: in this process, or as Ray actors.
 
-Ray is the launcher, not the design: both backends hand back a `Group` whose `call(method, ...)`
-runs a method on every member and returns the results in rank order.
+Ray is the launcher, not the design: both backends hand back typed handles
+(runtime/placement/handles.py) over an actor group (runtime/placement/groups.py).
 """
 from __future__ import annotations
 
@@ -11,65 +11,11 @@ from typing import Any
 from runtime.placement import layout
 from runtime.config import GrpoConfig
 from runtime.errors import ConfigError
+from runtime.placement.groups import LocalGroup, RayGroup
+from runtime.rollout.base import RolloutEngine
+from runtime.placement.handles import EngineHandle, TrainerHandle
 from runtime.placement.ports import free_port
 from runtime.placement.subprocess_group import SubprocessGroup
-
-
-class _Done:
-    def __init__(self, results: list[Any]):
-        self._results = results
-
-    def get(self) -> list[Any]:
-        return self._results
-
-
-class LocalGroup:
-    """Members in this process: a call runs them one after another."""
-
-    def __init__(self, members: list[Any]):
-        self.members = members
-
-    def call(self, method: str, *args, **kwargs) -> list[Any]:
-        return [getattr(m, method)(*args, **kwargs) for m in self.members]
-
-    def submit(self, method: str, *args, **kwargs) -> _Done:
-        return _Done(self.call(method, *args, **kwargs))
-
-    def kill(self) -> None:
-        self.members = []
-
-
-class _RayPending:
-    def __init__(self, refs):
-        self._refs = refs
-
-    def get(self) -> list[Any]:
-        import ray
-        return ray.get(self._refs)
-
-
-class RayGroup:
-    def __init__(self, actors: list[Any]):
-        self.actors = actors
-
-    def submit(self, method: str, *args, **kwargs) -> _RayPending:
-        import ray
-        # Put large arguments once in the object store instead of once per actor.
-        args = tuple(ray.put(a) if len(self.actors) > 1 and not isinstance(a, (int, float, str, type(None))) else a
-                     for a in args)
-        return _RayPending([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
-
-    def call(self, method: str, *args, **kwargs) -> list[Any]:
-        return self.submit(method, *args, **kwargs).get()
-
-    def kill(self) -> None:
-        import ray
-        for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead is fine
-                pass
-        self.actors = []
 
 
 def resolve_device(cfg: GrpoConfig) -> str:
@@ -188,20 +134,21 @@ class Cluster:
     def _threads(self) -> int:
         return max(1, (os.cpu_count() or 1) // (layout.trainer_world_size(self.cfg) + (0 if self.cfg.cluster.colocate else 1)))
 
-    def trainer_group(self, in_subprocesses: bool | None = None, **trainer_kwargs) -> LocalGroup | RayGroup | SubprocessGroup:
-        """in_subprocesses (local backend): None decides by the layout; True forces one process per rank."""
+    def trainer(self, in_subprocesses: bool | None = None, **trainer_kwargs) -> TrainerHandle:
+        """The trainer ranks, built with `trainer_kwargs` (MegatronTrainer's). in_subprocesses (local
+        backend): None decides by the layout; True forces one process per rank."""
         from runtime.trainer.megatron_trainer import MegatronTrainer
         n = layout.trainer_world_size(self.cfg)
         common = dict(trainer_kwargs, world_size=n, device=self.device, dtype=self.dtype)
         own = self.trainer_in_subprocesses if in_subprocesses is None else (in_subprocesses or n > 1)
         if self.backend == "local" and not own:
-            return LocalGroup([MegatronTrainer(rank=0, master_port=free_port(), **common)])
+            return TrainerHandle(LocalGroup([MegatronTrainer(rank=0, master_port=free_port(), **common)]))
         port = free_port()
         if self.backend == "local":
-            return SubprocessGroup(
+            return TrainerHandle(SubprocessGroup(
                 "runtime.trainer.megatron_trainer:MegatronTrainer",
                 [dict(common, rank=r, master_port=port, num_threads=self._threads()) for r in range(n)],
-                [{"LOCAL_RANK": str(r)} for r in range(n)])
+                [{"LOCAL_RANK": str(r)} for r in range(n)]))
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         gpus = (0.5 if self._engine_shares_gpu else 1) if self.cfg.cluster.trainer_gpus else 0
@@ -210,18 +157,18 @@ class Cluster:
             placement_group=self._pg, placement_group_bundle_index=r)).remote(
                 rank=r, master_addr="127.0.0.1" if not self.cfg.cluster.address else _node_ip(),
                 master_port=port, num_threads=self._threads(), **common) for r in range(n)]
-        group = RayGroup(actors)
-        group.call("ping")  # surface construction errors here, not at the first rollout
-        return group
+        handle = TrainerHandle(RayGroup(actors))
+        handle.ping()  # surface construction errors here, not at the first rollout
+        return handle
 
-    def engine(self, model_dir: str) -> LocalGroup | RayGroup:
+    def engine(self, model_dir: str) -> EngineHandle:
         from runtime.rollout.factory import make_engine
         kwargs = dict(cfg=self.cfg, model_dir=model_dir, device=self.engine_device, dtype=self.dtype)
         if self.backend == "local":
             if self.engine_device.startswith("cuda:"):
                 import torch
                 torch.cuda.set_device(int(self.engine_device.split(":")[1]))  # CUDA graphs capture on it
-            return LocalGroup([make_engine(**kwargs)])
+            return EngineHandle(LocalGroup([make_engine(**kwargs)]))
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         shared = self._engine_shares_gpu
@@ -230,14 +177,13 @@ class Cluster:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=0 if shared else layout.trainer_world_size(self.cfg))).remote(
                     num_threads=self._threads(), **kwargs)
-        group = RayGroup([actor])
-        group.call("health")
-        return group
+        handle = EngineHandle(RayGroup([actor]))
+        handle.health()  # surface construction errors here
+        return handle
 
 
 class _EngineHost:
-    """A Ray actor holding one rollout engine; forwards the engine interface (`_ENGINE_METHODS`).
-    Ray calls only methods defined on the class, hence one forwarder per name rather than __getattr__."""
+    """A Ray actor holding one rollout engine; forwards the engine interface (`_ENGINE_METHODS`)."""
 
     def __init__(self, num_threads: int | None = None, **kwargs):
         import torch
@@ -250,8 +196,9 @@ class _EngineHost:
         return os.getpid()
 
 
-_ENGINE_METHODS = ("generate", "update_weights", "health", "logprobs_of", "release_memory", "weight_sync_ranks",
-                   "init_weight_sync", "receive_weights", "weight_sync_ready")
+# Ray calls only methods defined on the actor's class: one forwarder per method of the engine interface.
+_ENGINE_METHODS = tuple(name for name, member in vars(RolloutEngine).items()
+                        if callable(member) and not name.startswith("_"))
 
 
 def _forwarder(name: str):

@@ -12,10 +12,13 @@ sender broadcasts the tensors in that order, one collective per tensor.
 from __future__ import annotations
 
 import datetime
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from runtime.placement.handles import EngineHandle, TrainerHandle
 
 Metadata = list[tuple[str, torch.dtype, tuple[int, ...]]]
 
@@ -98,34 +101,33 @@ class TrainerToEngine:
     rank 0 and every engine rank join a group of their own and the tensors go over it.
     """
 
-    def __init__(self, trainer, engine, mode: str, tensors_on_cpu: bool, group_name: str):
+    def __init__(self, trainer: TrainerHandle, engine: EngineHandle, mode: str, tensors_on_cpu: bool, group_name: str):
         self.trainer, self.engine, self.mode, self.tensors_on_cpu = trainer, engine, mode, tensors_on_cpu
         self.metadata: Metadata = []
         self._group_name, self._joins = group_name, 0
         if mode == "broadcast":
             self._join()
-            self.metadata = trainer.call("weights_metadata")[0]
+            self.metadata = trainer.weights_metadata()
 
     def _join(self) -> None:
         # c10d keeps the names of groups already made: a re-join takes a fresh one
         name = self._group_name if not self._joins else f"{self._group_name}_{self._joins}"
         self._joins += 1
-        host, port = self.trainer.call("weight_sync_address")[0]
-        world = 1 + self.engine.call("weight_sync_ranks")[0]
-        pending = self.trainer.submit("init_weight_sync", host, port, world, name)
-        self.engine.call("init_weight_sync", host, port, 1, world, name)  # engine ranks from 1
-        pending.get()
+        host, port = self.trainer.weight_sync_address()
+        world = 1 + self.engine.weight_sync_ranks()
+        joining = self.trainer.init_weight_sync(host, port, world, name)
+        self.engine.init_weight_sync(host, port, 1, world, name)  # engine ranks from 1
+        joining.get()
 
     def push(self, version: int) -> None:
         if self.mode == "broadcast":
             # an engine restarted since the group formed is not in it (SGLang servers): form it again
-            if not all(self.engine.call("weight_sync_ready")):
+            if not self.engine.weight_sync_ready():
                 self._join()
-            pending = self.trainer.submit("broadcast_weights")  # runs while the engines receive
+            sending = self.trainer.broadcast_weights()  # runs while the engines receive
             try:
-                self.engine.call("receive_weights", self.metadata, version)
+                self.engine.receive_weights(self.metadata, version)
             finally:
-                pending.get()  # keeps the trainer's replies in step, also after an engine error
+                sending.get()  # keeps the trainer's replies in step, also after an engine error
         else:
-            weights = self.trainer.call("hf_weights", self.tensors_on_cpu)[0]
-            self.engine.call("update_weights", weights, version)
+            self.engine.update_weights(self.trainer.hf_weights(self.tensors_on_cpu), version)

@@ -1,9 +1,36 @@
-"""Rule-based rewards: fn(response, label, metadata=None) -> float, and bounded-time batch scoring."""
+"""Rule-based rewards: fn(response, label, metadata=None) -> float, and bounded-time batch scoring.
+
+The rule each built-in reward follows (its module says more; `catalog.grader_record` names the
+rule's version beside every score that is kept):
+
+`math` (and `is_correct`, which evaluation uses for avg@k / pass@k whatever reward trained):
+  format: none required. The final answer is, after the last `</think>`, the later of the last
+    \\boxed and the last `Answer:` line; without either, the last "answer is" sentence; without that,
+    a one-line response read whole. A multi-line response that states none of these scores 0.
+  truncation: an unclosed last box scores 0; no earlier box or number stands in for it. A `<think>`
+    left open is graded on the whole text, but its lone line is not read as an answer.
+  leniency: the answer's text is read as LaTeX, the way a box is (`Answer: 2^{10}` is 1024), after
+    `answers.clean_answer` drops `$` delimiters, `\\$`, `\\text{}`, unit words, degree and percent
+    signs (a percent sign is a unit: `300\\%` states 300), thousands separators (`1{,}000`,
+    `1\\,000`, `1,\\!000`) and a space-form box's punctuation (`\\boxed 7.`); math-verify decides
+    equality (1/2 = 0.5 = \\tfrac12, \\sqrt{50} = 5\\sqrt{2}, x = 3 states 3).
+
+`dapo` (+1 / -1):
+  format: only the last `Answer:` line within the last 300 characters counts.
+  truncation: an unclosed box on that line scores -1.
+  leniency: canonical strings (cleaned as above, as DAPO's reference drops `\\$` and unit words)
+    equal, or else math-verify equality as in `math`.
+
+`deepscaler` (1 / 0):
+  format: only the last box after `</think>` counts; `<think>` never closed scores 0.
+  truncation: an unclosed last box scores 0.
+  leniency: as `math`.
+"""
 
 from runtime.rewards.dapo import dapo_reward
 from runtime.rewards.deepscaler import deepscaler_reward
 from runtime.rewards.math_reward import is_correct, math_reward
-from runtime.rewards.catalog import BUILTIN_REWARDS, get_reward_fn
+from runtime.rewards.catalog import BUILTIN_REWARDS, get_reward_fn, grader_record
 from runtime.rewards.timeout import reward_fail_value, score_batch, shutdown_pool
 
 __all__ = [
@@ -11,6 +38,7 @@ __all__ = [
     "dapo_reward",
     "deepscaler_reward",
     "get_reward_fn",
+    "grader_record",
     "is_correct",
     "math_reward",
     "reward_fail_value",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import sys
 from collections.abc import Callable
 
 from runtime.errors import ConfigError
@@ -38,3 +40,22 @@ def get_reward_fn(name: str) -> RewardFn:
     if not callable(obj):
         raise ConfigError(f"rollout.reward: {name!r} is not a function ({_CHOICES})")
     return obj
+
+
+def grader_record(fn: RewardFn | str = "math") -> dict[str, str | None]:
+    """Which rule scored a number, to keep beside it: the reward's name, its `RULE_VERSION` (None for
+    a custom reward that declares none) and the math-verify version installed.
+
+    `fn` is a reward function or a name `get_reward_fn` accepts; evaluation is always `math`.
+    """
+    if isinstance(fn, str):
+        name, fn = fn, get_reward_fn(fn)
+    else:
+        builtin = [n for n, f in BUILTIN_REWARDS.items() if f is fn]
+        name = builtin[0] if builtin else f"{fn.__module__}:{fn.__qualname__}"
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
+    return {
+        "grader": name,
+        "rule_version": getattr(module, "RULE_VERSION", None),
+        "math_verify_version": importlib.metadata.version("math-verify"),
+    }

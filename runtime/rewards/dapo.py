@@ -1,55 +1,60 @@
-"""`dapo` reward, as DAPO trains: +1.0 if the last `Answer:` line in the final 300 characters
-matches the label, else -1.0.
+"""`dapo` reward, as DAPO trains: +1.0 if the last `Answer:` line in the final 300 characters states
+the label, else -1.0.
 
-The window keeps an answer stated early in a long rambling response from counting.
-Matching is normalised string equality, then math-verify equality as a fallback.
+Format: only an `Answer:` line counts (a box elsewhere does not), and only in the last WINDOW_CHARS
+characters, which keeps an answer stated early in a long rambling response from counting.
+Truncation: a box on that line left unclosed states nothing (-1).
+Leniency: the line's text is cleaned the way DAPO's reference normalises answers (`\\$`, unit words,
+`\\text{}`, thousands separators, degree and percent signs dropped); it matches when its canonical
+string equals the label's, or else when math-verify finds them equal (as the `math` reward does).
 """
 
 from __future__ import annotations
 
 import re
 
-from runtime.rewards.math_reward import answers_match, last_boxed, parse_boxed
+from runtime.rewards.answers import ANSWER_LINE, box_contents, clean_answer
+from runtime.rewards.math_reward import answer_equals_label
 
 FAIL_VALUE = -1.0
+RULE_VERSION = "dapo-2"
 WINDOW_CHARS = 300
 
-_ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)
-_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
-_THOUSANDS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
-_DROPPED = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "^{\\circ}", "^\\circ", "\\%", "%", "$")
+_LINE = re.compile(ANSWER_LINE.pattern + r"\s*([^\n]+)", re.IGNORECASE)
+_SPACING = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ")
 
 
 def normalize_answer(answer: str) -> str:
-    """Canonical string form of a short answer: no `$`, \\boxed, \\text wrappers, spacing macros,
-    degree and percent signs, whitespace, trailing period, or thousands separators."""
+    """Canonical string form of a short answer: `answers.clean_answer`, the box's content, without
+    spacing macros or whitespace, with \\dfrac and \\tfrac as \\frac."""
     s = answer.strip()
-    boxed = last_boxed(s)
-    if boxed is not None:
-        s = boxed
-    s = _WRAPPERS.sub(r"\1", s)
-    for token in _DROPPED:
+    found = box_contents(s)
+    if found is not None and found[1] is not None:
+        s = found[1]
+    s = clean_answer(s)
+    for token in _SPACING:
         s = s.replace(token, "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = "".join(s.split()).rstrip(".")
-    if _THOUSANDS.match(s):
-        s = s.replace(",", "")
-    return s
+    return "".join(s.split())
 
 
 def dapo_answer(response: str) -> str | None:
-    """The normalised answer on the last `Answer:` line of the last WINDOW_CHARS characters."""
-    matches = _ANSWER_LINE.findall(response[-WINDOW_CHARS:])
+    """The text of the last `Answer:` line of the last WINDOW_CHARS characters; None without one
+    or when a box on it is unclosed."""
+    matches = _LINE.findall(response[-WINDOW_CHARS:])
     if not matches:
         return None
-    return normalize_answer(matches[-1])
+    text = matches[-1].strip()
+    found = box_contents(text)
+    if found is not None:
+        return found[1]
+    return text
 
 
 def dapo_reward(response: str, label: str, metadata: dict | None = None) -> float:
-    predicted = dapo_answer(response)
-    if not predicted:
+    answer = dapo_answer(response)
+    if answer is None or not normalize_answer(answer):
         return -1.0
-    gold = normalize_answer(str(label))
-    if predicted == gold or answers_match(parse_boxed(gold), parse_boxed(predicted)):
+    if normalize_answer(answer) == normalize_answer(str(label)) or answer_equals_label(answer, str(label)):
         return 1.0
     return -1.0

@@ -47,7 +47,11 @@ def reward_fail_value(fn: Callable) -> float:
 def _worker_main(conn) -> None:
     # Ctrl-C reaches the whole process group; the parent decides what to do about it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import runtime.rewards.math_reward  # noqa: F401  (pay the sympy import before the first deadline)
+    # pay the sympy import before the first deadline; math-verify's own alarms are a second bound
+    # here (a slow parse gives a wrong answer instead of a killed worker), under the item deadline
+    from runtime.rewards.math_reward import MATH_VERIFY_TIMEOUT_S, set_math_verify_timeout
+
+    set_math_verify_timeout(MATH_VERIFY_TIMEOUT_S)
 
     conn.send(("ready", None))
     loaded: dict[bytes, Callable] = {}

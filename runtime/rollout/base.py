@@ -66,6 +66,20 @@ class SampleRequest:
         self.key = key
 
 
+def sample_key(seed: int, slot: int, prompt_index: int, sample_index: int) -> tuple[int, int, int, int]:
+    """The key that fixes one sample's randomness. `slot` is the rollout id (>= 0) for training and a
+    negative number for an evaluation (runtime/grpo/evaluation.py:eval_slot), so they never collide."""
+    return (int(seed), int(slot), int(prompt_index), int(sample_index))
+
+
+def keyed_requests(prompts_ids: list[list[int]], *, seed: int, slot: int, n: int,
+                   first_prompt: int = 0) -> list[list[SampleRequest]]:
+    """n requests per prompt, prompt i (counted from `first_prompt`) keyed (seed, slot, i, j): the one
+    place training, evaluation and custom rollouts get their keys from."""
+    return [[SampleRequest(prompt_ids=list(ids), key=sample_key(seed, slot, first_prompt + i, j)) for j in range(n)]
+            for i, ids in enumerate(prompts_ids)]
+
+
 @dataclass
 class SampleResult:
     """A generated response.
@@ -90,13 +104,35 @@ class SampleResult:
 
 
 class RolloutEngine(abc.ABC):
-    """A policy copy that generates samples and receives weights from the trainer."""
+    """A policy copy that generates samples and receives weights from the trainer: the whole surface
+    the loop reaches through `runtime.placement.handles.EngineHandle`."""
 
+    # -- generation ----------------------------------------------------------------------------
     @abc.abstractmethod
     def generate(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
         """One result per request, in the same order. Each result depends only on its request's
         prompt, key, the sampling params and the weights - never on the other requests."""
 
+    @abc.abstractmethod
+    def logprobs_of(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """Teacher-forced log-probs of response_ids after prompt_ids, as `generate` reports them."""
+
+    @abc.abstractmethod
+    def health(self) -> dict:
+        """A JSON-able dict; at least {"ok": bool, "weight_version": int}."""
+
+    def release_memory(self) -> None:
+        """Give back the memory generation needs (KV cache) while the trainer trains; weights stay.
+        Engines that hold nothing worth releasing keep this no-op."""
+
+    def resume_memory(self) -> None:
+        """Take back what `release_memory` gave (generate also does it when needed)."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release the model and its memory; the engine is unusable afterwards. Safe to call twice."""
+
+    # -- weights from the trainer --------------------------------------------------------------
     @abc.abstractmethod
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Copy tensors named as in the HF checkpoint into the engine; then weight_version == version."""
@@ -107,9 +143,17 @@ class RolloutEngine(abc.ABC):
         """The version given to the last update_weights (0 = the weights it was loaded with)."""
 
     @abc.abstractmethod
-    def health(self) -> dict:
-        """A JSON-able dict; at least {"ok": bool, "weight_version": int}."""
+    def weight_sync_ranks(self) -> int:
+        """How many ranks this engine takes in a weight-sync group (runtime/placement/weight_sync.py)."""
 
     @abc.abstractmethod
-    def shutdown(self) -> None:
-        """Release the model and its memory; the engine is unusable afterwards. Safe to call twice."""
+    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, group_name: str) -> None:
+        """Join the group hosted at host:port as ranks rank_offset...; returns once the group is formed."""
+
+    @abc.abstractmethod
+    def weight_sync_ready(self) -> bool:
+        """Whether receive_weights can run now (false after a restart: join again first)."""
+
+    @abc.abstractmethod
+    def receive_weights(self, metadata: list, version: int) -> None:
+        """Receive trainer rank 0's broadcast of `metadata`'s tensors; then weight_version == version."""

@@ -26,7 +26,7 @@ from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, 
 
 _ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
-log = logging.getLogger("grpoflow.rollout")
+log = logging.getLogger(__name__)
 
 
 def _as_id_set(value) -> set[int]:
@@ -142,12 +142,12 @@ class BuiltinEngine(RolloutEngine):
     def weight_sync_ranks(self) -> int:
         return 1
 
-    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, group_name: str) -> None:
+    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, group_name: str) -> None:
         from runtime.placement import weight_sync
         self._check_open()
         if getattr(self, "_sync_group", None) is not None:
             weight_sync.destroy_group(self._sync_group)
-        self._sync_group = weight_sync.init_group(host, port, rank, world_size, group_name=group_name,
+        self._sync_group = weight_sync.init_group(host, port, rank_offset, world_size, group_name=group_name,
                                                   backend=weight_sync.backend_for(self.device.type))
 
     def weight_sync_ready(self) -> bool:

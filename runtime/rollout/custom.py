@@ -5,8 +5,8 @@ The contract a custom rollout function must meet
 
     def fn(engine, prompts, sampling, keys, reward_fn) -> list[list[SampleResult]]
 
-engine     a `RolloutEngine`; call `engine.generate(requests, sampling)` as often as needed
-           (multi-turn: generate, append tool output, generate again).
+engine     call `engine.generate(requests, sampling)` as often as needed (multi-turn: generate,
+           append tool output, generate again); `engine.tokenizer` is the run's tokenizer.
 prompts    list of dicts, one per prompt; "prompt_ids" (list[int], chat template applied) is
            always there, the dataset row's other fields (e.g. "label") ride along.
 sampling   the run's `SamplingParams`; pass it on, or a `dataclasses.replace` of it.
@@ -14,9 +14,10 @@ keys       keys[i][j] = (seed, rollout_id, prompt_index, sample_index) of sample
            n = len(keys[i]). All randomness must come from these keys (through the engine), never
            from a global RNG, or a resumed run stops reproducing. A second `generate` for the same
            sample needs a different key: use `turn_key(key, turn)`.
-reward_fn  `reward_fn(prompt: dict, sample: SampleResult) -> float`, or None. A function may score
+reward_fn  `reward_fn(prompt: dict, sample: SampleResult) -> float`: the run's `rollout.reward`
+           on the sample's text and the prompt's label, inline (no timeout). A function may score
            its own samples (set `sample.reward`); samples left with reward None are scored by
-           the pipeline afterwards.
+           the pipeline afterwards, under `rollout.reward_timeout_s`.
 
 Returns one list per prompt with exactly len(keys[i]) samples, each a `SampleResult` (or a dict
 with its fields) where

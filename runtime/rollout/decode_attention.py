@@ -20,7 +20,6 @@ check the kernel is tested against.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F

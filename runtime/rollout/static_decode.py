@@ -42,7 +42,7 @@ from runtime.rollout.decode_attention import (decode_attention, reference_decode
                                               triton_available)
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_next, uniform_noise
 
-log = logging.getLogger("grpoflow.rollout")
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 

@@ -16,10 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,7 +26,7 @@ from runtime import storage
 from runtime.errors import TransientError
 from runtime.run.directory import RunDir
 
-log = logging.getLogger("grpoflow.checkpoint")
+log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 
@@ -123,30 +121,11 @@ def _verify_remote(uri: str) -> str | None:
 def save(rd: RunDir, rollout: int, write_model: Callable[[str], None], state: dict, keep_last: int) -> str:
     """Write checkpoint `rollout_<rollout>` completely, then point `latest` at it, then prune.
     Returns where it lives (a local dir, or the remote prefix)."""
-    remote = storage.is_remote(rd.checkpoints)
-    final = rd.staged(rd.checkpoint(rollout)) if remote else Path(rd.checkpoint(rollout))
-    base = final.parent
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = base / f".rollout_{rollout}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    where = rd.checkpoint(rollout)
+    with storage.publish_dir(where, last=[MANIFEST], state_dir=rd.state_dir) as tmp:
         write_model(str(tmp / "model"))
         storage.write_json_atomic(str(tmp / STATE), {**state, "rollout": rollout})
         storage.write_json_atomic(str(tmp / MANIFEST), _manifest(tmp))
-        if remote:
-            storage.forget_staged(final)
-        elif final.exists():  # a stale or damaged copy of the same rollout
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    where = str(final)
-    if remote:
-        # Every file, the manifest last (a stale or half-uploaded copy of this rollout is replaced);
-        # the local copy stays as the staged mirror, so the next load downloads nothing.
-        where = rd.checkpoint(rollout)
-        storage.upload_dir(final, where, last=[MANIFEST], keep_local=True)
     storage.write_json_atomic(rd.latest, {"rollout": rollout, "dir": f"rollout_{rollout}"})
     prune(rd, keep_last)
     return where

@@ -18,7 +18,7 @@ from runtime import storage
 from runtime.errors import UserError
 from runtime.run.directory import RunDir
 
-log = logging.getLogger("grpoflow.lease")
+log = logging.getLogger(__name__)
 
 
 class RunBusyError(UserError):

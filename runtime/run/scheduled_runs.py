@@ -18,7 +18,7 @@ from runtime import storage
 from runtime.errors import ConfigError, UserError
 from runtime.run.directory import RunDir
 
-log = logging.getLogger("grpoflow.run_index")
+log = logging.getLogger(__name__)
 
 STAMP = "%Y%m%dT%H%M%SZ"
 _STAMP_RE = r"\d{8}T\d{6}Z(?:-\d+)?"  # a second run in the same second gets `-2`, `-3`, ...

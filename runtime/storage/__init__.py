@@ -5,7 +5,7 @@ temp name in the same directory and ``os.replace``; on object stores a single PU
 
 Object stores, in addition:
 - every failure of the store (bucket missing, access denied, endpoint unreachable) becomes a one-line
-  ``runtime.storage.s3_errors.StorageError`` naming the URI and the fix (``s3_errors``, ``check_root``);
+  ``runtime.storage.s3_error_text.StorageError`` naming the URI and the fix (``s3_errors``, ``check_root``);
 - readers that need local files (megatron, transformers, the trainer) get a local mirror of a remote
   file or prefix, downloaded once and reused while the remote listing is unchanged (``local_copy``);
 - a directory is published by uploading every file with the completion files last (``upload_dir``).
@@ -146,7 +146,7 @@ def s3_errors(uri: str) -> Iterator[None]:
         raise
     except Exception as err:
         if is_remote(str(uri)):
-            from runtime.storage.s3_errors import translate
+            from runtime.storage.s3_error_text import translate
 
             mapped = translate(err, str(uri))
             if mapped is not None:
@@ -341,6 +341,27 @@ def upload_dir(local_dir: str | os.PathLike, uri: str, *, last: Iterable[str] = 
     if keep_local:
         listing = remote_listing(uri) or {}
         write_json_atomic(str(_marker_of(local_dir)), {"uri": uri, "files": listing})
+
+
+@contextmanager
+def publish_dir(uri: str, *, last: Iterable[str] = (), state_dir: str | None = None) -> Iterator[Path]:
+    """Yield a scratch directory to build ``uri`` in; when the block ends without an error, publish it.
+
+    Local ``uri``: the scratch dir is renamed into place (``atomic_dir``: an older copy is replaced
+    only once the new one is complete). Remote: the files are uploaded with ``last`` (the completion
+    files) last (``upload_dir``), and the local build stays as the staged mirror of ``uri``, so the
+    next reader downloads nothing. On an error nothing is published and the scratch is removed.
+    """
+    uri = str(uri)
+    if not is_remote(uri):
+        with atomic_dir(uri.removeprefix("file://")) as scratch:
+            yield scratch
+        return
+    mirror = staged_path(uri, state_dir)
+    forget_staged(mirror)
+    with atomic_dir(mirror) as scratch:
+        yield scratch
+    upload_dir(mirror, uri, last=last, keep_local=True)
 
 
 @contextmanager

@@ -32,7 +32,7 @@ from runtime.run.directory import RunDir
 if TYPE_CHECKING:  # pragma: no cover
     from runtime.config import GrpoConfig
 
-log = logging.getLogger("grpoflow.tracking")
+log = logging.getLogger(__name__)
 
 RUN_TAG = "grpoflow.run_id"
 OVERRIDE_TAG = "grpoflow.override."
@@ -326,11 +326,6 @@ class Tracker:
         if steps is None:
             steps = self._steps[key] = {int(m.step) for m in self.client.get_metric_history(self.run_id, key)}
         return steps
-
-    def log_metrics(self, metrics: dict[str, Any], step: int) -> int:
-        """Log numeric values at ``step``, skipping (metric, step) pairs already in the run.
-        Returns the number of points written."""
-        return self._log_points((metric_key(k), v, int(step)) for k, v in metrics.items())
 
     def _log_points(self, points: Iterable[tuple[str, Any, int]]) -> int:
         if not self.enabled:

@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,14 @@ from runtime.errors import ModelError
 from runtime.run.directory import RunDir
 from runtime.tracking.mlflow_tracker import metric_key, mlflow_errors, redact_uri
 
-log = logging.getLogger("grpoflow.registry")
+log = logging.getLogger(__name__)
 
 CHECKPOINT_TAG = "grpoflow.checkpoint"
 PRIMARY_METRIC_TAG = "grpoflow.primary_metric"
 PRIMARY_VALUE_TAG = "grpoflow.primary_value"
 METRIC_TAG = "grpoflow.metric."
 EXPORT_URI_TAG = "grpoflow.export_uri"
+GRADER_TAG = "grpoflow.grader."  # + grader, rule_version, math_verify_version: the rule behind the metrics
 EXPORT_MARKER = "grpoflow_export.json"  # written last: an export dir with it is complete
 LATEST, BEST = "latest", "best"
 
@@ -155,12 +155,14 @@ def _move_aliases(client, name: str, mv) -> list[str]:
 
 def register_checkpoint(tracker_or_client, *, name: str, export_uri: str, rollout: int, run_id: str,
                         mlflow_run_id: str | None = None, metrics: dict[str, float] | None = None,
-                        config_hash: str = "", primary_metric: str | None = None) -> dict[str, Any] | None:
+                        config_hash: str = "", primary_metric: str | None = None,
+                        grader: dict[str, str | None] | None = None) -> dict[str, Any] | None:
     """Register the HF export of checkpoint ``rollout`` of grpoflow run ``run_id`` as a version of ``name``.
 
     Idempotent (same checkpoint -> same version). ``metrics`` (e.g. ``{"eval/aime/avg@4": 0.3}``) are
     stored as version tags; ``primary_metric`` names the one that decides ``best`` (higher is better;
-    a version without it never becomes best). Returns ``{name, version, source, export_uri,
+    a version without it never becomes best). ``grader`` (default: evaluation's, ``grader_record("math")``)
+    is tagged ``grpoflow.grader.*`` so a registered number can be traced to the rule that scored it. Returns ``{name, version, source, export_uri,
     checkpoint, created, aliases, mlflow_run_id}``, or None when tracking is disabled.
     """
     client, uri, tracker_run = _resolve(tracker_or_client)
@@ -180,7 +182,8 @@ def register_checkpoint(tracker_or_client, *, name: str, export_uri: str, rollou
                 source = _upload_export(client, mlflow_run_id, source, rollout)
             tags = {CHECKPOINT_TAG: tag, "grpoflow.run_id": run_id, "grpoflow.rollout": str(int(rollout)),
                     "grpoflow.config_hash": config_hash, EXPORT_URI_TAG: redact_uri(str(export_uri)),
-                    **{METRIC_TAG + k: repr(v) for k, v in metrics.items()}}
+                    **{METRIC_TAG + k: repr(v) for k, v in metrics.items()},
+                    **{GRADER_TAG + k: str(v) for k, v in (grader or _eval_grader()).items()}}
             pm = metric_key(primary_metric) if primary_metric else None
             if pm is not None and pm in metrics:
                 tags[PRIMARY_METRIC_TAG] = pm
@@ -192,6 +195,12 @@ def register_checkpoint(tracker_or_client, *, name: str, export_uri: str, rollou
         aliases = _move_aliases(client, name, mv)
     return {"name": name, "version": int(mv.version), "source": mv.source, "export_uri": str(export_uri),
             "checkpoint": tag, "created": created, "aliases": aliases, "mlflow_run_id": mv.run_id}
+
+
+def _eval_grader() -> dict[str, str | None]:
+    from runtime.rewards import grader_record  # math-verify only when a version is registered
+
+    return grader_record("math")
 
 
 # ---- export ---------------------------------------------------------------------------------------
@@ -250,15 +259,8 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
         return files
 
     out = str(out_dir)
-    if storage.is_remote(out):
-        fs, root = storage.fs_for(out)
-        with tempfile.TemporaryDirectory() as tmp:
-            files = write(Path(tmp))
-            for name in sorted(files, key=lambda f: f == "config.json") + [EXPORT_MARKER]:  # marker last
-                fs.put_file(str(Path(tmp) / name), f"{root.rstrip('/')}/{name}")
-    else:
-        with storage.atomic_dir(out) as tmp:
-            files = write(tmp)
+    with storage.publish_dir(out, last=["config.json", EXPORT_MARKER]) as tmp:  # the marker last
+        files = write(tmp)
     return {**marker, "path": out, "files": sorted(files), "skipped": False, "seconds": round(time.time() - t0, 3)}
 
 

@@ -32,7 +32,7 @@ INDEX = "index.html"
 SERIES_ID = "grpoflow-series"
 # Time per rollout, in the order of a rollout. The checkpoint of a chunk is charged to its last rollout
 # and an eval after N rollouts to rollout N-1 (to rollout 0 when before training).
-TIME_PARTS = [("generate", "generate_s"), ("reward", "reward_s"), ("train", "train_time_s"),
+TIME_PARTS = [("generate", "generate_time_s"), ("reward", "reward_time_s"), ("train", "train_time_s"),
               ("weight sync", "weight_sync_s"), ("checkpoint", "checkpoint_s")]
 
 
@@ -155,10 +155,10 @@ def eval_time_key(metrics: dict[str, Series]) -> list[str]:
 
 def time_parts(metrics: dict[str, Series]) -> dict[str, dict[int, float]]:
     """Seconds per rollout by part (generate, reward, train, weight sync, checkpoint, eval): {part: {rollout: s}}.
-    A run logged before generate_s/reward_s existed shows their sum, rollout_time_s, as "generate + reward"."""
+    A run logged before generate_time_s/reward_time_s existed shows their sum, rollout_time_s, as "generate + reward"."""
     parts: dict[str, dict[int, float]] = {}
     names = list(TIME_PARTS)
-    if "generate_s" not in metrics and "rollout_time_s" in metrics:
+    if "generate_time_s" not in metrics and "rollout_time_s" in metrics:
         names = [("generate + reward", "rollout_time_s")] + names[2:]
     for name, key in names:
         if key in metrics:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from runtime.algo import grpo_loss
+from runtime.config import AlgorithmSection
 from runtime.trainer.batch import TrainBatch, by_length, pack, step_slices
 
 
@@ -226,13 +227,9 @@ class MegatronTrainer:
                         ref[row, p - 1: p - 1 + len(ref_logprobs[i])] = torch.tensor(ref_logprobs[i])
                 old = mb.old_logp if mb.old_logp is not None else logp.detach()
                 loss, metrics = grpo_loss(
-                    logp, old, mb.advantages, mb.resp_mask, eps_clip=float(a.get("eps_clip", 0.2)),
-                    eps_clip_high=a.get("eps_clip_high"), loss_agg=a.get("loss_agg", "token_mean"),
-                    ref_logp=ref, kl_coef=float(a.get("kl_coef", 0.0)), kl_type=a.get("kl_type", "k3"),
-                    entropy=entropy, entropy_coef=float(a.get("entropy_coef", 0.0)),
-                    rollout_logp=mb.rollout_logp if a.get("use_tis") else None,
-                    tis_cap=float(a.get("tis_cap", 2.0)) if a.get("use_tis") else None,
-                    normalizer=normalizer)
+                    logp, old, mb.advantages, mb.resp_mask,
+                    a if isinstance(a, AlgorithmSection) else AlgorithmSection.model_validate(a),
+                    ref_logp=ref, entropy=entropy, rollout_logp=mb.rollout_logp, normalizer=normalizer)
                 # Megatron DDP averages gradients over DP ranks; our loss is already a global sum.
                 (loss * self.dp_size).backward()
                 n_tok = float(mb.resp_mask.sum())

@@ -1,0 +1,15 @@
+"""Checks of a config that need more than its own fields (user code to import), run by `grpoflow
+validate` and again before the train stage builds anything: whatever the train stage would refuse,
+validate refuses first."""
+from __future__ import annotations
+
+from runtime.config import GrpoConfig
+
+
+def check_trainable(cfg: GrpoConfig) -> None:
+    """Raise ConfigError (one line) for a reward or custom rollout that cannot be loaded."""
+    from runtime.rewards.catalog import get_reward_fn
+    get_reward_fn(cfg.rollout.reward)
+    if cfg.rollout.custom_rollout:
+        from runtime.rollout.custom import load_custom_rollout
+        load_custom_rollout(cfg.rollout.custom_rollout)
