@@ -95,3 +95,19 @@ def test_report_of_an_unknown_run_is_one_line(reference_run, capsys):
     assert main(["report", "no-such-run", "--root", reference_run["root"]]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: unknown run id 'no-such-run'") and "\n" not in err
+
+
+def test_closing_summary_lists_evals_versions_and_next_commands(reference_run, capsys, monkeypatch):
+    from cli.main import _summary
+    monkeypatch.setenv("COLUMNS", "300")  # the table on one line per row
+    result, root = reference_run["result"], reference_run["root"]
+    _summary(result, root)
+    out = capsys.readouterr().out
+    avg = result["train"]["evals"][4]["copy"]["avg@4"]
+    version = result["train"]["versions"][4]
+    assert re.search(rf"eval after 4\s.*done\s.*copy avg@4 {avg:.3f} pass@1 ", out), out
+    assert re.search(rf"register\s.*{version['name']} version {version['version']} \(ref/rollout_4\) "
+                     rf"aliases: best, latest", out), out
+    tail = out.strip().splitlines()[-4:]
+    assert tail == ["next:", f"  grpoflow report ref --root {root}", f"  grpoflow models list --root {root}",
+                    f"  mlflow ui --backend-store-uri {store_uri_for_root(root)}"], tail
