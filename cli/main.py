@@ -113,10 +113,11 @@ def _headline(res: dict) -> str:
     return " ".join(parts) or "-"
 
 
-def _current_aliases(versions: list[dict], tracking_uri: str | None) -> dict[tuple[str, int], list[str]]:
-    """(model, version) -> its aliases now (registration-time aliases move as later versions arrive)."""
+def _current_aliases(versions: list[dict], tracking_uri: str | None) -> dict[tuple[str, int], list[str]] | None:
+    """(model, version) -> its aliases now (registration-time aliases move as later versions arrive);
+    None when the registry cannot be read."""
     if not versions or not tracking_uri:
-        return {}
+        return None
     try:
         from runtime.tracking.mlflow_tracker import make_client
         from runtime.tracking.model_registry import aliases_of
@@ -127,7 +128,7 @@ def _current_aliases(versions: list[dict], tracking_uri: str | None) -> dict[tup
                 out.setdefault((name, int(version)), []).append(alias)
         return {k: sorted(v) for k, v in out.items()}
     except Exception:  # noqa: BLE001 - the summary falls back to the aliases recorded at registration
-        return {}
+        return None
 
 
 def next_commands(run_id: str, root: str, tracking_uri: str | None) -> list[str]:
@@ -180,7 +181,7 @@ def _summary(result: dict, root: str, report: str | None = None) -> None:
     versions = [v for _, v in sorted((train.get("versions") or {}).items(), key=lambda kv: int(kv[0])) if v]
     aliases = _current_aliases(versions, train.get("tracking_uri"))
     for v in versions:
-        now = aliases.get((v["name"], int(v["version"])), v.get("aliases") or [])
+        now = (v.get("aliases") or []) if aliases is None else aliases.get((v["name"], int(v["version"])), [])
         status = "registered" if v.get("created", True) else "registered before"
         table.add_row("register", status, f"{v['name']} version {v['version']} ({v['checkpoint']})"
                       f" aliases: {', '.join(now) or '-'}")
