@@ -259,7 +259,7 @@ def sec_engine(S, W: Path) -> dict:
     res: dict = {"name": "engine"}
     B, P, NEW = S["prompts"] * S["samples"], S["prompt_len"], S["new"]
     t0 = time.time()
-    eng = _engine(S, W, fast_decode=True)
+    eng = _engine(S, W, decode_path="static")
     eng.eos_token_ids = set()  # fixed length: no stop token (a random model would hit eos at random)
     res["load_s"] = round(time.time() - t0, 1)
     reqs = _requests(S, S["prompts"], S["samples"])
@@ -269,7 +269,7 @@ def sec_engine(S, W: Path) -> dict:
     eng.generate(reqs, sp)  # compile + graph capture
     sync(S)
     res["warmup_s"] = round(time.time() - t0, 1)
-    res["warmup_stats"] = {k: v for k, v in eng.fast.stats.items() if k in ("graph_capture_s", "prefill_s", "decode_s")}
+    res["warmup_stats"] = {k: v for k, v in eng.decoder.stats.items() if k in ("graph_capture_s", "prefill_s", "decode_s")}
     times, stats = [], []
     for _ in range(S["decode_reps"]):
         sync(S)
@@ -277,7 +277,7 @@ def sec_engine(S, W: Path) -> dict:
         out = eng.generate(reqs, sp)
         sync(S)
         times.append(time.perf_counter() - t0)
-        stats.append(dict(eng.fast.stats))
+        stats.append(dict(eng.decoder.stats))
     t = statistics.median(times)
     st = stats[times.index(min(times, key=lambda x: abs(x - t)))]
     assert all(len(r.response_ids) == NEW for r in out)
@@ -295,11 +295,11 @@ def sec_engine(S, W: Path) -> dict:
                pct_of_bw_floor=round(100 * (B * NEW / t) / (B * NEW / floor_s), 1),
                bw_floor_shared_prompt_tok_s=round(B * NEW / floor_shared_s),
                pct_of_bw_floor_shared_prompt=round(100 * floor_shared_s / t, 1),
-               kv_cache_GiB=round(eng.fast.kv_cache_bytes() / 2**30, 2), peak_mem_GiB=peak_gib(S),
+               kv_cache_GiB=round(eng.decoder.kv_cache_bytes() / 2**30, 2), peak_mem_GiB=peak_gib(S),
                stats={k: v for k, v in st.items() if not isinstance(v, float) or True})
     # -- where a decode step's time goes: 8 graph replays and 8 eager steps at the full batch, every row
     #    halfway through its response (after generate all rows are idle, which would time nothing)
-    fast_obj = eng.fast
+    fast_obj = eng.decoder
     step_fn, skey, _ = fast_obj._sampler(sp)
     with torch.inference_mode():  # the decoder's buffers are inference tensors
         set_decode_state(fast_obj, B, P, P + NEW // 2, S["samples"])
@@ -339,9 +339,9 @@ def sec_engine(S, W: Path) -> dict:
     creqs = _requests(S, max(S["compare_rows"] // 4, 1), 4, rollout=1, seed=1)
     csp = SamplingParams(temperature=1.0, max_new_tokens=S["compare_new"])
     fast_out = eng.generate(creqs, csp)
-    eng.fast = None
+    eng.decoder = None
     slow_out = eng.generate(creqs, csp)
-    eng.fast = fast_obj
+    eng.decoder = fast_obj
     res["fast_vs_slow"] = _agreement(fast_out, slow_out)
     if S["device"] == "cuda":  # graph replay vs the same steps run eagerly
         fast_obj.use_graphs = False
@@ -437,6 +437,16 @@ def attention_microbench(S) -> dict:
     return out
 
 
+def trainer_numerics(S) -> dict:
+    """train.* settings of the bench's trainer: on CPU the chunked output-layer path is exercised too;
+    BENCH_TRAINER_FUSIONS (none, or a comma list such as rope,swiglu) A/Bs the CUDA fusions."""
+    out: dict = {"chunked_logprobs": "on"} if S["device"] == "cpu" else {}
+    fusions = os.environ.get("BENCH_TRAINER_FUSIONS")
+    if fusions:
+        out["fusions"] = fusions if fusions in ("auto", "none") else [x.strip() for x in fusions.split(",") if x.strip()]
+    return out
+
+
 def sec_trainer(S, W: Path) -> dict:
     torch = _torch()
     from runtime.rollout.base import SamplingParams
@@ -447,17 +457,18 @@ def sec_trainer(S, W: Path) -> dict:
     B, P, R = S["prompts"] * S["samples"], S["prompt_len"], S["new"]
     SEQ = P + R
     t0 = time.time()
-    tr = MegatronTrainer(hf_dir=str(W / "hf"), init_checkpoint=str(W / "td"),
-                         train=dict(lr=1e-6, micro_batch_size=S["micro_batch"], num_rollout=100,
-                                    num_steps_per_rollout=1, weight_decay=0.0, clip_grad=1.0),
-                         algorithm={}, temperature=1.0, device=S["device"], dtype=S["dtype"])
+    from runtime.config import AlgorithmSection, TrainSection
+    train = TrainSection(lr=1e-6, micro_batch_size=S["micro_batch"], num_rollout=100, num_steps_per_rollout=1,
+                         weight_decay=0.0, clip_grad=1.0, **trainer_numerics(S))
+    tr = MegatronTrainer(hf_dir=str(W / "hf"), init_checkpoint=str(W / "td"), train=train,
+                         algorithm=AlgorithmSection(), temperature=1.0, device=S["device"], dtype=S["dtype"])
     res["load_s"] = round(time.time() - t0, 1)
     res["chunked_logprobs"] = tr._chunked_logprobs_enabled()
     res["core_attention"] = type(tr.model.decoder.layers[0].self_attention.core_attention).__name__
     res["param_dtypes"] = sorted({str(p.dtype) for p in tr.model.parameters()})
     res["optimizer"] = type(tr.optimizer).__name__
     from runtime.mcore.fusions import report as fusion_report
-    # which pure-PyTorch fusions the built model runs (GRPOFLOW_TRAINER_FUSIONS=all|none|rope,swiglu,bda,gqa)
+    # which pure-PyTorch fusions the built model runs (train.fusions; BENCH_TRAINER_FUSIONS=none|rope,swiglu,bda,gqa)
     res["fusions"] = fusion_report(tr.model)
     # -- engine vs trainer log-probs on the same weights and samples (before any update)
     eng = _engine(S, W)
@@ -473,15 +484,11 @@ def sec_trainer(S, W: Path) -> dict:
     diffs = [abs(a - b) for s, t in zip(samples, trainer_lp) for a, b in zip(s.response_logprobs, t)]
     res["engine_vs_trainer_logprobs"] = {"tokens": len(diffs), "max_abs_diff": max(diffs),
                                          "mean_abs_diff": sum(diffs) / len(diffs),
-                                         "engine_path": "static" if eng.fast is not None else "dynamic"}
+                                         "engine_path": eng.decode_path}
     if res["chunked_logprobs"]:
-        before = os.environ.get("GRPOFLOW_CHUNKED_LOGPROBS")
-        os.environ["GRPOFLOW_CHUNKED_LOGPROBS"] = "0"
+        tr.train_cfg.chunked_logprobs = "off"
         plain_lp = tr.compute_logprobs(batch)
-        if before is None:
-            os.environ.pop("GRPOFLOW_CHUNKED_LOGPROBS")
-        else:
-            os.environ["GRPOFLOW_CHUNKED_LOGPROBS"] = before
+        tr.train_cfg.chunked_logprobs = train.chunked_logprobs
         d2 = [abs(a - b) for s, t in zip(plain_lp, trainer_lp) for a, b in zip(s, t)]
         res["chunked_vs_full_logits_logprobs"] = {"max_abs_diff": max(d2), "mean_abs_diff": sum(d2) / len(d2)}
     eng.shutdown()
@@ -502,7 +509,7 @@ def sec_trainer(S, W: Path) -> dict:
     mbs = [S["micro_batch"] // 2, S["micro_batch"]] \
         if S["device"] == "cuda" and os.environ.get("BENCH_EXTRA", "1") != "0" else [S["micro_batch"]]
     for mb in mbs:
-        tr.train_cfg["micro_batch_size"] = mb
+        tr.train_cfg.micro_batch_size = mb
         reset_peak(S)
         try:
             t0 = time.time()
@@ -530,7 +537,7 @@ def sec_trainer(S, W: Path) -> dict:
     best = max((v for v in variants if "tok_s" in v), key=lambda v: v["tok_s"])
     res.update(seqs=B, seq_len=SEQ, resp_len=R, variants=variants, **{k: best[k] for k in (
         "micro_batch", "s_per_step", "tok_s", "resp_tok_s", "mfu_6N_pct", "mfu_exact_pct", "peak_mem_GiB")})
-    tr.train_cfg["micro_batch_size"] = best["micro_batch"]
+    tr.train_cfg.micro_batch_size = best["micro_batch"]
     res["profile_one_step"] = kernel_profile(S, lambda: tr.train(batch))
     res["fusions"] = fusion_report(tr.model)  # again: a RoPE compile failure shows only after the first call
     return res
@@ -548,7 +555,7 @@ def stage_config(S, W: Path) -> dict:
                     "reward": "bench.trivial_reward:length_mod13"},
         "algorithm": {"eps_clip": 0.2, "eps_clip_high": 0.28, "use_tis": True},
         "train": {"num_rollout": S["rollouts"], "global_batch_size": B, "micro_batch_size": S["micro_batch"],
-                  "lr": 1e-6, "weight_decay": 0.1},
+                  "lr": 1e-6, "weight_decay": 0.1, **trainer_numerics(S)},
         "eval": {"interval": None},
         "checkpoint": {"interval": S["rollouts"], "keep_last": 1},
         "tracking": {"enabled": False},
@@ -718,7 +725,7 @@ def sec_long(S, W: Path) -> dict:
 
     res: dict = {"name": "long"}
     B = int(os.environ.get("BENCH_LONG_REQUESTS", S["prompts"] * S["samples"]))
-    eng = _engine(S, W, fast_decode=True, kv_cache_gb=S["long_kv_gb"], max_batch_size=B)
+    eng = _engine(S, W, decode_path="static", kv_cache_gb=S["long_kv_gb"], max_batch_size=B)
     eng.eos_token_ids = set()
     # k stop ids out of V: with the random model's near-uniform next-token distribution a row stops
     # with probability ~k/V per token, i.e. geometric lengths with mean ~V/k (capped at long_new).
@@ -731,24 +738,24 @@ def sec_long(S, W: Path) -> dict:
     res["warmup_s"] = round(time.time() - t0, 1)
     reset_peak(S)
     sync(S)
-    eng.fast.trace = []
+    eng.decoder.trace = []
     t0 = time.perf_counter()
     out = eng.generate(_requests(S, max(B // S["samples"], 1), min(S["samples"], B), rollout=3, seed=3), sp)
     sync(S)
     t = time.perf_counter() - t0
     lens = sorted(len(r.response_ids) for r in out)
-    st = dict(eng.fast.stats)
+    st = dict(eng.decoder.stats)
     ntok = sum(lens)
     res.update(requests=B, max_new_tokens=S["long_new"], stop_ids=k, new_tokens=ntok, s=round(t, 2), tok_s=round(ntok / t),
                len_mean=round(ntok / B, 1), len_p50=lens[B // 2], len_max=lens[-1],
                stopped=sum(r.finish_reason == "stop" for r in out), slots=st.get("slots"), slot_len=st.get("slot_len"),
-               kv_cache_GiB=round(eng.fast.kv_cache_bytes() / 2**30, 2), kv_budget_GB=S["long_kv_gb"],
+               kv_cache_GiB=round(eng.decoder.kv_cache_bytes() / 2**30, 2), kv_budget_GB=S["long_kv_gb"],
                decode_steps=st.get("decode_steps"), row_steps=st.get("row_steps"),
                slot_utilisation=round(ntok / max(st.get("row_steps") or 1, 1), 3), prefill_s=round(st["prefill_s"], 2),
                decode_s=round(st["decode_s"], 2), graphs=st.get("graphs"), peak_mem_GiB=peak_gib(S))
     if S["device"] == "cuda":
-        res["tail"] = tail_profile(S, eng.fast, sp)
-    tr = eng.fast.trace or []
+        res["tail"] = tail_profile(S, eng.decoder, sp)
+    tr = eng.decoder.trace or []
     # decode time by number of active rows (where the time goes: full slots vs the draining tail)
     bins: dict = {}
     for act, b, n, ms, mx, _split in tr:
@@ -905,8 +912,6 @@ def main(argv=None) -> int:
     W.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     prepare_env()
-    if a.cpu:  # exercise the chunked output-layer path of the trainer on CPU too
-        os.environ.setdefault("GRPOFLOW_CHUNKED_LOGPROBS", "1")
     if a.section:
         if a.cpu:
             _torch().set_num_threads(1)

@@ -1,35 +1,26 @@
-"""Peak GPU memory of the shipped Qwen3-0.6B DAPO config, measured term by term against
-``runtime/plan/memory.py``'s estimate (the plan is only useful if it lands near the measured peak).
+"""Peak GPU memory of a config (default the Qwen3-0.6B DAPO recipe), measured term by term against
+``runtime/plan/memory.py``'s plan, and the trainer's throughput at the recipe's lengths (issue 17).
 
-    python bench/memory_check.py                  # CUDA (H100): configs/qwen3-0.6b-dapo.yaml shapes, < 4 min
-    python bench/memory_check.py --device cpu     # smoke: tiny model on CPU, same code paths, seconds
-    python bench/memory_check.py --full-step      # all 64 micro-batches of the optimizer step (slower)
+    python bench/memory_check.py                                    # the 80 GiB recipe on this GPU
+    GPU_CAP_GIB=23.39 PYTHONPATH=.gpucap:$PYTHONPATH python bench/memory_check.py \
+        --config configs/qwen3-0.6b-dapo-24gb.yaml                  # the 24 GB card (cap = 24 - CUDA context)
+    python bench/memory_check.py --reuse --throughput               # + trainer alone: unpacked mb 1 vs packed
+    python bench/memory_check.py --device cpu                       # smoke: tiny model on CPU, same code paths
+    python bench/memory_check.py --from-json R.json --out R2.json   # re-compare a run with the current plan
 
-What runs, in one process, in the order ``cluster.backend: local`` builds a run
-(``runtime.grpo.session.TrainSession``): a random model of the config's model shape (bench/gpu_grpo.py's
-setup: HF checkpoint, tokenizer, torch_dist conversion, in a child process), then
+What runs, in one process, as ``cluster.backend: local`` builds a run: a random model of the config's
+shape (bench/gpu_grpo.py's setup, child process); the plan's choices applied (``plan_choices``: the KV
+pool the run would write into its frozen config); the trainer (``MegatronTrainer`` with the config's
+sections); the engine (BuiltinEngine with the factory's settings and the pool); a weight sync; the
+trainer's state offloaded (``cluster.offload_trainer_state``); one rollout's generate (the first call's
+rows, prompts at ``max_prompt_len``, ``max_new_tokens``, cut short by stop tokens: the pool is allocated
+up front, so the peak does not depend on the steps run); the state reloaded; a first step of full-length
+samples filling one micro-batch (Adam's state appears); a whole optimizer step of the global batch at the
+recipe's lengths (log-normal responses, 1/16 at the cap); with ``--throughput``, the engine shut down,
+the same step with today's layout (unpacked, micro-batch 1) and packed (``--throughput-budget`` tokens).
 
-1. the trainer (``MegatronTrainer`` with the config's train/algorithm sections);
-2. the engine (``rollout/factory.make_engine``: BuiltinEngine, fast path on CUDA, its production
-   ``max_batch_size`` and KV policy) and a weight sync;
-3. one rollout's generate: the first call's rows (dynamic sampling's over-sampled prompts x
-   samples), prompts of ``max_prompt_len`` random tokens and the config's ``max_new_tokens``, so the
-   KV cache is allocated exactly as in production. The decode is cut short by stop tokens (a set of
-   ids whose total probability under the random model gives ~``--decode-mean`` tokens per row): the
-   cache is preallocated, so its size, and the peak, do not depend on how many steps run;
-4. the optimizer step on a replayed synthetic batch at full length (every sample
-   ``max_prompt_len + max_new_tokens`` tokens, the worst case) at the config's micro-batch: a first
-   step of one micro-batch (Adam's moments are made at the first step) and a steady step of
-   ``--train-micro-batches`` micro-batches (default 2; every micro-batch frees its activations after
-   its backward, so the peak is the same as over all 64; ``--full-step`` runs the whole step);
-5. if the config's micro-batch runs out of memory, the same at the largest micro-batch the estimate
-   says fits, and the estimate for that layout;
-6. activation points: one micro-batch at a few (micro-batch, length) pairs, estimate vs measured.
-
-Printed: the estimate lines first (so a failure still yields them), then a table term by term,
-estimate vs measured, and the ratio of the totals (estimate minus its CUDA-context overhead vs
-``torch.cuda.max_memory_allocated``). JSON goes to ``--out`` (default
-``bench/results/memory_check_<device>_<date>.json``).
+Printed: the plan first (so a failure still yields it), then estimate vs measured term by term and the
+totals. JSON goes to ``--out`` (default ``bench/results/memory_check_<device>_<date>.json``).
 """
 from __future__ import annotations
 
@@ -37,6 +28,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import re
 import subprocess
@@ -60,8 +52,6 @@ DEFAULT_CONFIG = ROOT / "configs" / "qwen3-0.6b-dapo.yaml"
 CPU_OVERRIDES = ["data.max_prompt_len=12", "rollout.max_new_tokens=8", "rollout.rollout_batch_size=2",
                  "rollout.n_samples_per_prompt=2", "train.global_batch_size=4", "train.micro_batch_size=2",
                  "model.dtype=float32"]
-GPU_POINTS = "1x9216,2x4608,4x2304"
-CPU_POINTS = "1x20,2x10"
 
 
 def _torch():
@@ -174,19 +164,23 @@ def _synthetic_batch(n: int, prompt: int, response: int, vocab: int, seed: int):
 
 def _train_once(M: Meter, tr, batch, mb: int) -> dict:
     """One trainer.train call: allocated before/after, peak (allocated and reserved), time; OOM recorded."""
-    tr.train_cfg["micro_batch_size"] = mb
+    if mb is not None:
+        tr.train_cfg.micro_batch_size = mb
     M.reset()
     before = M.allocated()
     t0 = time.time()
-    rec = {"samples": len(batch), "micro_batch": mb, "micro_batches": -(-len(batch) // mb)}
+    tokens = sum(len(t) for t in batch.tokens)
+    rec = {"samples": len(batch), "micro_batch": tr.train_cfg.micro_batch_size, "tokens": tokens,
+           "max_tokens_per_micro_batch": tr.train_cfg.max_tokens_per_micro_batch}
     try:
         out = tr.train(batch)
         M.sync()
         rec.update(ok=True, loss=out.get("loss"), grad_norm=out.get("grad_norm"))
     except _oom_types() as e:
         rec.update(ok=False, oom=True, error=f"{type(e).__name__}: {str(e)[:400]}")
-    rec.update(seconds=round(time.time() - t0, 2), allocated_before=before, allocated_after=M.allocated(),
-               peak=M.peak(), peak_reserved=M.peak_reserved())
+    dt = time.time() - t0
+    rec.update(seconds=round(dt, 2), tokens_per_s=round(tokens / dt) if rec["ok"] else None,
+               allocated_before=before, allocated_after=M.allocated(), peak=M.peak(), peak_reserved=M.peak_reserved())
     if not rec["ok"]:
         # an OOM inside the compiled log-prob math switches it to eager for good (logprobs._call): undo
         # that, so the next measurement runs the production (compiled) path again
@@ -195,19 +189,6 @@ def _train_once(M: Meter, tr, batch, mb: int) -> dict:
         M.cleanup()
         rec["allocated_after_cleanup"] = M.allocated()
     return rec
-
-
-def measure_train(M: Meter, tr, cfg, mb: int, n_steady: int, vocab: int, seed: int = 0) -> dict:
-    P, R = cfg.data.max_prompt_len, cfg.rollout.max_new_tokens
-    first = _train_once(M, tr, _synthetic_batch(mb, P, R, vocab, seed), mb)
-    res = {"micro_batch": mb, "seq_len": P + R, "first_step": first}
-    if not first["ok"]:
-        return res
-    steady = _train_once(M, tr, _synthetic_batch(mb * n_steady, P, R, vocab, seed + 1), mb)
-    res["steady_step"] = steady
-    if steady["ok"] and M.cuda:
-        res["activations"] = steady["peak"] - steady["allocated_before"]
-    return res
 
 
 def optimizer_state_bytes(tr) -> tuple[int, int]:
@@ -236,11 +217,25 @@ def _unique_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+def _recipe_batch(n: int, prompt: int, max_new: int, vocab: int, seed: int, full: int):
+    """A step at the recipe's lengths: ``full`` samples at the cap, the rest with reasoning-like response
+    lengths (log-normal, median ~1.9k, mean ~2.5k, capped), every prompt at its maximum length."""
+    torch = _torch()
+    from runtime.trainer.batch import TrainBatch
+    g = torch.Generator().manual_seed(seed)
+    resp = (torch.randn(n, generator=g) * 0.8 + math.log(max_new * 0.23)).exp().clamp(64, max_new).long().tolist()
+    resp[:full] = [max_new] * full
+    toks = [torch.randint(3, vocab, (prompt + r,), generator=g).tolist() for r in resp]
+    lp = -math.log(vocab)
+    return TrainBatch(tokens=toks, prompt_lens=[prompt] * n, advantages=[1.0 if i % 2 else -1.0 for i in range(n)],
+                      loss_masks=[[1] * r for r in resp], rollout_logprobs=[[lp] * r for r in resp])
+
+
 def measure(cfg, S, W: Path, args, est: dict, hf_config, log) -> dict:
     torch = _torch()
-    from runtime.plan.memory import first_rollout_rows
+    from runtime.plan.memory import first_rollout_rows, offload_enabled
     from runtime.rollout.base import SampleRequest, SamplingParams
-    from runtime.rollout.factory import make_engine
+    from runtime.rollout.builtin import BuiltinEngine
     from runtime.trainer.megatron_trainer import MegatronTrainer
 
     dev = args.device
@@ -252,14 +247,14 @@ def measure(cfg, S, W: Path, args, est: dict, hf_config, log) -> dict:
         free, total = M.free_total()
         res["gpu_total"] = total
         res["context_and_others"] = total - free  # before any tensor of ours: CUDA context + other processes
+        res["gpu_cap_gib"] = os.environ.get("GPU_CAP_GIB")
     M.reset()
     dtype = S["dtype"]
 
     # 1. trainer
     t0 = time.time()
-    tr = MegatronTrainer(hf_dir=str(W / "hf"), init_checkpoint=str(W / "td"), train=cfg.train.model_dump(),
-                         algorithm=cfg.algorithm.model_dump(), temperature=cfg.rollout.temperature,
-                         device=dev, dtype=dtype)
+    tr = MegatronTrainer(hf_dir=str(W / "hf"), init_checkpoint=str(W / "td"), train=cfg.train,
+                         algorithm=cfg.algorithm, temperature=cfg.rollout.temperature, device=dev, dtype=dtype)
     M.sync()
     master, _ = optimizer_state_bytes(tr)
     res["trainer"] = {
@@ -269,25 +264,35 @@ def measure(cfg, S, W: Path, args, est: dict, hf_config, log) -> dict:
                      for p in tr.model.parameters() if getattr(p, "main_grad", None) is not None),
         "optimizer_master": master, "chunked_logprobs": tr._chunked_logprobs_enabled(),
         "core_attention": type(tr.model.decoder.layers[0].self_attention.core_attention).__name__,
+        "recompute": cfg.train.recompute, "max_tokens_per_micro_batch": cfg.train.max_tokens_per_micro_batch,
         "optimizer": type(tr.optimizer).__name__}
     log(f"trainer built in {res['trainer']['build_s']} s: allocated {gib(M.allocated())} GiB")
 
-    # 2. engine (the production factory: max_batch_size = samples per rollout, default KV policy) + weight sync
+    # 2. engine (the factory's settings and the config's KV pool) + weight sync
     t0 = time.time()
     a = M.allocated()
-    eng = make_engine(cfg=cfg, model_dir=str(W / "hf"), device=dev, dtype=dtype)
+    eng = BuiltinEngine(str(W / "hf"), device=dev, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype],
+                        max_batch_size=max(cfg.samples_per_rollout, 1), kv_cache_gb=cfg.rollout.kv_cache_gb)
     M.sync()
     res["engine"] = {"build_s": round(time.time() - t0, 1), "allocated_delta": _diff(M.allocated(), a),
                      "weights": _unique_bytes(eng.model.parameters()), "decode_path": eng.health()["decode_path"],
-                     "max_batch_size": eng.max_batch_size}
+                     "max_batch_size": eng.max_batch_size, "kv_cache_gb": cfg.rollout.kv_cache_gb}
     eng.update_weights(tr.hf_weights(to_cpu=False), 1)
     M.sync()
+
+    # 3. the colocated hand-off: the trainer's state off the GPU for the rollout
+    offload = offload_enabled(cfg, dev)
+    res["offload"] = {"enabled": offload}
+    if offload or args.force_offload:
+        before = M.allocated()
+        res["offload"]["offload"] = tr.offload_state(force=args.force_offload)
+        res["offload"]["freed"] = _diff(before, M.allocated())
     free, _ = M.free_total()
     res["before_rollout"] = {"allocated": M.allocated(), "reserved": M.reserved(), "free": free}
-    log(f"engine built in {res['engine']['build_s']} s ({res['engine']['decode_path']} decode); before the rollout: "
-        f"allocated {gib(M.allocated())} GiB, reserved {gib(M.reserved())} GiB, free {gib(free)} GiB")
+    log(f"engine built in {res['engine']['build_s']} s ({res['engine']['decode_path']} decode); offload "
+        f"{res['offload']}; before the rollout: allocated {gib(M.allocated())} GiB, free {gib(free)} GiB")
 
-    # 3. one rollout's generate (production KV allocation; decode cut short by stop tokens)
+    # 4. one rollout's generate (production KV allocation; decode cut short by stop tokens)
     r = cfg.rollout
     rows = first_rollout_rows(cfg)
     V = S["vocab"]
@@ -310,98 +315,108 @@ def measure(cfg, S, W: Path, args, est: dict, hf_config, log) -> dict:
         rollout.update(ok=True, new_tokens=sum(lens), len_mean=round(sum(lens) / len(lens), 1), len_max=max(lens))
     except _oom_types() as e:
         rollout.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
-    fast = getattr(eng, "fast", None)
+    dec = getattr(eng, "decoder", None)
     rollout.update(seconds=round(time.time() - t0, 1), allocated_before=a, allocated_after=M.allocated(),
                    peak=M.peak(), peak_reserved=M.peak_reserved())
-    if fast is not None:
-        st = fast.stats
-        rollout.update(kv_cache=fast.kv_cache_bytes(), slots=fast.slots, slot_len=fast.slot_len,
+    if dec is not None:
+        st = dec.stats
+        rollout.update(kv_cache=dec.kv_cache_bytes(), slots=getattr(dec, "slots", None),
+                       slot_len=getattr(dec, "slot_len", None), pages=st.get("pages"),
+                       peak_pages_used=st.get("peak_pages_used"), preemptions=st.get("preemptions"),
                        decode_steps=st.get("decode_steps"), graphs=st.get("graphs"), compiled=st.get("compiled"),
-                       cuda_graphs=st.get("cuda_graphs"), attention=st.get("attention"),
-                       fallbacks=st.get("fallbacks"))
+                       cuda_graphs=st.get("cuda_graphs"), attention=st.get("attention"))
         if M.cuda:
             rollout["extra"] = rollout["peak"] - a - rollout["kv_cache"]
+    if cfg.cluster.colocate:  # as the loop does: the pool goes back while the trainer trains
+        eng.release_memory()
+        rollout["allocated_after_release"] = M.allocated()
     res["rollout"] = rollout
     log(f"rollout: {rows} rows in {rollout['seconds']} s, {rollout.get('slots')} slots x {rollout.get('slot_len')} "
         f"tokens, KV {gib(rollout.get('kv_cache'))} GiB, peak {gib(rollout['peak'])} GiB"
         + ("" if rollout["ok"] else f"; FAILED: {rollout['error']}"))
 
-    # 4. the optimizer step at the config's micro-batch, full length
-    mb = cfg.train.micro_batch_size
-    n_steady = (cfg.train.global_batch_size // mb) if args.full_step else args.train_micro_batches
-    res["train"] = measure_train(M, tr, cfg, mb, n_steady, V)
-    res["train"]["adam_state_allocated"] = (_diff(res["train"]["first_step"]["allocated_after"],
-                                                  res["train"]["first_step"]["allocated_before"])
-                                            if res["train"]["first_step"]["ok"] else None)
-    log(_train_line(res["train"]))
+    # 5. back for the update
+    if tr.offload.offloaded:
+        res["offload"]["reload"] = tr.reload_state()
+        log(f"state offload: {res['offload']}")
 
-    # 5. the largest micro-batch the estimate says fits, when the config's does not
-    fit_mb = est.get("fit_micro_batch") or 0
-    if not _train_ok(res["train"]) and 0 < fit_mb < mb and not args.no_fallback:
-        res["train_fit"] = measure_train(M, tr, cfg, fit_mb, n_steady if args.full_step else args.train_micro_batches,
-                                         V, seed=5)
-        log("at the micro-batch the estimate says fits: " + _train_line(res["train_fit"]))
+    # 6. the worst micro-batch: full-length samples filling one micro-batch (first step: Adam's state appears)
+    P, R = cfg.data.max_prompt_len, r.max_new_tokens
+    seq = P + R
+    n_full = min(cfg.train.global_batch_size, cfg.train.max_tokens_per_micro_batch // seq) if cfg.train.max_tokens_per_micro_batch else \
+        cfg.train.micro_batch_size
+    worst = _train_once(M, tr, _synthetic_batch(n_full, P, R, V, 0), None)
+    if worst["ok"] and M.cuda:
+        worst["activations"] = worst["peak"] - worst["allocated_before"]
+    res["train"] = {"first_step": worst, "activations": worst.get("activations"), "seq_len": seq,
+                    "micro_batch": n_full, "adam_state_allocated": _diff(worst["allocated_after"],
+                                                                         worst["allocated_before"])}
+    log(f"worst micro-batch ({n_full} x {seq} tokens): " + (
+        f"{worst['seconds']} s, activations {gib(worst.get('activations'))} GiB, peak {gib(worst['peak'])} GiB"
+        if worst["ok"] else f"FAILED ({worst.get('error')})"))
+    res["trainer"]["optimizer_moments"] = optimizer_state_bytes(tr)[1]
 
-    if "train_fit" in res and res["train_fit"]["first_step"]["ok"]:
-        f = res["train_fit"]["first_step"]
-        res["train_fit"]["adam_state_allocated"] = _diff(f["allocated_after"], f["allocated_before"])
-    res["trainer"]["optimizer_moments"] = optimizer_state_bytes(tr)[1]  # Adam's state exists after a first step
+    # 7. a whole optimizer step at the recipe's lengths (full-length samples included)
+    n_step = cfg.train.global_batch_size if not args.step_samples else args.step_samples
+    step_batch = _recipe_batch(n_step, P, R, V, seed=7, full=max(1, n_step // 16))
+    if worst["ok"]:
+        step = _train_once(M, tr, step_batch, None)
+        res["train"]["steady_step"] = step
+        log(f"whole step ({n_step} samples, {step['tokens']} tokens): " + (
+            f"{step['seconds']} s, {step['tokens_per_s']} tok/s, peak {gib(step['peak'])} GiB" if step["ok"]
+            else f"FAILED ({step.get('error')})"))
 
-    # 6. activation points
-    res["points"] = []
-    for b, s in args.points_list:
-        if time.time() - args.t_start > args.deadline:
-            res["points"].append({"micro_batch": b, "seq_len": s, "skipped": "deadline"})
-            continue
-        p = max(1, round(s * cfg.data.max_prompt_len / (cfg.data.max_prompt_len + r.max_new_tokens)))
-        rec = _train_once(M, tr, _synthetic_batch(b, p, s - p, V, seed=100 + b), b)
-        rec.update(seq_len=s, response_len=s - p)
-        if rec["ok"] and M.cuda:
-            rec["activations"] = rec["peak"] - rec["allocated_before"]
-        res["points"].append(rec)
+    # 8. trainer throughput at the recipe's lengths, the engine gone: today's layout vs packed
+    if args.throughput and worst["ok"]:
+        eng.shutdown()
+        del eng
+        M.cleanup()
+        thr = {}
+        for name, mb, budget, rec in (("unpacked_mb1", 1, None, "none"),
+                                      (f"packed_{args.throughput_budget}", 1, args.throughput_budget, "none")):
+            if time.time() - args.t_start > args.deadline:
+                thr[name] = {"skipped": "deadline"}
+                continue
+            tr.train_cfg.max_tokens_per_micro_batch = budget
+            _train_once(M, tr, _recipe_batch(16, P, R, V, seed=3, full=1), mb)  # warm-up (compile at these shapes)
+            thr[name] = _train_once(M, tr, step_batch, mb)
+            log(f"throughput {name}: {thr[name].get('tokens_per_s')} tok/s ({thr[name]['seconds']} s, peak "
+                f"{gib(thr[name]['peak'])} GiB)")
+        tr.train_cfg.max_tokens_per_micro_batch = cfg.train.max_tokens_per_micro_batch
+        res["throughput"] = thr
+    else:
+        eng.shutdown()
     M.sync()
     res["final"] = {"allocated": M.allocated(), "reserved": M.reserved()}
-    eng.shutdown()
+    res["points"] = []
     return res
-
-
-def _train_ok(t: dict) -> bool:
-    return bool(t.get("first_step", {}).get("ok") and t.get("steady_step", {}).get("ok"))
-
-
-def _train_line(t: dict) -> str:
-    f, s = t.get("first_step", {}), t.get("steady_step", {})
-    if not f.get("ok"):
-        return f"train at micro-batch {t['micro_batch']} x {t['seq_len']}: first step FAILED ({f.get('error')})"
-    if not s.get("ok"):
-        return f"train at micro-batch {t['micro_batch']} x {t['seq_len']}: steady step FAILED ({s.get('error')})"
-    return (f"train at micro-batch {t['micro_batch']} x {t['seq_len']}: first step {f['seconds']} s, steady step "
-            f"({s['micro_batches']} micro-batches) {s['seconds']} s, activations {gib(t.get('activations'))} GiB, "
-            f"peak {gib(s['peak'])} GiB")
 
 
 # ---- report ----------------------------------------------------------------------------------------
 
-def compare(est: dict, res: dict, train_key: str) -> dict:
+def compare(est: dict, res: dict) -> dict:
     """Term by term: estimate vs measured (bytes), and the totals' ratio."""
     b = est["bytes"]
-    tr, en, ro, t = res.get("trainer", {}), res.get("engine", {}), res.get("rollout", {}), res.get(train_key, {})
-    steady = t.get("steady_step", {})
+    tr, en, ro, t = res.get("trainer", {}), res.get("engine", {}), res.get("rollout", {}), res.get("train", {})
+    steps = [x for x in (t.get("first_step"), t.get("steady_step")) if x]
     opt = (tr.get("optimizer_master") or 0) + (tr.get("optimizer_moments") or 0) if tr else None
-    peaks = [x for x in (ro.get("peak") if ro.get("ok") else None,
-                         steady.get("peak") if steady.get("ok") else None) if x is not None]
-    peaks_res = [x for x in (ro.get("peak_reserved") if ro.get("ok") else None,
-                             steady.get("peak_reserved") if steady.get("ok") else None) if x is not None]
-    measured_total = max(peaks) if len(peaks) == 2 else None
+    peaks = [x["peak"] for x in ([ro] + steps) if x.get("ok") and x.get("peak") is not None]
+    peaks_res = [x["peak_reserved"] for x in ([ro] + steps) if x.get("ok") and x.get("peak_reserved") is not None]
+    measured_total = max(peaks) if len(peaks) == 1 + len(steps) and steps else None
     ctx = res.get("context_and_others")
+    steady = t.get("steady_step") or {}
+    # activations: the whole step at the recipe's lengths holds the worst micro-batches (first-fit packs the
+    # full-length samples into full budgets); the first step is not used: Adam's moments and its step's
+    # temporaries appear in it (reported as first_step_optimizer)
+    act = steady["peak"] - steady["allocated_before"] if steady.get("ok") and steady.get("peak") is not None else None
     rows = [
         ("weights", b["weights"], tr.get("weights"), "trainer parameters' bytes"),
         ("gradients", b["grads"], tr.get("grads"), "DDP main_grad buffers"),
         ("optimizer", b["optimizer"], opt, "fp32 master params + Adam state tensors"),
-        ("activations", b["activations"], t.get("activations"), "steady step: peak - allocated before"),
+        ("activations", b["activations"], act, "whole step: peak - allocated before"),
         ("engine weights", b["engine_weights"], en.get("allocated_delta") if en.get("allocated_delta") is not None
          else en.get("weights"), "allocated by building the engine (CPU: its tensors' bytes)"),
-        ("KV cache", b["kv_cache"], ro.get("kv_cache"), "StaticDecoder.kv_cache_bytes()"),
+        ("KV cache", b["kv_cache"], ro.get("kv_cache"), "the engine's decoder.kv_cache_bytes()"),
         ("rollout extra", b["rollout_activations"], ro.get("extra"), "generate peak - before - KV"),
         ("overhead", b["overhead"], (ctx + max(peaks_res) - measured_total) if ctx is not None and measured_total
          and peaks_res else None, "CUDA context + (peak reserved - peak allocated)"),
@@ -411,11 +426,18 @@ def compare(est: dict, res: dict, train_key: str) -> dict:
     est_alloc = b["total"] - b["overhead"]
     total = {"estimate_GiB": gib(b["total"]), "estimate_without_overhead_GiB": gib(est_alloc),
              "measured_peak_allocated_GiB": gib(measured_total),
-             "measured_peak_reserved_GiB": gib(max(peaks_res)) if len(peaks_res) == 2 else None,
-             "measured_peak_reserved_plus_context_GiB": gib(max(peaks_res) + ctx) if len(peaks_res) == 2 and ctx else None,
+             "measured_peak_reserved_GiB": gib(max(peaks_res)) if peaks_res else None,
+             "measured_peak_reserved_plus_context_GiB": gib(max(peaks_res) + ctx) if peaks_res and ctx else None,
              "ratio": round(est_alloc / measured_total, 3) if measured_total else None}
-    total["within_20pct"] = None if total["ratio"] is None else abs(total["ratio"] - 1) <= 0.2
-    return {"micro_batch": est["micro_batch_size"], "terms": terms, "total": total,
+    total["within_10pct"] = None if total["ratio"] is None else abs(total["ratio"] - 1) <= 0.1
+    first = t.get("first_step") or {}
+    if first.get("ok") and first.get("peak") is not None:
+        total["first_step_optimizer_GiB"] = {
+            "moments_made": gib(first["allocated_after"] - first["allocated_before"]),
+            "peak_beyond_before": gib(first["peak"] - first["allocated_before"]),
+            "estimate_moments_plus_step": gib(b["optimizer_moments"] + 4 * est["params_per_gpu"])}
+    return {"micro_batch": est["micro_batch_size"], "max_tokens": est.get("max_tokens"), "terms": terms,
+            "total": total,
             "kv_slots": {"estimate": est.get("kv_slots"), "measured": ro.get("slots")},
             "free_at_first_rollout_GiB": {"estimate": gib((est.get("kv") or {}).get("free")),
                                           "measured": gib(res.get("before_rollout", {}).get("free"))}}
@@ -435,7 +457,7 @@ def print_table(cmp: dict, est: dict, log) -> None:
         f"max_memory_allocated (reserved {tot['measured_peak_reserved_GiB']}, + context "
         f"{tot['measured_peak_reserved_plus_context_GiB']}; estimate with overhead {tot['estimate_GiB']})")
     log(f"  KV slots: estimate {cmp['kv_slots']['estimate']}, engine {cmp['kv_slots']['measured']}; "
-        f"within ±20%: {tot['within_20pct']}")
+        f"total within ±10%: {tot['within_10pct']}")
 
 
 def _env(device: str) -> dict:
@@ -450,13 +472,18 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override, section.key=value")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/memory_check_<device>_<date>.json)")
     ap.add_argument("--work", default=None, help="scratch dir for the random model (default /tmp/memory_check_<device>)")
-    ap.add_argument("--train-micro-batches", type=int, default=2, help="micro-batches of the measured steady step")
-    ap.add_argument("--full-step", action="store_true", help="the steady step runs the config's whole global batch")
+    ap.add_argument("--step-samples", type=int, default=0, help="samples of the whole step (default the config's "
+                                                                   "global batch)")
     ap.add_argument("--decode-mean", type=int, default=64, help="mean response length of the shortened decode")
-    ap.add_argument("--points", default=None, help=f"activation points 'BxS,...' (GPU default {GPU_POINTS}; '' none)")
-    ap.add_argument("--no-fallback", action="store_true", help="do not re-measure at the micro-batch that fits")
+    ap.add_argument("--throughput", action="store_true", help="after the step, the trainer alone: today's layout "
+                                                              "(unpacked, micro-batch 1) vs packed")
+    ap.add_argument("--throughput-budget", type=int, default=36864, help="tokens per packed micro-batch there")
+    ap.add_argument("--force-offload", action="store_true", help="offload the trainer's state even where the "
+                                                                 "config would not (CPU smoke)")
     ap.add_argument("--reuse", action="store_true", help="reuse the work dir's model if it is there")
-    ap.add_argument("--deadline", type=float, default=210.0, help="seconds after which the optional points are skipped")
+    ap.add_argument("--deadline", type=float, default=400.0, help="seconds after which the throughput rows are skipped")
+    ap.add_argument("--from-json", default=None, help="re-compare a measured JSON with the current plan (no GPU)")
+    ap.add_argument("--plan-label", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # 'setup': the child process
     args = ap.parse_args(argv)
     args.t_start = time.time()
@@ -472,6 +499,8 @@ def main(argv=None) -> int:
         return 0
 
     lines: list[str] = []
+    if args.from_json:
+        return recompare(args, S)
 
     def log(msg: str = "") -> None:
         print(msg, flush=True)
@@ -489,15 +518,24 @@ def main(argv=None) -> int:
                                      f"{date:%Y-%m-%d}.json")
     cfg = load_cfg(args.config, args.overrides, args.device)
     hf_config = hf_config_of(S)
-    gpu_gib = (torch.cuda.get_device_properties(0).total_memory / GIB) if args.device == "cuda" else 80.0
+    device_gib = (torch.cuda.get_device_properties(0).total_memory / GIB) if args.device == "cuda" else 80.0
+    # the plan's target: the config's cluster.gpu_memory_gb (the 24 GB card), else this GPU
+    gpu_gib = cfg.cluster.gpu_memory_gb or device_gib
+    from runtime.plan.memory import plan_choices
+    choices = plan_choices(cfg, hf_config, gpu_gib)  # what the run writes into its frozen config
+    if choices:
+        cfg = load_cfg(args.config, list(args.overrides) + [f"{k}={v}" for k, v in choices.items()], args.device)
     report: dict = {"benchmark": "memory_check", "date": date.strftime("%Y-%m-%dT%H:%M:%SZ"), "device": device_name,
                     "env": info, "config": str(args.config), "overrides": args.overrides, "shapes": S,
-                    "gpu_mem_GiB": round(gpu_gib, 2), "status": "started",
+                    "gpu_mem_GiB": round(gpu_gib, 2), "device_mem_GiB": round(device_gib, 2),
+                    "gpu_cap_GiB": os.environ.get("GPU_CAP_GIB"), "plan_choices": choices, "status": "started",
                     "notes": ["The engine's decode is cut short by stop tokens; its KV cache is preallocated at the "
-                              "production size before the first step, so the peak does not depend on the steps run.",
-                              "The steady train step runs --train-micro-batches micro-batches (default 2), not all of "
-                              "the global batch: each micro-batch frees its activations after its backward, so the "
-                              "peak over 2 is the peak over all (use --full-step to run them all)."]}
+                              "plan's size before the first step, so the peak does not depend on the steps run.",
+                              "activations: the worst micro-batch (full-length samples filling the token budget, or "
+                              "micro_batch_size of them), peak - allocated before; the whole step runs the global "
+                              "batch at the recipe's lengths (log-normal responses, 1/16 at the cap).",
+                              "throughput: all tokens (prompt + response) of the whole step / its seconds, trainer "
+                              "alone (the engine shut down), after a warm-up step at the same layout."]}
 
     def dump():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -509,7 +547,6 @@ def main(argv=None) -> int:
     for line in format_estimate(est).splitlines():
         log(line)
     report["estimate"] = _est_json(est)
-    report["estimate_80GiB_lines"] = format_estimate(estimate(cfg, hf_config, 80.0, args.device)).splitlines()
     dump()
 
     # the random model, in a child process (conversion starts its own gloo group)
@@ -529,8 +566,6 @@ def main(argv=None) -> int:
     assert param_counts(saved) == param_counts(hf_config), "setup wrote another model shape than estimated"
     log(f"random model + torch_dist conversion: {report['setup_s']} s")
 
-    points = args.points if args.points is not None else (GPU_POINTS if args.device == "cuda" else CPU_POINTS)
-    args.points_list = [tuple(int(x) for x in p.lower().split("x")) for p in points.split(",") if p.strip()]
     try:
         res = measure(cfg, S, W, args, est, hf_config, log)
     except Exception as e:  # noqa: BLE001 - the estimate is already out; say what broke
@@ -539,32 +574,15 @@ def main(argv=None) -> int:
         dump()
         return 1
     report["measured"] = res
-    main_ok = _train_ok(res["train"]) and res["rollout"].get("ok")
-    report["comparison"] = compare(est, res, "train")
+    t = res["train"]
+    main_ok = bool(res["rollout"].get("ok") and t["first_step"].get("ok") and t.get("steady_step", {}).get("ok"))
+    report["comparison"] = compare(est, res)
     print_table(report["comparison"], est, log)
-    if "train_fit" in res:
-        est_fit = estimate(cfg, hf_config, gpu_gib, args.device, micro_batch=res["train_fit"]["micro_batch"])
-        report["estimate_fit"] = _est_json(est_fit)
-        report["comparison_fit"] = compare(est_fit, res, "train_fit")
-        log(f"\nthe config's micro-batch {cfg.train.micro_batch_size} did not fit (the estimate said "
-            f"{'it fits' if est['fits'] else 'so'}); at micro-batch {res['train_fit']['micro_batch']}:")
-        print_table(report["comparison_fit"], est_fit, log)
-    from runtime.plan.memory import activation_bytes
-    pts = []
-    for p in res["points"]:
-        if p.get("skipped"):
-            continue
-        e = activation_bytes(hf_config, tp=1, micro_batch_size=p["micro_batch"], seq_len=p["seq_len"],
-                             dtype=S["dtype"], device=args.device, response_len=p["response_len"])
-        pts.append({"micro_batch": p["micro_batch"], "seq_len": p["seq_len"], "estimate_GiB": gib(e),
-                    "measured_GiB": gib(p.get("activations")), "ok": p["ok"],
-                    "ratio": round(e / p["activations"], 3) if p.get("activations") else None})
-    report["activation_points"] = pts
-    if pts:
-        log("\nactivations of one micro-batch (GiB): " + "; ".join(
-            f"{p['micro_batch']}x{p['seq_len']}: est {p['estimate_GiB']} / measured {p['measured_GiB']}"
-            f" ({p['ratio']})" for p in pts))
-    report["status"] = "ok" if main_ok else "ok (the config's layout ran out of memory)"
+    if res.get("throughput"):
+        report["throughput"] = {k: {"tokens_per_s": v.get("tokens_per_s"), "seconds": v.get("seconds"),
+                                    "tokens": v.get("tokens"), "peak_GiB": gib(v.get("peak")), "ok": v.get("ok")}
+                                for k, v in res["throughput"].items()}
+    report["status"] = "ok" if main_ok else "ran out of memory (see measured)"
     report["total_s"] = round(time.time() - args.t_start, 1)
     report["lines"] = lines
     dump()
@@ -572,10 +590,31 @@ def main(argv=None) -> int:
     return 0
 
 
+def recompare(args, S) -> int:
+    """The measurements of a saved run against the current plan (same config, overrides and plan choices)."""
+    report = json.loads(Path(args.from_json).read_text())
+    hf_config = hf_config_of(S)
+    overrides = list(report["overrides"]) + [f"{k}={v}" for k, v in (report.get("plan_choices") or {}).items()]
+    cfg = load_cfg(report["config"], overrides, args.device)
+    est = estimate(cfg, hf_config, report["gpu_mem_GiB"] if report["gpu_mem_GiB"] != round(
+        report["device_mem_GiB"], 2) else report["measured"]["gpu_total"] / GIB, args.device)
+    report["estimate_at_measurement"] = report.get("estimate")
+    report["estimate"] = _est_json(est)
+    report["comparison"] = compare(est, report["measured"])
+    report.setdefault("notes", []).append(
+        f"comparison recomputed with --from-json against the plan at {args.plan_label or 'the current code'}")
+    print_table(report["comparison"], est, print)
+    out = Path(args.out or args.from_json)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    print(f"JSON: {out}")
+    return 0
+
+
 def _est_json(est: dict) -> dict:
     keep = ("fits", "reason", "total", "weights", "grads", "optimizer", "activations", "kv_cache", "engine_weights",
             "rollout_activations", "overhead", "kv_slots", "kv_slot_len", "kv_max_slots", "decode_path", "attention",
-            "logprobs", "micro_batch_size", "seq_len", "fit_micro_batch", "gpu_mem_gb", "params", "bytes", "kv")
+            "logprobs", "micro_batch_size", "seq_len", "fit_micro_batch", "gpu_mem_gb", "params", "bytes", "kv",
+            "at_rollout", "at_training", "offload", "kv_released", "kv_chosen", "max_tokens", "recompute")
     return {k: est.get(k) for k in keep}
 
 

@@ -111,8 +111,8 @@ def sec_replay(S, W: Path, layout: str) -> dict:
     t0 = time.time()
     cluster = Cluster(cfg)
     trainer = cluster.trainer(
-        in_subprocesses=True, hf_dir=str(W / "hf"), init_checkpoint=str(W / "td"), train=cfg.train.model_dump(),
-        algorithm=cfg.algorithm.model_dump(), temperature=1.0)
+        in_subprocesses=True, hf_dir=str(W / "hf"), init_checkpoint=str(W / "td"), train=cfg.train,
+        algorithm=cfg.algorithm, temperature=1.0)
     load_s = time.time() - t0
     engine_lp, sync_s, extra = [], [], {}
     try:

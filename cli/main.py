@@ -63,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="check a config and print the plan")
     v.add_argument("config")
-    v.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GPU memory for the estimate (default 80)")
+    v.add_argument("--gpu-mem-gb", type=float, default=None,
+                   help="GPU memory of the target machine in GiB (default: cluster.gpu_memory_gb, else 80); "
+                        "a config that does not fit is an error (exit 2) naming settings that would")
     with_overrides(v)
 
     r = sub.add_parser("run", help="run the pipeline (fetch → convert → prepare → train → eval → register)")
@@ -265,13 +267,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "validate":
             from runtime.config import load_config
             cfg = load_config(args.config, args.overrides)
-            from runtime.plan.summary import layout_lines, memory_lines
+            from runtime.errors import ConfigError
+            from runtime.plan.summary import layout_lines, memory_report
             placement = layout_lines(cfg)  # before any output: a layout that cannot run is one line
             from runtime.grpo.preflight import check_trainable
             check_trainable(cfg)
             _print_plan(cfg)
-            for line in placement + memory_lines(cfg, args.gpu_mem_gb):
+            memory, does_not_fit = memory_report(cfg, args.gpu_mem_gb)
+            for line in placement + memory:
                 print(line)
+            if does_not_fit:
+                raise ConfigError(f"{args.config}: {does_not_fit}")
             print("config is valid")
             return 0
         if args.cmd == "report":

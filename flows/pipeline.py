@@ -4,6 +4,7 @@ from __future__ import annotations
 from prefect import flow
 
 from runtime.config import DEFAULT_ROOT, load_config
+from runtime.grpo.preflight import check_fits, check_trainable
 from runtime.run.lease import RunLease
 from runtime.run.directory import RunDir
 from runtime.run.frozen_config import freeze, frozen_config
@@ -28,9 +29,11 @@ def grpo_pipeline(config_path: str | None = None, overrides: list[str] | None = 
         cfg = frozen_config(probe, overrides)
     else:
         cfg = load_config(config_path, overrides)
+    check_trainable(cfg)  # cheap checks before anything is fetched or a GPU is taken
+    check_fits(cfg)
     rd = RunDir(root or cfg.storage.root, run_id, cfg.storage.state_dir).checked()  # fails early on an unusable S3 root
     with RunLease(rd):  # one writer per run
-        freeze(cfg, rd)
+        cfg = freeze(cfg, rd)  # with the memory plan's choices: the run uses what was frozen
         fetched = _stage(fetch_task, cfg, rd)
         converted = _stage(convert_task, cfg, rd, fetched)
         prepared = _stage(prepare_task, cfg, rd, fetched)

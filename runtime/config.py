@@ -44,6 +44,46 @@ class DataSection(Section):
     shuffle: bool = True
 
 
+# The `sglang.launch_server` flags the SGLang backend sets from rollout.sglang itself; `launch` may not repeat them.
+SGLANG_MANAGED_FLAGS = ("--model-path", "--model", "--tp-size", "--tensor-parallel-size", "--mem-fraction-static",
+                        "--host", "--port", "--random-seed", "--weight-version", "--base-gpu-id",
+                        "--enable-memory-saver", "--enable-deterministic-inference")
+SGLANG_PORT_STRIDE = 10  # with a fixed base port, engine i listens on port + 10 * i
+
+
+class SGLangSection(Section):
+    """`rollout.engine: sglang`: the SGLang servers grpoflow launches and feeds (docs/sglang.md)."""
+
+    # The server command prefix; None runs `python -m sglang.launch_server`. Extra server flags go at
+    # its end ("{python}" = the running Python).
+    launch: list[str] | None = None
+    mem_fraction: float = Field(0.7, gt=0, lt=1, description="--mem-fraction-static")
+    concurrency: int = Field(64, gt=0, description="requests in flight per SGLang engine")
+    num_engines: int = Field(1, gt=0)
+    tp_size: int = Field(1, gt=0)
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, lt=65536, description="0: free ports; else engine i uses port + 10*i")
+    startup_timeout_s: float = Field(900.0, gt=0)
+    request_timeout_s: float = Field(1800.0, gt=0, description="one /generate; long reasoning rollouts take minutes")
+    max_restarts: int = Field(3, ge=0, description="per engine, over its life")
+    weight_sync: Literal["disk", "tensor"] = "disk"
+    scratch_dir: str | None = None  # weights pushed to the engines + their logs; None: a temp dir
+    deterministic: bool = True  # --enable-deterministic-inference: sampling_seed honoured
+
+    @model_validator(mode="after")
+    def _launch_and_ports(self) -> "SGLangSection":
+        for flag in self.launch or []:
+            name = flag.split("=", 1)[0]
+            if name in SGLANG_MANAGED_FLAGS:
+                raise ValueError(f"launch sets {name}, which grpoflow sets itself; remove it (rollout.sglang has "
+                                 f"keys for it: tp_size, mem_fraction, host, port, deterministic)")
+        last = self.port + SGLANG_PORT_STRIDE * (self.num_engines - 1)
+        if self.port and last >= 65536:
+            raise ValueError(f"port={self.port}: engine i listens on port + {SGLANG_PORT_STRIDE}*i, and engine "
+                             f"{self.num_engines - 1}'s port {last} is past 65535; lower port or num_engines")
+        return self
+
+
 class RolloutSection(Section):
     engine: Literal["builtin", "sglang"] = "builtin"
     rollout_batch_size: int = Field(8, gt=0, description="prompts per rollout")
@@ -60,21 +100,21 @@ class RolloutSection(Section):
     # The built-in engine's KV cache: its size in GiB (None: what the memory plan leaves free on a GPU,
     # a bounded default on CPU). Part of the plan that `grpoflow validate` checks.
     kv_cache_gb: float | None = Field(None, gt=0)
-    # SGLang backend (docs/sglang.md). sglang_launch: the server command prefix; None runs
-    # `python -m sglang.launch_server`; extra server flags go at its end ("{python}" = this Python).
-    sglang_launch: list[str] | None = None
-    sglang_mem_fraction: float = Field(0.7, gt=0, lt=1)
-    sglang_concurrency: int = Field(64, gt=0, description="requests in flight per SGLang engine")
-    sglang_num_engines: int = Field(1, gt=0)
-    sglang_tp_size: int = Field(1, gt=0)
-    sglang_host: str = "127.0.0.1"
-    sglang_port: int = Field(0, ge=0, lt=65536, description="0: free ports; else engine i uses port + 10*i")
-    sglang_startup_timeout_s: float = Field(900.0, gt=0)
-    sglang_request_timeout_s: float = Field(1800.0, gt=0)
-    sglang_max_restarts: int = Field(3, ge=0, description="per engine")
-    sglang_weight_sync: Literal["disk", "tensor"] = "disk"
-    sglang_scratch_dir: str | None = None  # weights pushed to the engines + their logs; None: a temp dir
-    sglang_deterministic: bool = True  # --enable-deterministic-inference: sampling_seed honoured
+    # The built-in engine's decoder: paged = our paged KV cache with continuous batching and preemption
+    # (CUDA graphs and the Triton kernel on CUDA); hf = HF's forward with a dynamic cache (the reference);
+    # auto = paged where the model family has it (runtime/rollout/decode_model.py), else hf.
+    decode_path: Literal["auto", "paged", "hf"] = "auto"
+    sglang: SGLangSection = SGLangSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_sglang_keys(cls, data: Any) -> Any:
+        # the flat rollout.sglang_* keys of older configs (and of frozen configs of older runs)
+        old = sorted(k for k in data if isinstance(k, str) and k.startswith("sglang_")) if isinstance(data, dict) else []
+        if old:
+            raise ValueError(f"{old[0]} is now sglang.{old[0].removeprefix('sglang_')}: the SGLang settings are one "
+                             f"section, rollout.sglang; move it there")
+        return data
 
 
 class AlgorithmSection(Section):
@@ -123,6 +163,25 @@ class TrainSection(Section):
     tensor_parallel: int = Field(1, gt=0)
     data_parallel: int = Field(1, gt=0, description="unset: cluster.trainer_gpus / tensor_parallel (1 without GPUs)")
     seed: int = 1234
+    # -- memory (runtime/plan/memory.py models each of these; `grpoflow validate` names the ones that fit) --
+    # megatron activation recomputation: none; selective (the named submodules of every layer are run again
+    # in the backward instead of keeping their outputs; "core_attn" saves nothing beside flash attention);
+    # full (whole layers keep only their input: the first recompute_num_layers of them, None = all).
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_modules: list[Literal["layernorm", "mlp", "core_attn"]] = Field(
+        default_factory=lambda: ["layernorm", "mlp"])
+    recompute_num_layers: int | None = Field(None, gt=0)
+    # Micro-batches by a token budget: samples packed back to back without padding (per-sample positions,
+    # attention within each sample), as many as fit this many tokens. None: micro_batch_size samples, padded.
+    max_tokens_per_micro_batch: int | None = Field(None, gt=0)
+    # -- numerics of the trainer's forward (change results within float noise; the defaults are the fast ones) --
+    # chunked output layer for the log-probs (no [tokens x vocab] fp32 logits): auto = at TP 1 on CUDA
+    chunked_logprobs: Literal["auto", "on", "off"] = "auto"
+    # pure-PyTorch fusions on CUDA (runtime/mcore/fusions.py): auto = all of them; none; or a list. CPU: none.
+    fusions: Literal["auto", "none"] | list[Literal["rope", "swiglu", "bda", "gqa"]] = "auto"
+    # core attention: auto = torch SDPA (flash) on CUDA, megatron's unfused one on CPU (SDPA there too when
+    # packing); sdpa; megatron (refuses packed micro-batches)
+    core_attention: Literal["auto", "sdpa", "megatron"] = "auto"
 
 
 class EvalSection(Section):
@@ -161,6 +220,9 @@ class ClusterSection(Section):
     # Memory of one GPU of the target machine, in GiB (24 for an RTX 4090): the plan `grpoflow validate`
     # checks and the run re-checks before it takes a GPU. None: the GPU found at run time (80 for validate).
     gpu_memory_gb: float | None = Field(None, gt=0)
+    # The trainer's gradients, fp32 master weights and Adam state go to pinned CPU memory while the engine
+    # generates (colocated), and come back for the update. auto: on when colocated on a GPU.
+    offload_trainer_state: Literal["auto", "on", "off"] = "auto"
 
 
 DEFAULT_ROOT = "./grpoflow-data"  # storage.root when a config or a command names none
@@ -221,6 +283,23 @@ class GrpoConfig(Section):
             raise ValueError(
                 f"train.global_batch_size={t.global_batch_size} must be divisible by train.data_parallel × "
                 f"train.micro_batch_size = {dp} × {t.micro_batch_size}")
+        if t.max_tokens_per_micro_batch is not None:
+            longest = self.data.max_prompt_len + r.max_new_tokens
+            if t.max_tokens_per_micro_batch < longest:
+                raise ValueError(
+                    f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} is below the longest sample "
+                    f"(data.max_prompt_len + rollout.max_new_tokens = {longest}); raise it to at least {longest}")
+            if t.core_attention == "megatron":
+                raise ValueError("train.max_tokens_per_micro_batch packs samples, which megatron's own core attention "
+                                 "refuses; set train.core_attention=auto (or sdpa)")
+        if t.recompute_num_layers is not None and t.recompute != "full":
+            raise ValueError(f"train.recompute_num_layers={t.recompute_num_layers} is only read with "
+                             f"train.recompute=full (got {t.recompute}); remove it or set recompute: full")
+        if t.recompute == "selective" and not t.recompute_modules:
+            raise ValueError("train.recompute=selective needs train.recompute_modules (e.g. [layernorm, mlp])")
+        if t.chunked_logprobs == "on" and t.tensor_parallel != 1:
+            raise ValueError(f"train.chunked_logprobs=on needs train.tensor_parallel=1 (got {t.tensor_parallel}); "
+                             f"under TP the log-probs use megatron's vocab-parallel cross-entropy: set it to auto")
         if self.eval.interval is not None and self.eval.interval % self.checkpoint.interval != 0:
             raise ValueError(
                 f"eval.interval={self.eval.interval} must be a multiple of checkpoint.interval="

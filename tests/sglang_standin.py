@@ -1,4 +1,4 @@
-"""A stand-in for SGLang's HTTP server, for testing `runtime/rollout/sglang.py` where SGLang cannot run.
+"""A stand-in for SGLang's HTTP server, for testing `runtime/rollout/sglang/` where SGLang cannot run.
 
 It is NOT SGLang and runs no model. It speaks the subset of SGLang's native HTTP API that the
 client uses, with the request and response shapes read from SGLang 0.5.23 (the PyPI wheel):
@@ -27,12 +27,17 @@ real torch.distributed broadcast (/init_weights_update_group + /update_weights_f
 gloo on CPU; torch is imported only then). The same tensors give the same digest whichever way they
 came, so a restarted engine re-synced from disk serves what its peers got by broadcast.
 Test-only extras:
-  GET  /_calls   every call so far: path, body, status, wall-clock start/end, pid; max in-flight
+  GET  /_calls   every call so far: path, body, status, wall-clock start/end (t0, t1), their order
+                 in this process (n0, n1: a counter, so order needs no clock), pid; max in-flight
   GET  /_weights the weight table, its digest and the weight version
   POST /_hang    from now on answer nothing (a server that stops answering)
+  POST /_stall_generate {"marker": PATH}   from now on hold every rollout /generate (not the
+                 client's log-prob probes) without answering, after creating PATH: a test waits for
+                 PATH to know a request is in flight here, then kills or shuts down (no sleeps)
   --calls-file   also append each call as a JSON line there (survives the process being killed)
   --startup-delay S   sleep S seconds before binding the port (like SGLang loading a model)
-  --gen-delay S, --gen-jitter S   each /generate sleeps S (+ up to S' pseudo-random) seconds
+  --health-503-count N   answer the first N health checks with 503 (like SGLang still warming up)
+  --gen-jitter S                   each /generate sleeps up to S pseudo-random seconds (answers out of order)
   --ignore-weight-updates          update calls succeed but the weights do not change
   --weight-sync-timeout-s S        the weight-sync group's timeout (joining, each broadcast)
 Stdlib only until a weight-sync group is joined, so it starts in a fraction of a second.
@@ -43,6 +48,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -150,7 +156,9 @@ class State:
         self.inflight_generate = 0
         self.max_inflight_generate = 0
         self.hung = False
-        self.ready_at = time.monotonic() + args.health_503_s
+        self.stall_marker: str | None = None  # /_stall_generate
+        self.health_503_left = args.health_503_count
+        self.order = itertools.count()  # n0/n1 of the calls
         self.sync_groups: dict = {}  # group_name -> torch.distributed group (weight sync)
 
     def record(self, entry: dict) -> None:
@@ -243,10 +251,8 @@ def generate(state: State, body: dict) -> tuple[int, object]:
         meta["input_token_logprobs"] = logprob_entries(start) if start >= 0 else []
         meta["output_token_logprobs"] = output_lps
         meta["output_token_logprobs_length"] = len(output_lps)
-    delay = state.args.gen_delay
     if state.args.gen_jitter:
-        delay += random.Random(_u64("jitter", *input_ids, seed)).random() * state.args.gen_jitter
-    time.sleep(delay)
+        time.sleep(random.Random(_u64("jitter", *input_ids, seed)).random() * state.args.gen_jitter)
     return 200, {"text": "".join(f"<{t}>" for t in output_ids), "output_ids": output_ids, "meta_info": meta}
 
 
@@ -391,7 +397,7 @@ def make_handler(state: State):
             self.wfile.write(data)
 
         def _handle(self, method: str) -> None:
-            t0 = time.time()
+            t0, n0 = time.time(), next(state.order)
             path = self.path.split("?", 1)[0]
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
@@ -409,17 +415,25 @@ def make_handler(state: State):
                 if isinstance(summary, dict) and "serialized_named_tensors" in summary:
                     summary["serialized_named_tensors"] = [len(p) for p in summary["serialized_named_tensors"]]
                 state.record({"path": path, "method": method, "body": summary, "status": status,
-                              "t0": t0, "t1": time.time(), "pid": os.getpid()})
+                              "t0": t0, "t1": time.time(), "n0": n0, "n1": next(state.order), "pid": os.getpid()})
             self._send(status, payload, text)
 
         def _route(self, method: str, path: str, body):
             if path in ("/health", "/health_generate"):
-                return (503 if time.monotonic() < state.ready_at else 200), "", True
+                with state.lock:
+                    warming, state.health_503_left = state.health_503_left > 0, max(state.health_503_left - 1, 0)
+                return (503 if warming else 200), "", True
             if path in ("/model_info", "/get_model_info"):
                 return 200, {"model_path": state.model_path, "tokenizer_path": state.args.model_path,
                              "is_generation": True, "preferred_sampling_params": None,
                              "weight_version": state.weight_version}, False
             if path == "/generate" and method in ("POST", "PUT"):
+                probe = str((body or {}).get("rid", "")).startswith("gf-logprobs")
+                if state.stall_marker and not probe:
+                    with open(state.stall_marker, "a"):
+                        pass
+                    while True:  # held until the process ends
+                        time.sleep(3600)
                 with state.lock:
                     state.inflight_generate += 1
                     state.max_inflight_generate = max(state.max_inflight_generate, state.inflight_generate)
@@ -455,6 +469,9 @@ def make_handler(state: State):
             if path == "/_hang" and method == "POST":
                 state.hung = True
                 return 200, {"hung": True}, False
+            if path == "/_stall_generate" and method == "POST":
+                state.stall_marker = str((body or {})["marker"])
+                return 200, {"stalling": True}, False
             return 404, {"detail": "Not Found"}, False
 
         def do_GET(self):
@@ -485,8 +502,7 @@ def parse_args(argv=None):
     # test-only
     p.add_argument("--calls-file", default=None)
     p.add_argument("--startup-delay", type=float, default=0.0)
-    p.add_argument("--health-503-s", type=float, default=0.0)
-    p.add_argument("--gen-delay", type=float, default=0.0)
+    p.add_argument("--health-503-count", type=int, default=0)
     p.add_argument("--gen-jitter", type=float, default=0.0)
     p.add_argument("--ignore-weight-updates", action="store_true")
     p.add_argument("--weight-sync-timeout-s", type=float, default=600.0)

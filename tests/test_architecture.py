@@ -20,7 +20,9 @@ GROUP_IMPLEMENTATIONS = {"runtime/placement/groups.py", "runtime/placement/subpr
 
 def _params(fn) -> list[tuple[str, object, object]]:
     sig = inspect.signature(fn)
-    return [(p.name, p.kind, p.default) for p in sig.parameters.values() if p.name != "self"]
+    # Ray's tracing adds `_ray_trace_ctx` to the methods of a class it has made an actor of
+    return [(p.name, p.kind, p.default) for p in sig.parameters.values()
+            if p.name != "self" and not p.name.startswith("_ray")]
 
 
 def _forwarded(handle_cls) -> list[str]:

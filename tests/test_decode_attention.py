@@ -1,4 +1,4 @@
-"""The Triton decode kernel against its PyTorch reference, run by Triton's interpreter on the CPU.
+"""The Triton decode kernels (slot cache and paged cache) against its PyTorch reference, run by Triton's interpreter on the CPU.
 
 The interpreter decides at import time, so the check runs in a child process with TRITON_INTERPRET=1.
 Its numpy backend has no bfloat16 matmul, so the dtypes here are fp32 and fp16; bf16 is checked on the
@@ -54,6 +54,54 @@ def _check() -> None:
     assert torch.allclose(ref[b], direct, atol=1e-5)
 
 
+def _check_paged() -> None:
+    import torch
+
+    from runtime.rollout.decode_attention import (paged_decode_attention, reference_decode_attention,
+                                                  reference_paged_decode_attention)
+
+    torch.manual_seed(0)
+    pages, page, nkv, hd, nh = 20, 4, 2, 16, 4
+    prefix_cols, own_cols = 3, 6
+    # rows: two share prompt pages [5, 9, 2]; a row whose prompt fills its columns; an idle row on the null
+    # page; one prompt token; pages out of order
+    table = torch.zeros(5, prefix_cols + own_cols, dtype=torch.int32)
+    table[0, :3], table[1, :3] = torch.tensor([5, 9, 2]), torch.tensor([5, 9, 2])
+    table[0, 3:4], table[1, 3:8] = torch.tensor([7]), torch.tensor([11, 3, 14, 1, 6])
+    table[2, :3], table[2, 3:9] = torch.tensor([4, 8, 10]), torch.tensor([12, 13, 15, 16, 17, 18])
+    table[4, :1], table[4, 3:5] = torch.tensor([19]), torch.tensor([2 - 1, 6])  # page 1 and 6 are shared own pages
+    plen = torch.tensor([10, 10, 12, 0, 1])
+    own = torch.tensor([1, 17, 24, 1, 7])
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        k = torch.randn(pages, page, nkv, hd).to(dtype)
+        v = torch.randn_like(k)
+        q = torch.randn(5, nh, hd).to(dtype)
+        ref = reference_paged_decode_attention(q.float(), k.float(), v.float(), table, plen, own, prefix_cols, hd ** -0.5)
+        for split_tokens in (16, 32):
+            out = paged_decode_attention(q, k, v, table, plen, own, prefix_cols, hd ** -0.5, split_tokens=split_tokens,
+                                         block_n=16)
+            err = (out.float() - ref).abs().max().item()
+            assert out.dtype == dtype and err < tol, (dtype, split_tokens, err)
+        # pages not in a row's table, and positions past its lengths, are never read
+        k2, v2 = k.clone(), v.clone()
+        used = {(int(table[b, c]), t) for b in range(5) for c in range(prefix_cols + own_cols) for t in range(page)
+                if (c < prefix_cols and c * page + t < plen[b]) or (c >= prefix_cols and (c - prefix_cols) * page + t < own[b])}
+        for p in range(pages):
+            for t in range(page):
+                if (p, t) not in used:
+                    k2[p, t], v2[p, t] = 1e4, float("nan")
+        kw = dict(split_tokens=16, block_n=16)
+        assert torch.equal(paged_decode_attention(q, k2, v2, table, plen, own, prefix_cols, hd ** -0.5, **kw),
+                           paged_decode_attention(q, k, v, table, plen, own, prefix_cols, hd ** -0.5, **kw))
+    # the paged reference is plain attention over [the row's prompt pages, its own pages]
+    b = 1
+    keys = torch.cat([k[table[b, :3].long()].reshape(-1, nkv, hd)[:10], k[table[b, 3:].long()].reshape(-1, nkv, hd)[:17]])
+    vals = torch.cat([v[table[b, :3].long()].reshape(-1, nkv, hd)[:10], v[table[b, 3:].long()].reshape(-1, nkv, hd)[:17]])
+    direct = reference_decode_attention(q[b:b + 1].float(), keys[None].float(), vals[None].float(), torch.tensor([0]),
+                                        torch.tensor([27]), torch.tensor([0]), 27, hd ** -0.5)
+    assert torch.allclose(ref[b:b + 1], direct, atol=1e-5)
+
+
 def test_triton_kernel_matches_the_reference():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300,
@@ -64,3 +112,4 @@ def test_triton_kernel_matches_the_reference():
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     _check()
+    _check_paged()

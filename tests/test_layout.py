@@ -52,9 +52,9 @@ def test_gpus_on_offer_and_rollout_gpus():
     layout.check_layout(cfg(cluster={"trainer_gpus": 2, "rollout_gpus": 1}), gpus_available=2)  # colocated
     with pytest.raises(ConfigError, match="the built-in engine runs on one GPU"):
         layout.check_layout(cfg(cluster={"trainer_gpus": 2, "rollout_gpus": 2}))
-    with pytest.raises(ConfigError, match=r"rollout.sglang_num_engines × sglang_tp_size = 2 × 1"):
+    with pytest.raises(ConfigError, match=r"rollout.sglang.num_engines × sglang.tp_size = 2 × 1"):
         layout.check_layout(cfg(cluster={"trainer_gpus": 4, "rollout_gpus": 4},
-                                rollout={"engine": "sglang", "sglang_num_engines": 2}))
+                                rollout={"engine": "sglang", "sglang": {"num_engines": 2}}))
 
 
 def test_placement_and_weight_sync_path():

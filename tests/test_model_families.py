@@ -270,8 +270,8 @@ def test_one_grpo_rollout_with_trainer_and_builtin_engine(converted, name):
 
     hf_dir, td, _ = converted[name]
     cfg = GrpoConfig()
-    trainer = MegatronTrainer(hf_dir=str(hf_dir), init_checkpoint=str(td), train=cfg.train.model_dump(),
-                              algorithm=cfg.algorithm.model_dump(), temperature=1.0)
+    trainer = MegatronTrainer(hf_dir=str(hf_dir), init_checkpoint=str(td), train=cfg.train,
+                              algorithm=cfg.algorithm, temperature=1.0)
     engine = BuiltinEngine(str(hf_dir))
     try:
         tok = engine.tokenizer

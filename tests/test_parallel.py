@@ -44,8 +44,8 @@ def _run(tiny_checkpoint, dp: int, tp: int) -> dict:
     })
     cluster = Cluster(cfg).start()
     try:
-        trainer = cluster.trainer(hf_dir=hf, init_checkpoint=td, train=cfg.train.model_dump(),
-                                  algorithm=cfg.algorithm.model_dump(), temperature=1.0)
+        trainer = cluster.trainer(hf_dir=hf, init_checkpoint=td, train=cfg.train,
+                                  algorithm=cfg.algorithm, temperature=1.0)
         group = trainer.group  # per-rank results: every rank's metrics and gradients are compared
         from runtime.models import load_hf_config
         batch = recorded_batch(load_hf_config(hf).vocab_size)
@@ -114,8 +114,8 @@ def test_local_backend_tp2_processes_and_broadcast_weight_sync(tiny_checkpoint, 
         "algorithm": {"kl_coef": 0.0, "use_tis": True}})
     cluster = Cluster(cfg)
     assert cluster.trainer_in_subprocesses and cluster.weight_sync == "broadcast"
-    trainer = cluster.trainer(hf_dir=hf, init_checkpoint=td, train=cfg.train.model_dump(),
-                              algorithm=cfg.algorithm.model_dump(), temperature=1.0)
+    trainer = cluster.trainer(hf_dir=hf, init_checkpoint=td, train=cfg.train,
+                              algorithm=cfg.algorithm, temperature=1.0)
     group = trainer.group
     try:
         assert isinstance(group, SubprocessGroup) and len(set(group.call("pid"))) == 2

@@ -152,7 +152,23 @@ def test_tracking_has_one_point_per_rollout_after_rerun(reference_run):
 
 def test_validate_prints_a_memory_estimate_for_a_local_model(reference_run, capsys):
     model = RunDir(reference_run["root"], "ref").hf_model
-    assert main(["validate", "configs/tiny.yaml", "--set", f"model.source={model}", "--gpu-mem-gb", "0.5"]) == 0
+    assert main(["validate", "configs/tiny.yaml", "--set", f"model.source={model}"]) == 0
     out = capsys.readouterr().out
-    assert "memory per GPU" in out and "KV cache" in out
-    assert "DOES NOT FIT" in out, out  # its 1 GiB overhead alone exceeds 0.5 GiB
+    assert "memory per GPU" in out and "KV cache" in out and "config is valid" in out
+    # a config that does not fit is an error: exit 2, one line (its 1 GiB overhead alone exceeds 0.5 GiB)
+    assert main(["validate", "configs/tiny.yaml", "--set", f"model.source={model}", "--gpu-mem-gb", "0.5"]) == 2
+    captured = capsys.readouterr()
+    assert "DOES NOT FIT" in captured.out and "config is valid" not in captured.out
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: configs/tiny.yaml: memory: "), err
+
+
+def test_validate_the_24gb_recipe_and_the_80gb_one_on_24gb(capsys):
+    """hf:// models not fetched: the plan uses the shipped config.json and says so."""
+    assert main(["validate", "configs/qwen3-0.6b-dapo-24gb.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "of 24 GiB" in out and "assumed: Qwen/Qwen3-0.6B is not fetched yet" in out
+    assert "the plan chooses rollout.kv_cache_gb=" in out
+    assert main(["validate", "configs/qwen3-0.6b-dapo.yaml", "--gpu-mem-gb", "24"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "fits with train.recompute=" in err[0], err

@@ -6,6 +6,9 @@ colocate memory release/resume, weight sync by a real gloo broadcast from a Mega
 stand-in joins the group and receives the tensors), restart + re-sync of a killed or hung engine,
 start-up failures and timeouts. They do not show that a real SGLang server accepts any of it, nor
 anything about NCCL.
+
+Kills, hangs and shutdowns happen on events, never after a sleep: the stand-in creates a marker file
+when it holds a request (`stall`), and the test waits for that file. Such tests are marked `race`.
 """
 
 from __future__ import annotations
@@ -24,19 +27,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.config import config_from_dict
+from runtime.config import SGLangSection, config_from_dict
 from runtime.errors import ConfigError, ModelError, TransientError
 from runtime.rollout.base import SampleRequest, SamplingParams
-from runtime.rollout.sglang import (
-    INSTALL_HINT,
-    SGLangEngine,
-    SGLangError,
-    SGLangSettings,
-    _Aborted,
-    _StaleWeights,
-    parse_generate_response,
-    sampling_seed_for,
-)
+from runtime.rollout.sglang import INSTALL_HINT, SGLangEngine, SGLangError, SGLangSettings, Supervision
+from runtime.rollout.sglang.http_protocol import Aborted, StaleWeights, parse_generate_response, sampling_seed_for
+from runtime.rollout.sglang.server_process import server_command
 
 STANDIN = Path(__file__).with_name("sglang_standin.py")
 VOCAB, EOS = 96, 2
@@ -54,16 +50,20 @@ def model_dir(tmp_path):
 
 @pytest.fixture
 def start(tmp_path, model_dir):
-    """start(*standin_flags, **settings) -> a running SGLangEngine on stand-ins; all killed by pid afterwards."""
+    """start(*standin_flags, colocate=, sync_backend=, **rollout_sglang_keys) -> a running SGLangEngine on
+    stand-ins; all killed by pid afterwards. Its timeouts are generous (a loaded 2-core machine can be
+    tens of times slower than an idle one); tests of a timeout set their own."""
     made: list[SGLangEngine] = []
     calls_file = tmp_path / "calls.jsonl"
 
-    def _start(*flags, model=None, **overrides):
-        settings = dict(launch=["{python}", str(STANDIN), "--calls-file", str(calls_file), *flags],
-                        scratch_dir=str(tmp_path / "scratch"), random_seed=1, health_poll_s=0.05,
-                        kill_grace_s=2.0, health_timeout_s=0.5, request_timeout_s=5.0, startup_timeout_s=10.0)
-        settings.update(overrides)
-        eng = SGLangEngine(model_dir=str(model or model_dir), settings=SGLangSettings(**settings))
+    def _start(*flags, model=None, colocate=False, sync_backend="nccl", **section):
+        keys = dict(launch=["{python}", str(STANDIN), "--calls-file", str(calls_file), *flags],
+                    scratch_dir=str(tmp_path / "scratch"), request_timeout_s=60.0, startup_timeout_s=60.0)
+        keys.update(section)
+        settings = SGLangSettings(section=SGLangSection(**keys), colocate=colocate, random_seed=1,
+                                  sync_backend=sync_backend,
+                                  supervision=Supervision(health_poll_s=0.05, kill_grace_s=2.0, health_timeout_s=0.5))
+        eng = SGLangEngine(settings, str(model or model_dir))
         made.append(eng)
         return eng
 
@@ -73,7 +73,7 @@ def start(tmp_path, model_dir):
     finally:
         for eng in made:
             eng.shutdown()
-            for proc in eng._procs:  # belt and braces: nothing we started outlives the test
+            for proc in eng.pool.procs:  # belt and braces: nothing we started outlives the test
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
@@ -101,6 +101,19 @@ def alive(pid: int) -> bool:
     return True
 
 
+def wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
+    """Wait for an event (a file exists, a state is reached); the deadline only turns a hang into a failure."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.01)
+
+
+def stall(eng, index: int, marker: Path) -> None:
+    """Have server `index` hold every rollout request from now on, creating `marker` when it holds one."""
+    httpx.post(eng.urls[index] + "/_stall_generate", json={"marker": str(marker)}, trust_env=False, timeout=60).raise_for_status()
+
+
 def make_requests(n_prompts=3, n_samples=2, seed=7, rollout=0):
     return [SampleRequest(prompt_ids=[10 + p, 20 + p, 30 + p], key=(seed, rollout, p, s))
             for p in range(n_prompts) for s in range(n_samples)]
@@ -118,7 +131,7 @@ def as_tuples(results):
 
 def test_generate_payloads_and_parsing(start):
     eng = start()
-    cmd = eng._command(eng._engines[0])
+    cmd = server_command(eng.settings, eng.model_dir, eng.pool.servers[0])
     for flag, value in [("--model-path", eng.model_dir), ("--tp-size", "1"), ("--mem-fraction-static", "0.7"),
                         ("--host", "127.0.0.1"), ("--weight-version", "0"), ("--random-seed", "1")]:
         assert cmd[cmd.index(flag) + 1] == value
@@ -161,10 +174,10 @@ def test_response_parsing_edge_cases():
                         "output_token_logprobs": [[-0.5, 4, None], [-1.25, 2, None]]}}
     res = parse_generate_response(ok, req, expected_version="3")
     assert res.response_ids == [4, 2] and res.response_logprobs == [-0.5, -1.25] and res.finish_reason == "stop"
-    with pytest.raises(_StaleWeights):
+    with pytest.raises(StaleWeights):
         parse_generate_response(ok, req, expected_version="4")
     abort = {**ok, "meta_info": {**ok["meta_info"], "finish_reason": {"type": "abort", "message": "paused"}}}
-    with pytest.raises(_Aborted):
+    with pytest.raises(Aborted):
         parse_generate_response(abort, req)
     with pytest.raises(SGLangError, match="disagree"):
         parse_generate_response({**ok, "output_ids": [4, 3]}, req)
@@ -172,6 +185,7 @@ def test_response_parsing_edge_cases():
         parse_generate_response({**ok, "meta_info": {"finish_reason": {"type": "length", "length": 2}}}, req)
 
 
+@pytest.mark.race
 def test_order_under_concurrency_across_engines(start):
     eng = start("--gen-jitter", "0.04", num_engines=2, concurrency=3)
     assert len(set(eng.pids)) == 2 and len(set(eng.urls)) == 2
@@ -181,7 +195,7 @@ def test_order_under_concurrency_across_engines(start):
     shuffled = requests[::2] + requests[1::2]
     again = dict(zip([r.key for r in shuffled], eng.generate(shuffled, SAMPLING)))
     assert as_tuples(again[r.key] for r in requests) == as_tuples(results)
-    per_engine = [httpx.get(u + "/_calls", trust_env=False).json() for u in eng.urls]
+    per_engine = [httpx.get(u + "/_calls", trust_env=False, timeout=60).json() for u in eng.urls]
     for info in per_engine:
         assert 0 < len(rollout_generates(info["calls"])) < 60  # both engines took a share
         assert info["max_inflight_generate"] <= 3
@@ -197,13 +211,14 @@ def test_logprobs_of_matches_generation(start):
 # ---- weight sync ----------------------------------------------------------------------------------
 
 
+@pytest.mark.race
 def test_update_weights_from_disk_calls_and_order(start):
     eng = start()
     requests = make_requests()
     before = eng.generate(requests, SAMPLING)
     tied = torch.randn(4, 3)
     tensors = {"model.embed_tokens.weight": tied, "lm_head.weight": tied, "w": torch.randn(5)}
-    t_update = time.time()
+    done_before_update = len(read_calls(start.calls_file))
     eng.update_weights(tensors, 1)
     assert eng.weight_version == 1 and eng.health()["ok"]
     wdir = Path(eng.health()["weights_dir"])
@@ -219,11 +234,13 @@ def test_update_weights_from_disk_calls_and_order(start):
     up = updates[0]
     assert up["body"] == {"model_path": str(wdir), "weight_version": "1", "flush_cache": True, "abort_all_requests": False}
     gens = [c for c in calls if c["path"] == "/generate"]
+    # (n0, n1: the order of start and end in the one server, by its counter, not by a clock)
     # no generation overlaps the update; rollout requests sent before it came back before it started
-    assert all(g["t1"] <= up["t0"] or g["t0"] >= up["t1"] for g in gens)
-    assert all(g["t1"] <= up["t0"] for g in rollout_generates(gens) if g["t0"] < t_update)
+    assert all(g["n1"] < up["n0"] or g["n0"] > up["n1"] for g in gens)
+    sent_before = rollout_generates(calls[:done_before_update])
+    assert len(sent_before) == len(requests) and all(g["n1"] < up["n0"] for g in sent_before)
     # right after the update, a probe (fixed tokens, input log-probs) checks the new weights
-    first_after = min((g for g in gens if g["t0"] >= up["t1"]), key=lambda g: g["t0"])
+    first_after = min((g for g in gens if g["n0"] > up["n1"]), key=lambda g: g["n0"])
     assert is_probe(first_after) and first_after["body"]["logprob_start_len"] == 0
 
     eng.update_weights({"w": torch.randn(5)}, 2)
@@ -232,7 +249,7 @@ def test_update_weights_from_disk_calls_and_order(start):
 
 def test_unchanged_weights_are_warned_about(start, caplog):
     eng = start("--ignore-weight-updates")
-    with caplog.at_level("WARNING", logger="runtime.rollout.sglang"):
+    with caplog.at_level("WARNING", logger="runtime.rollout.sglang"):  # the package's loggers are its children
         eng.update_weights({"w": torch.ones(3)}, 1)
     assert any("did not change" in r.getMessage() for r in caplog.records)
     assert eng.weight_version == 1
@@ -240,7 +257,7 @@ def test_unchanged_weights_are_warned_about(start, caplog):
 
 def test_colocate_release_and_resume_order(start):
     eng = start(colocate=True)
-    assert "--enable-memory-saver" in eng._command(eng._engines[0])
+    assert "--enable-memory-saver" in server_command(eng.settings, eng.model_dir, eng.pool.servers[0])
     eng.release_memory()
     assert eng.health()["released"]
     eng.update_weights({"w": torch.randn(3)}, 1)
@@ -254,6 +271,31 @@ def test_colocate_release_and_resume_order(start):
                    ("/resume_memory_occupation", ["weights"]), ("/update_weights_from_disk", None),
                    ("/resume_memory_occupation", ["kv_cache"]),
                    ("/flush_cache", None), ("/release_memory_occupation", None), ("/resume_memory_occupation", None)]
+
+
+def test_resume_memory_takes_it_back_before_any_request(start):
+    eng = start(colocate=True)
+
+    def memory_calls():
+        return [(c["path"], c.get("body")) for c in read_calls(start.calls_file)
+                if c["path"] not in ("/generate", "/health_generate", "/health")]
+
+    eng.resume_memory()  # nothing released: nothing sent
+    eng.release_memory()
+    eng.release_memory()  # already released: nothing sent
+    assert eng.health()["released"]
+    eng.resume_memory()
+    assert not eng.health()["released"]
+    expected = [("/flush_cache", None), ("/release_memory_occupation", {}), ("/resume_memory_occupation", {})]
+    assert memory_calls() == expected
+    # generate sends no resume of its own, and the stand-in (which answers 400 to a /generate while
+    # anything is released) serves it: the memory is back
+    assert len(eng.generate(make_requests(1, 2), SAMPLING)) == 2
+    assert memory_calls() == expected
+    # without colocate the servers have no memory saver: release is a no-op
+    plain = start()
+    plain.release_memory()
+    assert not plain.health()["released"]
 
 
 def test_tensor_sync_payloads(start):
@@ -275,20 +317,21 @@ def test_tensor_sync_payloads(start):
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    """(trainer group, HF dir) of a tiny Qwen3 (tied embeddings) on CPU; killed after the module."""
+    """(trainer handle, HF dir) of a tiny Qwen3 (tied embeddings) on CPU; killed after the module."""
     from runtime.config import GrpoConfig
     from runtime.mcore.convert import hf_to_torch_dist
     from runtime.placement.ports import free_port
     from runtime.models.tiny import build_tiny_qwen3
+    from runtime.placement.handles import TrainerHandle
     from runtime.placement.subprocess_group import SubprocessGroup
     root = tmp_path_factory.mktemp("sglang-broadcast")
     hf = build_tiny_qwen3(root / "hf", seed=5)["path"]
     hf_to_torch_dist(hf, str(root / "td"))
     cfg = GrpoConfig.model_validate({"train": {"micro_batch_size": 8, "lr": 1e-2}})
-    group = SubprocessGroup("runtime.trainer.megatron_trainer:MegatronTrainer", [dict(
-        hf_dir=str(hf), init_checkpoint=str(root / "td"), train=cfg.train.model_dump(),
-        algorithm=cfg.algorithm.model_dump(), temperature=1.0, rank=0, world_size=1, master_port=free_port(),
-        num_threads=1)])
+    group = TrainerHandle(SubprocessGroup("runtime.trainer.megatron_trainer:MegatronTrainer", [dict(
+        hf_dir=str(hf), init_checkpoint=str(root / "td"), train=cfg.train,
+        algorithm=cfg.algorithm, temperature=1.0, rank=0, world_size=1, master_port=free_port(),
+        num_threads=1)]))
     try:
         yield group, Path(hf)
     finally:
@@ -300,22 +343,21 @@ def train_step(trainer, seed: int) -> None:
     from runtime.trainer.batch import TrainBatch
     g = torch.Generator().manual_seed(seed)
     tokens = [torch.randint(3, 50, (8,), generator=g).tolist() for _ in range(8)]
-    trainer.call("train", TrainBatch(tokens, [4] * 8, torch.randn(8, generator=g).tolist(), [[1] * 4] * 8,
-                                     [[-1.0] * 4] * 8))
+    trainer.train(TrainBatch(tokens, [4] * 8, torch.randn(8, generator=g).tolist(), [[1] * 4] * 8, [[-1.0] * 4] * 8))
 
 
 def form_group(eng, trainer, name: str) -> list:
     """What TrainSession does for cluster.weight_sync=broadcast: rank 0 and every engine rank join."""
-    host, port = trainer.call("weight_sync_address")[0]
+    host, port = trainer.weight_sync_address()
     world = 1 + eng.weight_sync_ranks()
-    pending = trainer.submit("init_weight_sync", host, port, world, name)
+    pending = trainer.init_weight_sync(host, port, world, name)
     eng.init_weight_sync(host, port, 1, world, name)
     pending.get()
-    return trainer.call("weights_metadata")[0]
+    return trainer.weights_metadata()
 
 
 def push(eng, trainer, metadata, version: int) -> None:
-    pending = trainer.submit("broadcast_weights")  # rank 0 sends while the engines receive
+    pending = trainer.broadcast_weights()  # rank 0 sends while the engines receive
     try:
         eng.receive_weights(metadata, version)
     finally:
@@ -328,11 +370,11 @@ def sha256(t: torch.Tensor) -> str:
 
 
 def served_weights(eng) -> list[dict]:
-    return [httpx.get(url + "/_weights", trust_env=False).json() for url in eng.urls]
+    return [httpx.get(url + "/_weights", trust_env=False, timeout=60).json() for url in eng.urls]
 
 
 def assert_serves_trainer_weights(eng, trainer, version: int) -> None:
-    hf = trainer.call("hf_weights")[0]
+    hf = trainer.hf_weights()
     want = {k: [str(t.dtype).removeprefix("torch."), list(t.shape), sha256(t)] for k, t in hf.items()}
     assert want.pop("lm_head.weight") == want["model.embed_tokens.weight"]  # tied: sglang skips lm_head
     for served in served_weights(eng):
@@ -340,12 +382,14 @@ def assert_serves_trainer_weights(eng, trainer, version: int) -> None:
     assert eng.weight_version == version and eng.health()["ok"]
 
 
+@pytest.mark.race
 @pytest.mark.timeout(150)  # includes building the module's trainer
 def test_broadcast_from_a_megatron_trainer_and_a_restart(start, trainer):
-    from runtime.placement.cluster import LocalGroup
+    from runtime.placement.groups import LocalGroup
+    from runtime.placement.handles import EngineHandle
     from runtime.placement.weight_sync import TrainerToEngine
     group, hf = trainer
-    eng = start("--weight-sync-timeout-s", "30", model=hf, num_engines=2, sync_backend="gloo", request_timeout_s=30.0)
+    eng = start("--weight-sync-timeout-s", "30", model=hf, num_engines=2, sync_backend="gloo")
     assert eng.weight_sync_ranks() == 2 and not eng.weight_sync_ready()
     with pytest.raises(SGLangError, match="no weight-sync group"):
         eng.receive_weights([], 1)  # refused before anything is sent
@@ -355,7 +399,7 @@ def test_broadcast_from_a_megatron_trainer_and_a_restart(start, trainer):
     before = eng.generate(requests, SAMPLING)
     train_step(group, seed=1)
 
-    link = TrainerToEngine(group, LocalGroup([eng]), "broadcast", tensors_on_cpu=False, group_name="gf_bcast_a")
+    link = TrainerToEngine(group, EngineHandle(LocalGroup([eng])), "broadcast", tensors_on_cpu=False, group_name="gf_bcast_a")
     assert eng.weight_sync_ready()
     link.push(1)
     assert_serves_trainer_weights(eng, group, 1)
@@ -374,7 +418,8 @@ def test_broadcast_from_a_megatron_trainer_and_a_restart(start, trainer):
     assert set(sent[0]["dtypes"]) == {"float32"} and sent[0]["shapes"][0] == list(link.metadata[0][2])
 
     # a restart: version 1 exists only in the engines, so the restarted one comes back stale and gets
-    # no requests; the other serves on (same weights, same seeds: the same samples)
+    # no requests; the other serves on (same weights, same seeds: the same samples). Engine 0 is dead
+    # before the generate starts, and that generate's first request goes to it (least busy, lowest index).
     victim = eng.pids[0]
     os.kill(victim, signal.SIGKILL)
     assert as_tuples(eng.generate(requests, SAMPLING)) == as_tuples(expected)
@@ -393,16 +438,17 @@ def test_broadcast_from_a_megatron_trainer_and_a_restart(start, trainer):
     assert [(c["pid"], c["body"]["group_name"]) for c in left] == [(eng.pids[1], "gf_bcast_a")]  # the survivor left
 
 
+@pytest.mark.race
 @pytest.mark.timeout(150)  # includes building the module's trainer
 def test_failed_broadcast_is_an_error_not_a_hang(start, trainer):
     group, hf = trainer
-    eng = start("--weight-sync-timeout-s", "30", model=hf, sync_backend="gloo", request_timeout_s=30.0)
+    eng = start("--weight-sync-timeout-s", "30", model=hf, sync_backend="gloo")
     metadata = form_group(eng, group, "gf_bcast_bad")
     bad = [("model.layers.0.mlp.not_there.weight" if i == 3 else n, d, s) for i, (n, d, s) in enumerate(metadata)]
-    t0 = time.monotonic()
+    # not a hang: every tensor is received (the trainer finishes), then the name fails - well before the
+    # group's 30 s timeout, which would fail with another message
     with pytest.raises(SGLangError, match=r"not_there.*not in the model.*discard the whole weights"):
-        push(eng, group, bad, 1)  # every tensor is received (the trainer finishes), then the name fails
-    assert time.monotonic() - t0 < 20
+        push(eng, group, bad, 1)
     assert eng.weight_version == 0 and not eng.weight_sync_ready()
     assert [e["state"] for e in eng.health()["engines"]] == ["stale"]  # maybe partly updated: serves nothing
     with pytest.raises(TransientError, match="no SGLang engine serves"):
@@ -411,7 +457,7 @@ def test_failed_broadcast_is_an_error_not_a_hang(start, trainer):
         eng.receive_weights(metadata, 1)  # refused at once: no collective is started
     # update_weights (disk) brings every engine, stale ones too, to the trainer's weights
     train_step(group, seed=3)
-    eng.update_weights(group.call("hf_weights")[0], 1)
+    eng.update_weights(group.hf_weights(), 1)
     assert_serves_trainer_weights(eng, group, 1)
     assert eng.generate(make_requests(1, 1), SAMPLING)
     # and a new group carries broadcasts again
@@ -426,20 +472,25 @@ def test_failed_broadcast_is_an_error_not_a_hang(start, trainer):
 # ---- faults ---------------------------------------------------------------------------------------
 
 
-def test_killed_engine_is_restarted_and_resynced(start):
-    eng = start("--gen-delay", "0.05", num_engines=2, concurrency=2)
+@pytest.mark.race
+def test_killed_engine_is_restarted_and_resynced(start, tmp_path):
+    eng = start(num_engines=2, concurrency=2)  # (the held requests fail by the kill, long before their timeout)
     eng.update_weights({"w": torch.randn(6)}, 1)
     requests = make_requests(6, 3)
     expected = eng.generate(requests, SAMPLING)
     victim = eng.pids[0]
+    received = tmp_path / "engine-0-holds-a-request"
+    stall(eng, 0, received)
     out: dict = {}
     worker = threading.Thread(target=lambda: out.setdefault("results", eng.generate(requests, SAMPLING)))
-    t_kill = time.time() + 0.12
     worker.start()
-    time.sleep(0.12)
-    os.kill(victim, signal.SIGKILL)
+    wait_for(received.exists, "engine 0 to hold a rollout request")
+    t_kill = time.time()
+    os.kill(victim, signal.SIGKILL)  # with requests in flight on it
     worker.join(timeout=30)
     assert as_tuples(out["results"]) == as_tuples(expected)  # nothing lost, same samples (same seeds)
+    # the retried requests may all have gone to engine 1: wait for engine 0's restart to end
+    wait_for(lambda: eng.health()["engines"][0]["state"] in ("ready", "stale", "dead"), "engine 0's restart to end")
     h = eng.health()
     assert h["ok"] and h["engines"][0]["restarts"] == 1 and eng.pids[0] != victim
     assert not alive(victim)
@@ -450,19 +501,21 @@ def test_killed_engine_is_restarted_and_resynced(start):
     assert eng.generate(requests[:2], SAMPLING)  # and it keeps serving
 
 
+@pytest.mark.race
 def test_hung_engine_times_out_and_is_restarted(start):
-    eng = start(request_timeout_s=1.0)
+    eng = start(request_timeout_s=3.0)
     requests = make_requests(2, 2)
     expected = eng.generate(requests, SAMPLING)
     old = eng.pids[0]
-    httpx.post(eng.urls[0] + "/_hang", trust_env=False)
-    t0 = time.monotonic()
+    httpx.post(eng.urls[0] + "/_hang", trust_env=False, timeout=60)
     results = eng.generate(requests, SAMPLING)
-    assert time.monotonic() - t0 < 10
     assert as_tuples(results) == as_tuples(expected)
-    assert eng.health()["engines"][0]["restarts"] == 1 and not alive(old)
+    h = eng.health()["engines"][0]
+    assert h["restarts"] == 1 and not alive(old)
+    assert "timed out after 3s" in h["last_fault"]  # found by the request timeout, not by waiting longer
 
 
+@pytest.mark.race
 def test_engine_gives_up_after_max_restarts(start):
     eng = start(max_restarts=0)
     os.kill(eng.pids[0], signal.SIGKILL)
@@ -475,26 +528,30 @@ def test_engine_gives_up_after_max_restarts(start):
 
 
 def test_bad_model_path_surfaces_the_server_error(start, tmp_path):
-    t0 = time.monotonic()
+    # the exit is seen (ModelError), not waited out (start-up timeout: a TransientError)
     with pytest.raises(ModelError, match=r"exited with code 1 during start-up.*can't load the configuration") as err:
         start(model=tmp_path / "no-such-model")
-    assert time.monotonic() - t0 < 5 and "\n" not in str(err.value)
+    assert "\n" not in str(err.value)
 
 
+@pytest.mark.race
 def test_startup_timeout_kills_the_server(start, tmp_path):
-    t0 = time.monotonic()
     with pytest.raises(TransientError, match="not healthy within 1s"):
         start("--startup-delay", "30", startup_timeout_s=1.0)
-    assert time.monotonic() - t0 < 6
     logs = list((tmp_path / "scratch").glob("*/logs/engine-0.log"))
-    pid = int(re.search(r"pid=(\d+)", logs[0].read_text()).group(1))
+    # the client logs the pid it launched (the server may not have printed anything within 1 s)
+    pid = int(re.search(r"engine 0 is pid (\d+)", logs[0].read_text()).group(1))
     assert not alive(pid)
 
 
+@pytest.mark.race
 def test_health_wait_rides_out_503_and_shutdown_kills_every_pid(start):
-    eng = start("--health-503-s", "0.3", num_engines=2)
+    eng = start("--health-503-count", "3", num_engines=2)
     pids = eng.pids
     assert all(alive(p) for p in pids) and eng.health()["ok"]
+    health = [(c["pid"], c["status"]) for c in read_calls(start.calls_file) if c["path"] == "/health_generate"]
+    for pid in pids:  # three 503s, then the 200 the client waited for
+        assert [st for p, st in health if p == pid][:4] == [503, 503, 503, 200]
     eng.shutdown()
     eng.shutdown()  # twice is fine
     assert not any(alive(p) for p in pids)
@@ -507,21 +564,25 @@ def test_missing_sglang_names_the_install_command(tmp_path, model_dir):
         pytest.skip("sglang is installed here")
     from runtime.rollout.factory import make_engine
     scratch = tmp_path / "scratch"
-    cfg = config_from_dict({"rollout": {"engine": "sglang", "sglang_scratch_dir": str(scratch)}})
+    cfg = config_from_dict({"rollout": {"engine": "sglang", "sglang": {"scratch_dir": str(scratch)}}})
     with pytest.raises(ConfigError) as err:
         make_engine(cfg=cfg, model_dir=str(model_dir), device="cpu", dtype="float32")
     assert INSTALL_HINT in str(err.value) and "\n" not in str(err.value)
     assert not scratch.exists()  # failed before launching or writing anything
 
 
-def test_launch_command_may_not_repeat_managed_flags(model_dir):
+def test_launch_command_may_not_repeat_managed_flags():
+    # refused by the config (so by `grpoflow validate`), before any engine is built
     with pytest.raises(ConfigError, match="--port"):
-        SGLangEngine(model_dir=str(model_dir), settings=SGLangSettings(launch=[sys.executable, "-m", "x", "--port", "1"]))
+        config_from_dict({"rollout": {"sglang": {"launch": [sys.executable, "-m", "x", "--port", "1"]}}})
 
 
-def test_shutdown_during_generate_does_not_hang(start):
-    eng = start("--gen-delay", "0.5")
+@pytest.mark.race
+def test_shutdown_during_generate_does_not_hang(start, tmp_path):
+    eng = start()
     pid = eng.pids[0]
+    received = tmp_path / "engine-0-holds-a-request"
+    stall(eng, 0, received)  # the generate below cannot finish: shutdown must end it
     out: dict = {}
 
     def run():
@@ -532,7 +593,7 @@ def test_shutdown_during_generate_does_not_hang(start):
 
     worker = threading.Thread(target=run)
     worker.start()
-    time.sleep(0.15)
+    wait_for(received.exists, "engine 0 to hold a rollout request")
     eng.shutdown()
     worker.join(timeout=10)
     assert not worker.is_alive() and "error" in out
@@ -540,15 +601,26 @@ def test_shutdown_during_generate_does_not_hang(start):
 
 
 def test_settings_come_from_the_config():
-    cfg = config_from_dict({"rollout": {"engine": "sglang", "sglang_num_engines": 2, "sglang_tp_size": 4,
-                                        "sglang_concurrency": 16, "sglang_port": 31000, "sglang_weight_sync": "tensor",
-                                        "sglang_deterministic": False, "sglang_launch": ["{python}", "-m", "sglang.launch_server", "--attention-backend", "fa3"]},
-                            "cluster": {"colocate": False, "device": "cpu"}, "train": {"seed": 99}})
-    s = SGLangSettings.from_config(cfg, kill_grace_s=1.0)
-    assert (s.num_engines, s.tp_size, s.concurrency, s.port, s.weight_sync, s.deterministic) == (2, 4, 16, 31000, "tensor", False)
-    assert (s.colocate, s.random_seed, s.kill_grace_s, s.mem_fraction) == (False, 99, 1.0, 0.7)
+    cfg = config_from_dict({"rollout": {"engine": "sglang", "sglang": {
+        "num_engines": 2, "tp_size": 4, "concurrency": 16, "port": 31000, "weight_sync": "tensor",
+        "deterministic": False, "launch": ["{python}", "-m", "sglang.launch_server", "--attention-backend", "fa3"]}},
+        "cluster": {"colocate": False, "device": "cpu"}, "train": {"seed": 99}})
+    s = SGLangSettings.from_config(cfg, Supervision(kill_grace_s=1.0))
+    assert s.section is cfg.rollout.sglang  # the section itself, not a copy with defaults of its own
+    sec = s.section
+    assert (sec.num_engines, sec.tp_size, sec.concurrency, sec.port, sec.weight_sync, sec.deterministic) == (2, 4, 16, 31000, "tensor", False)
+    assert (s.colocate, s.random_seed, s.supervision.kill_grace_s, sec.mem_fraction) == (False, 99, 1.0, 0.7)
     assert s.sync_backend == "gloo"  # the trainer's: gloo on CPU, nccl on CUDA
     assert s.launch_prefix() == [sys.executable, "-m", "sglang.launch_server", "--attention-backend", "fa3"]
     assert s.uses_real_sglang()
     with pytest.raises(ConfigError):
-        config_from_dict({"rollout": {"sglang_weight_sync": "nccl"}})
+        config_from_dict({"rollout": {"sglang": {"weight_sync": "nccl"}}})
+
+
+def test_sglang_section_rejects_unknown_and_moved_keys():
+    with pytest.raises(ConfigError, match=r"unknown key 'rollout.sglang.num_engine'; known keys here: .*num_engines"):
+        config_from_dict({"rollout": {"sglang": {"num_engine": 2}}})
+    with pytest.raises(ConfigError, match=r"sglang_tp_size is now sglang.tp_size"):  # the flat keys of before
+        config_from_dict({"rollout": {"engine": "sglang", "sglang_tp_size": 2}})
+    with pytest.raises(ConfigError, match=r"rollout.sglang: port=65530: .*engine 1's port 65540"):
+        config_from_dict({"rollout": {"sglang": {"port": 65530, "num_engines": 2}}})

@@ -131,25 +131,25 @@ def test_secrets_are_stripped_from_params(root):
     flat = flatten_params({
         "hub": {"hf_token": "hf_abc", "api_key": "k1", "password": "p", "aws_secret_access_key": "s",
                 "credentials": "c", "key": "k2"},
-        "rollout": {"max_new_tokens": 16, "top_k": -1, "sglang_launch": ["--api-key", "sk-1", "--port", "30000",
-                                                                          "--admin-token=tok"]},
+        "rollout": {"max_new_tokens": 16, "top_k": -1, "sglang": {"launch": ["--api-key", "sk-1", "--port", "30000",
+                                                                                     "--admin-token=tok"]}},
         "data": {"input_key": "question", "label_key": "answer", "source": "https://user:pw@host/d.jsonl"},
     })
     assert not any(k.startswith("hub.") for k in flat), flat
     assert flat["rollout.max_new_tokens"] == "16" and flat["rollout.top_k"] == "-1"
     assert flat["data.input_key"] == "question" and flat["data.label_key"] == "answer"
     assert "pw" not in flat["data.source"] and flat["data.source"] == "https://user:***@host/d.jsonl"
-    assert "sk-1" not in flat["rollout.sglang_launch"] and "tok" not in flat["rollout.sglang_launch"].replace("token", "")
-    assert "30000" in flat["rollout.sglang_launch"]
+    assert "sk-1" not in flat["rollout.sglang.launch"] and "tok" not in flat["rollout.sglang.launch"].replace("token", "")
+    assert "30000" in flat["rollout.sglang.launch"]
     assert redact_uri("http://u:secret@h:5000/x") == "http://u:***@h:5000/x"
 
-    cfg = make_cfg(root, rollout={"sglang_launch": ["--api-key", "sk-live-123"]},
+    cfg = make_cfg(root, rollout={"sglang": {"launch": ["--api-key", "sk-live-123"]}},
                    model={"source": "https://bob:hunter2@models.example/m"})
     t = Tracker(cfg, RunDir(str(root), "secrets-1"))
     params = client_for(t.uri).get_run(t.run_id).data.params
     everything = " ".join(f"{k}={v}" for k, v in params.items())
     assert "sk-live-123" not in everything and "hunter2" not in everything
-    assert params["rollout.sglang_launch"] == "['--api-key', '***']"
+    assert params["rollout.sglang.launch"] == "['--api-key', '***']"
 
 
 def test_disabled_tracker_is_a_no_op(tmp_path):
@@ -355,8 +355,8 @@ def test_export_of_a_trainer_checkpoint_loads_in_transformers_and_generates(tmp_
     build_tiny_qwen3(rd.hf_model, seed=3, corpus=builtin_corpus(0, 300))
     hf_to_torch_dist(rd.hf_model, rd.torch_dist)
     base = GrpoConfig()
-    trainer = MegatronTrainer(hf_dir=rd.hf_model, init_checkpoint=rd.torch_dist, train=base.train.model_dump(),
-                              algorithm=base.algorithm.model_dump(), temperature=1.0)
+    trainer = MegatronTrainer(hf_dir=rd.hf_model, init_checkpoint=rd.torch_dist, train=base.train,
+                              algorithm=base.algorithm, temperature=1.0)
     with torch.no_grad():  # make the checkpoint differ from the fetched model, so the export must carry it
         for p in trainer.model.parameters():
             p.add_(0.01)

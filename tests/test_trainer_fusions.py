@@ -6,7 +6,7 @@
 * a whole tiny GPT with RoPE, SwiGLU and bias-dropout-add fusions on (torch.compile forced eager)
   gives the logits and gradients of the unfused model;
 * SdpaCoreAttention with native GQA (``enable_gqa``) against the ``repeat_interleave`` path;
-* the switches: nothing on CPU, ``GRPOFLOW_TRAINER_FUSIONS`` on CUDA.
+* the switches: nothing on CPU, ``train.fusions`` on CUDA.
 """
 from __future__ import annotations
 
@@ -104,22 +104,16 @@ def _qwen3_config(**kw):
     return Qwen3Config(**args)
 
 
-def test_switches(monkeypatch):
+def test_switches():
     import torch.nn.functional as F
 
-    monkeypatch.delenv(mf.ENV, raising=False)
     assert mf.active("cpu") == () and mf.active("cuda") == mf.FUSIONS
-    monkeypatch.setenv(mf.ENV, "all")
-    assert mf.active("cpu") == ()  # CPU: never, whatever the variable says
-    monkeypatch.setenv(mf.ENV, "gqa, rope")
-    assert mf.active("cuda") == ("rope", "gqa")
-    monkeypatch.setenv(mf.ENV, "none")
-    assert mf.active("cuda") == ()
-    monkeypatch.setenv(mf.ENV, "rope,flash")
+    assert mf.active("cpu", "auto") == ()  # CPU: never, whatever the setting says
+    assert mf.active("cuda", ["gqa", "rope"]) == ("rope", "gqa")
+    assert mf.active("cuda", "none") == ()
     with pytest.raises(ValueError, match="flash"):
-        mf.active("cuda")
+        mf.active("cuda", ["rope", "flash"])
 
-    monkeypatch.delenv(mf.ENV)
     arch = dict(gated_linear_unit=True, activation_func=F.silu, rotary_interleaved=False)
     assert mf.config_kwargs("cpu", arch) == dict(apply_rope_fusion=False, bias_activation_fusion=False,
                                                  bias_dropout_fusion=False)
@@ -127,26 +121,47 @@ def test_switches(monkeypatch):
                                                   bias_dropout_fusion=True)
     # GLM4's interleaved RoPE: megatron refuses the fusion without TE >= 2.3, so it stays unfused
     assert mf.config_kwargs("cuda", {**arch, "rotary_interleaved": True})["apply_rope_fusion"] is False
-    monkeypatch.setenv(mf.ENV, "swiglu")
-    assert mf.config_kwargs("cuda", arch) == dict(apply_rope_fusion=False, bias_activation_fusion=True,
-                                                  bias_dropout_fusion=False)
+    assert mf.config_kwargs("cuda", arch, ["swiglu"]) == dict(apply_rope_fusion=False, bias_activation_fusion=True,
+                                                            bias_dropout_fusion=False)
+    # the config section takes the same values and refuses others
+    from runtime.config import TrainSection
+    assert TrainSection(fusions=["rope", "swiglu"]).fusions == ["rope", "swiglu"]
+    with pytest.raises(Exception, match="fusions"):
+        TrainSection(fusions=["flash"])
 
 
-def test_transformer_config_flags_per_device(monkeypatch):
+def test_transformer_config_flags_per_device():
     """CPU builds keep every fusion off; a CUDA config (built, not run) passes megatron's validation
-    with them on, and each is switched off by the variable."""
+    with them on, and each is switched off by the setting."""
     from runtime.mcore.env import build_transformer_config
 
-    monkeypatch.setenv(mf.ENV, "all")
     cfg = _qwen3_config()
     flags = ("apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion")
     cpu = build_transformer_config(cfg, device="cpu")
     assert [getattr(cpu, f) for f in flags] == [False, False, False]
     cuda = build_transformer_config(cfg, device="cuda", dtype=torch.bfloat16)
     assert [getattr(cuda, f) for f in flags] == [True, True, True]
-    monkeypatch.setenv(mf.ENV, "none")
-    cuda = build_transformer_config(cfg, device="cuda", dtype=torch.bfloat16)
+    cuda = build_transformer_config(cfg, device="cuda", dtype=torch.bfloat16, fusions="none")
     assert [getattr(cuda, f) for f in flags] == [False, False, False]
+
+
+def test_packed_rope_restarts_positions_per_sample():
+    """The packed (thd) RoPE megatron calls with the fusion on: each sample rotated from position 0,
+    equal to megatron's unfused thd path (eager here: CPU tensors are not compiled)."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    lens = [5, 1, 7]
+    cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    assert mf.packed_positions(cu, 13).tolist() == [0, 1, 2, 3, 4, 0, 0, 1, 2, 3, 4, 5, 6]
+    g = torch.Generator().manual_seed(4)
+    t = torch.randn(13, 4, 32, generator=g)
+    freqs = _freqs(7, 32, False)
+    got = mf.fused_apply_rotary_pos_emb_thd(t, cu, freqs)
+    start = 0
+    for n in lens:  # each sample alone, bshd, positions 0..n-1
+        ref = _apply_rotary_pos_emb_bshd(t[start:start + n, None], freqs[:n])[:, 0]
+        torch.testing.assert_close(got[start:start + n], ref, rtol=0, atol=1e-6)
+        start += n
 
 
 # ---- a whole model with the fusions on, compiled code forced eager ---------------------------------------

@@ -13,3 +13,13 @@ def check_trainable(cfg: GrpoConfig) -> None:
     if cfg.rollout.custom_rollout:
         from runtime.rollout.custom import load_custom_rollout
         load_custom_rollout(cfg.rollout.custom_rollout)
+
+
+def check_fits(cfg: GrpoConfig) -> None:
+    """Raise ConfigError (one line naming settings that would fit) when the memory plan says the run
+    does not fit `cluster.gpu_memory_gb` (80 GiB when unset)."""
+    from runtime.errors import ConfigError
+    from runtime.plan.summary import memory_report
+    _, does_not_fit = memory_report(cfg)
+    if does_not_fit:
+        raise ConfigError(does_not_fit)

@@ -17,6 +17,7 @@ from runtime.grpo.rollout_batch import advantages, rollout_metrics, to_train_bat
 from runtime.placement.cluster import Cluster
 from runtime.placement.handles import EngineHandle, TrainerHandle
 from runtime.placement.weight_sync import TrainerToEngine
+from runtime.plan.memory import offload_enabled
 from runtime.rewards.catalog import get_reward_fn
 from runtime.run import checkpoint
 from runtime.run.directory import RunDir
@@ -45,6 +46,7 @@ class TrainSession:
             self.custom_rollout = load_custom_rollout(cfg.rollout.custom_rollout)
         self.trainer: TrainerHandle | None = None
         self.engine: EngineHandle | None = None
+        self.offload = offload_enabled(cfg, self.cluster.device)
         self.at: int | None = None  # rollouts done by the state the live actors hold
         self.state: dict = {}
         self.builds = 0
@@ -55,7 +57,7 @@ class TrainSession:
         c = self.cfg
         self.trainer = self.cluster.trainer(
             hf_dir=self.rd.local(self.rd.hf_model), init_checkpoint=self.rd.local(self.rd.torch_dist),
-            train=c.train.model_dump(), algorithm=c.algorithm.model_dump(), temperature=c.rollout.temperature)
+            train=c.train, algorithm=c.algorithm, temperature=c.rollout.temperature)
         self.engine = self.cluster.engine(self.rd.local(self.rd.hf_model))
         self.collector = Collector(c, self.engine, self.dataset, self.tokenizer, self.reward_fn, self.custom_rollout)
         self.at = None
@@ -105,10 +107,17 @@ class TrainSession:
     def rollout(self, rollout_id: int) -> dict[str, Any]:
         c = self.cfg
         t0 = time.time()
+        colocated = c.cluster.colocate
+        if self.offload:
+            self.trainer.offload_state()  # grads, master weights, Adam to host while the engine generates
+        if colocated:
+            self.engine.resume_memory()  # the KV pool back from the last update
         batch = self.collector.collect(rollout_id, self.state["cursor"])  # generate + score (+ dynamic sampling)
         adv = advantages(batch, c.rollout.n_samples_per_prompt, c.algorithm.normalize_adv_std)
-        if c.cluster.colocate:
+        if colocated:
             self.engine.release_memory()  # the trainer gets the memory generation used
+        if self.offload:
+            self.trainer.reload_state()
         train = self.trainer.train(to_train_batch(batch, adv))
         t_sync = time.time()
         self.weights.push(version=rollout_id + 1)

@@ -43,18 +43,26 @@ def _resolve_device(device: str) -> str:
 def _install_cpu_shims() -> None:
     if _state["saved_cuda_fns"] is not None:
         return
-    _state["saved_cuda_fns"] = (torch.cuda.current_device, torch.cuda.synchronize)
+    rng = tensor_parallel.random
+    _state["saved_cuda_fns"] = (torch.cuda.current_device, torch.cuda.synchronize,
+                                rng._get_cuda_rng_state, rng._set_cuda_rng_state)
     # megatron passes current_device() as a device argument (RoPE buffers, DDP grad buffers,
     # optimizer scalars); "cpu" makes those land on CPU.
     torch.cuda.current_device = lambda: "cpu"
     # the torch_dist writer synchronises after device-to-host copies
     torch.cuda.synchronize = lambda *a, **k: None
+    # activation recomputation (tensor_parallel.checkpoint, CheckpointWithoutOutput) saves and restores
+    # the CPU, CUDA and tracker RNG states around the recomputed forward; on CPU the CPU state (which it
+    # saves itself) is the device's, so the CUDA one is an empty stand-in.
+    rng._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    rng._set_cuda_rng_state = lambda *a, **k: None
 
 
 def _remove_cpu_shims() -> None:
     saved = _state["saved_cuda_fns"]
     if saved is not None:
-        torch.cuda.current_device, torch.cuda.synchronize = saved
+        rng = tensor_parallel.random
+        torch.cuda.current_device, torch.cuda.synchronize, rng._get_cuda_rng_state, rng._set_cuda_rng_state = saved
         _state["saved_cuda_fns"] = None
 
 
@@ -169,12 +177,52 @@ def cuda_to_cpu() -> contextlib.AbstractContextManager:
     return _CudaToCpuMode() if device == "cpu" else contextlib.nullcontext()
 
 
+def _patch_checkpoint_without_output() -> None:
+    """megatron-core's ``CheckpointWithoutOutput`` (selective "layernorm" recompute) sets
+    ``self.fp8 = fp8 is not None``, True for its default ``fp8=False``, and then calls TE's FP8 state
+    manager, a NameError without TE (0.16.1). Without TE there is no FP8: its ``fp8`` is made False."""
+    rng = tensor_parallel.random
+    cls = rng.CheckpointWithoutOutput
+    if getattr(rng, "HAVE_TE", False) or getattr(cls, "_grpoflow_no_fp8", False):
+        return
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.fp8 = False
+
+    cls.__init__ = __init__
+    cls._grpoflow_no_fp8 = True
+
+
+def recompute_kwargs(recompute: str = "none", modules=("layernorm", "mlp"), num_layers: int | None = None,
+                     total_layers: int | None = None) -> dict:
+    """``TransformerConfig`` fields for ``train.recompute`` / ``recompute_modules`` / ``recompute_num_layers``.
+    full: megatron's "block" method over the first ``num_layers`` layers (None: all ``total_layers``),
+    each of which keeps only its input and runs again in the backward."""
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        if "layernorm" in modules:
+            _patch_checkpoint_without_output()
+        return dict(recompute_granularity="selective", recompute_modules=list(modules))
+    if recompute == "full":
+        n = num_layers if num_layers is not None else total_layers
+        if n is None:
+            raise ValueError("full recompute needs num_layers or total_layers")
+        return dict(recompute_granularity="full", recompute_method="block",
+                    recompute_num_layers=min(int(n), int(total_layers or n)))
+    raise ValueError(f"recompute must be none, selective or full, not {recompute!r}")
+
+
 def build_transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                             init_weights: bool = True, **overrides):
+                             init_weights: bool = True, fusions: str | list = "auto", recompute: str = "none",
+                             recompute_modules=("layernorm", "mlp"), recompute_num_layers: int | None = None,
+                             **overrides):
     """megatron ``TransformerConfig`` for an HF config: the family's architecture fields plus the
     settings RL post-training wants (no dropout, none of the fusions that need TE/apex). On CUDA the
-    pure-PyTorch fusions of :mod:`runtime.mcore.fusions` (RoPE, SwiGLU, bias-dropout-add) are on
-    unless $GRPOFLOW_TRAINER_FUSIONS says otherwise; on CPU all are off."""
+    pure-PyTorch fusions of :mod:`runtime.mcore.fusions` (RoPE, SwiGLU, bias-dropout-add) per
+    ``fusions`` (``train.fusions``); on CPU all are off. ``recompute*``: :func:`recompute_kwargs`."""
     from megatron.core.transformer import TransformerConfig
 
     from runtime.mcore import fusions as megatron_fusions
@@ -196,7 +244,8 @@ def build_transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, d
         gradient_accumulation_fusion=False,
     )
     # apply_rope_fusion, bias_activation_fusion, bias_dropout_fusion: False on CPU
-    kwargs.update(megatron_fusions.config_kwargs(device, {**kwargs, **overrides}))
+    kwargs.update(megatron_fusions.config_kwargs(device, {**kwargs, **overrides}, fusions))
+    kwargs.update(recompute_kwargs(recompute, recompute_modules, recompute_num_layers, kwargs["num_layers"]))
     if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__:
         # 0.16's default "full" warns as deprecated on every build; [] means the same thing.
         kwargs["cuda_graph_scope"] = []
@@ -204,26 +253,43 @@ def build_transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, d
     return TransformerConfig(**kwargs)
 
 
+def uses_sdpa_attention(device: str, core_attention: str = "auto", packed: bool = False) -> bool:
+    """Whether the trainer's model gets :class:`SdpaCoreAttention` (``train.core_attention``): auto = on
+    CUDA, and on CPU for packed micro-batches (megatron's own refuses them)."""
+    if core_attention == "sdpa":
+        return True
+    if core_attention == "megatron":
+        return False
+    if core_attention != "auto":
+        raise ValueError(f"core_attention must be auto, sdpa or megatron, not {core_attention!r}")
+    return _resolve_device(device) == "cuda" or packed
+
+
 def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                    init_weights: bool = True, parallel_output: bool = True, **config_overrides):
+                    init_weights: bool = True, parallel_output: bool = True, fusions: str | list = "auto",
+                    core_attention: str = "auto", packed: bool = False, **config_overrides):
     """A megatron ``GPTModel`` with the architecture of ``hf_config`` and its family's layer spec
-    (``adapter.layer_spec``: megatron-core's local spec unless the family needs its own).
+    (``adapter.layer_spec``: megatron-core's local spec unless the family needs its own), its core
+    attention per :func:`uses_sdpa_attention` (``packed``: the model will see packed micro-batches).
 
     ``init_weights=False`` skips the random init (the weights are garbage until loaded): use it
     when a checkpoint is loaded right after. Calls :func:`ensure_parallel` first.
+    ``config_overrides``: :func:`build_transformer_config`'s keywords (recompute, TransformerConfig fields).
     """
     from megatron.core.models.gpt import GPTModel
 
+    from runtime.mcore import fusions as megatron_fusions
     from runtime.models import get_adapter
 
     device = _resolve_device(device)
     ensure_parallel(device)
     config = build_transformer_config(hf_config, dtype=dtype, device=device, init_weights=init_weights,
-                                      **config_overrides)
+                                      fusions=fusions, **config_overrides)
     adapter = get_adapter(hf_config)
     spec = adapter.layer_spec(hf_config)
-    if device == "cuda":
-        spec = _with_flash_core_attention(spec)
+    if uses_sdpa_attention(device, core_attention, packed):
+        native_gqa = "gqa" in megatron_fusions.active(device, fusions) and megatron_fusions.sdpa_supports_gqa()
+        spec = _with_sdpa_core_attention(spec, native_gqa)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -266,45 +332,48 @@ def _mark_tensor_parallel_params(model) -> None:
         tpl.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
 
 
-def _with_flash_core_attention(spec):
+def _with_sdpa_core_attention(spec, native_gqa: bool):
     """The layer spec with megatron's unfused ``DotProductAttention`` (it materialises [b, h, s, s]
-    scores) replaced by :class:`SdpaCoreAttention` (FlashAttention through torch SDPA). CUDA only;
-    GRPOFLOW_MEGATRON_ATTENTION=local keeps megatron's."""
+    scores and refuses packed sequences) replaced by :class:`SdpaCoreAttention`."""
     import copy
 
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
-    if os.environ.get("GRPOFLOW_MEGATRON_ATTENTION", "sdpa") == "local":
-        return spec
     attn = getattr(getattr(spec, "submodules", None), "self_attention", None)
     sub = getattr(attn, "submodules", None)
     if sub is None or getattr(sub, "core_attention", None) is not DotProductAttention:
         return spec
     spec = copy.deepcopy(spec)
-    spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=SdpaCoreAttention, params={"native_gqa": native_gqa})
     return spec
 
 
 class SdpaCoreAttention(MegatronModule):
     """Drop-in for megatron's local ``DotProductAttention``: the same [s, b, h, d] in and
-    [s, b, h*d] out, computed by ``F.scaled_dot_product_attention`` (flash kernel on CUDA).
+    [s, b, h*d] out, computed by ``F.scaled_dot_product_attention`` (flash kernel on CUDA); and
+    packed sequences (``packed_seq_params`` in megatron's ``thd`` layout: [t, h, d] in, [t, h*d] out,
+    ``cu_seqlens`` marking where each sample starts), which megatron's refuses without TE.
 
     For the causal mask type (every self-attention layer we build) the causal structure is
     applied by the kernel and the passed mask is not read: the trainer's mask is exactly the
     causal one, and right padding never reaches a real token under it. Other mask types use the
     mask (True = masked out, megatron's convention).
 
+    Packed: on CUDA in half precision FlashAttention's variable-length kernel
+    (``aten._flash_attention_forward/_backward`` with ``cu_seqlens``: every sample attends causally to
+    itself only, no [t, t] mask, K/V at their own heads); elsewhere (CPU, fp32) SDPA with a
+    block-causal mask built from ``cu_seqlens`` (key j is seen by query i iff same sample and j <= i).
+
     Grouped-query attention: K/V keep their own (fewer) heads and SDPA broadcasts them
-    (``enable_gqa=True``, cuDNN and flash take it natively) unless the ``gqa`` fusion is off
-    ($GRPOFLOW_TRAINER_FUSIONS, see :mod:`runtime.mcore.fusions`) or torch < 2.5; then they are
-    ``repeat_interleave``-d to every query head first. No copies otherwise: q/k/v go in as permuted
-    views of megatron's [s, b, h, d], and the output comes back as a view when the kernel wrote it
-    in that layout (cuDNN allocates it like the query)."""
+    (``enable_gqa=True``, cuDNN and flash take it natively) when ``native_gqa`` (the ``gqa`` fusion of
+    ``train.fusions``, torch >= 2.5); else they are ``repeat_interleave``-d to every query head first.
+    No copies otherwise: q/k/v go in as permuted views of megatron's [s, b, h, d], and the output
+    comes back as a view when the kernel wrote it in that layout (cuDNN allocates it like the query)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **_ignored):
-        from runtime.mcore import fusions as megatron_fusions
-
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, native_gqa: bool = False, **_ignored):
         super().__init__(config=config)
         tp = pg_collection.tp.size() if pg_collection is not None else mpu.get_tensor_model_parallel_world_size()
         self.heads = config.num_attention_heads // tp
@@ -313,12 +382,13 @@ class SdpaCoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        # this module is only built on CUDA (_with_flash_core_attention)
-        self.native_gqa = "gqa" in megatron_fusions.active("cuda") and megatron_fusions.sdpa_supports_gqa()
+        self.native_gqa = bool(native_gqa)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        assert packed_seq_params is None and attention_bias is None
+        assert attention_bias is None
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b = query.shape[0], query.shape[1]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d] views
         gqa = {}
@@ -337,6 +407,60 @@ class SdpaCoreAttention(MegatronModule):
         # [b, h, s, d] -> [s, b, h*d]: a view when `out` is laid out as [s, b, h, d], else one copy
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
 
+    def _packed(self, query, key, value, params):
+        if params.qkv_format != "thd":
+            raise ValueError(f"SdpaCoreAttention: packed sequences in the thd layout only, not {params.qkv_format!r}")
+        if self.training and self.dropout > 0:
+            raise ValueError("SdpaCoreAttention: packed sequences without attention dropout only")
+        t = query.shape[0]
+        cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_kv
+        if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+            out = flash_varlen_attention(query, key, value, cu_q, cu_k, int(params.max_seqlen_q),
+                                         int(params.max_seqlen_kv), self.softmax_scale)
+            return out.reshape(t, self.heads * self.head_dim)
+        q, k, v = (x.unsqueeze(0).transpose(1, 2) for x in (query, key, value))  # [1, h, t, d]
+        if self.heads != k.shape[1]:
+            rep = self.heads // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=block_causal_mask(cu_q, t), scale=self.softmax_scale)
+        return out[0].transpose(0, 1).reshape(t, self.heads * self.head_dim)
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[total, total] bool, True = attend: query i sees key j iff both are in one sample and j <= i."""
+    cu = cu_seqlens.to(torch.int64)
+    idx = torch.arange(total, device=cu_seqlens.device)
+    sample = torch.searchsorted(cu[1:], idx, right=True)
+    return (sample[:, None] == sample[None, :]) & (idx[None, :] <= idx[:, None])
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """FlashAttention-2's variable-length kernels as torch ships them (``aten._flash_attention_forward``
+    and ``_backward``): causal within each sample of a packed [t, h, d] batch; K/V may have fewer heads."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state, unused)
+        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_q, cu_k, rng_state, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True, rng_state,
+            unused, scale=ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def flash_varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """Causal attention within each packed sample: q [t, h, d], k/v [t, hk, d] (hk divides h),
+    ``cu_*`` int32 sample offsets on the device; returns [t, h, d]."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    return _FlashVarlen.apply(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, scale)
 
 
 def causal_attention_mask(batch: int, seq_len: int, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -355,4 +479,5 @@ def unwrap_model(model):
 __all__ = [
     "init_parallel", "ensure_parallel", "destroy_parallel", "parallel_device", "cuda_to_cpu",
     "build_transformer_config", "build_gpt_model", "causal_attention_mask", "unwrap_model", "free_port",
+    "recompute_kwargs", "uses_sdpa_attention", "block_causal_mask", "flash_varlen_attention",
 ]

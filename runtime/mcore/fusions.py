@@ -13,8 +13,12 @@ copies (part of them the ``repeat_interleave`` of K/V for GQA in ``SdpaCoreAtten
             backward. Only for rotate-half RoPE: megatron's config refuses ``rotary_interleaved`` with
             ``apply_rope_fusion`` unless TE >= 2.3 is installed, so GLM4 keeps the unfused path. The
             fused path is only taken for the bshd layout with ``mscale == 1`` (megatron routes yarn's
-            mscale and packed ``thd`` sequences elsewhere; ``thd`` with the fusion on would assert:
-            we never pass ``packed_seq_params``). An installed TE kernel is left in place.
+            mscale elsewhere). Packed micro-batches (``thd``, ``train.max_tokens_per_micro_batch``) go
+            to ``rope_utils.fused_apply_rotary_pos_emb_thd``: we install
+            :func:`fused_apply_rotary_pos_emb_thd` there, the same kernel on angles gathered at each
+            token's position within its own sample (positions restart at 0 per sample, as megatron's
+            unfused ``_apply_rotary_pos_emb_thd`` does, without its per-sample loop and host sync).
+            An installed TE kernel is left in place.
 ``swiglu``  ``bias_activation_fusion``: megatron's ``bias_swiglu_impl`` (``fusions/fused_bias_swiglu.py``,
             a ``torch.autograd.Function`` over ``jit_fuser`` = ``torch.compile``; pure PyTorch). It also
             saves only the fc1 output for the backward instead of the silu output besides it.
@@ -30,36 +34,34 @@ copies (part of them the ``repeat_interleave`` of K/V for GQA in ``SdpaCoreAtten
             ``check_batch_size_and_num_heads_dense<supports_gqa=true>``); the memory-efficient
             backend only in recent torch. The value is read when the model is built.
 
-``GRPOFLOW_TRAINER_FUSIONS`` picks them: ``all`` (the default), ``none``, or a comma list of the names
-above (e.g. ``rope,swiglu``). CUDA only: on CPU nothing is switched on and nothing is compiled,
-whatever the variable says, so CPU results (and CI) stay exactly as before.
+``train.fusions`` picks them (passed here as ``setting``): ``auto`` (all of them, the default), ``none``,
+or a list of the names above (e.g. ``[rope, swiglu]``). CUDA only: on CPU nothing is switched on and nothing
+is compiled, whatever the setting says, so CPU results (and CI) stay exactly as before.
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
-ENV = "GRPOFLOW_TRAINER_FUSIONS"
 FUSIONS = ("rope", "swiglu", "bda", "gqa")
 
 
-def active(device: str) -> tuple[str, ...]:
-    """The fusions switched on for ``device`` ("cpu" -> none; "cuda" -> per $GRPOFLOW_TRAINER_FUSIONS)."""
+def active(device: str, setting: str | list | tuple = "auto") -> tuple[str, ...]:
+    """The fusions switched on for ``device`` ("cpu" -> none; "cuda" -> per ``setting``, ``train.fusions``)."""
     if str(device) != "cuda" and not str(device).startswith("cuda:"):
         return ()
-    raw = os.environ.get(ENV)
-    if raw is None or raw.strip().lower() == "all":
-        return FUSIONS
-    raw = raw.strip().lower()
-    if raw in ("", "none", "0", "off", "false"):
-        return ()
-    names = [x.strip() for x in raw.split(",") if x.strip()]
-    unknown = sorted(set(names) - set(FUSIONS))
+    if isinstance(setting, str):
+        name = setting.strip().lower()
+        if name in ("auto", "all"):
+            return FUSIONS
+        if name == "none":
+            return ()
+        raise ValueError(f"fusions: unknown setting {setting!r}; use 'auto', 'none' or a list of {FUSIONS}")
+    unknown = sorted(set(setting) - set(FUSIONS))
     if unknown:
-        raise ValueError(f"{ENV}: unknown fusion(s) {unknown}; use 'all', 'none' or a comma list of {FUSIONS}")
-    return tuple(f for f in FUSIONS if f in names)
+        raise ValueError(f"fusions: unknown fusion(s) {unknown}; use 'auto', 'none' or a list of {FUSIONS}")
+    return tuple(f for f in FUSIONS if f in setting)
 
 
 # ---- RoPE ---------------------------------------------------------------------------------------
@@ -128,25 +130,63 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved
 fused_apply_rotary_pos_emb._grpoflow = True  # type: ignore[attr-defined]
 
 
+def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Each packed token's position within its own sample ([total] int64, on ``cu_seqlens``' device):
+    0, 1, ..., n0-1, 0, 1, ..., n1-1, ... for ``cu_seqlens`` = [0, n0, n0+n1, ...]. No host sync."""
+    idx = torch.arange(total, device=cu_seqlens.device)
+    cu = cu_seqlens.to(torch.int64)
+    sample = torch.searchsorted(cu[1:], idx, right=True)
+    return idx - cu[sample]
+
+
+# One forward hands every layer the same cu_seqlens and angle table: gather the packed angles once.
+_PACKED_FREQS: dict = {"key": None, "freqs": None}
+
+
+def _packed_freqs(cu_seqlens: torch.Tensor, freqs: torch.Tensor, total: int) -> torch.Tensor:
+    key = _PACKED_FREQS["key"]
+    if key is not None and key[0] is cu_seqlens and key[1] is freqs and key[2] == total:
+        return _PACKED_FREQS["freqs"]
+    packed = freqs[packed_positions(cu_seqlens, total)]  # [total, 1, 1, rot_dim]
+    _PACKED_FREQS.update(key=(cu_seqlens, freqs, total), freqs=packed)
+    return packed
+
+
+def fused_apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
+                                   cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
+    """What megatron calls as ``fused_apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_size, cp_rank)``
+    for packed sequences: t [total, h, d]; freqs [max_seqlen, 1, 1, rot_dim]. Rotate-half RoPE at each
+    token's position within its sample, through :func:`fused_apply_rotary_pos_emb`'s kernel."""
+    if cp_size != 1:
+        raise NotImplementedError("grpoflow's packed RoPE has no context parallelism")
+    packed = _packed_freqs(cu_seqlens, freqs, t.shape[0])
+    return fused_apply_rotary_pos_emb(t.unsqueeze(1), packed, interleaved=False).squeeze(1)
+
+
+fused_apply_rotary_pos_emb_thd._grpoflow = True  # type: ignore[attr-defined]
+
+
 def install_rope_fusion() -> str:
-    """Put :func:`fused_apply_rotary_pos_emb` into megatron's ``rope_utils`` unless TE's is there.
-    Returns which implementation megatron's fused path now calls: "grpoflow" or "te"."""
+    """Put :func:`fused_apply_rotary_pos_emb` (and its packed ``thd`` form) into megatron's ``rope_utils``
+    unless TE's is there. Returns which implementation megatron's fused path now calls: "grpoflow" or "te"."""
     from megatron.core.models.common.embeddings import rope_utils
     current = rope_utils.fused_apply_rotary_pos_emb
     if current is not None and not getattr(current, "_grpoflow", False):
         return "te"
     rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
+    rope_utils.fused_apply_rotary_pos_emb_thd = fused_apply_rotary_pos_emb_thd
     return "grpoflow"
 
 
 # ---- the config --------------------------------------------------------------------------------
 
-def config_kwargs(device: str, arch: dict) -> dict:
+def config_kwargs(device: str, arch: dict, setting: str | list | tuple = "auto") -> dict:
     """The ``TransformerConfig`` fusion fields for ``device`` given the family's architecture kwargs
-    (``arch``: activation, gated linear unit, rotary_interleaved). All False on CPU."""
+    (``arch``: activation, gated linear unit, rotary_interleaved) and ``setting`` (``train.fusions``).
+    All False on CPU."""
     import torch.nn.functional as F
 
-    on = active(device)
+    on = active(device, setting)
     swiglu_ok = arch.get("gated_linear_unit", False) and arch.get("activation_func") is F.silu \
         and not arch.get("use_te_activation_func", False)
     rope = "rope" in on and not arch.get("rotary_interleaved", False)
@@ -162,12 +202,12 @@ def sdpa_supports_gqa() -> bool:
 
 
 def report(model) -> dict:
-    """What the built model actually runs (for benchmark records): the env value and, per fusion,
-    whether it is on (read from the model's config and core attention, not from the env)."""
+    """What the built model actually runs (for benchmark records): per fusion, whether it is on (read
+    from the model's config and core attention, not from the setting)."""
     while hasattr(model, "module"):
         model = model.module
     cfg = model.config
-    out = {"env": os.environ.get(ENV), "rope": False, "swiglu": bool(cfg.bias_activation_fusion),
+    out = {"rope": False, "swiglu": bool(cfg.bias_activation_fusion),
            "bda": bool(cfg.bias_dropout_fusion), "gqa": None}
     if cfg.apply_rope_fusion:
         from megatron.core.models.common.embeddings import rope_utils
@@ -183,5 +223,6 @@ def report(model) -> dict:
     return out
 
 
-__all__ = ["ENV", "FUSIONS", "active", "apply_rope", "fused_apply_rotary_pos_emb", "install_rope_fusion",
+__all__ = ["FUSIONS", "active", "apply_rope", "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd",
+           "packed_positions", "install_rope_fusion",
            "config_kwargs", "sdpa_supports_gqa", "report"]

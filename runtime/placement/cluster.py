@@ -10,25 +10,13 @@ from typing import Any
 
 from runtime.placement import layout
 from runtime.config import GrpoConfig
+from runtime.devices import resolve_device, resolve_dtype
 from runtime.errors import ConfigError
 from runtime.placement.groups import LocalGroup, RayGroup
 from runtime.rollout.base import RolloutEngine
 from runtime.placement.handles import EngineHandle, TrainerHandle
 from runtime.placement.ports import free_port
 from runtime.placement.subprocess_group import SubprocessGroup
-
-
-def resolve_device(cfg: GrpoConfig) -> str:
-    if cfg.cluster.device != "auto":
-        return cfg.cluster.device
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def resolve_dtype(cfg: GrpoConfig, device: str) -> str:
-    if cfg.model.dtype != "auto":
-        return cfg.model.dtype
-    return "bfloat16" if device == "cuda" else "float32"
 
 
 class Cluster:

@@ -60,6 +60,15 @@ class TrainerHandle:
     def load(self, path: str) -> None:
         self.group.call("load", path)
 
+    # -- memory hand-off with a colocated engine -------------------------------------------------
+    @forwards
+    def offload_state(self, force: bool = False) -> dict[str, float]:
+        return self.group.call("offload_state", force)[0]
+
+    @forwards
+    def reload_state(self) -> dict[str, float]:
+        return self.group.call("reload_state")[0]
+
     # -- weights to the engines ----------------------------------------------------------------
     @forwards
     def hf_weights(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:

@@ -50,11 +50,11 @@ def check_layout(cfg: GrpoConfig, hf_config=None, gpus_available: int | None = N
             raise ConfigError(f"train.tensor_parallel={tp} does not divide the vocabulary ({vocab}); use a divisor")
     if r.engine == "builtin" and c.rollout_gpus > 1:
         raise ConfigError(f"cluster.rollout_gpus={c.rollout_gpus}: the built-in engine runs on one GPU; set "
-                          f"cluster.rollout_gpus=1, or rollout.engine=sglang with sglang_num_engines × "
-                          f"sglang_tp_size = {c.rollout_gpus}")
-    if r.engine == "sglang" and c.rollout_gpus and c.rollout_gpus != r.sglang_num_engines * r.sglang_tp_size:
-        raise ConfigError(f"cluster.rollout_gpus={c.rollout_gpus} but rollout.sglang_num_engines × sglang_tp_size = "
-                          f"{r.sglang_num_engines} × {r.sglang_tp_size}; make them equal")
+                          f"cluster.rollout_gpus=1, or rollout.engine=sglang with sglang.num_engines × "
+                          f"sglang.tp_size = {c.rollout_gpus}")
+    if r.engine == "sglang" and c.rollout_gpus and c.rollout_gpus != r.sglang.num_engines * r.sglang.tp_size:
+        raise ConfigError(f"cluster.rollout_gpus={c.rollout_gpus} but rollout.sglang.num_engines × sglang.tp_size = "
+                          f"{r.sglang.num_engines} × {r.sglang.tp_size}; make them equal")
     if c.colocate and c.trainer_gpus and c.rollout_gpus > c.trainer_gpus:
         raise ConfigError(f"cluster.colocate=true shares the trainer's {c.trainer_gpus} GPU(s), but "
                           f"cluster.rollout_gpus={c.rollout_gpus}; lower rollout_gpus or set colocate=false")

@@ -10,9 +10,20 @@ Trainer (``runtime.trainer.megatron_trainer``), both devices:
   weights are already fp32), made when the trainer is built, and Adam's two fp32 moments, made at the
   first optimizer step. Weights, gradients and optimizer are split by tensor parallelism only (data
   parallelism replicates them). A reference copy of the weights when ``kl_coef > 0``.
-* activations of one micro-batch, all of them kept for the backward (no recomputation), every
-  sample padded to the micro-batch's longest (the estimate takes the worst case: every sample at
-  ``max_prompt_len + max_new_tokens``).
+* activations of one micro-batch: ``micro_batch_size`` samples padded to the longest (the worst case:
+  every sample at ``max_prompt_len + max_new_tokens``), or with ``train.max_tokens_per_micro_batch``
+  a packed micro-batch of that many tokens (no padding; the worst case: the budget full). Without
+  recomputation every layer keeps what it saves for its backward; ``train.recompute: selective``
+  drops what the named modules save (the pre-norm outputs for ``layernorm``, the SwiGLU tensors for
+  ``mlp``); ``full`` keeps only each recomputed layer's bf16 input. The backward's working set is one
+  layer's worth in every case (the recomputed layer).
+* ``cluster.offload_trainer_state``: gradients, fp32 master and Adam moments are off the GPU during the
+  rollout phase (``runtime/trainer/state_offload.py``).
+* the engine's KV pool is ``rollout.kv_cache_gb`` GiB (the paged engine; the fixed-slot engine fills
+  that many 10^9 bytes with slots of the longest sample); unset on a GPU, the plan chooses the largest
+  pool, in quarter GiB, that leaves ``KV_MARGIN_FRACTION`` of the GPU free in both phases, and the run
+  writes it into its frozen config. The pool counts in the training phase unless the engine gives it
+  back for training (``engine_releases_kv``).
 
 On CUDA (what runs on a GPU; ``runtime.mcore.env`` / ``_chunked_logprobs_enabled``):
 
@@ -22,7 +33,7 @@ On CUDA (what runs on a GPU; ``runtime.mcore.env`` / ``_chunked_logprobs_enabled
   q/k/v output (kept alive by the k-norm's input view) and the q-norm's input copy, SDPA's q, k at
   its own heads (v is a view of the fused output), its output and fp32 log-sum-exp, and the fused
   SwiGLU's fc1 output and product (``runtime.mcore.fusions``, on by default; with
-  ``GRPOFLOW_TRAINER_FUSIONS=none``: k and v copied to every head, a context copy before the output
+  ``train.fusions: none``: k and v copied to every head, a context copy before the output
   projection, and SwiGLU's silu output as well); the norms' fp32 row statistics; one more layer's
   worth for the backward's working set; per position (not per sample) the bf16 cos/sin tables each
   RoPE multiply saves. No ``[heads, s, s]`` scores exist. Measured on the H100 with the fusions:
@@ -33,24 +44,15 @@ On CUDA (what runs on a GPU; ``runtime.mcore.env`` / ``_chunked_logprobs_enabled
   its fp32 cast, one chunk's ``[2048, vocab]`` logits gradient, plus the saved response rows and
   the final norm's input. Under TP > 1 megatron's vocab-parallel cross-entropy keeps full logits
   (20 bytes per logit, as on CPU).
-* the built-in engine (``runtime.rollout.builtin``) takes the fast path (``static_decode``) when the
-  model family has it (``unsupported_config_reason``): the HF weights (not TP-split), and a KV cache
-  preallocated once, at the first rollout, by the engine's own policy (``kv_slot_len``,
-  ``kv_budget_bytes``, ``kv_slots``): slots of ``round_up(max_prompt_len + max_new_tokens, 64)``
-  tokens, as many as the first call's rows (dynamic sampling's over-sampled prompts × samples), at
-  most ``max_batch_size`` (= samples per rollout, ``rollout/factory.py``), within half of the GPU
-  memory free at that moment; continuous batching refills slots, so the cache never grows with
-  length or request count. What is free then: the GPU minus the trainer's weights, gradients and
-  master copy (Adam's moments come later, at the first step), the engine's weights and the
-  overhead. Beyond the cache: a packed prefill of up to 16,384 prompt tokens and the sampler's
-  per-slot vocab-sized temporaries. A family without the fast path decodes with HF's dynamic cache:
-  every row of a batch (up to ``max_batch_size``) at full length, one layer's concatenation copy
-  and the sampler's temporaries (~40 bytes per logit).
-* colocated (``cluster.colocate``), nothing is released between rollout and training: the fast
-  path keeps its cache, so the peak is the resident state (with Adam's moments, after the first
-  step) + the KV cache + the larger of the training activations and the rollout's working set; the
-  slow path's dynamic cache lives for one generate call, so there the peak is the resident state +
-  the larger of the activations and the cache with its working set.
+* the built-in engine (``runtime.rollout.builtin``) takes the fast path when the model family has it
+  (``unsupported_config_reason``): the HF weights (not TP-split), the KV pool above, and beyond it a
+  packed prefill of up to 16,384 prompt tokens and the sampler's per-row vocab-sized temporaries (rows:
+  at most ``max_batch_size`` = samples per rollout, or the fixed-slot engine's slots). A family without
+  the fast path decodes with HF's dynamic cache: every row of a batch (up to ``max_batch_size``) at full
+  length for one generate call, one layer's concatenation copy and the sampler's temporaries.
+* colocated: the peak is the larger of the rollout phase (trainer weights, its state unless offloaded,
+  engine weights, KV pool, rollout working set) and the training phase (trainer weights and state,
+  engine weights, the pool unless released, activations).
 * SGLang (``rollout.engine: sglang``): by SGLang's documented ``--mem-fraction-static`` rule its
   weights plus KV pool fill ``mem_fraction × GPU`` minus what other processes hold when it starts
   (the trainer's resident state, when colocated); colocated it runs with ``--enable-memory-saver``
@@ -83,6 +85,7 @@ import math
 import os
 from typing import Any
 
+from runtime.devices import resolve_dtype
 from runtime.mcore import fusions as megatron_fusions
 
 GIB = 2**30
@@ -101,6 +104,8 @@ _LOGPROB_CHUNK = 2048      # rows per output-layer chunk (runtime/trainer/logpro
 _BACKWARD_LAYERS = 1       # layers' worth of activations the backward holds on top of the saved ones
 _PREFILL_TOKENS = 16384    # StaticDecoder's packed-prefill budget
 _FAST_SAMPLER_BYTES_PER_LOGIT = 24  # bf16 logits, fp32 scaled logits, log-softmax, noise, sum
+_PREFILL_LOGIT_BYTES = 12  # the prefill's last-position logits per row (bf16 and fp32 copies)
+_OPT_STEP_BYTES_PER_PARAM = 4  # transient of the optimizer step, beside its state
 
 
 def _dtype_bytes(dtype) -> int:
@@ -132,19 +137,22 @@ def fast_decode_reason(hf_config) -> str | None:
     return unsupported_config_reason(hf_config)
 
 
-def _chunked_logprobs(device: str, tp: int) -> bool:
-    """What ``MegatronTrainer._chunked_logprobs_enabled`` decides (TP 1; CUDA unless the env var says)."""
+def _chunked_logprobs(device: str, tp: int, setting: str = "auto") -> bool:
+    """What ``MegatronTrainer._chunked_logprobs_enabled`` decides (TP 1; ``train.chunked_logprobs``)."""
     if tp != 1:
         return False
-    flag = os.environ.get("GRPOFLOW_CHUNKED_LOGPROBS")
-    if flag is not None:
-        return flag not in ("0", "", "false", "False")
+    if setting != "auto":
+        return setting == "on"
     return device == "cuda"
 
 
-def _flash_attention(device: str) -> bool:
-    """What ``megatron_env.build_gpt_model`` builds: SDPA core attention on CUDA unless told 'local'."""
-    return device == "cuda" and os.environ.get("GRPOFLOW_MEGATRON_ATTENTION", "sdpa") != "local"
+def _flash_attention(device: str, core_attention: str = "auto", packed: bool = False) -> bool:
+    """What ``runtime.mcore.env.build_gpt_model`` builds: SDPA core attention (``uses_sdpa_attention``)."""
+    if core_attention == "sdpa":
+        return True
+    if core_attention == "megatron":
+        return False
+    return device == "cuda" or packed
 
 
 def param_counts(hf_config, tp: int = 1) -> tuple[int, int]:
@@ -160,80 +168,117 @@ def param_counts(hf_config, tp: int = 1) -> tuple[int, int]:
     return split + replicated, split // tp + replicated
 
 
-def layer_bytes_per_token(hf_config, *, tp: int = 1, dtype="bfloat16", device: str = "cuda") -> int:
-    """Bytes one decoder layer saves for its backward per token of a micro-batch (see the module doc)."""
+def layer_bytes_per_token(hf_config, *, tp: int = 1, dtype="bfloat16", device: str = "cuda", fusions="auto",
+                          core_attention: str = "auto", packed: bool = False,
+                          recompute_modules: tuple[str, ...] = ()) -> int:
+    """Bytes one decoder layer saves for its backward per token of a micro-batch (see the module doc).
+    ``recompute_modules``: selective recomputation's modules (their saved tensors are not kept)."""
     m = _shape(hf_config)
     e = _dtype_bytes(dtype)
     h, f, nh, ng, d = m["h"], m["f"] // tp, m["nh"] // tp, m["ng"] // tp, m["d"]
     q, kv = nh * d, ng * d
-    if not _flash_attention(device):
+    if not _flash_attention(device, core_attention, packed):
         return (2 * _PRE_NORM_BYTES * h + (2 * _POST_NORM_BYTES * h if m["post_norms"] else 0)
                 + (_QK_NORM_BYTES * (q + kv) if m["qk_norm"] else 0)
                 + 2 * e * h                      # norm outputs: inputs of linear_qkv and fc1
                 + 4 * e * q                      # q, k and v expanded to all heads, the context
                 + _SWIGLU_ELEMS * e * f)
     norms = 2 + (2 if m["post_norms"] else 0)
-    hidden = norms * e * h + 2 * e * h           # norm inputs (the residual stream) + pre-norm outputs
+    # norm inputs (the residual stream) + the two pre-norm outputs (dropped when the norms are recomputed)
+    hidden = norms * e * h + (0 if "layernorm" in recompute_modules else 2 * e * h)
     qk_norm = e * (q + 2 * kv) + e * q if m["qk_norm"] else 0  # fused qkv kept by the k-norm's view + q-norm input
-    fused = megatron_fusions.active(device)
+    fused = megatron_fusions.active(device, fusions)
     if "gqa" in fused:  # q, k at its own heads (v is a view of the fused qkv output), output, lse
         attention = e * q + e * kv + e * q + 4 * nh
     else:               # q, k/v copied to every head, output, lse, context copy
         attention = e * q + 2 * e * q + e * q + 4 * nh + e * q
-    # fc1 output (gate|up) and the product; unfused also silu(gate)
-    mlp = (3 if "swiglu" in fused else 4) * e * f
+    if "core_attn" in recompute_modules:  # the checkpoint keeps q, k, v; the output and lse are recomputed
+        attention -= e * q + 4 * nh
+    # fc1 output (gate|up) and the product; unfused also silu(gate); recomputed: none of them
+    mlp = 0 if "mlp" in recompute_modules else (3 if "swiglu" in fused else 4) * e * f
     stats = 4 * norms + (4 * (nh + ng) if m["qk_norm"] else 0)  # fp32 rstd per normalised row
     return hidden + qk_norm + attention + mlp + stats
 
 
 def activation_terms(hf_config, *, tp: int, micro_batch_size: int, seq_len: int, dtype="bfloat16",
-                     device: str = "cuda", response_len: int | None = None) -> dict[str, int]:
+                     device: str = "cuda", response_len: int | None = None, max_tokens: int | None = None,
+                     recompute: str = "none", recompute_modules=("layernorm", "mlp"),
+                     recompute_num_layers: int | None = None, fusions="auto", chunked_logprobs: str = "auto",
+                     core_attention: str = "auto") -> dict[str, int]:
     """Peak activation bytes of one training micro-batch on one tensor-parallel rank, by part:
     ``layers`` (saved by the decoder layers, plus the backward's working set), ``attention_scores``
     (unfused attention only), ``logprob_head`` (output layer and log-probs), and ``total``.
-    ``response_len``: response tokens per sample (default: all of ``seq_len``)."""
+    ``response_len``: response tokens per sample (default: all of ``seq_len``). ``max_tokens``: packed
+    micro-batches of at most that many tokens (the worst case: the budget full) instead of
+    ``micro_batch_size`` samples of ``seq_len``. ``recompute*``: ``train.recompute`` and its modules/layers."""
     m = _shape(hf_config)
     e = _dtype_bytes(dtype)
     V, h, L, nh = m["V"], m["h"], m["L"], m["nh"]
-    b, s = micro_batch_size, seq_len
+    s = seq_len
     r = s if response_len is None else min(response_len, s)
-    per_token = layer_bytes_per_token(hf_config, tp=tp, dtype=dtype, device=device)
-    if _flash_attention(device):
-        layers = (L + _BACKWARD_LAYERS) * b * s * per_token + L * s * 4 * m["rot"] * e  # + RoPE cos/sin (q and k)
+    packed = max_tokens is not None
+    tokens = max_tokens if packed else micro_batch_size * s       # tokens of the micro-batch's forward
+    resp_tokens = tokens * r // s if packed else micro_batch_size * r
+    longest = min(s, tokens)                                      # one sample's length (attention, RoPE tables)
+    flash = _flash_attention(device, core_attention, packed)
+    selective = tuple(recompute_modules) if recompute == "selective" else ()
+    per_token = layer_bytes_per_token(hf_config, tp=tp, dtype=dtype, device=device, fusions=fusions,
+                                      core_attention=core_attention, packed=packed)
+    kept = layer_bytes_per_token(hf_config, tp=tp, dtype=dtype, device=device, fusions=fusions,
+                                 core_attention=core_attention, packed=packed, recompute_modules=selective)
+    full = (min(recompute_num_layers or L, L)) if recompute == "full" else 0
+    # full recompute: those layers keep only their input (the residual stream, e x h per token)
+    saved = (L - full) * tokens * kept + full * tokens * e * h
+    # RoPE cos/sin (q and k), per position, saved by the layers that keep their activations (and the one
+    # being recomputed)
+    rope = (L - full + (1 if full else 0)) * (tokens if packed else s) * 4 * m["rot"] * e
+    if flash:
+        layers = saved + rope
+        backward = _BACKWARD_LAYERS * tokens * per_token
         scores = 0
     else:
-        layers = L * b * s * per_token
+        layers = saved + (_BACKWARD_LAYERS * tokens * per_token if recompute != "none" else 0)
         score_bytes = 4 + (e if e < 4 else 0)  # fp32 softmax output (+ the probabilities cast back)
-        scores = L * b * (nh // tp) * s * s * score_bytes
-    if _chunked_logprobs(device, tp):
-        head = (b * r * h * e + b * s * h * e       # saved response rows, the final norm's input
-                + V * h * (4 + e + 4)               # fp32 weight-grad accumulator, dz^T h and its fp32 cast
-                + _LOGPROB_CHUNK * V * e)           # one chunk's logits gradient
+        # unfused: [heads, s, s] per sample; packed (block-causal SDPA on CPU): [heads, t, t] per micro-batch
+        span = tokens if packed else longest
+        scores = (L if recompute == "none" else 1) * (1 if packed else micro_batch_size) * (nh // tp) * span * span \
+            * score_bytes
+        backward = 0
+    if _chunked_logprobs(device, tp, chunked_logprobs):
+        head = (resp_tokens * h * e + tokens * h * e        # saved response rows, the final norm's input
+                + V * h * (4 + e + 4)                       # fp32 weight-grad accumulator, dz^T h and its fp32 cast
+                + _LOGPROB_CHUNK * V * e)                   # one chunk's logits gradient
     else:
-        head = b * s * (V // tp) * (_LOGIT_BYTES_SINGLE if b == 1 else _LOGIT_BYTES)
-    return {"layers": layers, "attention_scores": scores, "logprob_head": head, "total": layers + scores + head}
+        head = tokens * (V // tp) * (_LOGIT_BYTES_SINGLE if (micro_batch_size == 1 or packed) else _LOGIT_BYTES)
+    # the head's backward (its weight-gradient accumulators) runs first, before any layer's backward
+    # (or recomputation) holds its working set: they peak one after the other, beside what the layers keep
+    return {"layers": layers + backward, "attention_scores": scores, "logprob_head": head,
+            "total": layers + scores + (max(head, backward) if flash else head)}
 
 
-def activation_bytes(hf_config, *, tp: int, micro_batch_size: int, seq_len: int, dtype="bfloat16",
-                     device: str = "cuda", response_len: int | None = None) -> int:
-    """Peak activation bytes of one training micro-batch on one tensor-parallel rank."""
-    return activation_terms(hf_config, tp=tp, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
-                            device=device, response_len=response_len)["total"]
+def activation_bytes(hf_config, **kwargs) -> int:
+    """Peak activation bytes of one training micro-batch on one tensor-parallel rank (:func:`activation_terms`)."""
+    return activation_terms(hf_config, **kwargs)["total"]
 
 
-def builtin_kv_cache(hf_config, *, slot_tokens: int, rows: int, max_slots: int, free_bytes: int,
-                     dtype="bfloat16", device: str = "cuda", kv_cache_gb: float | None = None) -> dict[str, int]:
-    """The fast path's KV cache by the engine's own policy (``static_decode``): ``bytes``, ``slots``,
-    ``slot_len``, ``per_slot``, ``budget``. ``free_bytes``: GPU memory free when the first rollout
-    starts. ``slots`` is 0 when one slot does not fit the budget (the engine raises MemoryError)."""
-    from runtime.rollout.static_decode import kv_budget_bytes, kv_slot_len, kv_slots
+def kv_bytes_per_token(hf_config, dtype="bfloat16") -> int:
+    """K and V of one token over every layer."""
     m = _shape(hf_config)
-    slot_len = kv_slot_len(slot_tokens)
-    per_slot = slot_len * 2 * m["L"] * m["ng"] * m["d"] * _dtype_bytes(dtype)
-    budget = kv_budget_bytes(kv_cache_gb, device, max(int(free_bytes), 0), 0)
-    slots = kv_slots(per_slot, budget, rows, max_slots) if per_slot <= budget else 0
-    return {"bytes": slots * per_slot, "slots": slots, "slot_len": slot_len, "per_slot": per_slot, "budget": budget,
-            "free": int(free_bytes)}
+    return m["L"] * 2 * m["ng"] * m["d"] * _dtype_bytes(dtype)
+
+
+def _slot_len(tokens: int) -> int:
+    from runtime.rollout.static_decode import kv_slot_len
+    return kv_slot_len(tokens)
+
+
+def engine_releases_kv() -> bool:
+    """Whether the built-in engine gives its KV pool back while the trainer trains (a colocated run calls
+    ``release_memory`` before the update): it overrides ``RolloutEngine.release_memory``, a no-op for
+    engines that keep their memory. The plan then does not count the pool at training time."""
+    from runtime.rollout.base import RolloutEngine
+    from runtime.rollout.builtin import BuiltinEngine
+    return getattr(BuiltinEngine, "release_memory", None) is not getattr(RolloutEngine, "release_memory", None)
 
 
 def _fits_micro_batch(total_at, mb: int, limit: float, global_per_rank: int | None) -> int:
@@ -248,29 +293,35 @@ def _fits_micro_batch(total_at, mb: int, limit: float, global_per_rank: int | No
 
 def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: int, seq_len: int,
                     rollout_batch: int, max_new_tokens: int, dtype="bfloat16", colocate: bool = True,
-                    gpu_mem_gb: float = 80.0, rollout_engines: int = 1, ref_model: bool = False,
-                    device: str = "cuda", engine: str = "builtin", max_slots: int | None = None,
-                    kv_cache_gb: float | None = None, sglang_mem_fraction: float = 0.7, sglang_tp: int = 1,
-                    global_batch_size: int | None = None) -> dict[str, Any]:
-    """Peak memory per GPU, in GiB, of training ``hf_config``'s model with GRPO.
+                    gpu_mem_gb: float = 80.0, ref_model: bool = False, device: str = "cuda",
+                    engine: str = "builtin", max_slots: int | None = None, rollout_engines: int = 1,
+                    sglang_mem_fraction: float = 0.7, sglang_tp: int = 1, global_batch_size: int | None = None,
+                    kv_cache_gb: float | None = None, offload: bool = False, kv_released: bool | None = None,
+                    max_tokens: int | None = None, recompute: str = "none", recompute_modules=("layernorm", "mlp"),
+                    recompute_num_layers: int | None = None, fusions="auto", chunked_logprobs: str = "auto",
+                    core_attention: str = "auto", kv_layout: str = "paged") -> dict[str, Any]:
+    """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
 
-    ``seq_len``: the longest sample, prompt + response (``data.max_prompt_len +
-    rollout.max_new_tokens``); ``max_new_tokens`` of it are generated, the rest is the prompt.
-    ``rollout_batch``: rows of the engine's first generate call (``rollout_batch_size ×
-    n_samples_per_prompt``, over-sampled under dynamic sampling), split over ``rollout_engines``;
-    ``max_slots``: the built-in engine's ``max_batch_size`` (default ``rollout_batch``).
-    ``dp`` replicates the trainer (the optimizer is not distributed) and does not change the
-    per-GPU numbers; it is reported. ``ref_model``: a reference copy of the weights (``kl_coef > 0``).
-    ``device``: "cuda" (flash attention, chunked log-probs at TP 1, the engine's fast path when the
-    family has it) or "cpu" (unfused attention, full logits, the slow path). ``engine``: "builtin" or
-    "sglang" (``sglang_mem_fraction``, ``sglang_tp``). ``global_batch_size`` lets the answer name a
-    micro-batch size that divides the step.
+    ``kv_layout``: "paged" (the built-in engine: one pool of ``kv_cache_gb`` GiB) or "slots" (the
+    earlier fixed-slot decoder, whose H100 measurements the tests keep comparing against).
 
-    Returns ``weights``, ``grads``, ``optimizer``, ``activations``, ``kv_cache``, ``total`` (GiB),
-    ``fits`` (bool), the engine's ``engine_weights`` and ``rollout_activations``, the per-role
-    totals, ``params``, ``reason`` (None when it fits), ``fit_micro_batch`` (the largest micro-batch
-    that fits, 0 if none), the KV cache's ``kv_slots`` / ``kv_slot_len``, ``decode_path`` and
-    ``bytes`` (the same numbers, exact).
+    ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
+    engine's first generate call, split over ``rollout_engines``; ``max_slots``: the engine's
+    ``max_batch_size``. ``dp`` replicates the trainer (the optimizer is not distributed) and does not
+    change the per-GPU numbers. ``ref_model``: a reference copy of the weights (``kl_coef > 0``).
+    ``device``: "cuda" or "cpu" (other attention, logits and engine paths, see the module doc).
+    ``engine``: "builtin" or "sglang". ``global_batch_size`` lets the answer name a micro-batch that
+    divides the step. ``kv_cache_gb``: the built-in engine's KV pool (GiB); None on CUDA: the plan
+    chooses the largest that fits (``kv_chosen``). ``offload``: the trainer's gradients and optimizer
+    state leave the GPU while the engine generates. ``kv_released``: the engine gives the pool back
+    during training (default: :func:`engine_releases_kv`). The trainer's settings (``max_tokens`` for
+    packed micro-batches, ``recompute*``, ``fusions``, ``chunked_logprobs``, ``core_attention``) as in
+    :func:`activation_terms`.
+
+    Returns ``weights``, ``grads``, ``optimizer``, ``activations``, ``kv_cache``, ``engine_weights``,
+    ``rollout_activations``, ``overhead``, ``total`` (GiB; ``bytes``: the same, exact), ``at_rollout`` /
+    ``at_training`` (colocated peaks of each phase), ``fits``, ``reason`` (None when it fits),
+    ``fit_micro_batch``, ``kv_slots`` (full-length samples the pool holds), ``kv_chosen``.
     """
     for name, v in (("tp", tp), ("dp", dp), ("micro_batch_size", micro_batch_size), ("seq_len", seq_len),
                     ("rollout_batch", rollout_batch), ("max_new_tokens", max_new_tokens),
@@ -283,91 +334,125 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
         raise ValueError(f"device must be 'cuda' or 'cpu', not {device!r}")
     if engine not in ("builtin", "sglang"):
         raise ValueError(f"engine must be 'builtin' or 'sglang', not {engine!r}")
+    if max_tokens is not None and max_tokens < seq_len:
+        raise ValueError(f"max_tokens ({max_tokens}) must hold the longest sample ({seq_len} tokens)")
     e = _dtype_bytes(dtype)
     m = _shape(hf_config)
     n_params, per_rank = param_counts(hf_config, tp)
     limit = gpu_mem_gb * GIB
+    if kv_released is None:
+        kv_released = engine == "builtin" and engine_releases_kv()
+    settings = dict(max_tokens=max_tokens, recompute=recompute, recompute_modules=tuple(recompute_modules),
+                    recompute_num_layers=recompute_num_layers, fusions=fusions, chunked_logprobs=chunked_logprobs,
+                    core_attention=core_attention)
 
     weights = per_rank * e + (per_rank * e if ref_model else 0)
     grads = per_rank * 4                                   # fp32 DDP grad buffer
     master = per_rank * 4 if e < 4 else 0                  # fp32 master copy, made with the optimizer
     moments = per_rank * 8                                 # Adam m, v: made at the first step
     optimizer = master + moments
-    act = activation_terms(hf_config, tp=tp, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
-                           device=device, response_len=max_new_tokens)
+    state = grads + optimizer                              # what offload_state moves
+    # Adam's step (torch's foreach implementation) holds about one fp32 copy of the parameters in
+    # temporaries: measured 2.27 GiB for Qwen3-0.6B's 2.22 GiB (bench/results/memory_check_H100_2026-11-23_24gb.json)
+    opt_step = _OPT_STEP_BYTES_PER_PARAM * per_rank
+    act_kw = dict(tp=tp, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, device=device,
+                  response_len=max_new_tokens, **settings)
+    act = activation_terms(hf_config, **act_kw)
     activations = act["total"]
-    trainer_resident0 = weights + grads + master           # what the trainer holds before its first step
 
     rows = math.ceil(rollout_batch / rollout_engines)
     slots_max = max_slots if max_slots is not None else rows
     prompt = seq_len - max_new_tokens
-    kv_per_token = m["L"] * 2 * m["ng"] * m["d"] * e
+    kv_per_token = kv_bytes_per_token(hf_config, dtype)
+    per_sample_kv = seq_len * kv_per_token
     kv_info: dict[str, Any] = {}
     overhead = OVERHEAD_BYTES
+    kv_chosen = False
+    offload = bool(offload and colocate)
     if engine == "sglang":
         decode_path = "sglang"
         engine_weights = n_params * e // sglang_tp
-        others = trainer_resident0 if colocate else 0
+        others = weights + (0 if offload else grads + master) if colocate else 0
         static = int(sglang_mem_fraction * limit) - others  # SGLang: weights + KV pool = fraction x GPU - others
         kv_cache = max(static - engine_weights, 0)
         rollout_activations = 0                            # inside SGLang's (1 - mem_fraction) share
         overhead = 2 * OVERHEAD_BYTES if colocate else OVERHEAD_BYTES  # two processes share the GPU
         kv_info = {"mem_fraction": sglang_mem_fraction, "static": static}
+        kv_released = True                                 # --enable-memory-saver, colocated
     else:
         engine_weights = n_params * e
         fast = device == "cuda" and fast_decode_reason(hf_config) is None
         decode_path = "static" if fast else "dynamic"
         if fast:
-            resident_at_rollout = (trainer_resident0 if colocate else 0) + engine_weights + OVERHEAD_BYTES
-            kv_info = builtin_kv_cache(hf_config, slot_tokens=seq_len, rows=rows, max_slots=slots_max,
-                                       free_bytes=int(limit) - resident_at_rollout, dtype=dtype, device=device,
-                                       kv_cache_gb=kv_cache_gb)
-            kv_cache = kv_info["bytes"]
-            live = max(kv_info["slots"], 1)
-            prefill = min(_PREFILL_TOKENS, rows * max(prompt, 1)) * e * (
-                3 * m["h"] + 2 * m["nh"] * m["d"] + 2 * m["ng"] * m["d"] + 3 * m["f"])
-            decode = live * m["V"] * _FAST_SAMPLER_BYTES_PER_LOGIT
-            rollout_activations = max(prefill, decode)
+            # the paged engine (runtime/rollout/kv_pages.py) takes kv_cache_gb GiB as its pool and admits
+            # up to max_batch_size rows; the fixed-slot engine (static_decode) takes kv_cache_gb x 10^9
+            # bytes as its budget for slots of a full-length sample, one row each
+            paged = kv_layout == "paged"
+            per_slot = per_sample_kv if paged else _slot_len(seq_len) * kv_per_token
+
+            def extra(live: int) -> int:
+                # a packed prefill of the admitted rows' prompts (at most _PREFILL_TOKENS) and their last logits,
+                # or a decode step's sampler over the live rows
+                prefill = min(_PREFILL_TOKENS, live * max(prompt, 1)) * e * (
+                    3 * m["h"] + 2 * m["nh"] * m["d"] + 2 * m["ng"] * m["d"] + 3 * m["f"]) \
+                    + live * m["V"] * _PREFILL_LOGIT_BYTES
+                return max(prefill, live * m["V"] * _FAST_SAMPLER_BYTES_PER_LOGIT)
+
+            live = min(rows, slots_max)
+            if kv_cache_gb is not None:
+                budget = int(kv_cache_gb * GIB) if paged else int(kv_cache_gb * 1e9)
+            else:  # the largest pool (in steps of KV_STEP_GIB) that leaves the margin free in both phases
+                kv_chosen = True
+                room = _kv_room(limit, colocate=colocate, kv_released=kv_released, weights=weights, state=state,
+                                offload=offload, engine_weights=engine_weights, rollout_activations=extra(live),
+                                activations=max(activations, opt_step))
+                budget = max(int(room // (KV_STEP_GIB * GIB)), 0) * int(KV_STEP_GIB * GIB)
+            if paged:
+                kv_cache = budget
+            else:
+                live = min(live, budget // per_slot)
+                kv_cache = live * per_slot
+                live = max(live, 1)
+            rollout_activations = extra(live)
+            kv_info = {"pool": kv_cache, "per_sample": per_sample_kv, "per_token": kv_per_token,
+                       "engine": "paged" if paged else "fixed-slot", "per_slot": per_slot}
         else:
             batch_rows = min(rows, slots_max)
-            kv_cache = batch_rows * seq_len * kv_per_token
+            kv_cache = batch_rows * per_sample_kv
             decode_extra = kv_cache // m["L"] + batch_rows * m["V"] * _SAMPLER_BYTES_PER_LOGIT
             prefill = batch_rows * prompt * (kv_per_token + e * (3 * m["f"] + 2 * m["nh"] * m["d"]
                                                                  + 2 * m["ng"] * m["d"] + 3 * m["h"]))
             rollout_activations = max(decode_extra, prefill - kv_cache)  # beyond the cache itself
-            kv_info = {"slots": batch_rows, "slot_len": seq_len}
+            kv_info = {"per_sample": per_sample_kv, "per_token": kv_per_token}
+            kv_released = True                             # the dynamic cache lives for one generate call
+    kv_slots = kv_cache // kv_info["per_slot"] if decode_path == "static" else (
+        min(rows, slots_max) if decode_path == "dynamic" else None)
 
-    def totals(act_bytes: int) -> tuple[int, int, int]:
-        trainer_total = weights + grads + optimizer + act_bytes + OVERHEAD_BYTES
+    def totals(act_bytes: int) -> tuple[int, int, int, int, int]:
+        trainer_total = weights + state + max(act_bytes, opt_step) + OVERHEAD_BYTES
         rollout_total = engine_weights + kv_cache + rollout_activations + OVERHEAD_BYTES
         if not colocate:
-            return trainer_total, rollout_total, max(trainer_total, rollout_total)
-        if engine == "sglang":  # released during training (memory saver), back for every rollout
-            at_rollout = weights + grads + optimizer + engine_weights + kv_cache + rollout_activations
-            at_training = weights + grads + optimizer + act_bytes
-            return trainer_total, rollout_total, max(at_rollout, at_training) + overhead
-        resident = weights + grads + optimizer + engine_weights + overhead
-        if decode_path == "static":  # the preallocated cache stays through training
-            return trainer_total, rollout_total, resident + kv_cache + max(act_bytes, rollout_activations)
-        # the slow path's dynamic cache lives for one generate call
-        return trainer_total, rollout_total, resident + max(act_bytes, kv_cache + rollout_activations)
+            return trainer_total, rollout_total, rollout_total, trainer_total, max(trainer_total, rollout_total)
+        at_rollout = weights + (0 if offload else state) + engine_weights + kv_cache + rollout_activations + overhead
+        at_training = weights + state + engine_weights + (0 if kv_released else kv_cache) \
+            + max(act_bytes, opt_step) + overhead
+        return trainer_total, rollout_total, at_rollout, at_training, max(at_rollout, at_training)
 
-    trainer_total, rollout_total, total = totals(activations)
-    fits = total <= limit and not (engine == "builtin" and decode_path == "static" and kv_info.get("slots") == 0) \
-        and not (engine == "sglang" and kv_cache <= 0)
+    trainer_total, rollout_total, at_rollout, at_training, total = totals(activations)
+    kv_too_small = decode_path == "static" and kv_cache < per_sample_kv
+    fits = total <= limit and not kv_too_small and not (engine == "sglang" and kv_cache <= 0)
     per_rank_step = (global_batch_size // dp) if global_batch_size else None
 
     def total_at(b: int) -> int:
-        a = activation_bytes(hf_config, tp=tp, micro_batch_size=b, seq_len=seq_len, dtype=dtype, device=device,
-                             response_len=max_new_tokens)
-        return totals(a)[2]
+        return totals(activation_bytes(hf_config, **{**act_kw, "micro_batch_size": b}))[4]
 
-    fit_mb = _fits_micro_batch(total_at, micro_batch_size, limit, per_rank_step) if fits or micro_batch_size > 1 else 0
-    if engine == "builtin" and decode_path == "static" and kv_info.get("slots") == 0:
-        fit_mb = 0
+    fit_mb = 0
+    if max_tokens is None and not kv_too_small:
+        fit_mb = _fits_micro_batch(total_at, micro_batch_size, limit, per_rank_step) if fits or micro_batch_size > 1 else 0
     exact = dict(weights=weights, grads=grads, optimizer=optimizer, activations=activations, kv_cache=kv_cache,
                  engine_weights=engine_weights, rollout_activations=rollout_activations,
                  overhead=overhead, trainer_total=trainer_total, rollout_total=rollout_total, total=total,
+                 at_rollout=at_rollout, at_training=at_training,
                  optimizer_master=master, optimizer_moments=moments,
                  act_layers=act["layers"], act_attention_scores=act["attention_scores"],
                  act_logprob_head=act["logprob_head"])
@@ -375,69 +460,74 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     out.update(fits=fits, bytes=exact, params=n_params, params_per_gpu=per_rank, gpu_mem_gb=gpu_mem_gb,
                tp=tp, dp=dp, colocate=colocate, dtype=str(dtype).removeprefix("torch."), rollout_rows=rows,
                micro_batch_size=micro_batch_size, seq_len=seq_len, device=device, engine=engine,
-               decode_path=decode_path, attention="flash (SDPA)" if _flash_attention(device) else "unfused",
-               logprobs="chunked" if _chunked_logprobs(device, tp) else "full logits",
-               kv_slots=kv_info.get("slots"), kv_slot_len=kv_info.get("slot_len"), kv_max_slots=slots_max,
-               kv=kv_info, fit_micro_batch=fit_mb)
+               decode_path=decode_path,
+               attention="flash (SDPA)" if _flash_attention(device, core_attention, max_tokens is not None)
+               else "unfused",
+               logprobs="chunked" if _chunked_logprobs(device, tp, chunked_logprobs) else "full logits",
+               kv_slots=kv_slots, kv_slot_len=seq_len, kv_max_slots=slots_max, kv=kv_info,
+               kv_chosen=kv_chosen, kv_cache_gb=kv_cache / GIB if decode_path == "static" else None,
+               kv_released=kv_released, offload=offload, fit_micro_batch=fit_mb, **settings)
     out["max_tp"] = math.gcd(m["V"], m["nh"], m["ng"], m["f"])
     out["reason"] = None if fits else _why_not(out)
     return out
 
 
+KV_STEP_GIB = 0.25        # the plan's KV pool comes in quarters of a GiB
+# of the GPU, left free by the pool the plan chooses: the allocator's slack (reserved - allocated) measured
+# 2.05 GiB on the 24 GB config with packed micro-batches of varying size (0.87 GiB at 80 GiB unpacked;
+# bench/results/memory_check_H100_2026-11-23_*.json) beside the 1 GiB overhead, and the estimate's error
+KV_MARGIN_FRACTION = 0.08
+
+
+def _kv_room(limit: float, *, colocate: bool, kv_released: bool, weights: int, state: int, offload: bool,
+             engine_weights: int, rollout_activations: int, activations: int) -> float:
+    margin = KV_MARGIN_FRACTION * limit
+    if not colocate:
+        return limit - margin - (engine_weights + rollout_activations + OVERHEAD_BYTES)
+    room = limit - margin - (weights + (0 if offload else state) + engine_weights + rollout_activations
+                             + OVERHEAD_BYTES)
+    if not kv_released:  # the pool stays through training
+        room = min(room, limit - margin - (weights + state + engine_weights + activations + OVERHEAD_BYTES))
+    return room
+
+
 def _why_not(est: dict[str, Any]) -> str:
     gpu = est["gpu_mem_gb"]
     state = est["weights"] + est["grads"] + est["optimizer"]
-    parts = {"weights+grads+optimizer": state, "activations": est["activations"], "kv_cache": est["kv_cache"],
-             "engine_weights": est["engine_weights"]}
-    big = sorted(parts.items(), key=lambda kv: -kv[1])[:2]
-    hints = []
-    state_bound = state + (est["engine_weights"] if est["colocate"] else 0) + est["overhead"] >= 0.75 * gpu
-    if state_bound:
+    head = f"needs {est['total']:.1f} GiB per GPU but the GPU has {gpu:g} GiB"
+    if est["decode_path"] == "static" and est["kv_cache"] * GIB < est["kv"]["per_sample"]:
+        head = (f"the KV pool ({est['kv_cache']:.2f} GiB) does not hold one {est['seq_len']}-token sample "
+                f"({est['kv']['per_sample'] / GIB:.2f} GiB) beside the rest (peak {est['total']:.1f} GiB of {gpu:g})")
+    if state + (est["engine_weights"] if est["colocate"] else 0) + est["overhead"] >= 0.9 * gpu:
         if est["tp"] < est["max_tp"]:
-            hints.append(f"more train.tensor_parallel (at most {est['max_tp']} for this model): the trainer's "
-                         f"weights, fp32 gradients and fp32 master + Adam state alone take {state:.1f} GiB per GPU")
-        else:
-            hints.append(f"GPUs with more memory: the trainer's weights, fp32 gradients and fp32 master + Adam "
-                         f"state alone take {state:.1f} GiB per GPU at tensor_parallel={est['tp']}, this model's "
-                         f"limit, and data parallelism does not shard them (the trainer's optimizer is not "
-                         f"distributed and it has no pipeline parallelism)")
-    if est["decode_path"] == "static" and not est["kv_slots"]:
-        hints.append(f"a smaller rollout.max_new_tokens: one KV slot of {est['kv_slot_len']} tokens "
-                     f"({est['kv']['per_slot'] / GIB:.1f} GiB) is over the engine's budget (half the free memory)")
-    elif not state_bound and (est["activations"] > 0.25 * gpu or 0 < est["fit_micro_batch"] < est["micro_batch_size"]):
-        what = (f"train.micro_batch_size={est['fit_micro_batch']}" if est["fit_micro_batch"]
-                else "a smaller train.micro_batch_size or shorter sequences" if est["micro_batch_size"] > 1
-                else "shorter sequences (data.max_prompt_len + rollout.max_new_tokens)")
-        cause = ("unfused attention keeps heads x seq_len^2 scores per layer" if est["attention"] == "unfused"
-                 else f"{est['micro_batch_size']} x {est['seq_len']} tokens keep {est['activations']:.1f} GiB of "
-                      f"activations")
-        if est["decode_path"] == "static" and est["colocate"]:
-            cause += "; the engine's KV cache takes half of the memory free at the first rollout"
-        hints.append(f"{what} ({cause})")
-    if est["decode_path"] == "dynamic" and est["kv_cache"] > 0.25 * gpu:
-        hints.append("fewer samples per rollout or a smaller rollout.max_new_tokens (the engine's slow path "
-                     "caches every row at full length)")
-    if est["engine"] == "sglang" and est["colocate"] and est["kv_cache"] <= 0:
-        hints.append("cluster.colocate=false or a larger rollout.sglang_mem_fraction: SGLang's share of the GPU "
-                     "is taken by the trainer before it starts")
-    return (f"needs {est['total']:.1f} GiB per GPU but the GPU has {gpu:g}; largest: "
-            + ", ".join(f"{k} {v:.1f} GiB" for k, v in big) + "; try " + "; or ".join(hints or ["a larger GPU"]))
+            return (f"{head}: try more train.tensor_parallel (at most {est['max_tp']} for this model): the trainer's "
+                    f"weights, fp32 gradients and fp32 master + Adam state alone take {state:.1f} GiB per GPU")
+        return (f"{head}: try GPUs with more memory: the trainer's weights, fp32 gradients and fp32 master + Adam "
+                f"state alone take {state:.1f} GiB per GPU at tensor_parallel={est['tp']}, this model's limit, and "
+                f"data parallelism does not shard them (the trainer's optimizer is not distributed and it has no "
+                f"pipeline parallelism)")
+    return head
 
 
 def format_estimate(est: dict[str, Any]) -> str:
     """Lines for ``grpoflow validate``."""
-    kv_note = ""
     if est["decode_path"] == "static":
-        kv_note = (f"{est['kv_slots']} slots x {est['kv_slot_len']} tokens, preallocated at the first rollout "
-                   f"(of {est['kv_max_slots']} wanted; half the free memory)")
+        kv_note = (f"pool of {est['kv_cache']:.2f} GiB: {est['kv_slots']} full-length samples of {est['kv_slot_len']} "
+                   f"tokens ({'chosen by the plan' if est['kv_chosen'] else 'rollout.kv_cache_gb'}"
+                   f"{'; released while training' if est['kv_released'] and est['colocate'] else ''})")
     elif est["decode_path"] == "dynamic":
         kv_note = f"{est['kv_slots']} rows x {est['kv_slot_len']} tokens (HF dynamic cache, slow path)"
     else:
         kv_note = f"SGLang pool: {est['kv']['mem_fraction']:g} x GPU - weights - others"
-    act_note = (f"micro-batch {est['micro_batch_size']} x {est['seq_len']} tokens; {est['attention']} attention, "
-                f"{est['logprobs']} log-probs")
-    rows = [("weights", est["weights"], ""), ("gradients", est["grads"], "fp32"),
-            ("optimizer", est["optimizer"], "fp32 master + Adam m, v" if est["optimizer_master"] else "Adam m, v"),
+    micro = (f"packed micro-batches of <= {est['max_tokens']} tokens" if est["max_tokens"]
+             else f"micro-batch {est['micro_batch_size']} x {est['seq_len']} tokens")
+    recompute = {"none": "", "selective": f"; recompute {'+'.join(est['recompute_modules'])}",
+                 "full": f"; full recompute of {est['recompute_num_layers'] or 'all'} layers"}[est["recompute"]]
+    act_note = f"{micro}; {est['attention']} attention, {est['logprobs']} log-probs{recompute}"
+    state_note = "; off the GPU while the engine generates" if est["offload"] else ""
+    rows = [("weights", est["weights"], ""), ("gradients", est["grads"], "fp32" + state_note),
+            ("optimizer", est["optimizer"],
+             ("fp32 master + Adam m, v" if est["optimizer_master"] else "Adam m, v") + state_note),
             ("activations", est["activations"], act_note), ("engine weights", est["engine_weights"], ""),
             ("KV cache", est["kv_cache"], kv_note), ("rollout extra", est["rollout_activations"], ""),
             ("overhead", est["overhead"], "CUDA context, allocator slack")]
@@ -445,9 +535,10 @@ def format_estimate(est: dict[str, Any]) -> str:
             f"trainer/rollout, {est['dtype']}, {est['params'] / 1e9:.2f}B params, {est['device']}):")
     lines = [head] + [f"  {name:<15}{gib:8.2f} GiB" + (f"   {note}" if note else "") for name, gib, note in rows]
     verdict = "fits" if est["fits"] else "DOES NOT FIT"
-    lines.append(f"  {'total':<15}{est['total']:8.2f} GiB of {est['gpu_mem_gb']:g} GiB: {verdict}")
-    if est["reason"]:
-        lines.append(f"  {est['reason']}")
+    phases = (f" (rollout {est['at_rollout']:.2f}, training {est['at_training']:.2f})" if est["colocate"] else "")
+    lines.append(f"  {'total':<15}{est['total']:8.2f} GiB of {est['gpu_mem_gb']:g} GiB{phases}: {verdict}")
+    if est.get("assumed"):
+        lines.append(f"  assumed: {est['assumed']}")
     return "\n".join(lines)
 
 
@@ -459,19 +550,140 @@ def first_rollout_rows(cfg) -> int:
     return prompts * r.n_samples_per_prompt
 
 
-def estimate_for_config(cfg, hf_config, *, gpu_mem_gb: float = 80.0, device: str | None = None) -> dict[str, Any]:
-    """:func:`estimate_memory` for a ``GrpoConfig`` (training; eval generation is not counted).
-    ``device``: default the config's ``cluster.device`` ("auto" counts as a GPU run)."""
-    if device is None:
-        device = "cpu" if cfg.cluster.device == "cpu" else "cuda"
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    r = cfg.rollout
-    return estimate_memory(
-        hf_config, tp=cfg.train.tensor_parallel, dp=cfg.train.data_parallel,
-        micro_batch_size=cfg.train.micro_batch_size,
-        seq_len=cfg.data.max_prompt_len + r.max_new_tokens,
-        rollout_batch=first_rollout_rows(cfg), max_slots=max(cfg.samples_per_rollout, 1),
-        max_new_tokens=r.max_new_tokens, dtype=dtype, colocate=cfg.cluster.colocate,
-        gpu_mem_gb=gpu_mem_gb, ref_model=cfg.algorithm.kl_coef > 0, device=device, engine=r.engine,
-        sglang_mem_fraction=getattr(r, "sglang_mem_fraction", 0.7), sglang_tp=getattr(r, "sglang_tp_size", 1),
-        global_batch_size=cfg.train.global_batch_size)
+def config_device(cfg) -> str:
+    """The device a config trains on, for the plan ("auto" counts as a GPU run)."""
+    return "cpu" if cfg.cluster.device == "cpu" else "cuda"
+
+
+def offload_enabled(cfg, device: str | None = None) -> bool:
+    """``cluster.offload_trainer_state``: on / off, or auto = colocated on a GPU. The loop calls
+    ``offload_state()`` before each generate and ``reload_state()`` before each update when this is True."""
+    setting = cfg.cluster.offload_trainer_state
+    if setting != "auto":
+        return setting == "on"
+    return bool(cfg.cluster.colocate) and (device or config_device(cfg)) == "cuda"
+
+
+def target_gpu_memory_gb(cfg, override: float | None = None) -> float:
+    """The plan's GPU memory: ``--gpu-mem-gb``, else ``cluster.gpu_memory_gb``, else 80."""
+    if override is not None:
+        return float(override)
+    return float(cfg.cluster.gpu_memory_gb) if cfg.cluster.gpu_memory_gb is not None else 80.0
+
+
+def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
+    """:func:`estimate_memory`'s keywords for a ``GrpoConfig`` (training; eval generation is not counted)."""
+    device = device or config_device(cfg)
+    dtype = resolve_dtype(cfg, device)
+    r, t = cfg.rollout, cfg.train
+    return dict(
+        tp=t.tensor_parallel, dp=t.data_parallel, micro_batch_size=t.micro_batch_size,
+        seq_len=cfg.data.max_prompt_len + r.max_new_tokens, rollout_batch=first_rollout_rows(cfg),
+        max_slots=max(cfg.samples_per_rollout, 1), max_new_tokens=r.max_new_tokens, dtype=dtype,
+        colocate=cfg.cluster.colocate, ref_model=cfg.algorithm.kl_coef > 0, device=device, engine=r.engine,
+        sglang_mem_fraction=r.sglang.mem_fraction, sglang_tp=r.sglang.tp_size, global_batch_size=t.global_batch_size,
+        kv_cache_gb=r.kv_cache_gb, offload=offload_enabled(cfg, device), max_tokens=t.max_tokens_per_micro_batch,
+        recompute=t.recompute, recompute_modules=tuple(t.recompute_modules), recompute_num_layers=t.recompute_num_layers,
+        fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention)
+
+
+def estimate_for_config(cfg, hf_config, *, gpu_mem_gb: float | None = None, device: str | None = None,
+                        **engine_model) -> dict[str, Any]:
+    """:func:`estimate_memory` for a ``GrpoConfig``; ``gpu_mem_gb`` default :func:`target_gpu_memory_gb`.
+    When it does not fit, ``fix`` names the settings that would (:func:`settings_that_fit`) and ``reason``
+    ends with them."""
+    gpu = target_gpu_memory_gb(cfg, gpu_mem_gb)
+    kw = {**config_kwargs(cfg, device), **engine_model}  # engine_model: kv_layout / kv_released for old measurements
+    est = estimate_memory(hf_config, gpu_mem_gb=gpu, **kw)
+    est["fix"] = None
+    if not est["fits"]:
+        fix = settings_that_fit(hf_config, gpu, kw)
+        if fix is not None:
+            est["fix"] = fix
+            est["reason"] = f"{est['reason']}; fits with " + ", ".join(f"{k}={_show(v)}" for k, v in fix[0].items()) \
+                + f" (peak {fix[1]['total']:.1f} GiB" \
+                + (f", the plan's KV pool {fix[1]['kv_cache']:.2f} GiB" if fix[1]["kv_chosen"] else "") + ")"
+    return est
+
+
+def _show(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(str(x) for x in v) + "]"
+    return "null" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
+
+
+def settings_that_fit(hf_config, gpu_mem_gb: float, kw: dict[str, Any]):
+    """The cheapest change of the memory settings that makes ``kw`` (:func:`config_kwargs`) fit, as
+    ({config key: value}, estimate), or None. Searched, cheapest first: the trainer's state offloaded
+    while generating (free), packed micro-batches by a token budget (faster), selective recompute
+    (norms + MLP, ~1/3 more compute per layer), full recompute (one more forward), a smaller KV pool
+    (a slower rollout); each with the largest token budget that fits."""
+    if kw["device"] != "cuda" or kw["engine"] != "builtin":
+        return None
+    seq = kw["seq_len"]
+    budgets = [kw["max_tokens"]] if kw["max_tokens"] else [None]
+    budgets += [seq * k for k in (16, 8, 4, 2, 1) if not kw["max_tokens"] or seq * k < kw["max_tokens"]]
+    recomputes = [(kw["recompute"], kw["recompute_modules"])]
+    for r in (("selective", ("layernorm", "mlp")), ("full", kw["recompute_modules"])):
+        if r[0] != kw["recompute"] and not (kw["recompute"] == "full" and r[0] == "selective"):
+            recomputes.append(r)
+    offloads = [kw["offload"]] + ([True] if kw["colocate"] and not kw["offload"] else [])
+    pools: list = [kw["kv_cache_gb"]]
+    if kw["kv_cache_gb"] is not None:
+        pools += [round(kw["kv_cache_gb"] * f / KV_STEP_GIB) * KV_STEP_GIB for f in (0.75, 0.5, 0.25)]
+        pools.append(None)  # what the plan leaves free
+    for min_slots in sorted({min(n, kw["rollout_batch"]) for n in (_SEARCH_MIN_KV_SAMPLES, 4, 1)}, reverse=True):
+        found = _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots)
+        if found is not None:
+            return found
+    return None
+
+
+_SEARCH_MIN_KV_SAMPLES = 8  # the search prefers pools that hold a group of full-length samples at once
+
+
+def _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots):
+    seq = kw["seq_len"]
+    best = None
+    for pi, pool in enumerate(pools):
+        for ri, (rec, mods) in enumerate(recomputes):
+            for oi, off in enumerate(offloads):
+                for bi, budget in enumerate(budgets):
+                    cost = (pi, ri, oi, bi)
+                    if best is not None and cost >= best[0]:
+                        continue
+                    trial = dict(kw, kv_cache_gb=pool, recompute=rec, recompute_modules=mods, offload=off,
+                                 max_tokens=budget, recompute_num_layers=None if rec != "full" else kw["recompute_num_layers"])
+                    if budget is not None and budget < seq:
+                        continue
+                    est = estimate_memory(hf_config, gpu_mem_gb=gpu_mem_gb, **trial)
+                    if est["fits"] and (est["kv_slots"] or 0) >= min_slots:
+                        best = (cost, trial, est)
+                        break  # larger budgets come first: the first that fits is the best of this row
+    if best is None:
+        return None
+    _, trial, est = best
+    names = {"kv_cache_gb": "rollout.kv_cache_gb", "recompute": "train.recompute",
+             "recompute_modules": "train.recompute_modules", "offload": "cluster.offload_trainer_state",
+             "max_tokens": "train.max_tokens_per_micro_batch", "recompute_num_layers": "train.recompute_num_layers"}
+    changed: dict[str, Any] = {}
+    for k, name in names.items():
+        if trial[k] != kw[k] and not (k == "recompute_modules" and trial["recompute"] != "selective"):
+            changed[name] = ("on" if trial[k] else "off") if k == "offload" else trial[k]
+    if trial["kv_cache_gb"] is None and kw["kv_cache_gb"] is not None:
+        changed["rollout.kv_cache_gb"] = round(est["kv_cache_gb"], 2)
+    return changed, est
+
+
+def plan_choices(cfg, hf_config, gpu_mem_gb: float | None = None) -> dict[str, Any]:
+    """What the plan chooses for settings the config leaves open, as {config key: value}, to write into
+    the frozen config: today ``rollout.kv_cache_gb`` (the built-in engine's pool on a GPU) when unset."""
+    if cfg.rollout.kv_cache_gb is not None or config_device(cfg) != "cuda" or cfg.rollout.engine != "builtin":
+        return {}
+    est = estimate_for_config(cfg, hf_config, gpu_mem_gb=gpu_mem_gb)
+    if est["decode_path"] != "static" or not est["kv_chosen"] or not est["fits"]:
+        return {}
+    gb = est["kv_cache_gb"]
+    if est["kv"]["engine"] == "fixed-slot":  # its budget is in 10^9 bytes: the least that makes these slots
+        gb = math.ceil(est["bytes"]["kv_cache"] / 1e7) / 100
+    return {"rollout.kv_cache_gb": round(gb, 2)}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from pathlib import Path
 
 from runtime.config import GrpoConfig
 
@@ -45,31 +46,84 @@ def plan_lines(cfg: GrpoConfig) -> list[str]:
     return lines
 
 
-def _model_config_offline(source: str):
-    """The model's HF config without downloading weights: a local dir, or the local HF cache for hf://."""
+KNOWN_CONFIGS = Path(__file__).resolve().parents[1] / "models" / "known_configs"
+
+
+def known_config(repo: str):
+    """The shipped config.json of a public model (``runtime/models/known_configs``), or None."""
+    import json
+    index = json.loads((KNOWN_CONFIGS / "index.json").read_text())
+    name = index.get(repo)
+    if name is None:
+        return None
+    from transformers import AutoConfig
+    raw = json.loads((KNOWN_CONFIGS / name).read_text())
+    model_type = raw.pop("model_type")
+    return AutoConfig.for_model(model_type, **raw)
+
+
+def model_config_for_plan(source: str):
+    """The model's HF config without downloading weights, and what was assumed to get it (None: read from
+    the model itself): a local dir; for hf:// the HF cache, else the shipped known config of that model."""
     from runtime.models import load_hf_config
     if source.startswith("hf://"):
-        from huggingface_hub import hf_hub_download
         repo, _, rev = source[len("hf://"):].partition("@")
-        path = hf_hub_download(repo, "config.json", revision=rev or None, local_files_only=True)
-        from transformers import AutoConfig
-        return AutoConfig.from_pretrained(path.rsplit("/", 1)[0])
+        try:
+            from huggingface_hub import hf_hub_download
+            path = hf_hub_download(repo, "config.json", revision=rev or None, local_files_only=True)
+            from transformers import AutoConfig
+            return AutoConfig.from_pretrained(path.rsplit("/", 1)[0]), None
+        except Exception:  # noqa: BLE001 - not cached: validate stays offline and fast
+            known = known_config(repo)
+            if known is None:
+                return None, None
+            return known, (f"{repo} is not fetched yet: its architecture from the config.json shipped in "
+                           f"runtime/models/known_configs")
     if "://" in source:
-        return None
-    return load_hf_config(source)
+        return None, None
+    return load_hf_config(source), None
 
 
-def memory_lines(cfg: GrpoConfig, gpu_mem_gb: float) -> list[str]:
-    """The per-GPU memory estimate, when the model's config.json is at hand (no download)."""
-    from runtime.plan.memory import estimate_for_config, format_estimate
+def _model_config_offline(source: str):
+    return model_config_for_plan(source)[0]
+
+
+def memory_plan(cfg: GrpoConfig, gpu_mem_gb: float | None = None):
+    """(the estimate, or None without a model config at hand; what was assumed; why there is none)."""
+    from runtime.plan.memory import estimate_for_config
     try:
-        hf_config = _model_config_offline(cfg.model.source)
-    except Exception:  # noqa: BLE001 - not cached / not a model dir: validate stays offline and fast
-        hf_config = None
+        hf_config, assumed = model_config_for_plan(cfg.model.source)
+    except Exception:  # noqa: BLE001 - not a model dir: the fetch stage says so
+        hf_config, assumed = None, None
     if hf_config is None:
+        return None, None
+    est = estimate_for_config(cfg, hf_config, gpu_mem_gb=gpu_mem_gb)
+    est["assumed"] = assumed
+    return est, hf_config
+
+
+def memory_report(cfg: GrpoConfig, gpu_mem_gb: float | None = None) -> tuple[list[str], str | None]:
+    """The per-GPU memory plan (no download) as lines, and None when it fits, else the one-line error
+    naming the settings that would fit. ``gpu_mem_gb``: ``--gpu-mem-gb``, else ``cluster.gpu_memory_gb``,
+    else 80."""
+    from runtime.plan.memory import format_estimate, plan_choices
+    est, hf_config = memory_plan(cfg, gpu_mem_gb)
+    if est is None:
         return [f"memory        no estimate: {cfg.model.source} has no config.json at hand "
-                f"(give a local model dir, or fetch it once so the HF cache has it)"]
-    return format_estimate(estimate_for_config(cfg, hf_config, gpu_mem_gb=gpu_mem_gb)).splitlines()
+                f"(give a local model dir, or fetch it once so the HF cache has it)"], None
+    lines = format_estimate(est).splitlines()
+    if not est["fits"]:
+        return lines, f"memory: {est['reason']}"
+    choices = plan_choices(cfg, hf_config, gpu_mem_gb)
+    if choices:
+        lines.append("  the plan chooses " + ", ".join(f"{k}={v}" for k, v in choices.items())
+                     + " (written into the run's frozen config)")
+    return lines, None
+
+
+def memory_lines(cfg: GrpoConfig, gpu_mem_gb: float | None = None) -> list[str]:
+    """:func:`memory_report`'s lines."""
+    return memory_report(cfg, gpu_mem_gb)[0]
 
 
 def layout_lines(cfg: GrpoConfig) -> list[str]:

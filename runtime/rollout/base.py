@@ -122,11 +122,11 @@ class RolloutEngine(abc.ABC):
         """A JSON-able dict; at least {"ok": bool, "weight_version": int}."""
 
     def release_memory(self) -> None:
-        """Give back the memory generation needs (KV cache) while the trainer trains; weights stay.
-        Engines that hold nothing worth releasing keep this no-op."""
+        """Give back GPU memory while the trainer trains: the built-in engine its KV pool and graphs (weights
+        stay), SGLang its KV cache and weights. Engines that hold nothing worth releasing keep this no-op."""
 
     def resume_memory(self) -> None:
-        """Take back what `release_memory` gave (generate also does it when needed)."""
+        """Take back what `release_memory` gave, before the next generate (generate also does it when needed)."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:

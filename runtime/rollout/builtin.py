@@ -6,9 +6,11 @@ sample depend on its batch neighbours and on process history; our loop draws eve
 `keyed_sampling`, so a request's output depends only on its prompt, key, sampling params and
 the weights.
 
-On CUDA (and on request elsewhere) `generate` takes the fast path of `static_decode`: a bounded
-static KV cache, continuous batching, CUDA-graph decode and the same keyed sampling on the GPU.
-The slow path below stays the reference (and the path for model families the fast one lacks).
+Where the model family has it (`decode_model.unsupported_reason`), `generate` takes the paged decoder
+(`paged_decode`): a paged KV cache with shared prompt pages, continuous batching, preemption by
+recompute, and on CUDA CUDA-graph decode and the Triton kernel, with the same keyed sampling. HF's
+forward with a dynamic cache (`_generate_batch`, `rollout.decode_path: hf`) stays the reference and the
+path for model families the paged one lacks.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from runtime.errors import ConfigError, ModelError
 from runtime.rollout.base import RolloutEngine, SampleRequest, SampleResult, SamplingParams
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_key_hash, sample_next
+from runtime.rollout.kv_pages import DEFAULT_PAGE_SIZE
 
 _ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+DECODE_PATHS = ("auto", "paged", "hf", "static")
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +58,23 @@ class BuiltinEngine(RolloutEngine):
         max_batch_size: int = 64,
         attn_implementation: str = "sdpa",
         compile_sampling: bool = False,
-        fast_decode: bool | None = None,
+        decode_path: str = "auto",
         kv_cache_gb: float | None = None,
         cuda_graphs: bool | None = None,
         compile_decode: bool | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
     ):
-        """fast_decode: None = on for CUDA when the model family has it (`static_decode`), off on CPU;
-        True insists (error if the family lacks it). kv_cache_gb bounds the fast path's KV cache
-        (None: half the free GPU memory at first use). cuda_graphs / compile_decode: None = on for CUDA."""
+        """decode_path: "auto" = the paged decoder (`paged_decode`) where the model family has it, else HF's
+        forward; "paged" insists (error if the family lacks it); "hf" = HF's forward with a dynamic cache
+        (the reference); "static" = the fixed-slot decoder (`static_decode`, kept for the benchmark that
+        compares it with the paged one). kv_cache_gb: the paged pool's (or the fixed-slot cache's) size in
+        GiB; None: `kv_pages.kv_pool_bytes`'s default. cuda_graphs / compile_decode: None = on for CUDA."""
         if max_batch_size < 1:
             raise ConfigError(f"rollout max_batch_size must be >= 1, got {max_batch_size}: fix rollout.max_batch_size")
         if attn_implementation not in _ATTN_IMPLEMENTATIONS:
             raise ConfigError(f"rollout attn_implementation must be one of {_ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
+        if decode_path not in DECODE_PATHS:
+            raise ConfigError(f"rollout.decode_path must be one of {DECODE_PATHS}, got {decode_path!r}")
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             raise ModelError(f"no HF model at {model_dir} (config.json missing): point the engine at an HF checkpoint directory")
         self.model_dir = str(model_dir)
@@ -89,19 +98,24 @@ class BuiltinEngine(RolloutEngine):
         self._gumbel_fn = compiled_gumbel_noise() if compile_sampling else gumbel_noise
         self._weight_version = 0
         self._closed = False
-        self.fast = None
-        want_fast = (self.device.type == "cuda") if fast_decode is None else bool(fast_decode)
-        if want_fast:
-            from runtime.rollout.static_decode import StaticDecoder, unsupported_reason
+        self.decoder = None  # PagedDecoder / StaticDecoder; None: HF's forward (`_generate_batch`)
+        if decode_path != "hf":
+            from runtime.rollout.decode_model import unsupported_reason
 
             reason = unsupported_reason(self.model)
-            if reason is None:
-                self.fast = StaticDecoder(self.model, max_slots=self.max_batch_size, kv_cache_gb=kv_cache_gb,
-                                          cuda_graphs=cuda_graphs, compile=compile_decode)
-            elif fast_decode:
-                raise ConfigError(f"fast decode asked for, but {model_dir}: {reason}")
+            if reason is None and decode_path == "static":
+                from runtime.rollout.static_decode import StaticDecoder
+                self.decoder = StaticDecoder(self.model, max_slots=self.max_batch_size, kv_cache_gb=kv_cache_gb,
+                                             cuda_graphs=cuda_graphs, compile=compile_decode)
+            elif reason is None:
+                from runtime.rollout.paged_decode import PagedDecoder
+                self.decoder = PagedDecoder(self.model, max_rows=self.max_batch_size, kv_cache_gb=kv_cache_gb,
+                                            page_size=page_size, cuda_graphs=cuda_graphs, compile=compile_decode)
+            elif decode_path != "auto":
+                raise ConfigError(f"rollout.decode_path {decode_path!r} asked for, but {model_dir}: {reason}; "
+                                  f"set rollout.decode_path: hf")
             else:
-                log.info("built-in engine: slow decode path (%s)", reason)
+                log.info("built-in engine: HF decode path (%s)", reason)
 
     # ---- RolloutEngine ------------------------------------------------------------------------
 
@@ -111,8 +125,8 @@ class BuiltinEngine(RolloutEngine):
 
     def generate(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
         self._check_open()
-        if self.fast is not None and requests:
-            return self._generate_fast(requests, sampling)
+        if self.decoder is not None and requests:
+            return self._generate_decoder(requests, sampling)
         results: list[SampleResult] = []
         for start in range(0, len(requests), self.max_batch_size):
             results.extend(self._generate_batch(requests[start : start + self.max_batch_size], sampling))
@@ -179,22 +193,48 @@ class BuiltinEngine(RolloutEngine):
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "max_batch_size": self.max_batch_size,
-            "decode_path": "static" if self.fast is not None else "dynamic",
+            "decode_path": self.decode_path,
         }
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self.fast is not None:
-            self.fast.release()
-            self.fast = None
+        if self.decoder is not None:
+            self.decoder.release()
+            self.decoder = None
         del self.model
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    # ---- memory hand-off with a colocated trainer ------------------------------------------------
+
+    def release_memory(self) -> None:
+        """Free the KV cache (the paged pool) and the captured CUDA graphs while the trainer trains; the
+        weights stay (weight updates still land). `resume_memory` (or the next `generate`) makes them again."""
+        self._check_open()
+        if self.decoder is not None:
+            self.decoder.release()
+        elif self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        """Allocate the KV pool again, before the next `generate` (graphs are captured again at their first
+        step). Sized as at the first call: `kv_cache_gb`, or its share of what is free now."""
+        self._check_open()
+        if self.decoder is not None and hasattr(self.decoder, "ensure_pool"):
+            self.decoder.ensure_pool()
+
     # ---- extras -------------------------------------------------------------------------------
+
+    @property
+    def decode_path(self) -> str:
+        """Which decoder `generate` takes: "paged", "static" (fixed slots) or "hf"."""
+        if self.decoder is None:
+            return "hf"
+        from runtime.rollout.paged_decode import PagedDecoder
+        return "paged" if isinstance(self.decoder, PagedDecoder) else "static"
 
     @torch.inference_mode()
     def logprobs_of(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
@@ -228,14 +268,14 @@ class BuiltinEngine(RolloutEngine):
     def _stop_ids(self, sampling: SamplingParams) -> set[int]:
         return set(self.eos_token_ids) | set(sampling.stop_token_ids)
 
-    def _generate_fast(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
+    def _generate_decoder(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
         for r in requests:
             if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.vocab_size:
                 raise ValueError(f"token ids must be in [0, {self.vocab_size}), got range "
                                  f"[{min(r.prompt_ids)}, {max(r.prompt_ids)}]")
         key_hash = sample_key_hash(torch.tensor([r.key for r in requests], dtype=torch.long, device=self.device))
-        ids, lps, finish = self.fast.generate([list(r.prompt_ids) for r in requests], key_hash, sampling,
-                                              self._stop_ids(sampling))
+        ids, lps, finish = self.decoder.generate([list(r.prompt_ids) for r in requests], key_hash, sampling,
+                                                 self._stop_ids(sampling))
         return [
             SampleResult(prompt_ids=list(r.prompt_ids), response_ids=i, response_logprobs=lp,
                          text=self.tokenizer.decode(i, skip_special_tokens=True), finish_reason=f)

@@ -17,9 +17,13 @@ step and a CUDA graph can replay it.
 
 `reference_decode_attention` is the same function in plain PyTorch (SDPA with a mask): CPU, and the
 check the kernel is tested against.
+
+`paged_decode_attention` (and `reference_paged_decode_attention`) are the same over the paged cache of
+`paged_decode`: pools [page, token, kv_head, head_dim] and a page table per row whose first
+`prefix_cols` columns hold the row's prompt pages (shared by its group) and the rest its own pages;
+the kernel finds every position through the table.
 """
 from __future__ import annotations
-
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +55,22 @@ def reference_decode_attention(q, k_cache, v_cache, prefix_slot, prefix_len, own
     v = v.transpose(1, 2).repeat_interleave(rep, 1)
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale)
     return out[:, :, 0]
+
+
+def reference_paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len, prefix_cols: int,
+                                     scale: float):
+    """The paged cache: q [B, nh, hd]; pools [pages, page_size, nkv, hd]; page_table [B, cols] (int) whose
+    columns [0, prefix_cols) hold the row's prompt pages and the rest its own pages; prefix_len/own_len [B]
+    (long) -> [B, nh, hd]. Row b attends to prompt positions [0, prefix_len[b]) and own positions
+    [0, own_len[b]), each read through its pages."""
+    b = q.shape[0]
+    page_size, nkv, hd = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
+    cols = page_table.shape[1]
+    rows = page_table.long()
+    k = k_pool[rows].reshape(b, cols * page_size, nkv, hd)  # each row's pages side by side: a slot per row
+    v = v_pool[rows].reshape(b, cols * page_size, nkv, hd)
+    return reference_decode_attention(q, k, v, torch.arange(b, device=q.device), prefix_len, own_len,
+                                      prefix_cols * page_size, scale)
 
 
 def split_tokens_for(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
@@ -96,6 +116,56 @@ if triton is not None:
             slot = tl.where(in_prefix, pslot, b.to(tl.int64))
             t = tl.where(in_prefix, n, n - plen + prefix_region)
             off = slot * stride_ks + t.to(tl.int64) * stride_kt + h * stride_kh
+            k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / l[:, None]
+        lse = m + tl.log2(l)
+        keep = (rows < REP) & ((rows * 0 + lo) < total)
+        tl.store(OPART + b * stride_ob + qh[:, None] * stride_oh + sp * stride_os + d[None, :], out,
+                 mask=keep[:, None])
+        tl.store(LSE + b * stride_lb + qh * stride_lh + sp, lse, mask=keep)
+
+    @triton.jit
+    def _paged_split_kernel(Q, K, V, PT, PLEN, OLEN, OPART, LSE,
+                            stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_ptb,
+                            stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                            prefix_cols, scale_log2, split_tokens,
+                            REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
+                            PAGE: tl.constexpr):
+        # as _split_kernel, but every position is found through the row's page table
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.program_id(2)
+        plen = tl.load(PLEN + b).to(tl.int32)
+        olen = tl.load(OLEN + b).to(tl.int32)
+        total = plen + olen
+        lo = sp * split_tokens
+        hi = tl.minimum(lo + split_tokens, total)
+
+        rows = tl.arange(0, REP_PAD)
+        d = tl.arange(0, HD)
+        qh = h * REP + rows
+        q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=rows[:, None] < REP, other=0.0)
+        m = tl.full([REP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([REP_PAD], tl.float32)
+        acc = tl.zeros([REP_PAD, HD], tl.float32)
+        pt_row = PT + b.to(tl.int64) * stride_ptb
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            valid = n < hi
+            in_prefix = n < plen
+            j = tl.where(in_prefix, n, n - plen)  # the position within the prompt or within the row's own tokens
+            col = tl.where(in_prefix, j // PAGE, prefix_cols + j // PAGE)
+            page = tl.load(pt_row + col, mask=valid, other=0).to(tl.int64)
+            off = page * stride_kp + (j % PAGE).to(tl.int64) * stride_kt + h * stride_kh
             k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale_log2
             s = tl.where(valid[None, :], s, float("-inf"))
@@ -170,4 +240,36 @@ def decode_attention(q, k_cache, v_cache, prefix_slot, prefix_len, own_len, pref
     return out
 
 
-__all__ = ["decode_attention", "reference_decode_attention", "split_tokens_for", "triton_available"]
+def paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len, prefix_cols: int, scale: float,
+                           split_tokens: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                           merge_block: int = 16):
+    """The kernel version of :func:`reference_paged_decode_attention` (same arguments and result); the split
+    and merge as in :func:`decode_attention`. A row holds at most `page_table.shape[1] * page_size` positions."""
+    b, nh, hd = q.shape
+    page_size, nkv = k_pool.shape[1], k_pool.shape[2]
+    rep = nh // nkv
+    capacity = page_table.shape[1] * page_size
+    if split_tokens is None:
+        split_tokens = split_tokens_for(b, nkv, capacity, q.device)
+    assert split_tokens % block_n == 0
+    splits = -(-capacity // split_tokens)
+    assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1 and q.stride(-1) == 1
+    assert page_table.stride(-1) == 1
+    o_part = torch.empty(b, nh, splits, hd, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, nh, splits, dtype=torch.float32, device=q.device)
+    _paged_split_kernel[(b, nkv, splits)](
+        q, k_pool, v_pool, page_table, prefix_len, own_len, o_part, lse,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), page_table.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        int(prefix_cols), float(scale) * 1.4426950408889634, int(split_tokens),
+        REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_N=block_n, PAGE=page_size,
+        num_warps=num_warps, num_stages=num_stages)
+    out = torch.empty(b, nh, hd, dtype=q.dtype, device=q.device)
+    _merge_kernel[(b, nh)](o_part, lse, out, prefix_len, own_len, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                           lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), int(split_tokens),
+                           SPLIT_BLOCK=min(merge_block, triton.next_power_of_2(splits)), HD=hd, num_warps=4)
+    return out
+
+
+__all__ = ["decode_attention", "reference_decode_attention", "paged_decode_attention",
+           "reference_paged_decode_attention", "split_tokens_for", "triton_available"]

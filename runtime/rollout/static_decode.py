@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -40,147 +39,10 @@ import torch.nn.functional as F
 
 from runtime.rollout.decode_attention import (decode_attention, reference_decode_attention, split_tokens_for,
                                               triton_available)
-from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_next, uniform_noise
+from runtime.rollout.decode_model import (SUPPORTED_MODEL_TYPES, FusedModel, _cos_sin, _cumsum, _flash, _round_up,
+                                          _sdpa_prefill, plain_sample, unsupported_config_reason, unsupported_reason)
 
 log = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
-
-
-def unsupported_config_reason(cfg) -> str | None:
-    """None when an HF config's architecture fits the fast path, else why not (one line). The memory
-    estimate (runtime/plan/memory.py) uses it to know which decode path the engine will take."""
-    mt = getattr(cfg, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    rp = getattr(cfg, "rope_parameters", None)
-    rope_type = (rp or {}).get("rope_type", "default") if isinstance(rp, dict) else "default"
-    if rope_type != "default":
-        return f"rope_type {rope_type!r} (only the default RoPE is implemented)"
-    if getattr(cfg, "use_sliding_window", False) or any(
-            t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
-        return "sliding-window layers are not implemented"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"hidden_act {cfg.hidden_act!r} (only silu)"
-    if getattr(cfg, "mlp_bias", False):
-        return "mlp_bias is not implemented"
-    return None
-
-
-def unsupported_reason(model) -> str | None:
-    """None when `model` (an HF causal LM) fits the fast path, else why not (one line)."""
-    reason = unsupported_config_reason(model.config)
-    if reason:
-        return reason
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(getattr(inner, "rotary_emb", None), "inv_freq"):
-        return "unexpected module layout (model.model.layers / rotary_emb.inv_freq)"
-    return None
-
-
-# ---- the math (pure functions; compiled on CUDA) ---------------------------------------------------------
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # exactly HF's Qwen3RMSNorm / LlamaRMSNorm
-    dt = x.dtype
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(dt)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., d:], x[..., :d]), dim=-1) * sin
-
-
-def _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, nkv: int, hd: int):
-    """[T, H] -> q [T, nh, hd], k, v [T, nkv, hd] (RoPE applied)."""
-    x = _rms(h, ln_w, eps)
-    qkv = F.linear(x, qkv_w, qkv_b)
-    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-    q = q.reshape(-1, nh, hd)
-    k = k.reshape(-1, nkv, hd)
-    if qn_w is not None:
-        q = _rms(q, qn_w, eps)
-        k = _rms(k, kn_w, eps)
-    return _rope(q, cos, sin), _rope(k, cos, sin), v.reshape(-1, nkv, hd).contiguous()
-
-
-def _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, eps: float, ffn: int):
-    h = h + F.linear(attn, o_w, o_b)
-    gu = F.linear(_rms(h, ln_w, eps), gu_w)
-    g, u = gu.split([ffn, ffn], dim=-1)
-    return h + F.linear(F.silu(g) * u, down_w)
-
-
-def _logits(h, norm_w, lm_w, eps: float):
-    return F.linear(_rms(h, norm_w, eps), lm_w)
-
-
-def _cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
-    # exactly HF's rotary embedding: fp32 angles, cos/sin scaled, cast to the activation dtype
-    f = pos.to(torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat((f, f), dim=-1)
-    return (emb.cos() * scale).to(dtype)[:, None, :], (emb.sin() * scale).to(dtype)[:, None, :]
-
-
-def plain_sample(logits: torch.Tensor, key_hash: torch.Tensor, position: torch.Tensor, temperature: float):
-    """`sample_next` without top-k/top-p (temperature > 0), as one compilable function."""
-    scaled = logits.to(torch.float32) / temperature
-    logprobs_all = torch.log_softmax(scaled, dim=-1)
-    tokens = torch.argmax(scaled + gumbel_noise(key_hash, position, scaled.shape[-1]), dim=-1)
-    return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-# ---- attention ----------------------------------------------------------------------------------------
-
-def _flash(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, seqused_k=None):
-    kw = {"scale": scale}
-    if seqused_k is not None:
-        kw["seqused_k"] = seqused_k
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, **kw)[0]
-
-
-def _sdpa_prefill(q, k, v, lens: list[int], scale: float):
-    out, start = [], 0
-    rep = q.shape[1] // k.shape[1]
-    for n in lens:
-        qi = q[start:start + n].transpose(0, 1)[None]
-        ki = k[start:start + n].transpose(0, 1).repeat_interleave(rep, 0)[None]
-        vi = v[start:start + n].transpose(0, 1).repeat_interleave(rep, 0)[None]
-        out.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)[0].transpose(0, 1))
-        start += n
-    return torch.cat(out, 0)
-
-
-@dataclass
-class _Layer:
-    ln1: torch.Tensor
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor | None
-    qn: torch.Tensor | None
-    kn: torch.Tensor | None
-    o_w: torch.Tensor
-    o_b: torch.Tensor | None
-    ln2: torch.Tensor
-    gu_w: torch.Tensor
-    down_w: torch.Tensor
-
-
-def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """cat along dim 0, then make each parameter a view of its rows (in-place weight updates reach the fused copy)."""
-    fused = torch.cat([p.data for p in params], dim=0).contiguous()
-    start = 0
-    for p in params:
-        n = p.shape[0]
-        p.data = fused[start:start + n]
-        start += n
-    return fused
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
 
 # ---- the KV cache's size policy (pure functions: runtime/plan/memory.py's estimate uses the same ones) -----
 
@@ -209,26 +71,14 @@ def kv_slots(per_slot_bytes: int, budget_bytes: int, rows: int, max_slots: int) 
     return max(1, min(int(max_slots), int(rows), int(budget_bytes) // int(per_slot_bytes)))
 
 
-class StaticDecoder:
+class StaticDecoder(FusedModel):
     """Generates for many requests at once with a bounded static KV cache (see the module doc)."""
 
     def __init__(self, model, *, max_slots: int = 256, kv_cache_gb: float | None = None,
                  cuda_graphs: bool | None = None, compile: bool | None = None, sync_every: int = 16,
                  prefill_tokens: int = 16384):
-        reason = unsupported_reason(model)
-        if reason:
-            raise ValueError(f"fast decode path: {reason}")
-        self.model = model
-        cfg = model.config
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        super().__init__(model, compile=compile)
         cuda = self.device.type == "cuda"
-        self.nh, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.ffn = cfg.intermediate_size
-        self.eps = float(cfg.rms_norm_eps)
-        self.scale = self.hd ** -0.5
-        self.n_layers = cfg.num_hidden_layers
         self.max_slots = int(max_slots)
         self.kv_cache_gb = kv_cache_gb
         self.sync_every = int(sync_every)
@@ -239,67 +89,13 @@ class StaticDecoder:
         self.split_tokens: int | None = None  # decode kernel's tokens per split; None: chosen per chunk
         self._chunk_split_tokens = 4096
         self.use_graphs = cuda if cuda_graphs is None else bool(cuda_graphs and cuda)
-        self.compiled = cuda if compile is None else bool(compile)
-        inner = model.model
-        self.embed = inner.embed_tokens.weight
-        self.norm = inner.norm.weight
-        self.lm = model.get_output_embeddings().weight
-        self.inv_freq = inner.rotary_emb.inv_freq.to(self.device, torch.float32)
-        self.rope_scale = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
-        self.vocab = int(self.lm.shape[0])
-        self.layers = []
-        with torch.no_grad():
-            for layer in inner.layers:
-                a, m = layer.self_attn, layer.mlp
-                qkv_b = _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
-                self.layers.append(_Layer(
-                    ln1=layer.input_layernorm.weight, qkv_w=_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                    qkv_b=qkv_b, qn=getattr(getattr(a, "q_norm", None), "weight", None),
-                    kn=getattr(getattr(a, "k_norm", None), "weight", None), o_w=a.o_proj.weight, o_b=a.o_proj.bias,
-                    ln2=layer.post_attention_layernorm.weight,
-                    gu_w=_fuse([m.gate_proj.weight, m.up_proj.weight]), down_w=m.down_proj.weight))
-        self._eager_fns()
-        self.compile_error: str | None = None
-        if self.compiled:
-            try:
-                from torch import _dynamo
-                _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)
-                uniform_noise(torch.zeros(1, dtype=torch.long, device=self.device),
-                              torch.zeros(1, dtype=torch.long, device=self.device), self.vocab)  # counters cached
-                self._pre = torch.compile(self._pre, dynamic=True)
-                self._post = torch.compile(self._post, dynamic=True)
-                self._head = torch.compile(self._head, dynamic=True)
-                self._plain = torch.compile(plain_sample, dynamic=True)
-                self._gumbel = compiled_gumbel_noise()
-            except Exception as e:  # noqa: BLE001 - no compiler: eager is correct, only slower
-                self.compile_error = f"{type(e).__name__}: {e}"
-                self.compiled = False
         self.k_cache = self.v_cache = None
         self.slots = self.slot_len = self.prefix_region = 0
         self.graphs: dict = {}
         self.stats: dict = {}
         self.trace: list | None = None  # set to [] to record every decode chunk
 
-    def _eager_fns(self) -> None:
-        """The per-layer pieces with the model's sizes bound (constants to the compiler, not inputs)."""
-        nh, nkv, hd, ffn, eps = self.nh, self.nkv, self.hd, self.ffn, self.eps
-
-        def pre(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin):
-            return _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps, nh, nkv, hd)
-
-        def post(h, attn, o_w, o_b, ln_w, gu_w, down_w):
-            return _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, eps, ffn)
-
-        def head(h, norm_w, lm_w):
-            return _logits(h, norm_w, lm_w, eps)
-
-        self._pre, self._post, self._head, self._plain = pre, post, head, plain_sample
-        self._gumbel = gumbel_noise
-
     # ---- memory ----------------------------------------------------------------------------------------
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.n_layers * self.nkv * self.hd * torch.finfo(self.dtype).bits // 8
-
     def _budget_bytes(self) -> int:
         free = 0
         if self.kv_cache_gb is None and self.device.type == "cuda":
@@ -440,18 +236,8 @@ class StaticDecoder:
         self.stats["graphs"] = len(self.graphs)
 
     # ---- the loop --------------------------------------------------------------------------------------
-    def _sampler(self, sampling) -> tuple[Callable, tuple, Callable]:
-        """(decode-step sampler, its graph key, prefill sampler)."""
-        def slow(logits, kh, sp):
-            return sample_next(logits, kh, sp, sampling, self._gumbel)
-        skey = (sampling.temperature, sampling.top_p, sampling.top_k)
-        plain = sampling.temperature > 0 and sampling.top_p >= 1.0 and not (0 < sampling.top_k < self.vocab)
-        if plain and self.compiled:
-            temp = float(sampling.temperature)
-            return (lambda logits, kh, sp: self._plain(logits, kh, sp, temp)), skey, slow
-        return slow, skey, slow
-
-    def generate(self, prompts: list[list[int]], key_hash: torch.Tensor, sampling, stop_ids: set[int]):
+    def generate(self, prompts: list[list[int]], key_hash: torch.Tensor, sampling, stop_ids: set[int],
+                 stop_at: list[int] | None = None):
         """Returns (response ids, response log-probs, finish reasons), one per prompt, in order.
 
         If a speed feature fails at run time (the compiler, graph capture, the Triton or flash kernel),
@@ -460,7 +246,7 @@ class StaticDecoder:
         """
         while True:
             try:
-                return self._generate(prompts, key_hash, sampling, stop_ids)
+                return self._generate(prompts, key_hash, sampling, stop_ids, stop_at)
             except MemoryError:
                 raise
             except Exception as e:  # noqa: BLE001
@@ -484,9 +270,12 @@ class StaticDecoder:
                     torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]], key_hash: torch.Tensor, sampling, stop_ids: set[int]):
+    def _generate(self, prompts: list[list[int]], key_hash: torch.Tensor, sampling, stop_ids: set[int], stop_at):
         n = len(prompts)
         max_new = int(sampling.max_new_tokens)
+        # stop_at (benchmarks, as PagedDecoder.generate): a forced stop at that response length
+        cap = [max_new if stop_at is None else max(1, min(max_new, int(stop_at[r]))) for r in range(n)]
+        forced_stop = min(stop_ids) if stop_ids else 0
         t_start = time.perf_counter()
         self._ensure_cache(max(len(p) for p in prompts), max_new, n)
         for buf in (self.pos, self.plen, self.live):  # every row idle (an earlier call may have stopped midway)
@@ -513,9 +302,11 @@ class StaticDecoder:
         def take(row: int, toks: list[int], lps: list[float]) -> bool:
             """Append tokens to a request until it stops; True when it finished."""
             for t, lp in zip(toks, lps):
+                if len(out_ids[row]) + 1 == cap[row] and cap[row] < max_new:
+                    t = forced_stop
                 out_ids[row].append(t)
                 out_lp[row].append(lp)
-                if t in stop_ids:
+                if t in stop_ids or len(out_ids[row]) == cap[row] and cap[row] < max_new:
                     finish[row] = "stop"
                     return True
                 if len(out_ids[row]) >= max_new:
@@ -599,7 +390,7 @@ class StaticDecoder:
                 continue
             hi = max(active) + 1
             b = next(x for x in self._buckets() if x >= hi)
-            steps = min(self.sync_every, max(max_new - len(out_ids[slot_req[s]]) for s in active))
+            steps = min(self.sync_every, max(cap[slot_req[s]] - len(out_ids[slot_req[s]]) for s in active))
             longest = max(len(prompts[slot_req[s]]) + len(out_ids[slot_req[s]]) for s in active) + steps
             self._chunk_split_tokens = self.split_tokens or split_tokens_for(len(active), self.nkv, longest, dev)
             t0 = time.perf_counter()
@@ -635,12 +426,6 @@ class StaticDecoder:
         self.stats.update(stats)
         return out_ids, out_lp, finish
 
-
-def _cumsum(xs):
-    total = 0
-    for x in xs:
-        total += x
-        yield total
 
 
 __all__ = ["StaticDecoder", "unsupported_reason", "unsupported_config_reason", "plain_sample", "SUPPORTED_MODEL_TYPES",

@@ -51,7 +51,7 @@ _TRANSIENT_CODES = {"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_
 _SECRET_KEY = re.compile(
     r"(^|[_-])(token|secret|password|passwd|credentials?|api[_-]?key|access[_-]?key|secret[_-]?key|"
     r"private[_-]?key|auth)$|^key$|secret|password|credential", re.I)
-# In a list of command-line args (rollout.sglang_launch): the value after a secret-looking flag.
+# In a list of command-line args (rollout.sglang.launch): the value after a secret-looking flag.
 _SECRET_FLAG = re.compile(r"^--?[\w-]*(token|secret|password|passwd|credential|api[_-]?key|access[_-]?key)[\w-]*$", re.I)
 
 

@@ -31,22 +31,62 @@ class TrainBatch:
 
 @dataclass
 class PackedMicroBatch:
-    """Right-padded tensors of a micro-batch; `resp_*` are [b, s-1] aligned with next-token predictions."""
+    """A micro-batch in two layouts.
 
-    input_ids: torch.Tensor  # [b, s]
-    position_ids: torch.Tensor  # [b, s]
-    targets: torch.Tensor  # [b, s-1] next tokens
-    resp_mask: torch.Tensor  # [b, s-1] float, 1 where the target is a trained response token
-    advantages: torch.Tensor  # [b, s-1] the sample's advantage on every position
-    rollout_logp: torch.Tensor  # [b, s-1]
-    old_logp: torch.Tensor | None  # [b, s-1]
-    seq_ids: list[int]  # index of each row in the parent TrainBatch
+    The forward layout is what the model sees: ``input_ids``/``position_ids`` [rows, s] and ``targets``
+    [rows, s-1] (position t predicts token t+1). Right-padded (:func:`pack`): one sample per row. Packed
+    (:func:`pack_varlen`): every sample back to back in one row without padding, positions restarting at 0
+    per sample, ``cu_seqlens``/``max_seqlen`` telling attention where samples start.
+
+    The sample layout is what the loss sees, one sample per row, right-padded, [k, S-1] for k samples of
+    at most S tokens: ``resp_mask`` (1 where the target is a trained response token), ``advantages``,
+    ``rollout_logp``, ``old_logp``. :meth:`to_rows` takes a forward-layout tensor there. For a padded
+    micro-batch both layouts are the same."""
+
+    input_ids: torch.Tensor  # [rows, s]
+    position_ids: torch.Tensor  # [rows, s]
+    targets: torch.Tensor  # [rows, s-1] next tokens
+    resp_mask: torch.Tensor  # [k, S-1] float
+    advantages: torch.Tensor  # [k, S-1] the sample's advantage on every position
+    rollout_logp: torch.Tensor  # [k, S-1]
+    old_logp: torch.Tensor | None  # [k, S-1]
+    seq_ids: list[int]  # index of each sample in the parent TrainBatch
+    cu_seqlens: torch.Tensor | None = None  # [k+1] int32 sample offsets in the packed row (packed only)
+    max_seqlen: int | None = None
+    row_index: torch.Tensor | None = None  # [k, S-1] flat forward-layout target position of each sample position
+    row_valid: torch.Tensor | None = None  # [k, S-1] bool, the sample has that position
+    starts: list[tuple[int, int]] = field(default_factory=list)  # (forward row, offset) of each sample
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    def to_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """A forward-layout [rows, s-1] tensor in the sample layout [k, S-1] (0 past each sample's end)."""
+        if not self.packed:
+            return x
+        return x.reshape(-1)[self.row_index].masked_fill(~self.row_valid, 0)
+
+    def response_select(self, batch: "TrainBatch") -> torch.Tensor:
+        """[rows, s-1] bool in the forward layout: every position that predicts a response token."""
+        select = torch.zeros(self.targets.shape, dtype=torch.bool)
+        for i, (row, start) in zip(self.seq_ids, self.starts):
+            select[row, start + batch.prompt_lens[i] - 1: start + len(batch.tokens[i]) - 1] = True
+        return select
+
+    def loss_select(self) -> torch.Tensor:
+        """[rows, s-1] bool in the forward layout: where ``resp_mask`` > 0."""
+        if not self.packed:
+            return self.resp_mask > 0
+        flat = torch.zeros(self.targets.numel(), dtype=torch.bool, device=self.resp_mask.device)
+        flat[self.row_index[self.row_valid & (self.resp_mask > 0)]] = True
+        return flat.view(self.targets.shape)
 
 
-def pack(batch: TrainBatch, idx: list[int], device: str | torch.device = "cpu", pad_id: int = 0) -> PackedMicroBatch:
+def _sample_rows(batch: TrainBatch, idx: list[int]):
+    """The sample layout's tensors (resp_mask, advantages, rollout_logp, old_logp), [k, S-1] on CPU."""
     s = max(len(batch.tokens[i]) for i in idx)
     b = len(idx)
-    ids = torch.full((b, s), pad_id, dtype=torch.long)
     mask = torch.zeros(b, s - 1)
     adv = torch.zeros(b, s - 1)
     rlp = torch.zeros(b, s - 1)
@@ -54,7 +94,6 @@ def pack(batch: TrainBatch, idx: list[int], device: str | torch.device = "cpu", 
     for row, i in enumerate(idx):
         toks, p = batch.tokens[i], batch.prompt_lens[i]
         n = len(toks) - p
-        ids[row, : len(toks)] = torch.tensor(toks)
         # target position t predicts token t+1: response token j sits at target index p-1+j
         sl = slice(p - 1, p - 1 + n)
         mask[row, sl] = torch.tensor(batch.loss_masks[i], dtype=torch.float32)
@@ -62,25 +101,86 @@ def pack(batch: TrainBatch, idx: list[int], device: str | torch.device = "cpu", 
         rlp[row, sl] = torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)
         if olp is not None:
             olp[row, sl] = torch.tensor(batch.old_logprobs[i], dtype=torch.float32)
+    return mask, adv, rlp, olp
+
+
+def pack(batch: TrainBatch, idx: list[int], device: str | torch.device = "cpu", pad_id: int = 0) -> PackedMicroBatch:
+    """Right-padded: one sample per row."""
+    s = max(len(batch.tokens[i]) for i in idx)
+    b = len(idx)
+    ids = torch.full((b, s), pad_id, dtype=torch.long)
+    for row, i in enumerate(idx):
+        ids[row, : len(batch.tokens[i])] = torch.tensor(batch.tokens[i])
+    mask, adv, rlp, olp = _sample_rows(batch, idx)
     pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return PackedMicroBatch(to(ids), to(pos), to(ids[:, 1:].contiguous()), to(mask), to(adv), to(rlp), to(olp), list(idx))
+    return PackedMicroBatch(to(ids), to(pos), to(ids[:, 1:].contiguous()), to(mask), to(adv), to(rlp), to(olp),
+                            list(idx), starts=[(row, 0) for row in range(b)])
+
+
+def pack_varlen(batch: TrainBatch, idx: list[int], device: str | torch.device = "cpu") -> PackedMicroBatch:
+    """Packed: the samples back to back in one row of sum(lengths) tokens, no padding; each sample's
+    positions start at 0 (RoPE sees what it would unpacked) and ``cu_seqlens`` keeps attention inside it.
+    The target of a sample's last token is the next sample's first: never a response position, so never
+    selected."""
+    lens = [len(batch.tokens[i]) for i in idx]
+    total = sum(lens)
+    ids = torch.tensor([t for i in idx for t in batch.tokens[i]], dtype=torch.long).view(1, total)
+    pos = torch.cat([torch.arange(n) for n in lens]).view(1, total)
+    cu = torch.zeros(len(idx) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+    mask, adv, rlp, olp = _sample_rows(batch, idx)
+    s1 = mask.shape[1]
+    j = torch.arange(s1).view(1, s1)
+    valid = j < (torch.tensor(lens).view(-1, 1) - 1)
+    index = torch.where(valid, cu[:-1].view(-1, 1).to(torch.long) + j, torch.zeros((), dtype=torch.long))
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return PackedMicroBatch(to(ids), to(pos), to(ids[:, 1:].contiguous()), to(mask), to(adv), to(rlp), to(olp),
+                            list(idx), cu_seqlens=to(cu), max_seqlen=max(lens), row_index=to(index),
+                            row_valid=to(valid), starts=[(0, int(o)) for o in cu[:-1].tolist()])
+
+
+def token_budget_micro_batches(idx: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """``idx`` cut into micro-batches of at most ``max_tokens`` tokens in all: longest first, each sample
+    into the first micro-batch with room (first-fit decreasing; deterministic). A sample longer than the
+    budget is an error (the config refuses such a budget)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in by_length(list(idx), lengths):
+        n = lengths[i]
+        if n > max_tokens:
+            raise ValueError(f"a sample of {n} tokens is longer than train.max_tokens_per_micro_batch={max_tokens}")
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - n)
+    return bins
 
 
 def step_slices(n_samples: int, steps: int, dp_size: int, dp_rank: int, micro_batch_size: int,
-                lengths: list[int] | None = None) -> list[list[list[int]]]:
+                lengths: list[int] | None = None, max_tokens: int | None = None) -> list[list[list[int]]]:
     """For each optimizer step, this DP rank's micro-batches as lists of sample indices.
 
     With `lengths` (tokens per sample) a rank's samples of a step are ordered longest first before
     they are cut, so a micro-batch holds samples of similar length and pads little (the loss is
     normalised per step, so the order does not change the update), and the largest micro-batch
-    runs first: if it does not fit, that shows at once."""
+    runs first: if it does not fit, that shows at once. With `max_tokens` (needs `lengths`) the
+    micro-batches hold at most that many tokens instead of `micro_batch_size` samples
+    (:func:`token_budget_micro_batches`)."""
     per_step = n_samples // steps
     per_rank = per_step // dp_size
     out = []
     for s in range(steps):
         start = s * per_step + dp_rank * per_rank
-        rank_idx = by_length(list(range(start, start + per_rank)), lengths)
+        rank_idx = list(range(start, start + per_rank))
+        if max_tokens is not None:
+            out.append(token_budget_micro_batches(rank_idx, lengths, max_tokens))
+            continue
+        rank_idx = by_length(rank_idx, lengths)
         out.append([rank_idx[i: i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)])
     return out
 

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from runtime.algo import grpo_loss
-from runtime.config import AlgorithmSection
-from runtime.trainer.batch import TrainBatch, by_length, pack, step_slices
+from runtime.config import AlgorithmSection, TrainSection
+from runtime.trainer.batch import TrainBatch, by_length, pack, pack_varlen, step_slices, token_budget_micro_batches
+from runtime.trainer.state_offload import StateOffload
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -22,9 +23,13 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class MegatronTrainer:
-    def __init__(self, *, hf_dir: str, init_checkpoint: str, train: dict, algorithm: dict, temperature: float,
-                 rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int | None = None,
-                 device: str = "cpu", dtype: str = "float32", num_threads: int | None = None):
+    def __init__(self, *, hf_dir: str, init_checkpoint: str, train: TrainSection, algorithm: AlgorithmSection,
+                 temperature: float, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, device: str = "cpu", dtype: str = "float32",
+                 num_threads: int | None = None):
+        if not isinstance(train, TrainSection) or not isinstance(algorithm, AlgorithmSection):
+            raise TypeError("MegatronTrainer takes the config's TrainSection and AlgorithmSection "
+                            f"(got {type(train).__name__}, {type(algorithm).__name__})")
         if num_threads:
             torch.set_num_threads(num_threads)
         from megatron.core import parallel_state as mpu
@@ -39,19 +44,18 @@ class MegatronTrainer:
         self.train_cfg, self.algo, self.temperature = train, algorithm, temperature
         self.device = device
         self.rank, self.world_size = rank, world_size
-        tp = int(train.get("tensor_parallel", 1))
-        menv.init_parallel(rank=rank, world_size=world_size, tp=tp, master_addr=master_addr,
+        menv.init_parallel(rank=rank, world_size=world_size, tp=train.tensor_parallel, master_addr=master_addr,
                            master_port=master_port, device=device)
         self.mpu = mpu
         self.dp_rank, self.dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         self.tp_size = mpu.get_tensor_model_parallel_world_size()
         self.hf_config = load_hf_config(hf_dir)
         self.params_dtype = _dtype(dtype)
-        self.model = menv.build_gpt_model(self.hf_config, dtype=self.params_dtype, device=device, init_weights=False)
+        self.model = self._build_model(train=True)
         load_torch_dist_into(self.model, init_checkpoint)
         self.ref_model = None
-        if float(algorithm.get("kl_coef", 0.0)) > 0:
-            self.ref_model = menv.build_gpt_model(self.hf_config, dtype=self.params_dtype, device=device, init_weights=False)
+        if algorithm.kl_coef > 0:
+            self.ref_model = self._build_model(train=False)
             load_torch_dist_into(self.ref_model, init_checkpoint)
             self.ref_model.eval().requires_grad_(False)
 
@@ -61,20 +65,35 @@ class MegatronTrainer:
                                                                   use_distributed_optimizer=False), self.model)
             bf16 = self.params_dtype == torch.bfloat16
             self.optimizer = get_megatron_optimizer(OptimizerConfig(
-                optimizer="adam", lr=float(train["lr"]), min_lr=float(train.get("min_lr", 0.0)),
-                weight_decay=float(train.get("weight_decay", 0.0)), adam_beta1=float(train.get("adam_beta1", 0.9)),
-                adam_beta2=float(train.get("adam_beta2", 0.98)), clip_grad=float(train.get("clip_grad", 1.0)),
+                optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
+                adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, clip_grad=train.clip_grad,
                 bf16=bf16, params_dtype=self.params_dtype, use_distributed_optimizer=False), [self.ddp])
-        total_steps = int(train["num_rollout"]) * int(train.get("num_steps_per_rollout", 1))
-        warmup = int(train.get("lr_warmup_steps", 0))
+        total_steps = train.num_rollout * train.num_steps_per_rollout
+        warmup = train.lr_warmup_steps
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if warmup else float(train["lr"]), max_lr=float(train["lr"]),
-            min_lr=float(train.get("min_lr", 0.0)), lr_warmup_steps=warmup,
-            lr_decay_steps=max(total_steps, warmup + 1), lr_decay_style=train.get("lr_decay_style", "constant"),
-            start_wd=float(train.get("weight_decay", 0.0)), end_wd=float(train.get("weight_decay", 0.0)),
+            self.optimizer, init_lr=0.0 if warmup else train.lr, max_lr=train.lr,
+            min_lr=train.min_lr, lr_warmup_steps=warmup,
+            lr_decay_steps=max(total_steps, warmup + 1), lr_decay_style=train.lr_decay_style,
+            start_wd=train.weight_decay, end_wd=train.weight_decay,
             wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")
         self.adapter = None
         self.steps_done = 0
+        self.offload = StateOffload(self)
+
+    def _build_model(self, train: bool):
+        """The GPTModel with the config's attention, fusions and (for the trained copy) recomputation."""
+        from runtime.mcore import env as menv
+        t = self.train_cfg
+        recompute = dict(recompute=t.recompute, recompute_modules=tuple(t.recompute_modules),
+                         recompute_num_layers=t.recompute_num_layers) if train else {}
+        return menv.build_gpt_model(self.hf_config, dtype=self.params_dtype, device=self.device, init_weights=False,
+                                    fusions=t.fusions, core_attention=t.core_attention, packed=self.packs,
+                                    **recompute)
+
+    @property
+    def packs(self) -> bool:
+        """Micro-batches by token budget, packed without padding (``train.max_tokens_per_micro_batch``)."""
+        return self.train_cfg.max_tokens_per_micro_batch is not None
 
     # -- introspection -------------------------------------------------------------------------
     def pid(self) -> int:
@@ -88,26 +107,52 @@ class MegatronTrainer:
         return torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1).view(1, 1, s, s)
 
     def _chunked_logprobs_enabled(self) -> bool:
-        """The chunked output-layer path (no full-vocab fp32 logits): TP 1, on CUDA by default;
-        GRPOFLOW_CHUNKED_LOGPROBS=1/0 forces it on/off (CPU tests use 1)."""
-        flag = os.environ.get("GRPOFLOW_CHUNKED_LOGPROBS")
+        """The chunked output-layer path (no full-vocab fp32 logits): TP 1; ``train.chunked_logprobs``
+        auto = on CUDA, on/off forces it (CPU tests use on)."""
         if self.tp_size != 1:
             return False
-        if flag is not None:
-            return flag not in ("0", "", "false", "False")
+        setting = self.train_cfg.chunked_logprobs
+        if setting != "auto":
+            return setting == "on"
         return str(self.device).startswith("cuda")
 
-    def _token_logprobs(self, model, mb, with_entropy: bool = False, entropy_grad: bool = False, select=None):
-        """log p(target) of logits/temperature for every position; vocab-parallel under TP.
+    def _forward(self, model, mb):
+        """The model on a micro-batch's forward layout (packed: megatron's thd packed-sequence params)."""
+        if not mb.packed:
+            return model(mb.input_ids, mb.position_ids, self._causal_mask(mb.input_ids.shape[1]))
+        from megatron.core.packed_seq_params import PackedSeqParams
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                                 max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+        return model(mb.input_ids, mb.position_ids, None, packed_seq_params=params)
 
-        On the chunked path only the positions in `select` ([b, s-1] bool; default: where
-        mb.resp_mask > 0) get log-probs and entropy (0 elsewhere), and the output layer runs a chunk
+    def _micro_batches(self, idx: list[int], batch: TrainBatch) -> list[list[int]]:
+        """``idx`` cut into micro-batches: by token budget when packing, else micro_batch_size samples of like length."""
+        lengths = [len(t) for t in batch.tokens]
+        if self.packs:
+            return token_budget_micro_batches(idx, lengths, self.train_cfg.max_tokens_per_micro_batch)
+        order, mbs = by_length(idx, lengths), self.train_cfg.micro_batch_size
+        return [order[s: s + mbs] for s in range(0, len(order), mbs)]
+
+    def _pack(self, batch: TrainBatch, idx: list[int]):
+        return (pack_varlen if self.packs else pack)(batch, idx, self.device)
+
+    def _token_logprobs(self, model, mb, with_entropy: bool = False, entropy_grad: bool = False, select=None):
+        """log p(target) of logits/temperature for every position; vocab-parallel under TP. Returned in
+        the micro-batch's sample layout ([k, S-1], see ``PackedMicroBatch``).
+
+        On the chunked path only the positions in `select` (forward layout, bool; default: where the
+        loss mask is > 0) get log-probs and entropy (0 elsewhere), and the output layer runs a chunk
         of rows at a time (runtime/trainer/logprobs.py), so no [b, s, vocab] fp32 logits exist.
         """
         if self._chunked_logprobs_enabled():
-            return self._token_logprobs_chunked(model, mb, with_entropy, entropy_grad, select)
+            logp, entropy = self._token_logprobs_chunked(model, mb, with_entropy, entropy_grad, select)
+        else:
+            logp, entropy = self._token_logprobs_full(model, mb, with_entropy, entropy_grad)
+        return mb.to_rows(logp), (None if entropy is None else mb.to_rows(entropy))
+
+    def _token_logprobs_full(self, model, mb, with_entropy: bool, entropy_grad: bool):
         from megatron.core import tensor_parallel
-        logits = model(mb.input_ids, mb.position_ids, self._causal_mask(mb.input_ids.shape[1]))
+        logits = self._forward(model, mb)
         logits = logits[:, :-1].float() / self.temperature  # [b, s-1, V/tp]
         entropy = None
         if with_entropy:  # a metric unless entropy_coef > 0: no graph for it then
@@ -125,13 +170,13 @@ class MegatronTrainer:
         gpt = menv.unwrap_model(model)
         gpt.post_process = False  # GPTModel then returns the final-norm hidden states, not logits
         try:
-            hidden = model(mb.input_ids, mb.position_ids, self._causal_mask(mb.input_ids.shape[1]))  # [s, b, H]
+            hidden = self._forward(model, mb)  # [s, b, H]
         finally:
             gpt.post_process = True
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
             else gpt.output_layer.weight
         if select is None:
-            select = mb.resp_mask > 0
+            select = mb.loss_select()
         select = select.to(hidden.device)
         rows = hidden[:-1].transpose(0, 1)[select]  # [n, H]: positions that predict a selected target
         logp_sel, ent_sel = linear_logprobs(rows, weight, mb.targets[select], self.temperature,
@@ -172,17 +217,11 @@ class MegatronTrainer:
         """Log-probs of every sample's response tokens (all samples, on every rank)."""
         model = self.model if which == "policy" else self.ref_model
         model.eval()
-        mbs = int(self.train_cfg["micro_batch_size"])
-        order = by_length(list(range(len(batch))), [len(t) for t in batch.tokens])  # micro-batches of like lengths
         out: list[list[float]] = [[] for _ in range(len(batch))]
-        for s in range(0, len(batch), mbs):
-            mb = pack(batch, order[s: s + mbs], self.device)
-            select = None
-            if self._chunked_logprobs_enabled():  # every response position, whatever its loss mask
-                select = torch.zeros(mb.targets.shape, dtype=torch.bool)
-                for row, i in enumerate(mb.seq_ids):
-                    p = batch.prompt_lens[i]
-                    select[row, p - 1: len(batch.tokens[i]) - 1] = True
+        for idx in self._micro_batches(list(range(len(batch))), batch):  # micro-batches of like lengths
+            mb = self._pack(batch, idx)
+            # chunked: every response position, whatever its loss mask
+            select = mb.response_select(batch) if self._chunked_logprobs_enabled() else None
             logp, _ = self._token_logprobs(model, mb, select=select)
             for i, values in zip(mb.seq_ids, self._unpack(logp, mb, batch)):
                 out[i] = values
@@ -196,29 +235,30 @@ class MegatronTrainer:
         from runtime.mcore import env as menv
 
         t0 = time.time()
+        self.offload.reload()  # a no-op unless the state was offloaded for the rollout
         a = self.algo
-        steps = int(self.train_cfg.get("num_steps_per_rollout", 1))
+        steps = self.train_cfg.num_steps_per_rollout
         # With one step per rollout the policy has not moved yet: the old log-probs are the current
         # ones (detached in the loss), so the extra forward pass is only needed for several steps.
         if steps > 1 and batch.old_logprobs is None:
             batch.old_logprobs = self.compute_logprobs(batch)
         ref_logprobs = self.compute_logprobs(batch, "ref") if self.ref_model is not None else None
         self.model.train()
-        slices = step_slices(len(batch), steps, self.dp_size, self.dp_rank, int(self.train_cfg["micro_batch_size"]),
-                             lengths=[len(t) for t in batch.tokens])
+        slices = step_slices(len(batch), steps, self.dp_size, self.dp_rank, self.train_cfg.micro_batch_size,
+                             lengths=[len(t) for t in batch.tokens], max_tokens=self.train_cfg.max_tokens_per_micro_batch)
         per_step = len(batch) // steps
         sums: dict[str, float] = {}
         grad_norms, tokens = [], 0
         for s, micro_batches in enumerate(slices):
             step_idx = list(range(s * per_step, (s + 1) * per_step))
             step_tokens = sum(sum(batch.loss_masks[i]) for i in step_idx)
-            normalizer = float(step_tokens if a.get("loss_agg", "token_mean") == "token_mean" else len(step_idx))
+            normalizer = float(step_tokens if a.loss_agg == "token_mean" else len(step_idx))
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             for idx in micro_batches:
-                mb = pack(batch, idx, self.device)
+                mb = self._pack(batch, idx)
                 logp, entropy = self._token_logprobs(self.model, mb, with_entropy=True,
-                                                     entropy_grad=float(a.get("entropy_coef", 0.0)) > 0)
+                                                     entropy_grad=a.entropy_coef > 0)
                 ref = None
                 if ref_logprobs is not None:
                     ref = torch.zeros_like(logp)
@@ -262,6 +302,17 @@ class MegatronTrainer:
         out["train_tokens"] = int(total["_tokens"])
         out["train_time_s"] = time.time() - t0
         return out
+
+    # -- colocated hand-off: the trainer's state off the GPU while the engine generates --------------
+    def offload_state(self, force: bool = False) -> dict[str, float]:
+        """Gradients, fp32 master weights and Adam state to pinned CPU buffers (async copies), their GPU
+        memory freed; the model's weights stay. A no-op on CPU unless ``force`` (tests). Returns bytes
+        moved and seconds. The next :meth:`train` (or :meth:`save`) brings them back first."""
+        return self.offload.offload(force=force)
+
+    def reload_state(self) -> dict[str, float]:
+        """What :meth:`offload_state` moved, back on the GPU (a no-op when nothing is offloaded)."""
+        return self.offload.reload()
 
     # -- weights & checkpoints -----------------------------------------------------------------
     def hf_weights(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
@@ -334,6 +385,7 @@ class MegatronTrainer:
 
         from runtime.mcore import env as menv
         os.makedirs(path, exist_ok=True)
+        self.offload.reload()
         with menv.cuda_to_cpu():
             msd = self.model.sharded_state_dict()
             state = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd),
@@ -344,6 +396,7 @@ class MegatronTrainer:
         from megatron.core import dist_checkpointing
 
         from runtime.mcore import env as menv
+        self.offload.reload()
         with menv.cuda_to_cpu():
             msd = self.model.sharded_state_dict()
             state = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd, is_loading=True),

@@ -1,0 +1,26 @@
+"""Which device and dtype a run uses, and the one map from dtype names (as the config spells them) to torch."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from runtime.config import GrpoConfig
+
+# The dtype names a config or a weight-sync message may carry, and their torch dtypes.
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(cfg: GrpoConfig) -> str:
+    """`cluster.device`, with "auto" meaning CUDA where this process sees a GPU, else the CPU."""
+    if cfg.cluster.device != "auto":
+        return cfg.cluster.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(cfg: GrpoConfig, device: str) -> str:
+    """`model.dtype`, with "auto" meaning bf16 on a GPU and fp32 on the CPU."""
+    if cfg.model.dtype != "auto":
+        return cfg.model.dtype
+    return "bfloat16" if device == "cuda" else "float32"

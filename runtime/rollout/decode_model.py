@@ -1,0 +1,248 @@
+"""The HF model's forward as pure functions over fused weights: what the engine's decoders run.
+
+`FusedModel` takes a Qwen3 / Qwen2 / LLaMA-family HF causal LM and binds its weights (no HF forward):
+q/k/v and gate/up are fused into one buffer each and the HF parameters re-pointed to views of them,
+so the engine's `update_weights` (which copies into `model.state_dict()` tensors) updates the
+decoder in place and captured CUDA graphs stay valid. The per-layer pieces (norm + fused QKV +
+q/k-norm + RoPE; o-proj + residual + norm + fused gate/up + SwiGLU + down) go through torch.compile
+on CUDA (dynamic shapes: one compile serves prefill and every decode batch size).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_next, uniform_noise
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+
+
+def unsupported_config_reason(cfg) -> str | None:
+    """None when an HF config's architecture fits the fast path, else why not (one line). The memory
+    estimate (runtime/plan/memory.py) uses it to know which decode path the engine will take."""
+    mt = getattr(cfg, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    rp = getattr(cfg, "rope_parameters", None)
+    rope_type = (rp or {}).get("rope_type", "default") if isinstance(rp, dict) else "default"
+    if rope_type != "default":
+        return f"rope_type {rope_type!r} (only the default RoPE is implemented)"
+    if getattr(cfg, "use_sliding_window", False) or any(
+            t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return "sliding-window layers are not implemented"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} (only silu)"
+    if getattr(cfg, "mlp_bias", False):
+        return "mlp_bias is not implemented"
+    return None
+
+
+def unsupported_reason(model) -> str | None:
+    """None when `model` (an HF causal LM) fits the fast path, else why not (one line)."""
+    reason = unsupported_config_reason(model.config)
+    if reason:
+        return reason
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(getattr(inner, "rotary_emb", None), "inv_freq"):
+        return "unexpected module layout (model.model.layers / rotary_emb.inv_freq)"
+    return None
+
+
+# ---- the math (pure functions; compiled on CUDA) ---------------------------------------------------------
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # exactly HF's Qwen3RMSNorm / LlamaRMSNorm
+    dt = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(dt)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., d:], x[..., :d]), dim=-1) * sin
+
+
+def _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, nkv: int, hd: int):
+    """[T, H] -> q [T, nh, hd], k, v [T, nkv, hd] (RoPE applied)."""
+    x = _rms(h, ln_w, eps)
+    qkv = F.linear(x, qkv_w, qkv_b)
+    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+    q = q.reshape(-1, nh, hd)
+    k = k.reshape(-1, nkv, hd)
+    if qn_w is not None:
+        q = _rms(q, qn_w, eps)
+        k = _rms(k, kn_w, eps)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v.reshape(-1, nkv, hd).contiguous()
+
+
+def _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, eps: float, ffn: int):
+    h = h + F.linear(attn, o_w, o_b)
+    gu = F.linear(_rms(h, ln_w, eps), gu_w)
+    g, u = gu.split([ffn, ffn], dim=-1)
+    return h + F.linear(F.silu(g) * u, down_w)
+
+
+def _logits(h, norm_w, lm_w, eps: float):
+    return F.linear(_rms(h, norm_w, eps), lm_w)
+
+
+def _cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
+    # exactly HF's rotary embedding: fp32 angles, cos/sin scaled, cast to the activation dtype
+    f = pos.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((f, f), dim=-1)
+    return (emb.cos() * scale).to(dtype)[:, None, :], (emb.sin() * scale).to(dtype)[:, None, :]
+
+
+def plain_sample(logits: torch.Tensor, key_hash: torch.Tensor, position: torch.Tensor, temperature: float):
+    """`sample_next` without top-k/top-p (temperature > 0), as one compilable function."""
+    scaled = logits.to(torch.float32) / temperature
+    logprobs_all = torch.log_softmax(scaled, dim=-1)
+    tokens = torch.argmax(scaled + gumbel_noise(key_hash, position, scaled.shape[-1]), dim=-1)
+    return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+# ---- attention ----------------------------------------------------------------------------------------
+
+def _flash(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, seqused_k=None):
+    kw = {"scale": scale}
+    if seqused_k is not None:
+        kw["seqused_k"] = seqused_k
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, **kw)[0]
+
+
+def _sdpa_prefill(q, k, v, lens: list[int], scale: float):
+    out, start = [], 0
+    rep = q.shape[1] // k.shape[1]
+    for n in lens:
+        qi = q[start:start + n].transpose(0, 1)[None]
+        ki = k[start:start + n].transpose(0, 1).repeat_interleave(rep, 0)[None]
+        vi = v[start:start + n].transpose(0, 1).repeat_interleave(rep, 0)[None]
+        out.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)[0].transpose(0, 1))
+        start += n
+    return torch.cat(out, 0)
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    qn: torch.Tensor | None
+    kn: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    ln2: torch.Tensor
+    gu_w: torch.Tensor
+    down_w: torch.Tensor
+
+
+def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """cat along dim 0, then make each parameter a view of its rows (in-place weight updates reach the fused copy)."""
+    fused = torch.cat([p.data for p in params], dim=0).contiguous()
+    start = 0
+    for p in params:
+        n = p.shape[0]
+        p.data = fused[start:start + n]
+        start += n
+    return fused
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+
+class FusedModel:
+    """The model's sizes and fused weights, and the (optionally compiled) forward pieces over them."""
+
+    def __init__(self, model, *, compile: bool | None = None):
+        reason = unsupported_reason(model)
+        if reason:
+            raise ValueError(f"fast decode path: {reason}")
+        self.model = model
+        cfg = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        cuda = self.device.type == "cuda"
+        self.nh, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.ffn = cfg.intermediate_size
+        self.eps = float(cfg.rms_norm_eps)
+        self.scale = self.hd ** -0.5
+        self.n_layers = cfg.num_hidden_layers
+        self.compiled = cuda if compile is None else bool(compile)
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.lm = model.get_output_embeddings().weight
+        self.inv_freq = inner.rotary_emb.inv_freq.to(self.device, torch.float32)
+        self.rope_scale = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
+        self.vocab = int(self.lm.shape[0])
+        self.layers = []
+        with torch.no_grad():
+            for layer in inner.layers:
+                a, m = layer.self_attn, layer.mlp
+                qkv_b = _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+                self.layers.append(_Layer(
+                    ln1=layer.input_layernorm.weight, qkv_w=_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                    qkv_b=qkv_b, qn=getattr(getattr(a, "q_norm", None), "weight", None),
+                    kn=getattr(getattr(a, "k_norm", None), "weight", None), o_w=a.o_proj.weight, o_b=a.o_proj.bias,
+                    ln2=layer.post_attention_layernorm.weight,
+                    gu_w=_fuse([m.gate_proj.weight, m.up_proj.weight]), down_w=m.down_proj.weight))
+        self._eager_fns()
+        self.compile_error: str | None = None
+        if self.compiled:
+            try:
+                from torch import _dynamo
+                _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)
+                uniform_noise(torch.zeros(1, dtype=torch.long, device=self.device),
+                              torch.zeros(1, dtype=torch.long, device=self.device), self.vocab)  # counters cached
+                self._pre = torch.compile(self._pre, dynamic=True)
+                self._post = torch.compile(self._post, dynamic=True)
+                self._head = torch.compile(self._head, dynamic=True)
+                self._plain = torch.compile(plain_sample, dynamic=True)
+                self._gumbel = compiled_gumbel_noise()
+            except Exception as e:  # noqa: BLE001 - no compiler: eager is correct, only slower
+                self.compile_error = f"{type(e).__name__}: {e}"
+                self.compiled = False
+
+    def _eager_fns(self) -> None:
+        """The per-layer pieces with the model's sizes bound (constants to the compiler, not inputs)."""
+        nh, nkv, hd, ffn, eps = self.nh, self.nkv, self.hd, self.ffn, self.eps
+
+        def pre(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin):
+            return _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps, nh, nkv, hd)
+
+        def post(h, attn, o_w, o_b, ln_w, gu_w, down_w):
+            return _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, eps, ffn)
+
+        def head(h, norm_w, lm_w):
+            return _logits(h, norm_w, lm_w, eps)
+
+        self._pre, self._post, self._head, self._plain = pre, post, head, plain_sample
+        self._gumbel = gumbel_noise
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.nkv * self.hd * torch.finfo(self.dtype).bits // 8
+
+    def _sampler(self, sampling) -> tuple[Callable, tuple, Callable]:
+        """(decode-step sampler, its graph key, prefill sampler)."""
+        def slow(logits, kh, sp):
+            return sample_next(logits, kh, sp, sampling, self._gumbel)
+        skey = (sampling.temperature, sampling.top_p, sampling.top_k)
+        plain = sampling.temperature > 0 and sampling.top_p >= 1.0 and not (0 < sampling.top_k < self.vocab)
+        if plain and self.compiled:
+            temp = float(sampling.temperature)
+            return (lambda logits, kh, sp: self._plain(logits, kh, sp, temp)), skey, slow
+        return slow, skey, slow
+
+
+def _cumsum(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total

@@ -1,0 +1,534 @@
+"""The built-in engine's decode path: a paged KV cache, continuous batching and CUDA-graph decode.
+
+`PagedDecoder` runs the model's forward itself (`decode_model.FusedModel`) over a KV cache kept in
+pages (`kv_pages`): one pool of `page_size`-token pages per layer, K and V laid out [page, token,
+kv_head, head_dim]. A sequence holds pages for the tokens it has, so memory follows the lengths the
+responses actually reach, not the longest they could reach.
+
+* Prompt pages are shared: the samples of a GRPO group point at one set of prompt pages (prefilled
+  once). A row's page table has `prefix_cols` columns for its prompt's pages and the rest for its own
+  (response) pages, so a prompt page is never written by a sample and needs no copy.
+* Continuous batching: requests wait in a queue and are admitted into free rows while pages are free
+  (after what the rows already running need for their next chunk of steps).
+* Decode steps run in chunks of `sync_every` steps with one host sync per chunk, over the smallest
+  batch bucket that holds the active rows (rows are moved down when rows below them finished). Before a chunk, the
+  host reserves the pages each row will write in it and writes them into the page table, a static
+  device buffer; every length lives on the device, so one CUDA graph per batch bucket replays every
+  step.
+* Preemption: when the pool cannot hold the next chunk, the row that has made the fewest tokens gives
+  up its pages and goes back to the queue, ahead of every later request, with the tokens it made. When it is admitted again its prompt and
+  those tokens are prefilled again (recompute) and it continues. Sampling is keyed by (request,
+  response position) (`keyed_sampling`), so the tokens it makes after that are the ones it would have
+  made uninterrupted.
+* Attention: on CUDA the split-KV Triton kernel reading through the page table
+  (`decode_attention.paged_decode_attention`); elsewhere its PyTorch reference. Prefill uses
+  FlashAttention-2's varlen kernel on CUDA, SDPA elsewhere.
+* `release()` frees the pool and the captured graphs (the trainer trains meanwhile); the next call
+  makes them again.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from runtime.rollout.decode_attention import (paged_decode_attention, reference_paged_decode_attention,
+                                              split_tokens_for, triton_available)
+from runtime.rollout.decode_model import FusedModel, _cos_sin, _cumsum, _flash, _sdpa_prefill
+from runtime.rollout.kv_pages import NULL_PAGE, DEFAULT_PAGE_SIZE, PagePool, kv_pool_bytes, pages_for
+
+log = logging.getLogger("grpoflow.rollout")
+
+
+class PagedDecoder(FusedModel):
+    """Generates for many requests at once over a paged KV cache (see the module doc)."""
+
+    def __init__(self, model, *, max_rows: int = 256, kv_cache_gb: float | None = None,
+                 page_size: int = DEFAULT_PAGE_SIZE, cuda_graphs: bool | None = None, compile: bool | None = None,
+                 sync_every: int = 16, prefill_tokens: int = 16384, attention: str = "auto"):
+        """attention: "auto" (the Triton kernel on CUDA where it applies, else the PyTorch reference),
+        "triton" or "reference"."""
+        super().__init__(model, compile=compile)
+        cuda = self.device.type == "cuda"
+        self.max_rows = int(max_rows)
+        self.kv_cache_gb = kv_cache_gb
+        self.page_size = int(page_size)
+        self.sync_every = int(sync_every)
+        self.prefill_tokens = int(prefill_tokens)
+        self.use_flash = cuda and self.dtype in (torch.bfloat16, torch.float16)  # prefill
+        # the kernel tiles the head dimension whole (a power of two, >= 16 for tensor-core dots)
+        fits_kernel = triton_available() and self.hd >= 16 and self.hd & (self.hd - 1) == 0
+        if attention not in ("auto", "triton", "reference"):
+            raise ValueError(f"attention must be auto, triton or reference, got {attention!r}")
+        self.use_triton = fits_kernel and (attention == "triton" or (attention == "auto" and self.use_flash))
+        self.split_tokens: int | None = None  # the kernel's tokens per split; None: chosen per chunk
+        self._chunk_split_tokens = 4096
+        self.use_graphs = cuda if cuda_graphs is None else bool(cuda_graphs and cuda)
+        self.pool: PagePool | None = None
+        self.k_pool = self.v_pool = None
+        self.rows = self.prefix_cols = self.own_cols = 0
+        self.graphs: dict = {}
+        self.stats: dict = {}
+        self.trace: list | None = None  # set to [] to record every decode chunk
+
+    # ---- memory ----------------------------------------------------------------------------------------
+    def page_bytes(self) -> int:
+        return self.page_size * self.kv_bytes_per_token()
+
+    def kv_cache_bytes(self) -> int:
+        return 0 if self.k_pool is None else 2 * self.k_pool.numel() * self.k_pool.element_size()
+
+    def ensure_pool(self) -> None:
+        """Make the page pool if there is none: `kv_cache_gb` GiB, or (None) its default (`kv_pool_bytes`)."""
+        if self.k_pool is not None:
+            return
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        pages = kv_pool_bytes(self.kv_cache_gb, self.device.type, free) // self.page_bytes()
+        if pages < 2:
+            raise MemoryError(f"KV page pool: {kv_pool_bytes(self.kv_cache_gb, self.device.type, free) / 2**30:.3f} GiB "
+                              f"holds no page of {self.page_size} tokens ({self.page_bytes()} bytes); raise "
+                              f"rollout.kv_cache_gb")
+        shape = (self.n_layers, int(pages), self.page_size, self.nkv, self.hd)
+        self.k_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.pool = PagePool(int(pages), self.page_size)
+        self.graphs.clear()  # they point into the old pool
+
+    def release(self) -> None:
+        """Drop the page pool and the captured graphs (made again by the next call)."""
+        self.graphs.clear()
+        self.k_pool = self.v_pool = None
+        self.pool = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _ensure_rows(self, prefix_cols: int, own_cols: int) -> None:
+        """The per-row device buffers (static: CUDA graphs read them), with a page table wide enough."""
+        if self.rows == self.max_rows and self.prefix_cols >= prefix_cols and self.own_cols >= own_cols:
+            return
+        self.graphs.clear()
+        n, dev = self.max_rows, self.device
+        self.prefix_cols = max(prefix_cols, self.prefix_cols)
+        self.own_cols = max(own_cols, self.own_cols)
+        self.rows = n
+        self.table = torch.zeros(n, self.prefix_cols + self.own_cols, dtype=torch.int32, device=dev)  # NULL_PAGE
+        self.tok = torch.zeros(n, dtype=torch.long, device=dev)       # the input token of the next step
+        self.pos = torch.zeros(n, dtype=torch.long, device=dev)       # its absolute position
+        self.plen = torch.zeros(n, dtype=torch.long, device=dev)      # prompt length of the row
+        self.spos = torch.zeros(n, dtype=torch.long, device=dev)      # response position of the token to draw
+        self.live = torch.zeros(n, dtype=torch.long, device=dev)      # 1 while the row decodes, 0 idle
+        self.key_hash = torch.zeros(n, dtype=torch.long, device=dev)
+        self.out_tok = torch.zeros(n, self.sync_every, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros(n, self.sync_every, dtype=torch.float32, device=dev)
+        self.chunk_i = torch.zeros(1, dtype=torch.long, device=dev)
+
+    # ---- forward pieces --------------------------------------------------------------------------------
+    def _prefill(self, ids: torch.Tensor, lens: list[int], write_idx: torch.Tensor, want: list[int]) -> torch.Tensor:
+        """Packed sequences (each from position 0) -> K/V written at `write_idx` (flat [page * page_size +
+        offset] per token; the null page for positions already held elsewhere); returns the hidden states at
+        the packed indices `want`."""
+        dev = self.device
+        pos = torch.cat([torch.arange(n, device=dev) for n in lens])
+        cu = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int32, device=dev)
+        cos, sin = _cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype)
+        h = F.embedding(ids, self.embed)
+        for li, w in enumerate(self.layers):
+            q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin)
+            self.k_pool[li].view(-1, self.nkv, self.hd).index_copy_(0, write_idx, k)
+            self.v_pool[li].view(-1, self.nkv, self.hd).index_copy_(0, write_idx, v)
+            if self.use_flash:
+                a = _flash(q, k, v, cu, cu, max(lens), max(lens), True, self.scale)
+            else:
+                a = _sdpa_prefill(q, k, v, lens, self.scale)
+            h = self._post(h, a.reshape(h.shape[0], -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w)
+        return h.index_select(0, torch.tensor(want, dtype=torch.long, device=dev))
+
+    def _step(self, b: int, sample_fn: Callable) -> None:
+        """One decode step for rows [0, b): every tensor it touches is a static buffer (graph-safe)."""
+        P = self.page_size
+        tok, pos, plen = self.tok[:b], self.pos[:b], self.plen[:b]
+        table = self.table[:b]
+        own = pos - plen  # the input token's place among the row's own tokens
+        col = self.prefix_cols + torch.clamp(own // P, max=self.own_cols - 1)
+        page = table.gather(1, col[:, None]).squeeze(1).to(torch.long)
+        widx = page * P + own % P
+        cos, sin = _cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype)
+        h = F.embedding(tok, self.embed)
+        for li, w in enumerate(self.layers):
+            q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin)
+            kc, vc = self.k_pool[li], self.v_pool[li]
+            kc.view(-1, self.nkv, self.hd).index_copy_(0, widx, k)
+            vc.view(-1, self.nkv, self.hd).index_copy_(0, widx, v)
+            if self.use_triton:
+                a = paged_decode_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols, self.scale,
+                                           split_tokens=self._chunk_split_tokens)
+            else:
+                a = reference_paged_decode_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols, self.scale)
+            h = self._post(h, a.reshape(b, -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w)
+        logits = self._head(h, self.norm, self.lm)
+        t, lp = sample_fn(logits, self.key_hash[:b], self.spos[:b])
+        self.out_tok[:b].index_copy_(1, self.chunk_i, t[:, None])
+        self.out_lp[:b].index_copy_(1, self.chunk_i, lp.to(torch.float32)[:, None])
+        tok.copy_(t)
+        # an idle row stays at one token on the null page (its attention work does not grow with the steps)
+        live = self.live[:b]
+        pos.add_(live)
+        self.spos[:b].add_(live)
+        self.chunk_i.add_(1)
+
+    def _buckets(self) -> list[int]:
+        out, b = [], 8
+        while b < self.rows:
+            out.append(b)
+            b = b * 2 if b < 64 else b + 64
+        return out + [self.rows]
+
+    def _run_step(self, b: int, sample_fn: Callable, skey) -> None:
+        if not self.use_graphs:
+            self._step(b, sample_fn)
+            return
+        key = (b, skey, self._chunk_split_tokens if self.use_triton else None)
+        g = self.graphs.get(key)
+        if g is not None:
+            g.replay()
+            return
+        # first step of this shape: run it for real on a side stream (compiles, warms cuBLAS), then capture
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            self._step(b, sample_fn)
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        t0 = time.perf_counter()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):  # a fresh pool per capture
+            self._step(b, sample_fn)
+        self.graphs[key] = g
+        self.stats["graph_capture_s"] = self.stats.get("graph_capture_s", 0.0) + time.perf_counter() - t0
+        self.stats["graphs"] = len(self.graphs)
+
+    # ---- the loop --------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], key_hash: torch.Tensor, sampling, stop_ids: set[int],
+                 stop_at: list[int] | None = None):
+        """Returns (response ids, response log-probs, finish reasons), one per prompt, in order.
+
+        stop_at (benchmarks): per request, the response length at which it stops; its token there is
+        replaced by the smallest stop id, so that runs compared with each other make the same tokens.
+
+        If a speed feature fails at run time (the compiler, graph capture, the Triton or flash kernel),
+        it is switched off, the failure is kept in `stats["fallbacks"]`, and the call is redone: every
+        sample is a pure function of its key, so the redone call returns what the first would have.
+        """
+        while True:
+            try:
+                return self._generate(prompts, key_hash, sampling, stop_ids, stop_at)
+            except MemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                feature = ("compile" if self.compiled else "cuda_graphs" if self.use_graphs
+                           else "triton" if self.use_triton else "flash" if self.use_flash else None)
+                if feature is None:
+                    raise
+                log.warning("paged decode: %s failed (%s: %s); retrying without it", feature, type(e).__name__, e)
+                self.stats.setdefault("fallbacks", []).append(f"{feature}: {type(e).__name__}: {str(e)[:300]}")
+                if feature == "compile":
+                    self.compiled = False
+                    self._eager_fns()
+                elif feature == "cuda_graphs":
+                    self.use_graphs = False
+                elif feature == "triton":
+                    self.use_triton = False
+                else:
+                    self.use_flash = False
+                self.graphs.clear()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def _generate(self, prompts, key_hash, sampling, stop_ids, stop_at):
+        n = len(prompts)
+        P = self.page_size
+        max_new = int(sampling.max_new_tokens)
+        cap = [max_new if stop_at is None else max(1, min(max_new, int(stop_at[r]))) for r in range(n)]
+        forced_stop = min(stop_ids) if stop_ids else 0
+        t_start = time.perf_counter()
+        self.ensure_pool()
+        self._ensure_rows(pages_for(max(len(p) for p in prompts), P), pages_for(max_new + self.sync_every, P))
+        pool, R, dev = self.pool, self.rows, self.device
+        step_fn, skey, prefill_fn = self._sampler(sampling)
+        key_hash = key_hash.to(dev)
+        out_ids: list[list[int]] = [[] for _ in range(n)]
+        out_lp: list[list[float]] = [[] for _ in range(n)]
+        finish = ["length"] * n
+        row_req = [-1] * R                       # request decoding in each row
+        row_own: list[list[int]] = [[] for _ in range(R)]   # each row's own pages, in order
+        row_key: list[tuple | None] = [None] * R            # the prompt (prefix) each row reads
+        prefix_pages: dict[tuple, list[int]] = {}
+        prefix_refs: dict[tuple, int] = {}
+        prefix_h: dict[tuple, torch.Tensor] = {}  # a prompt's last hidden state (draws a sample's first token)
+        queue = list(range(n))
+        queue.reverse()  # pop() from the end takes requests in order
+        stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "chunks": 0, "rows": R,
+                 "pages": pool.num_pages, "page_size": P, "max_active": 0, "prefills": 0, "prefill_tokens": 0,
+                 "preemptions": 0, "reprefill_tokens": 0, "peak_pages_used": 0, "compactions": 0}
+        pool.peak_used = pool.used
+        self.stats.update(stats)
+        stats = self.stats  # live: a failed call leaves what it got to
+        for buf in (self.pos, self.plen, self.live):  # every row idle (an earlier call may have stopped midway)
+            buf.zero_()
+        self.table.zero_()
+
+        def take(r: int, toks: list[int], lps: list[float]) -> bool:
+            """Append a chunk's tokens to a request up to its stop; True when it finished."""
+            room = cap[r] - len(out_ids[r])
+            toks, lps = toks[:room], lps[:room]
+            stop = next((i for i, t in enumerate(toks) if t in stop_ids), None) if stop_ids else None
+            if stop is not None:
+                toks, lps = toks[:stop + 1], lps[:stop + 1]
+            out_ids[r].extend(toks)
+            out_lp[r].extend(lps)
+            if stop is not None:
+                finish[r] = "stop"
+                return True
+            if len(out_ids[r]) < cap[r]:
+                return False
+            if cap[r] < max_new:  # a benchmark's forced stop (stop_at)
+                out_ids[r][-1] = forced_stop
+                finish[r] = "stop"
+            return True
+
+        def unref_prefix(key: tuple) -> None:
+            prefix_refs[key] -= 1
+            if prefix_refs[key] == 0:
+                pool.release(prefix_pages.pop(key))
+                del prefix_refs[key]
+                prefix_h.pop(key, None)
+
+        def vacate(rows: list[int]) -> None:
+            """Rows give back their pages and go idle (attend to one token on the null page)."""
+            for s in rows:
+                pool.release(row_own[s])
+                row_own[s] = []
+                unref_prefix(row_key[s])
+                row_key[s] = None
+                row_req[s] = -1
+            if rows:
+                idx = torch.tensor(rows, dtype=torch.long, device=dev)
+                for buf in (self.pos, self.plen, self.live):
+                    buf.index_fill_(0, idx, 0)
+                self.table.index_fill_(0, idx, NULL_PAGE)
+
+        def kv_held(s: int) -> int:
+            """Own K/V entries a row has written: all its tokens but the last (the next step's input)."""
+            return len(out_ids[row_req[s]]) - 1
+
+        def growth(s: int, steps: int) -> int:
+            return max(pages_for(kv_held(s) + steps, P) - len(row_own[s]), 0)
+
+        def give_pages(s: int, count: int) -> tuple[list[int], list[int]]:
+            """`count` more own pages for row s; returns their (table columns, pages)."""
+            new = pool.alloc(count)
+            first = len(row_own[s])
+            row_own[s].extend(new)
+            return [self.prefix_cols + first + i for i in range(count)], new
+
+        def compact(active: list[int], b: int) -> list[int]:
+            """Move the active rows at or above row b into the free rows below it (device state, page table and
+            bookkeeping); returns the active rows, now all below b."""
+            free = [s for s in range(b) if row_req[s] < 0]
+            moving = [s for s in active if s >= b]
+            src = torch.tensor(moving, dtype=torch.long, device=dev)
+            dst = torch.tensor(free[:len(moving)], dtype=torch.long, device=dev)
+            for buf in (self.tok, self.pos, self.plen, self.spos, self.live, self.key_hash, self.table):
+                buf.index_copy_(0, dst, buf.index_select(0, src))
+            for buf in (self.pos, self.plen, self.live):
+                buf.index_fill_(0, src, 0)
+            self.table.index_fill_(0, src, NULL_PAGE)
+            for a, d in zip(moving, free):
+                row_req[d], row_own[d], row_key[d] = row_req[a], row_own[a], row_key[a]
+                row_req[a], row_own[a], row_key[a] = -1, [], None
+            stats["compactions"] += 1
+            return [s for s in active if s < b] + free[:len(moving)]
+
+        def write_table(entries: list[tuple[int, int, int]]) -> None:
+            if entries:
+                e = torch.tensor(entries, dtype=torch.long, device=dev)
+                self.table[e[:, 0], e[:, 1]] = e[:, 2].to(torch.int32)
+
+        try:
+            while queue or any(r >= 0 for r in row_req):
+                active = [s for s in range(R) if row_req[s] >= 0]
+                # ---- admit queued requests while rows and pages are free ------------------------------------
+                free_rows = [s for s in range(R) if row_req[s] < 0]
+                if queue and free_rows:
+                    t0 = time.perf_counter()
+                    reserve = sum(growth(s, self.sync_every) for s in active)
+                    assign = []  # (row, request)
+                    seqs: list[tuple[list[int], list[int], int | None]] = []  # (tokens, write index, want index)
+                    seq_prefix: list[tuple | None] = []  # the new prefix whose hidden state a sequence gives
+                    budget = self.prefill_tokens
+                    table_entries: list[tuple[int, int, int]] = []
+                    while queue and len(assign) < len(free_rows):
+                        r = queue[-1]
+                        key = tuple(prompts[r])
+                        made = len(out_ids[r])  # > 0: a preempted request, continued by recompute
+                        new_prefix = key not in prefix_pages
+                        own_now = pages_for(max(made - 1, 0), P)
+                        need = (pages_for(len(key), P) if new_prefix else 0) + pages_for(max(made - 1, 0)
+                                                                                         + self.sync_every, P)
+                        if need > pool.free - reserve:
+                            if not active and not assign:
+                                raise MemoryError(
+                                    f"KV page pool: one sequence of {len(key)} prompt + {made} tokens needs {need} "
+                                    f"pages of {P} tokens, the pool has {pool.free} free of {pool.capacity} "
+                                    f"({self.kv_cache_bytes() / 2**30:.3f} GiB); raise rollout.kv_cache_gb")
+                            break
+                        seq_len = (len(key) if new_prefix else 0) + max(made - 1, 0)
+                        if seqs and seq_len and seq_len > budget:
+                            break
+                        queue.pop()
+                        s = free_rows[len(assign)]
+                        assign.append((s, r))
+                        row_req[s], row_key[s] = r, key
+                        if new_prefix:
+                            prefix_pages[key] = pool.alloc(pages_for(len(key), P))
+                            prefix_refs[key] = 0
+                        prefix_refs[key] += 1
+                        table_entries += [(s, c, p) for c, p in enumerate(prefix_pages[key])]
+                        cols, pages = give_pages(s, own_now)
+                        table_entries += [(s, c, p) for c, p in zip(cols, pages)]
+                        reserve += pages_for(max(made - 1, 0) + self.sync_every, P) - own_now  # its first chunk
+                        if seq_len:
+                            # prompt positions go to the new prefix's pages or (already held) to the null page;
+                            # the tokens made before the preemption go to the row's own pages
+                            ppages = prefix_pages[key]
+                            pw = [ppages[t // P] * P + t % P if new_prefix else NULL_PAGE * P + t % P
+                                  for t in range(len(key))]
+                            ow = [row_own[s][t // P] * P + t % P for t in range(made - 1)] if made > 1 else []
+                            toks = list(key) + out_ids[r][:max(made - 1, 0)]
+                            seqs.append((toks, pw + ow, len(key) - 1 if new_prefix else None))
+                            seq_prefix.append(key if new_prefix else None)
+                            budget -= len(toks)
+                            if made:
+                                stats["reprefill_tokens"] += len(toks)
+                    if seqs:
+                        ids = torch.tensor([t for toks, _, _ in seqs for t in toks], dtype=torch.long, device=dev)
+                        widx = torch.tensor([w for _, ws, _ in seqs for w in ws], dtype=torch.long, device=dev)
+                        lens = [len(toks) for toks, _, _ in seqs]
+                        starts = [0] + list(_cumsum(lens))[:-1]
+                        wanted = [(k, st + i) for k, st, (_, _, i) in zip(seq_prefix, starts, seqs) if i is not None]
+                        hs = self._prefill(ids, lens, widx, [i for _, i in wanted] or [0])
+                        for j, (k, _) in enumerate(wanted):
+                            prefix_h[k] = hs[j]
+                        stats["prefills"] += len(seqs)
+                        stats["prefill_tokens"] += sum(lens)
+                    write_table(table_entries)
+                    # device state of the admitted rows; a fresh request draws its first token from its prompt
+                    fresh = [(s, r) for s, r in assign if not out_ids[r]]
+                    if fresh:
+                        f_rows = torch.tensor([s for s, _ in fresh], dtype=torch.long, device=dev)
+                        f_req = torch.tensor([r for _, r in fresh], dtype=torch.long, device=dev)
+                        logits = self._head(torch.stack([prefix_h[tuple(prompts[r])] for _, r in fresh]), self.norm,
+                                            self.lm)
+                        kh = key_hash.index_select(0, f_req)
+                        t, lp = prefill_fn(logits, kh, torch.zeros_like(kh))
+                        for (s, r), ti, li in zip(fresh, t.tolist(), lp.float().tolist()):
+                            take(r, [ti], [li])
+                        self.tok.index_copy_(0, f_rows, t)
+                    resumed = [(s, r) for s, r in assign if len(out_ids[r]) and (s, r) not in fresh]
+                    if resumed:
+                        self.tok.index_copy_(0, torch.tensor([s for s, _ in resumed], dtype=torch.long, device=dev),
+                                             torch.tensor([out_ids[r][-1] for _, r in resumed], dtype=torch.long,
+                                                          device=dev))
+                    a_rows = torch.tensor([s for s, _ in assign], dtype=torch.long, device=dev)
+                    a_req = torch.tensor([r for _, r in assign], dtype=torch.long, device=dev)
+                    plen = torch.tensor([len(prompts[r]) for _, r in assign], dtype=torch.long, device=dev)
+                    made = torch.tensor([len(out_ids[r]) for _, r in assign], dtype=torch.long, device=dev)
+                    self.pos.index_copy_(0, a_rows, plen + made - 1)
+                    self.plen.index_copy_(0, a_rows, plen)
+                    self.spos.index_copy_(0, a_rows, made)
+                    self.key_hash.index_copy_(0, a_rows, key_hash.index_select(0, a_req))
+                    self.live.index_fill_(0, a_rows, 1)
+                    vacate([s for s, r in fresh if finish[r] == "stop" or len(out_ids[r]) >= cap[r]])
+                    stats["prefill_s"] += time.perf_counter() - t0
+                    if len(assign):
+                        continue  # rows may have freed at once (stop on the first token): admit again
+                active = [s for s in range(R) if row_req[s] >= 0]
+                if not active:
+                    continue
+                # ---- reserve the chunk's pages (preempting the newest rows if the pool cannot hold them) ----
+                steps = min(self.sync_every, max(cap[row_req[s]] - len(out_ids[row_req[s]]) for s in active))
+                while sum(growth(s, steps) for s in active) > pool.free:
+                    if len(active) == 1:
+                        s = active[0]
+                        raise MemoryError(
+                            f"KV page pool: one sequence of {len(prompts[row_req[s]])} prompt + "
+                            f"{kv_held(s) + steps} tokens needs more than the {pool.capacity} pages of {P} tokens "
+                            f"({self.kv_cache_bytes() / 2**30:.3f} GiB); raise rollout.kv_cache_gb")
+                    # the row with the fewest tokens made: the least work to redo, and the rows that have run
+                    # longest (those that make the tail) keep going
+                    victim = min(active, key=lambda x: (len(out_ids[row_req[x]]), -row_req[x]))
+                    r = row_req[victim]
+                    vacate([victim])
+                    queue.append(r)
+                    queue.sort(reverse=True)  # it is admitted again before every later request
+                    stats["preemptions"] += 1
+                    active.remove(victim)
+                entries = []
+                for s in active:
+                    more = growth(s, steps)
+                    if more:
+                        cols, pages = give_pages(s, more)
+                        entries += [(s, c, p) for c, p in zip(cols, pages)]
+                write_table(entries)
+                # ---- decode the chunk -------------------------------------------------------------------------
+                b = next(x for x in self._buckets() if x >= len(active))
+                if max(active) >= b:  # rows finished below: move the top ones down, so the step runs b rows
+                    active = compact(active, b)
+                longest = max(len(prompts[row_req[s]]) + len(out_ids[row_req[s]]) for s in active) + steps
+                self._chunk_split_tokens = self.split_tokens or split_tokens_for(len(active), self.nkv, longest, dev)
+                t0 = time.perf_counter()
+                self.chunk_i.zero_()
+                for _ in range(steps):
+                    self._run_step(b, step_fn, skey)
+                toks = self.out_tok[:b, :steps].tolist()  # the one host sync of the chunk
+                lps = self.out_lp[:b, :steps].tolist()
+                dt = time.perf_counter() - t0
+                stats["decode_s"] += dt
+                if self.trace is not None:  # (decode steps so far, active rows, bucket, steps, ms/step, pages used)
+                    self.trace.append((stats["decode_steps"], len(active), b, steps, round(1e3 * dt / steps, 3),
+                                       pool.used))
+                stats["decode_steps"] += steps
+                stats["row_steps"] += steps * b
+                stats["chunks"] += 1
+                stats["max_active"] = max(stats["max_active"], len(active))
+                vacate([s for s in active if take(row_req[s], toks[s], lps[s])])
+        finally:
+            # every page goes back, also when the loop failed part-way (the pool outlives the call)
+            for s in range(R):
+                if row_own[s]:
+                    pool.release(row_own[s])
+                    row_own[s] = []
+            for key in list(prefix_pages):
+                pool.release(prefix_pages.pop(key))
+            if any(r >= 0 for r in row_req):
+                for buf in (self.pos, self.plen, self.live):
+                    buf.zero_()
+                self.table.zero_()
+        pool.check_all_free()
+        stats["peak_pages_used"] = pool.peak_used
+        stats["total_s"] = time.perf_counter() - t_start
+        stats["new_tokens"] = sum(len(x) for x in out_ids)
+        stats["graphs"] = len(self.graphs)
+        stats["compiled"] = self.compiled
+        stats["cuda_graphs"] = self.use_graphs
+        stats["attention"] = "triton_paged_split_kv" if self.use_triton else "sdpa_paged_reference"
+        stats["prefill_attention"] = "flash_varlen" if self.use_flash else "sdpa"
+        if self.compile_error:
+            stats["compile_error"] = self.compile_error
+        return out_ids, out_lp, finish
+
+
+__all__ = ["PagedDecoder"]

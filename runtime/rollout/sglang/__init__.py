@@ -1,0 +1,21 @@
+"""The SGLang rollout backend: SGLang servers launched, fed and supervised over SGLang's HTTP API.
+
+**Status: NOT run against a real SGLang here.** SGLang cannot be installed in this environment (0.5.23
+pins torch 2.14.1 and CUDA kernel wheels), so it is tested only against `tests/sglang_standin.py`, a
+stdlib HTTP server that speaks the same endpoints and payloads, read from SGLang 0.5.23's source
+(http_protocol.py names the files). docs/sglang.md is the user's guide.
+
+By concern:
+  settings.py        the `rollout.sglang` section and what the rest of the config decides for it
+  http_protocol.py   request bodies, response parsing, errors, keyed sampling seeds
+  server_process.py  one server's process: command line, launch, start-up wait, termination
+  engine_pool.py     the servers as a pool: request slots, fan-out, memory, fault checks and restarts
+  weight_sync.py     new weights into every server (disk, tensor, broadcast) and the probe check
+  engine.py          SGLangEngine, the RolloutEngine over all of it
+"""
+
+from runtime.rollout.sglang.engine import SGLangEngine
+from runtime.rollout.sglang.http_protocol import SGLangError
+from runtime.rollout.sglang.settings import INSTALL_HINT, SGLangSettings, Supervision
+
+__all__ = ["INSTALL_HINT", "SGLangEngine", "SGLangError", "SGLangSettings", "Supervision"]

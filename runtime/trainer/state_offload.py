@@ -1,0 +1,104 @@
+"""The trainer's state off the GPU while a colocated engine generates, and back for the update.
+
+What moves: megatron DDP's fp32 gradient buffers, the optimizer's fp32 master weights and Adam's
+moments (about 16 bytes per parameter: 8.9 GiB of Qwen3-0.6B's 10 GiB of trainer state). The bf16
+weights stay: the forward of the next step and the weight sync need them.
+
+How: each tensor's storage is copied to a pinned CPU buffer (non-blocking copies, one synchronise for
+all), then shrunk to 0 bytes (``untyped_storage().resize_(0)``), which returns its memory to the
+caching allocator for the engine's KV pool. Every tensor and view that points at the storage (the
+parameters' ``main_grad`` views into the DDP buffer, the optimizer's param groups) stays the same
+Python object; reloading grows the storage back and copies the bytes in, so nothing is rebuilt and
+the state after a round trip is bitwise the state before. The pinned buffers are allocated once and
+reused (pinning ~9 GiB takes seconds; copying it takes a fraction of one).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class StateOffload:
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.storages: list = []        # the storages offloaded now, with their sizes and buffers
+        self.buffers: dict[int, torch.Tensor] = {}  # position in the walk -> CPU buffer, reused
+        self.offloaded = False
+
+    # the tensors that move, each storage once, in a fixed order (the buffers are reused by position)
+    def _tensors(self) -> list[torch.Tensor]:
+        tr = self.trainer
+        out = []
+        for buf in list(getattr(tr.ddp, "buffers", [])) + list(getattr(tr.ddp, "expert_parallel_buffers", [])):
+            if getattr(buf, "grad_data", None) is not None:
+                out.append(buf.grad_data)
+        opts = getattr(tr.optimizer, "chained_optimizers", None) or [tr.optimizer]
+        model_params = {id(p) for p in tr.model.parameters()}
+        for opt in opts:
+            for group in getattr(opt, "fp32_from_float16_groups", None) or []:
+                out.extend(p for p in group if id(p) not in model_params)  # fp32 master copies
+            inner = getattr(opt, "optimizer", opt)
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    for v in inner.state.get(p, {}).values():
+                        if isinstance(v, torch.Tensor) and v.numel() > 1:  # Adam's moments, not its step count
+                            out.append(v)
+        return out
+
+    def _unique_storages(self, force: bool) -> list:
+        seen, out = set(), []
+        for t in self._tensors():
+            st = t.untyped_storage()
+            if st.nbytes() == 0 or st.data_ptr() in seen or (t.device.type != "cuda" and not force):
+                continue
+            seen.add(st.data_ptr())
+            out.append(st)
+        return out
+
+    def offload(self, force: bool = False) -> dict[str, float]:
+        if self.offloaded:
+            return {"bytes": 0.0, "seconds": 0.0}
+        on_gpu = str(self.trainer.device).startswith("cuda")
+        if not on_gpu and not force:
+            return {"bytes": 0.0, "seconds": 0.0}
+        t0 = time.time()
+        storages = self._unique_storages(force)
+        moved = 0
+        for pos, st in enumerate(storages):
+            n = st.nbytes()
+            buf = self.buffers.get(pos)
+            if buf is None or buf.numel() != n:
+                buf = torch.empty(n, dtype=torch.uint8, pin_memory=on_gpu and torch.cuda.is_available())
+                self.buffers[pos] = buf
+            buf.copy_(_bytes_of(st), non_blocking=on_gpu)
+            moved += n
+        if on_gpu:
+            torch.cuda.synchronize()
+        for st in storages:
+            st.resize_(0)
+        self.storages = [(st, pos) for pos, st in enumerate(storages)]
+        self.offloaded = True
+        return {"bytes": float(moved), "seconds": time.time() - t0}
+
+    def reload(self) -> dict[str, float]:
+        if not self.offloaded:
+            return {"bytes": 0.0, "seconds": 0.0}
+        on_gpu = str(self.trainer.device).startswith("cuda")
+        t0 = time.time()
+        moved = 0
+        for st, pos in self.storages:
+            buf = self.buffers[pos]
+            st.resize_(buf.numel())
+            _bytes_of(st).copy_(buf, non_blocking=on_gpu)
+            moved += buf.numel()
+        if on_gpu:
+            torch.cuda.synchronize()  # the pinned buffers are written again at the next offload
+        self.storages = []
+        self.offloaded = False
+        return {"bytes": float(moved), "seconds": time.time() - t0}
+
+
+def _bytes_of(storage) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

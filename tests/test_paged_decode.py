@@ -1,0 +1,183 @@
+"""The built-in engine's paged decoder on CPU (fp32, tiny Qwen3): the same tokens as HF's forward,
+preempted-and-continued sequences the same as uninterrupted ones, and a pool that never leaks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.rollout import BuiltinEngine, SampleRequest, SamplingParams
+from runtime.rollout.kv_pages import PagePool, PoolExhausted, kv_bytes_per_token, kv_pool_pages
+
+PAGE = 4  # small pages: prompts and responses span several, and a tiny pool preempts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_cpu_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from test_rollout import _build_tiny_model
+    d = tmp_path_factory.mktemp("tiny_paged")
+    _build_tiny_model(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    return BuiltinEngine(model_dir, decode_path="hf")
+
+
+def _paged(model_dir, rows: int, pages: int | None = None) -> BuiltinEngine:
+    from transformers import AutoConfig
+    per_page = PAGE * kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), "float32")
+    gb = None if pages is None else pages * per_page / 2**30
+    eng = BuiltinEngine(model_dir, decode_path="paged", max_batch_size=rows, page_size=PAGE, kv_cache_gb=gb)
+    assert eng.decode_path == "paged" and (pages is None or eng.decoder.kv_cache_bytes() == 0)
+    return eng
+
+
+def _requests() -> list[SampleRequest]:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 100, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(6)]
+    # groups of 3 share a prompt (its pages prefilled once); prompt 0 comes back after its group finished
+    which = [0, 0, 0, 1, 1, 1, 2, 2, 2, 0, 3, 4, 5]
+    return [SampleRequest(prompt_ids=prompts[w], key=(1, 2, i // 3, i % 3)) for i, w in enumerate(which)]
+
+
+SAMPLINGS = (SamplingParams(max_new_tokens=14, stop_token_ids=[5, 6, 7]),
+             SamplingParams(temperature=0.7, top_p=0.9, top_k=30, max_new_tokens=9),
+             SamplingParams(temperature=0.0, max_new_tokens=5))
+
+
+def _same(a, b) -> None:
+    assert [r.response_ids for r in a] == [r.response_ids for r in b]
+    assert [r.finish_reason for r in a] == [r.finish_reason for r in b]
+    assert max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.response_logprobs, y.response_logprobs)) < 1e-5
+
+
+def test_paged_draws_the_hf_paths_tokens(model_dir, hf):
+    paged = _paged(model_dir, rows=3)  # 3 rows for 13 requests: rows are refilled while others decode
+    reqs = _requests()
+    for sp in SAMPLINGS:
+        _same(hf.generate(reqs, sp), paged.generate(reqs, sp))
+        st = paged.decoder.stats
+        assert st["max_active"] <= 3 and st["preemptions"] == 0
+        assert 6 <= st["prefills"] < len(reqs)  # a shared prompt is prefilled once while a sample holds it
+        assert paged.decoder.pool.used == 0  # every page back
+        assert int(paged.decoder.live.sum()) == 0 and int(paged.decoder.table.abs().sum()) == 0
+    assert {r.finish_reason for r in paged.generate(reqs, SAMPLINGS[0])} == {"stop", "length"}
+    # 12 rows (batch buckets of 8 and 12), the requests of rows 8-11 long (forced stops: `stop_at`): once
+    # the short ones finished, the long rows move down to rows 0-3 and decode in the bucket of 8
+    from runtime.rollout.keyed_sampling import sample_key_hash
+    prompts, kh = [r.prompt_ids for r in reqs[:12]], sample_key_hash(torch.tensor([r.key for r in reqs[:12]]))
+    lengths, sp = [2] * 8 + [17, 18, 19, 20], SamplingParams(max_new_tokens=20)
+    wide = _paged(model_dir, rows=12)
+    got = wide.decoder.generate(prompts, kh, sp, set(), stop_at=lengths)
+    assert wide.decoder.stats["compactions"] > 0 and wide.decoder.pool.used == 0
+    narrow = paged.decoder.generate(prompts, kh, sp, set(), stop_at=lengths)  # 3 rows: never moved
+    assert got[0] == narrow[0] and got[2] == narrow[2]
+    assert max(abs(p - q) for x, y in zip(got[1], narrow[1]) for p, q in zip(x, y)) < 1e-5
+    assert [len(x) for x in got[0]] == lengths and got[2] == ["stop"] * 11 + ["length"]
+    # weights pushed into the engine reach the decoder's fused buffers
+    new = {k: v * 1.05 for k, v in hf.model.state_dict().items()}
+    other_hf = BuiltinEngine(model_dir, decode_path="hf")
+    other_hf.update_weights(new, 1)
+    paged.update_weights(new, 1)
+    _same(other_hf.generate(reqs, SAMPLINGS[0]), paged.generate(reqs, SAMPLINGS[0]))
+
+
+def test_preempted_sequences_continue_with_the_same_tokens(model_dir, hf):
+    reqs = _requests()
+    sp = SamplingParams(max_new_tokens=20)
+    uninterrupted = hf.generate(reqs, sp)
+    # 12 pages of 4 tokens for 6 rows: the pool runs out, the newest rows give their pages back and are
+    # prefilled again (prompt + the tokens they made) when pages free up
+    small = _paged(model_dir, rows=6, pages=12)
+    _same(uninterrupted, small.generate(reqs, sp))
+    st = small.decoder.stats
+    assert st["preemptions"] > 0 and st["reprefill_tokens"] > 0
+    assert st["peak_pages_used"] <= small.decoder.pool.capacity == 11 and small.decoder.pool.used == 0
+
+
+def test_pool_accounting_never_leaks(model_dir, hf, monkeypatch):
+    reqs = _requests()
+    sp = SamplingParams(max_new_tokens=20)
+    eng = _paged(model_dir, rows=6, pages=12)
+    dec = eng.decoder
+    # a failure part-way through a call (at the first step after a preemption, while rows hold prompt and
+    # own pages): every page is back, and the next call is exact
+    real_step = dec._run_step
+
+    def failing_step(*a, **k):
+        if dec.stats["preemptions"]:
+            raise RuntimeError("injected failure")
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(dec, "_run_step", failing_step)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.generate(reqs, sp)
+    assert dec.pool.used == 0 and dec.stats["preemptions"] > 0
+    monkeypatch.setattr(dec, "_run_step", real_step)
+    _same(hf.generate(reqs, sp), eng.generate(reqs, sp))
+    assert dec.pool.used == 0
+    # a prompt longer than the whole pool: one clear error, nothing held
+    with pytest.raises(MemoryError, match="rollout.kv_cache_gb"):
+        eng.generate([SampleRequest(prompt_ids=list(range(3, 50)), key=(0, 0, 0, 0))], sp)
+    assert dec.pool.used == 0
+
+
+def test_release_and_resume_memory(model_dir, hf):
+    eng = _paged(model_dir, rows=4)
+    reqs, sp = _requests(), SAMPLINGS[0]
+    first = eng.generate(reqs, sp)
+    assert eng.decoder.kv_cache_bytes() > 0
+    eng.release_memory()
+    assert eng.decoder.kv_cache_bytes() == 0 and eng.decoder.pool is None
+    eng.update_weights({k: v.clone() for k, v in hf.model.state_dict().items()}, 3)  # weights stay usable
+    eng.resume_memory()
+    assert eng.decoder.kv_cache_bytes() > 0
+    _same(first, eng.generate(reqs, sp))
+    eng.release_memory()
+    _same(first, eng.generate(reqs, sp))  # generate makes the pool itself when nobody resumed it
+
+
+def test_page_pool_and_its_size():
+    pool = PagePool(6, 16)
+    a = pool.alloc(3)
+    assert 0 not in a and pool.free == 2 and pool.capacity == 5  # page 0 is the null page
+    pool.share(a[:2])
+    pool.release(a)
+    assert pool.used == 2  # the shared pages still have a holder
+    with pytest.raises(PoolExhausted):
+        pool.alloc(4)
+    pool.release(a[:2])
+    pool.check_all_free()
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release(a[:1])
+
+    from transformers import Qwen3Config
+    cfg = Qwen3Config(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    assert kv_bytes_per_token(cfg, "bfloat16") == 114688  # Qwen3-0.6B: 112 KiB per token
+    got = kv_pool_pages(cfg, 7.0, 16, "bfloat16")
+    assert got["pages"] == 7 * 2**30 // (16 * 114688) and got["tokens"] == (got["pages"] - 1) * 16
+    assert kv_pool_pages(cfg, None, 16, "bfloat16", "cuda", free_bytes=10 * 2**30)["bytes"] <= 0.85 * 10 * 2**30
+
+
+def test_decode_path_setting(model_dir, tmp_path):
+    from runtime.config import GrpoConfig
+    from runtime.errors import ConfigError
+    from runtime.rollout.factory import make_engine
+
+    cfg = GrpoConfig(rollout={"decode_path": "hf"})
+    assert make_engine(cfg=cfg, model_dir=model_dir, device="cpu", dtype="float32").decode_path == "hf"
+    cfg = GrpoConfig(rollout={"kv_cache_gb": 0.001})
+    eng = make_engine(cfg=cfg, model_dir=model_dir, device="cpu", dtype="float32")
+    assert eng.decode_path == "paged" and eng.decoder.kv_cache_gb == 0.001  # auto: the family has it
+    with pytest.raises(ConfigError, match="decode_path"):
+        BuiltinEngine(model_dir, decode_path="fast")
