@@ -229,6 +229,7 @@ def test_score_batch_matches_inline_scoring():
     assert score_batch(dapo_reward, responses, labels, parallel=False) == ([-1.0, -1.0, -1.0, -1.0], 0)
 
 
+@pytest.mark.race
 def test_hanging_and_raising_rewards_fail_fast_and_pool_recovers(custom_module):
     fn = custom_module.misbehaving_reward
     rewards, n_failed = score_batch(fn, ["ok", "sleep", "raise", "ok"], ["", "", "", ""], timeout_s=1.5)
@@ -238,6 +239,7 @@ def test_hanging_and_raising_rewards_fail_fast_and_pool_recovers(custom_module):
     assert score_batch(fn, ["nan", "ok"], ["", ""], timeout_s=10, fail_value=-3.0) == ([-3.0, 1.0], 1)
 
 
+@pytest.mark.race
 def test_pathological_math_answer_is_cut_off(caplog):
     # sympy raises 9^(9^(9^9)) in C code; math-verify's own 5 s alarm is not what stops it here: had it
     # fired, math-verify would have answered "wrong" (a reward, not a failure); ours is a timeout failure.
