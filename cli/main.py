@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 
     rs = sub.add_parser("resume", help="continue a run from its frozen config and latest checkpoint")
     rs.add_argument("run_id")
-    rs.add_argument("--root", default=DEFAULT_ROOT, help="storage.root of the run")
+    rs.add_argument("--root", default=None, help=f"storage.root of the run (default {DEFAULT_ROOT})")
     with_overrides(rs)
 
     m = sub.add_parser("models", help="browse the model registry")
@@ -246,6 +246,31 @@ def _runs_command(args) -> int:
     return 0
 
 
+def _resume(args) -> dict | None:
+    """Resume a run; None when it is finished already (nothing to do but say so)."""
+    from runtime.run.directory import RunDir
+    from runtime.run.frozen_config import check_changes, finished, frozen_config
+    from runtime.run.lease import RunLease
+    root = args.root or DEFAULT_ROOT
+    rd = RunDir(root, args.run_id)  # a bad run id: one line, before anything is read or written
+    cfg = frozen_config(rd, args.overrides)  # unknown run id: fail before Prefect starts
+    if args.overrides:
+        check_changes(frozen_config(rd), cfg, rd, given_root=args.root is not None)
+    if finished(cfg, rd):
+        # The lease of a writer killed after its last step: taken over and dropped (a live one refuses),
+        # and whatever that writer left under a temp name with it.
+        from runtime.run.leftovers import remove_temp_leftovers
+        with RunLease(rd):
+            remove_temp_leftovers(rd)
+        print(f"run {args.run_id} is already finished ({cfg.train.num_rollout} rollouts); to train further, "
+              f"resume it with --set train.num_rollout=N (N > {cfg.train.num_rollout})")
+        return None
+    print(f"resuming run {args.run_id}")
+    from flows.pipeline import grpo_pipeline
+    from runtime.secrets import hold
+    return grpo_pipeline(overrides=hold(args.overrides), run_id=args.run_id, root=root, resume=True)
+
+
 def _setup_logging(level: str) -> None:
     """One handler for grpoflow's loggers (named by module: runtime.*, tasks.*, flows.*, cli.*)."""
     handler = logging.StreamHandler(sys.stderr)
@@ -297,28 +322,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run":
             from runtime.config import load_config
             from runtime.plan.summary import default_run_id
+            from runtime.run.directory import check_run_id
             cfg = load_config(args.config, args.overrides)
-            run_id = args.run_id or default_run_id(cfg)
+            run_id = check_run_id(args.run_id) if args.run_id is not None else default_run_id(cfg)
             print(f"run id: {run_id}")
             _print_plan(cfg)
             from flows.pipeline import grpo_pipeline
-            result = grpo_pipeline(config_path=args.config, overrides=args.overrides, run_id=run_id)
+            from runtime.secrets import hold
+            result = grpo_pipeline(config_path=args.config, overrides=hold(args.overrides), run_id=run_id)
             from runtime.run.directory import RunDir
             root, rd = cfg.storage.root, RunDir(cfg.storage.root, run_id, cfg.storage.state_dir)
         elif args.cmd == "resume":
+            result = _resume(args)
+            if result is None:
+                return 0
             from runtime.run.directory import RunDir
             from runtime.run.frozen_config import frozen_config
-            rd = RunDir(args.root, args.run_id)
-            cfg = frozen_config(rd, args.overrides)  # unknown run id: fail before Prefect starts
-            from runtime.run.frozen_config import finished
-            if finished(cfg, rd):
-                print(f"run {args.run_id} is already finished ({cfg.train.num_rollout} rollouts); to train further, "
-                      f"resume it with --set train.num_rollout=N (N > {cfg.train.num_rollout})")
-                return 0
-            print(f"resuming run {args.run_id}")
-            from flows.pipeline import grpo_pipeline
-            result = grpo_pipeline(overrides=args.overrides, run_id=args.run_id, root=args.root, resume=True)
-            root, rd = args.root, RunDir(args.root, args.run_id, cfg.storage.state_dir)
+            root = args.root or DEFAULT_ROOT
+            cfg = frozen_config(RunDir(root, args.run_id))
+            rd = RunDir(root, args.run_id, cfg.storage.state_dir)
         report = _write_report_after_run(cfg, rd, (result.get("train") or {}).get("tracking_uri"))
         _summary(result, root, report)
         return 0
@@ -328,6 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     except TransientError as err:
         # still failing after the task's retries: nothing is lost, `grpoflow resume` continues later
         print(f"error: {' '.join(str(err).split())} (still failing after retries; resume the run later)",
+              file=sys.stderr)
+        return 3
+    except Exception as err:
+        from tasks.common import _is_transient
+        if not _is_transient(err):
+            raise
+        # a lost Ray actor or node, a dropped connection: the same, said in one line
+        first = " ".join(str(err).split())[:300]
+        print(f"error: {type(err).__name__}: {first} (still failing after retries; resume the run later)",
               file=sys.stderr)
         return 3
 

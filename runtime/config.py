@@ -19,11 +19,31 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def _check_scheme(uri: str, allowed: tuple[str, ...], forms: str) -> str:
+    """Refuse a URI whose scheme we cannot read (gs://, ftp://, a typo) before anything tries to open it."""
+    m = _SCHEME.match(uri)
+    if m and m.group(1).lower() not in allowed:
+        raise ValueError(f"unsupported scheme '{m.group(1)}://' in {uri!r}; use {forms}")
+    return uri
+
+
+_SOURCE_SCHEMES = ("hf", "s3", "builtin", "file")
+
+
 class ModelSection(Section):
     source: str = Field("builtin://tiny-qwen3", description="hf://org/name[@rev], a local dir, s3://..., or builtin://tiny-qwen3")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     parity_tolerance: float = 1e-4
     builtin_seed: int = 0
+
+    @field_validator("source")
+    @classmethod
+    def _known_scheme(cls, v: str) -> str:
+        return _check_scheme(v, _SOURCE_SCHEMES, "hf://org/name[@revision], s3://bucket/prefix, builtin://tiny-qwen3 "
+                                                 "or a local directory")
 
 
 class DatasetSection(Section):
@@ -33,6 +53,12 @@ class DatasetSection(Section):
     label_key: str | None = None  # None: label / reward_model.ground_truth / answer
     metadata_key: str | None = "metadata"
     split: str = "train"
+
+    @field_validator("source")
+    @classmethod
+    def _known_scheme(cls, v: str) -> str:
+        return _check_scheme(v, _SOURCE_SCHEMES, "hf://org/name[@revision], s3://bucket/key, builtin://arith/<split> "
+                                                 "or a local file")
 
 
 class DataSection(Section):
@@ -232,6 +258,16 @@ class StorageSection(Section):
     root: str = DEFAULT_ROOT
     state_dir: str | None = None  # local dir for MLflow/Prefect state when root is remote
 
+    @field_validator("root")
+    @classmethod
+    def _known_scheme(cls, v: str) -> str:
+        return _check_scheme(v, ("s3", "file"), "a local directory or s3://bucket/prefix")
+
+    @field_validator("state_dir")
+    @classmethod
+    def _local(cls, v: str | None) -> str | None:
+        return v if v is None else _check_scheme(v, ("file",), "a local directory")
+
 
 class GrpoConfig(Section):
     name: str = "grpo"
@@ -413,24 +449,57 @@ def config_from_dict(tree: dict, source: str = "config") -> GrpoConfig:
         raise ConfigError(_explain(err, source)) from None
 
 
+def config_with_overrides(tree: dict, overrides: list[str] | None, source: str) -> GrpoConfig:
+    """The config of ``tree`` (read from ``source``) with ``--set`` overrides applied. An error that the
+    overrides brought in is reported against ``--set``, not against a file that is fine without them."""
+    if not overrides:
+        return config_from_dict(tree, source)
+    import copy
+    merged = apply_overrides(copy.deepcopy(tree), overrides)
+    try:
+        return GrpoConfig.model_validate(merged)
+    except ValidationError as err:
+        try:
+            GrpoConfig.model_validate(tree)
+        except ValidationError:
+            raise ConfigError(_explain(err, source)) from None
+        raise ConfigError(_explain(err, _blamed_override(err, overrides))) from None
+
+
+def _blamed_override(err: ValidationError, overrides: list[str]) -> str:
+    """`--set KEY=VALUE` of the override an error is about (all of them when it cannot tell)."""
+    loc = ".".join(str(p) for p in err.errors()[0]["loc"])
+    hits = [o for o in overrides if loc and (o.split("=", 1)[0].strip() == loc
+                                             or loc.startswith(o.split("=", 1)[0].strip() + "."))]
+    return " ".join(f"--set {o}" for o in (hits or overrides))
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> GrpoConfig:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory; give the path of a YAML config file, e.g. configs/tiny.yaml")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path} (give the path of a YAML config, e.g. configs/tiny.yaml)")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(path.read_text())
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text; give a YAML config file") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or "invalid YAML"
         raise ConfigError(f"{path}{where}: YAML syntax error: {problem}; fix the file") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
+    if tree is None:
+        raise ConfigError(f"{path}: the file is empty; a config needs at least its sections (model:, data:, "
+                          f"train:, ...), e.g. copy configs/tiny.yaml")
+    if not isinstance(tree, dict) or not tree:
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...), "
+                          f"got {type(tree).__name__ if tree != {} else 'an empty mapping'}")
     tree.setdefault("name", path.stem)
-    apply_overrides(tree, overrides)
-    return config_from_dict(tree, str(path))
+    return config_with_overrides(tree, overrides, str(path))
 
 
 def dump_config(cfg: GrpoConfig) -> str:
-    """The frozen config of a run, as YAML (credentials never live in the config)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The frozen config of a run, as YAML, secrets masked (runtime.secrets)."""
+    from runtime.secrets import mask_tree
+    return yaml.safe_dump(mask_tree(cfg.model_dump(mode="json")), sort_keys=False)

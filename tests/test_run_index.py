@@ -13,7 +13,7 @@ from runtime.config import load_config
 from runtime.errors import ConfigError
 from runtime.run.scheduled_runs import check_prefix, new_run_id, next_run, runs_of, safe_prefix
 from runtime.run.directory import RunDir
-from runtime.run.frozen_config import freeze
+from runtime.run.frozen_config import freeze, mark_finished
 
 NOW = datetime(2026, 11, 22, 3, 0, 0, tzinfo=timezone.utc)
 
@@ -32,6 +32,8 @@ def _make_run(root: Path, run_id: str, *, rollouts: int = 0, num_rollout: int = 
     if evaluated:
         for n in cfg.eval_points():
             storage.write_json_atomic(rd.eval_result(n), {"rollout": n, "sets": {}})
+        if rollouts >= num_rollout:
+            mark_finished(cfg, rd)  # the pipeline's last act: registered, MLflow run ended
     return rd
 
 

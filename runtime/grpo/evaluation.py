@@ -158,8 +158,11 @@ def numeric_metrics(result: dict[str, Any]) -> dict[str, float]:
 
 def save_eval(rd: RunDir, rollout: int, results_by_set: dict[str, dict[str, Any]]) -> str:
     """Write ``eval/rollout_<N>.json`` atomically: {"rollout", "created", "sets": {name: result}}."""
+    from runtime.testing.moments import moment
+    moment("eval-sampled")  # every eval set scored, nothing saved
     path = rd.eval_result(rollout)
     storage.write_json_atomic(path, {"rollout": int(rollout), "created": time.time(), "sets": results_by_set})
+    moment("eval-saved")
     return path
 
 

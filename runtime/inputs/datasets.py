@@ -220,25 +220,15 @@ def _render(messages: list[dict], tokenizer, apply_chat_template: bool) -> str:
     return "\n\n".join(m["content"] for m in messages)
 
 
-# -- prepare --------------------------------------------------------------------------------------
-def prepare_dataset(source_file_uri: str, out_parquet_uri: str, *, fmt: str = "auto", input_key: str | None = None,
-                    label_key: str | None = None, metadata_key: str | None = "metadata", tokenizer=None,
-                    apply_chat_template: bool = True, system_prompt: str | None = None,
-                    max_prompt_len: int = 1024, field: str = "data.train") -> dict:
-    """Turn one input file into the prepared parquet; returns a JSON-able report.
-
-    ``field`` is the config section the dataset came from (``data.train``, ``data.eval.<name>``); the
-    error messages name it so the user knows what to change. Everything is validated before the
-    output is written (atomically), so a failed prepare never replaces a good earlier output.
-    """
+# -- check (no tokenizer: cheap, before the model is fetched) -------------------------------------
+def check_dataset(source_file_uri: str, *, fmt: str = "auto", input_key: str | None = None,
+                  label_key: str | None = None, metadata_key: str | None = "metadata",
+                  system_prompt: str | None = None, field: str = "data.train") -> dict:
+    """Read and check every row of one input file (format, keys, prompt and label of each row); every
+    problem is a one-line DataError. Returns ``{format, input_key, label_key, rows, records}``."""
     path = str(source_file_uri)
     if fmt not in FORMATS:
         raise DataError(f"{path}: unknown format {fmt!r} (set {field}.format to one of {', '.join(FORMATS)})")
-    if apply_chat_template and tokenizer is None:
-        raise ValueError("apply_chat_template=True needs a tokenizer")
-    if apply_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"the model's tokenizer has no chat template; set data.apply_chat_template=false "
-                          f"(prompts are then used as written) or use a model with one")
     ext, rows = _read_rows(path, field)
     if not rows:
         raise DataError(f"{path}: the file has no rows (check {field}.source)")
@@ -254,7 +244,7 @@ def prepare_dataset(source_file_uri: str, out_parquet_uri: str, *, fmt: str = "a
                             f"{field}.input_key and {field}.label_key")
     input_key, label_key = _resolve_keys(fmt, first, input_key, label_key)
 
-    prepared = []
+    records = []
     for index, row in rows:
         where = _where(path, ext, index)
         raw_prompt = _get(row, input_key)
@@ -263,15 +253,39 @@ def prepare_dataset(source_file_uri: str, out_parquet_uri: str, *, fmt: str = "a
         raw_label = _get(row, label_key)
         if raw_label is _MISSING:
             raise DataError(f"{where}: row has no '{label_key}' (set {field}.label_key)")
-        messages = _messages(raw_prompt, where, input_key, system_prompt)
-        prepared.append({
-            "prompt": _render(messages, tokenizer, apply_chat_template),
-            "messages": json.dumps(messages, ensure_ascii=False),
+        records.append({
+            "messages": _messages(raw_prompt, where, input_key, system_prompt),
             "label": _label_text(raw_label, where, label_key),
             "metadata": json.dumps(_metadata(fmt, row, input_key, label_key, metadata_key),
                                    ensure_ascii=False, sort_keys=True, default=str),
             "source_row": index,
         })
+    return {"format": fmt, "input_key": input_key, "label_key": label_key, "rows": rows, "records": records}
+
+
+# -- prepare --------------------------------------------------------------------------------------
+def prepare_dataset(source_file_uri: str, out_parquet_uri: str, *, fmt: str = "auto", input_key: str | None = None,
+                    label_key: str | None = None, metadata_key: str | None = "metadata", tokenizer=None,
+                    apply_chat_template: bool = True, system_prompt: str | None = None,
+                    max_prompt_len: int = 1024, field: str = "data.train") -> dict:
+    """Turn one input file into the prepared parquet; returns a JSON-able report.
+
+    ``field`` is the config section the dataset came from (``data.train``, ``data.eval.<name>``); the
+    error messages name it so the user knows what to change. Everything is validated before the
+    output is written (atomically), so a failed prepare never replaces a good earlier output.
+    """
+    path = str(source_file_uri)
+    if apply_chat_template and tokenizer is None:
+        raise ValueError("apply_chat_template=True needs a tokenizer")
+    if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"the model's tokenizer has no chat template; set data.apply_chat_template=false "
+                          f"(prompts are then used as written) or use a model with one")
+    checked = check_dataset(path, fmt=fmt, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
+                            system_prompt=system_prompt, field=field)
+    fmt, input_key, label_key, rows = checked["format"], checked["input_key"], checked["label_key"], checked["rows"]
+    prepared = [{"prompt": _render(r["messages"], tokenizer, apply_chat_template),
+                 **{k: v for k, v in r.items() if k != "messages"},
+                 "messages": json.dumps(r["messages"], ensure_ascii=False)} for r in checked["records"]]
 
     too_long = 0
     if tokenizer is not None:

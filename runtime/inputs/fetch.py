@@ -19,7 +19,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 from runtime import storage
-from runtime.errors import DataError, ModelError, TransientError
+from runtime.errors import DataError, ModelError, TransientError, UserError
 
 # Everything a Hugging Face causal LM needs to load and tokenize; no *.bin, no optimizer states,
 # no original/ or onnx/ sub-folders (only top-level files are kept).
@@ -75,6 +75,35 @@ def _offline_hint(repo_id: str, repo_type: str, field: str) -> str:
     return (f"pre-seed the Hugging Face cache: run `hf download {repo_id}{flag}` (huggingface-cli download in "
             f"older versions) on a machine with network and copy its ~/.cache/huggingface (or $HF_HOME) here, "
             f"or set {field} to {target}")
+
+
+# -- identity of a source --------------------------------------------------------------------------
+def source_identity(source: str, *, model: bool = False) -> dict | str | None:
+    """What tells one version of ``source`` from another without reading it: size and mtime of a local
+    file (every model file of a local directory), size and ETag of the objects under an s3:// URI.
+    None for built-in and hf:// sources, whose string (with its ``@revision``) is their identity, and
+    "missing" for a path that is not there (fetch then says so)."""
+    source = str(source)
+    if source.startswith(("builtin://", "hf://")):
+        return None
+    if storage.is_remote(source):
+        fs, path = storage.fs_for(source)
+        try:
+            with storage.s3_errors(source):
+                found = fs.find(path, detail=True) if model else {path: fs.info(path)}
+        except (FileNotFoundError, OSError, UserError):
+            return "missing"  # fetch reports why, with the fix
+        return {name.rsplit("/", 1)[-1]: [info.get("size"), str(info.get("ETag") or info.get("LastModified") or "")]
+                for name, info in sorted(found.items()) if not model or _wanted(name.rsplit("/", 1)[-1])}
+    local = Path(source.removeprefix("file://")).expanduser()
+    try:
+        if local.is_dir():
+            return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(local.iterdir())
+                    if p.is_file() and _wanted(p.name)}
+        st = local.stat()
+    except OSError:
+        return "missing"
+    return [st.st_size, st.st_mtime_ns]
 
 
 # -- publishing a directory -----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from runtime.placement import layout
 from runtime.config import GrpoConfig
 from runtime.devices import resolve_device, resolve_dtype
 from runtime.errors import ConfigError
+from runtime.placement.cluster_watch import ClusterWatch, check_reachable
 from runtime.placement.groups import LocalGroup, RayGroup
 from runtime.rollout.base import RolloutEngine
 from runtime.placement.handles import EngineHandle, TrainerHandle
@@ -33,6 +34,7 @@ class Cluster:
         self.device = resolve_device(cfg)
         self.dtype = resolve_dtype(cfg, self.device)
         self._pg = None
+        self._watch = None
         self._ray_started_here = False
         self.weight_sync = layout.weight_sync_mode(cfg)
         gpus = None
@@ -67,6 +69,7 @@ class Cluster:
             kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
                                   "ignore_reinit_error": True}
             if c.address:
+                check_reachable(c.address)  # Ray itself would retry for minutes
                 kw["address"] = c.address
             else:
                 # Logical CPUs: a placement group counts bundles, not cores, so DP ranks plus an
@@ -79,6 +82,7 @@ class Cluster:
                     kw["object_store_memory"] = int(os.environ["GRPOFLOW_RAY_OBJECT_STORE_MB"]) * 2**20
             ray.init(**kw)
             self._ray_started_here = True
+        self._watch = ClusterWatch.of_current_cluster()  # the whole cluster lost: one line, lease released
         layout.check_gpus(self.cfg, int(ray.cluster_resources().get("GPU", 0)), where="the Ray cluster")
         self._place()
         return self
@@ -108,6 +112,8 @@ class Cluster:
         if self.backend != "ray":
             return
         import ray
+        if self._watch is not None:
+            self._watch.stop()
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
             try:

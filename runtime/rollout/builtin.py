@@ -125,6 +125,8 @@ class BuiltinEngine(RolloutEngine):
 
     def generate(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
         self._check_open()
+        from runtime.testing.moments import moment
+        moment("generate")  # a rollout's (or an eval's) sampling starts
         if self.decoder is not None and requests:
             return self._generate_decoder(requests, sampling)
         results: list[SampleResult] = []

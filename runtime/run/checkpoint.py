@@ -25,6 +25,7 @@ from typing import Callable
 from runtime import storage
 from runtime.errors import TransientError
 from runtime.run.directory import RunDir
+from runtime.testing.moments import moment
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -124,9 +125,13 @@ def save(rd: RunDir, rollout: int, write_model: Callable[[str], None], state: di
     where = rd.checkpoint(rollout)
     with storage.publish_dir(where, last=[MANIFEST], state_dir=rd.state_dir) as tmp:
         write_model(str(tmp / "model"))
+        moment("checkpoint-model-written")
         storage.write_json_atomic(str(tmp / STATE), {**state, "rollout": rollout})
         storage.write_json_atomic(str(tmp / MANIFEST), _manifest(tmp))
+        moment("checkpoint-manifest-written")
+    moment("checkpoint-in-place")  # complete under its name (uploaded), `latest` not yet moved
     storage.write_json_atomic(rd.latest, {"rollout": rollout, "dir": f"rollout_{rollout}"})
+    moment("checkpoint-latest-moved")
     prune(rd, keep_last)
     return where
 

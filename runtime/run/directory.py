@@ -6,9 +6,21 @@ and downloaded once.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from runtime import storage
+from runtime.errors import ConfigError
+
+# A run id names a directory under <root>/runs/: one path component, no '..', no hidden names.
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_run_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
+        raise ConfigError(f"run id {run_id!r}: use 1-128 letters, digits, '.', '_' and '-', starting with a "
+                          f"letter or digit (it names the directory runs/<run id>)")
+    return run_id
 
 
 @dataclass(frozen=True)
@@ -16,6 +28,9 @@ class RunDir:
     root: str  # storage.root
     run_id: str
     state_dir: str | None = field(default=None, compare=False)  # storage.state_dir: local scratch for a remote root
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)  # before anything is written: an id like ../x would escape the root
 
     @property
     def remote(self) -> bool:

@@ -4,9 +4,12 @@ from __future__ import annotations
 import yaml
 
 from runtime import storage
-from runtime.config import GrpoConfig, apply_overrides, config_from_dict, dump_config
+from runtime.config import DEFAULT_ROOT, GrpoConfig, apply_overrides, config_from_dict, config_with_overrides, dump_config
 from runtime.errors import ConfigError
 from runtime.run.directory import RunDir
+from runtime.secrets import mask_tree, masked_fields
+
+FINISHED_MARKER = "finished"  # stages/finished.json: every stage of the run done, written last
 
 # A resumed run may be extended or re-evaluated; anything that changes what was already trained may not.
 # Memory settings that leave every update as it was may change too (resume on another GPU): the KV pool
@@ -33,8 +36,20 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 
 def changed_fields(old: GrpoConfig, new: GrpoConfig) -> list[str]:
-    a, b = _flat(old.model_dump(mode="json")), _flat(new.model_dump(mode="json"))
+    # Compared as written: a frozen config holds masks where secrets were (runtime.secrets).
+    a, b = _flat(mask_tree(old.model_dump(mode="json"))), _flat(mask_tree(new.model_dump(mode="json")))
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def check_changes(old: GrpoConfig, new: GrpoConfig, rd: RunDir, *, given_root: bool = False) -> None:
+    """An existing run may change only what RESUMABLE_CHANGES allows; anything else is one ConfigError."""
+    bad = [f for f in changed_fields(old, new)
+           if f not in RESUMABLE_CHANGES and not f.startswith("eval.") and f != "name"]
+    if bad:
+        root = f" --root {rd.root}" if given_root or rd.root != DEFAULT_ROOT else ""
+        raise ConfigError(
+            f"run '{rd.run_id}' already exists with a different {', '.join(bad)}, which a resumed run cannot "
+            f"change; resume it as it is with `grpoflow resume {rd.run_id}{root}` or pick another --run-id")
 
 
 def with_plan_choices(cfg: GrpoConfig) -> GrpoConfig:
@@ -66,16 +81,11 @@ def with_plan_choices(cfg: GrpoConfig) -> GrpoConfig:
 
 def freeze(cfg: GrpoConfig, rd: RunDir) -> GrpoConfig:
     """Write the run's frozen config, with the memory plan's choices (:func:`with_plan_choices`), and return
-    it: the run uses what was frozen. An existing run may only change what RESUMABLE_CHANGES allows."""
+    it: the run uses what was frozen. An existing run may only change what RESUMABLE_CHANGES allows.
+    Secrets in it are masked (runtime.secrets): the file is for reading, never for credentials."""
     cfg = with_plan_choices(cfg)
     if storage.exists(rd.config):
-        old = frozen_config(rd)
-        bad = [f for f in changed_fields(old, cfg)
-               if f not in RESUMABLE_CHANGES and not f.startswith("eval.") and f != "name"]
-        if bad:
-            raise ConfigError(
-                f"run '{rd.run_id}' already exists with a different {', '.join(bad)}; "
-                f"resume it with `grpoflow resume {rd.run_id}` or pick another --run-id")
+        check_changes(frozen_config(rd), cfg, rd)
     storage.write_text_atomic(rd.config, dump_config(cfg))
     return cfg
 
@@ -84,14 +94,46 @@ def frozen_config(rd: RunDir, overrides: list[str] | None = None) -> GrpoConfig:
     if not storage.exists(rd.config):
         raise ConfigError(f"unknown run id '{rd.run_id}': no {rd.config} "
                           f"(list runs under {storage.join(rd.root, 'runs')} or check storage.root / --root)")
-    tree = yaml.safe_load(storage.read_text(rd.config)) or {}
-    apply_overrides(tree, overrides)
-    return config_from_dict(tree, rd.config)
+    tree = yaml.safe_load(storage.read_text(rd.config))
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{rd.config}: the frozen config of run '{rd.run_id}' is damaged (not a mapping)")
+    return config_with_overrides(tree, overrides, rd.config)
+
+
+def config_to_resume(rd: RunDir, overrides: list[str] | None = None) -> GrpoConfig:
+    """The frozen config with ``overrides``, ready to run: a secret masked in it must be given again."""
+    cfg = frozen_config(rd, overrides)
+    missing = masked_fields(cfg.model_dump(mode="json"))
+    if missing:
+        raise ConfigError(f"run '{rd.run_id}': {', '.join(missing)} held a secret, which is never stored (it is masked "
+                          f"in {rd.config}); give it again with --set {missing[0]}=...")
+    return cfg
+
+
+def finished_record(cfg: GrpoConfig) -> dict:
+    """What "finished" means for this config: trained, evaluated and registered up to these points."""
+    return {"num_rollout": cfg.train.num_rollout, "eval_points": cfg.eval_points() if cfg.data.eval else [],
+            "tracking": cfg.tracking.enabled}
+
+
+def mark_finished(cfg: GrpoConfig, rd: RunDir) -> None:
+    """Written after the last stage (final eval, registration, MLflow run ended), before the lease goes."""
+    storage.write_json_atomic(rd.stage_marker(FINISHED_MARKER), finished_record(cfg))
 
 
 def finished(cfg: GrpoConfig, rd: RunDir) -> bool:
-    """Trained to train.num_rollout and evaluated at every eval point (read from the run directory)."""
+    """Every stage done, read from the run directory: trained to train.num_rollout, evaluated at every
+    eval point, and the finishing steps (registration, aliases, the MLflow run's end) recorded by the
+    run's last act, ``stages/finished.json``. A run killed anywhere before that is not finished."""
     from runtime.run import checkpoint
+    try:
+        record = storage.read_json(rd.stage_marker(FINISHED_MARKER))
+    except (FileNotFoundError, ValueError):
+        return False
+    want = finished_record(cfg)
+    if (record.get("num_rollout") != want["num_rollout"] or not set(want["eval_points"]) <= set(record.get("eval_points", []))
+            or (want["tracking"] and not record.get("tracking"))):
+        return False
     ck = checkpoint.latest(rd)
     if ck is None or ck.rollout < cfg.train.num_rollout:
         return False

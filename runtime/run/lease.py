@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 
-from runtime import storage
+from runtime import forced_exit, storage
 from runtime.errors import UserError
 from runtime.run.directory import RunDir
 
@@ -88,6 +88,9 @@ class RunLease:
             raise RunBusyError(f"run '{self.rd.run_id}' was taken by another process at the same moment; retry later")
         self._thread = threading.Thread(target=self._beat, name="grpoflow-lease", daemon=True)
         self._thread.start()
+        # A forced exit (the Ray cluster lost) still releases the lease and says how to continue.
+        self._exit_hook = forced_exit.on_forced_exit(self.release)
+        forced_exit.resume_hint.append(f"resume it with `grpoflow resume {self.rd.run_id} --root {self.rd.root}`")
         return self
 
     def _beat(self) -> None:
@@ -99,6 +102,10 @@ class RunLease:
             storage.write_json_atomic(self.path, self._record())
 
     def release(self) -> None:
+        if getattr(self, "_exit_hook", None) is not None:
+            forced_exit.forget(self._exit_hook)
+            forced_exit.resume_hint.clear()
+            self._exit_hook = None
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)

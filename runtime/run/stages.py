@@ -14,6 +14,7 @@ from typing import Any, Callable
 from runtime import storage
 from runtime.config import GrpoConfig
 from runtime.run.directory import RunDir
+from runtime.testing.moments import moment
 
 
 def inputs_hash(obj: Any) -> str:
@@ -38,28 +39,48 @@ def run_stage(rd: RunDir, stage: str, inputs: Any, work: Callable[[], dict]) -> 
     t0 = time.time()
     result = work()
     result = {**result, "seconds": round(time.time() - t0, 2)}
+    moment(f"{stage}-work-done")  # outputs written, marker not yet
     storage.write_json_atomic(rd.stage_marker(stage), {"stage": stage, "inputs_hash": inputs_hash(inputs),
                                                         "inputs": inputs, "result": result})
     return {**result, "skipped": False}
 
 
 def fetch_inputs(cfg: GrpoConfig) -> dict:
+    """What the fetched copies depend on: each source and its identity (size and mtime of a local
+    file, the object listing of an s3:// prefix), so a source fixed in place is fetched again."""
+    from runtime.inputs.fetch import source_identity
     d = cfg.data
-    return {"model": cfg.model.source, "builtin_seed": cfg.model.builtin_seed,
-            "train": d.train.source, "eval": {k: v.source for k, v in d.eval.items()}}
+    out = {"model": cfg.model.source, "builtin_seed": cfg.model.builtin_seed,
+           "train": d.train.source, "eval": {k: v.source for k, v in d.eval.items()}}
+    ids = {"model": source_identity(cfg.model.source, model=True), "train": source_identity(d.train.source),
+           **{f"eval.{k}": source_identity(v.source) for k, v in d.eval.items()}}
+    ids = {k: v for k, v in ids.items() if v is not None}
+    if ids:  # built-in and hf:// sources: the source string (with its @revision) is the identity
+        out["identity"] = ids
+    return out
 
 
 def fetch(cfg: GrpoConfig, rd: RunDir) -> dict:
+    from runtime.inputs.datasets import check_dataset
     from runtime.inputs.fetch import fetch_dataset, fetch_model
+    from runtime.errors import DataError
+
+    def fetch_checked(spec, name: str, field: str) -> str:
+        path = fetch_dataset(spec.source, rd.sub("data", "raw"), name, split=spec.split)
+        try:
+            check_dataset(path, fmt=spec.format, input_key=spec.input_key, label_key=spec.label_key,
+                          metadata_key=spec.metadata_key, field=field)
+        except DataError as err:
+            raise DataError(str(err).replace(str(path), spec.source)) from None  # the user's file, not our copy
+        return str(path)
 
     def work() -> dict:
+        # The datasets first: they are small, and a broken row should not wait for a model download.
+        train = fetch_checked(cfg.data.train, "train", "data.train")
+        evals = {name: fetch_checked(spec, f"eval-{name}", f"data.eval.{name}") for name, spec in cfg.data.eval.items()}
+        moment("fetch-datasets-done")
         model = fetch_model(cfg.model.source, rd.hf_model, builtin_seed=cfg.model.builtin_seed)
-        raw = rd.sub("data", "raw")
-        train = fetch_dataset(cfg.data.train.source, raw, "train", split=cfg.data.train.split)
-        evals = {name: fetch_dataset(spec.source, raw, f"eval-{name}", split=spec.split)
-                 for name, spec in cfg.data.eval.items()}
-        return {"model_dir": rd.hf_model, "model": model, "train_file": str(train),
-                "eval_files": {k: str(v) for k, v in evals.items()}}
+        return {"model_dir": rd.hf_model, "model": model, "train_file": train, "eval_files": evals}
 
     return run_stage(rd, "fetch", fetch_inputs(cfg), work)
 
@@ -81,6 +102,7 @@ def convert(cfg: GrpoConfig, rd: RunDir, fetched: dict) -> dict:
         # A remote run dir: convert into the local scratch, then upload (metadata.json last).
         with storage.output_dir(rd.torch_dist, rd.state_dir, last=["metadata.json"]) as out:
             report = hf_to_torch_dist(rd.local(rd.hf_model), out, tolerance=cfg.model.parity_tolerance)
+            moment("convert-written")
         return {"torch_dist": rd.torch_dist, "parity": {**report, "path": rd.torch_dist, "source": rd.hf_model}}
 
     return run_stage(rd, "convert", inputs, work)
@@ -109,6 +131,7 @@ def prepare(cfg: GrpoConfig, rd: RunDir, fetched: dict) -> dict:
                 raise DataError(str(err).replace(str(src), spec.source)) from None
 
         train = one(d.train, fetched["train_file"], rd.train_data, "data.train")
+        moment("prepare-train-done")
         evals = {name: one(spec, fetched["eval_files"][name], rd.eval_data(name), f"data.eval.{name}")
                  for name, spec in d.eval.items()}
         return {"train": train, "eval": evals}

@@ -123,6 +123,8 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        from runtime.testing.moments import moment
+        moment(f"built:{final.parent.name}/{final.name}")  # complete under its temp name, not yet renamed
         if final.exists():
             old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(final, old)
@@ -381,3 +383,17 @@ def output_dir(uri: str, state_dir: str | None = None, *, last: Iterable[str] = 
     local.parent.mkdir(parents=True, exist_ok=True)
     yield str(local)
     upload_dir(local, uri, last=last, keep_local=True)
+
+
+def remove_tree(uri: str) -> None:
+    """Delete a directory (local) or every object under a prefix (remote); a missing one is fine."""
+    uri = str(uri)
+    if not is_remote(uri):
+        shutil.rmtree(uri.removeprefix("file://"), ignore_errors=True)
+        return
+    fs, path = fs_for(uri)
+    with s3_errors(uri):
+        try:
+            fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 from runtime import storage
 from runtime.errors import ConfigError, TransientError
 from runtime.run.directory import RunDir
+from runtime.testing.moments import moment
 
 if TYPE_CHECKING:  # pragma: no cover
     from runtime.config import GrpoConfig
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 RUN_TAG = "grpoflow.run_id"
 OVERRIDE_TAG = "grpoflow.override."
 TRACKING_FILE = "tracking.json"
-REDACTED = "***"
 MAX_PARAM_LEN = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
 MAX_TAG_LEN = 8000
 _BATCH = 100  # params/tags per log_batch (MLflow's limit)
@@ -46,59 +46,7 @@ _METRIC_BATCH = 1000
 _TRANSIENT_CODES = {"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED",
                     "ABORTED", "CANCELLED", "UNAVAILABLE"}
 
-# A config key names a secret when its last component is, or ends in, one of these words
-# ("hf_token", "api_key", "password"); "max_new_tokens", "input_key" and "top_k" do not.
-_SECRET_KEY = re.compile(
-    r"(^|[_-])(token|secret|password|passwd|credentials?|api[_-]?key|access[_-]?key|secret[_-]?key|"
-    r"private[_-]?key|auth)$|^key$|secret|password|credential", re.I)
-# In a list of command-line args (rollout.sglang.launch): the value after a secret-looking flag.
-_SECRET_FLAG = re.compile(r"^--?[\w-]*(token|secret|password|passwd|credential|api[_-]?key|access[_-]?key)[\w-]*$", re.I)
-
-
-# ---- names and values ---------------------------------------------------------------------------
-def is_secret_key(key: str) -> bool:
-    return bool(_SECRET_KEY.search(str(key).rsplit(".", 1)[-1]))
-
-
-def redact_uri(uri: str) -> str:
-    """``scheme://user:password@host/...`` -> ``scheme://user:***@host/...``; anything else unchanged."""
-    text = str(uri)
-    try:
-        parts = urllib.parse.urlsplit(text)
-    except ValueError:
-        return text
-    if parts.password:
-        netloc = parts.netloc.rsplit("@", 1)
-        user = (parts.username or "")
-        return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:{REDACTED}@{netloc[-1]}"))
-    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-    if any(is_secret_key(k) for k, _ in query):
-        q = urllib.parse.urlencode([(k, REDACTED if is_secret_key(k) else v) for k, v in query], safe="*")
-        return urllib.parse.urlunsplit(parts._replace(query=q))
-    return text
-
-
-def _redact_value(value: Any) -> Any:
-    if isinstance(value, str):
-        return redact_uri(value) if "://" in value else value
-    if isinstance(value, (list, tuple)):
-        out, hide_next = [], False
-        for item in value:
-            if hide_next:
-                out.append(REDACTED)
-                hide_next = False
-                continue
-            s = str(item)
-            if _SECRET_FLAG.match(s.split("=", 1)[0]):
-                if "=" in s:
-                    out.append(s.split("=", 1)[0] + "=" + REDACTED)
-                else:
-                    out.append(s)
-                    hide_next = True
-                continue
-            out.append(_redact_value(item))
-        return out
-    return value
+from runtime.secrets import REDACTED, is_secret_key, redact_uri, redact_value as _redact_value  # noqa: E402,F401
 
 
 def flatten_params(tree: dict, prefix: str = "") -> dict[str, str]:
@@ -202,17 +150,85 @@ def mlflow_errors(uri: str, what: str) -> Iterator[None]:
 
 
 def make_client(uri: str):
-    """An ``MlflowClient`` for tracking and registry at ``uri`` (a SQLite store's directory is created)."""
+    """An ``MlflowClient`` for tracking and registry at ``uri`` (a SQLite store is created first, atomically)."""
     try:
         from mlflow.tracking import MlflowClient
     except ImportError:
         raise ConfigError("tracking is enabled but MLflow is not installed: pip install mlflow, "
                           "or set tracking.enabled=false") from None
-    db = sqlite_path(uri)
-    if db is not None:
-        db.parent.mkdir(parents=True, exist_ok=True)
+    ensure_store(uri)
     with mlflow_errors(uri, "connect"):
         return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+# ---- creating a SQLite store ------------------------------------------------------------------------
+# MLflow creates its tables on first use, in dozens of migration steps; a process killed in between
+# leaves a database every later open fails on ("table ... already exists"). So the store is built
+# under a temp name and renamed into place, under a lock: it is either absent or complete.
+def _store_is_complete(db: Path) -> bool:
+    import sqlite3
+
+    from mlflow.store.db.utils import _get_latest_schema_revision
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
+            row = con.execute("SELECT version_num FROM alembic_version").fetchone()
+    except sqlite3.Error:
+        return False
+    return row is not None and row[0] == _get_latest_schema_revision()
+
+
+def _store_has_runs(db: Path) -> bool:
+    import sqlite3
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
+            return con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] > 0
+    except sqlite3.Error:
+        return False
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    import fcntl
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_store(uri: str) -> None:
+    """Make sure the SQLite store of ``uri`` exists and is complete (other stores: nothing to do).
+
+    A store left half-made by an older, non-atomic creation holds no runs; it is moved aside to
+    ``mlflow.db.incomplete-<time>`` and made again. A store with runs in it is never touched."""
+    db = sqlite_path(uri)
+    if db is None or (db.is_file() and _store_is_complete(db)):
+        return
+    from runtime.testing.moments import moment
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(db.parent / f".{db.name}.lock"):
+        if db.is_file():
+            if _store_is_complete(db) or _store_has_runs(db):
+                return  # an older schema with runs: MLflow itself says how to upgrade it
+            aside = db.with_name(f"{db.name}.incomplete-{time.strftime('%Y%m%dT%H%M%S')}")
+            log.warning("MLflow store %s was left incomplete by a killed process; moved to %s and made again",
+                        db, aside.name)
+            os.replace(db, aside)
+        for stale in db.parent.glob(f".{db.name}.tmp-*"):  # a creator killed before its rename
+            stale.unlink(missing_ok=True)
+        tmp = db.with_name(f".{db.name}.tmp-{os.getpid()}")
+        tmp_uri = f"sqlite:///{tmp}"
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+        with mlflow_errors(uri, "create the store"):
+            SqlAlchemyStore(tmp_uri, _artifact_location(uri) or str(db.parent / "mlartifacts"))
+        engine = SqlAlchemyStore._engine_map.pop(tmp_uri, None)
+        if engine is not None:
+            engine.dispose()
+        moment("mlflow-store-built")
+        os.replace(tmp, db)
+        moment("mlflow-store-in-place")
 
 
 # ---- the tracker ----------------------------------------------------------------------------------
@@ -236,6 +252,7 @@ class Tracker:
             self.experiment_id = self._experiment()
             self.run_id, self.resumed = self._attach()
             self._log_params()
+        moment("mlflow-run-attached")
         self._write_tracking_file()
 
     def __repr__(self) -> str:
@@ -345,6 +362,7 @@ class Tracker:
             for i in range(0, len(batch), _METRIC_BATCH):
                 part = batch[i:i + _METRIC_BATCH]
                 self.client.log_batch(self.run_id, metrics=part)
+                moment("mlflow-metrics-logged")
                 for m in part:
                     self._steps[m.key].add(m.step)
         return len(batch)
@@ -402,11 +420,13 @@ class Tracker:
         """Mark the MLflow run ended (FINISHED / FAILED / KILLED); a later resume sets it RUNNING again."""
         if not self.enabled:
             return
+        moment("mlflow-run-ending")
         with mlflow_errors(self.uri, "end run"):
             self.client.set_terminated(self.run_id, status=status)
+        moment("mlflow-run-ended")
 
 
 __all__ = [
-    "Tracker", "default_tracking_uri", "store_uri_for_root", "sqlite_uri", "sqlite_path", "make_client",
+    "Tracker", "ensure_store", "default_tracking_uri", "store_uri_for_root", "sqlite_uri", "sqlite_path", "make_client",
     "flatten_params", "is_secret_key", "redact_uri", "metric_key", "mlflow_errors", "is_transient",
 ]

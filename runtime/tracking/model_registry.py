@@ -22,6 +22,7 @@ from typing import Any
 from runtime import storage
 from runtime.errors import ModelError
 from runtime.run.directory import RunDir
+from runtime.testing.moments import moment
 from runtime.tracking.mlflow_tracker import metric_key, mlflow_errors, redact_uri
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,9 @@ def register_checkpoint(tracker_or_client, *, name: str, export_uri: str, rollou
                 log.warning("primary metric %s is not among the metrics of %s; best stays where it is", pm, tag)
             mv = client.create_model_version(name, source=source, run_id=mlflow_run_id, tags=tags,
                                              description=f"grpoflow run {run_id}, after {int(rollout)} rollouts")
+            moment("registry-version-created")  # best alias not yet moved
         aliases = _move_aliases(client, name, mv)
+        moment("registry-aliases-moved")
     return {"name": name, "version": int(mv.version), "source": mv.source, "export_uri": str(export_uri),
             "checkpoint": tag, "created": created, "aliases": aliases, "mlflow_run_id": mv.run_id}
 
@@ -251,6 +254,7 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
 
     def write(tmp: Path) -> list[str]:
         files = save_hf_state_dict(hf_state, tmp)
+        moment("export-weights-written")  # under a temp name, no marker yet
         for name in HF_SIDE_FILES:
             if (hf_config_dir / name).is_file():
                 shutil.copyfile(hf_config_dir / name, tmp / name)

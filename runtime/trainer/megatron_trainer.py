@@ -301,6 +301,8 @@ class MegatronTrainer:
         out["lr"] = float(self.optimizer.param_groups[0]["lr"])
         out["train_tokens"] = int(total["_tokens"])
         out["train_time_s"] = time.time() - t0
+        from runtime.testing.moments import moment
+        moment("train-step-done")  # weights updated in memory, nothing saved
         return out
 
     # -- colocated hand-off: the trainer's state off the GPU while the engine generates --------------

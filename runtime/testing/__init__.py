@@ -1,0 +1,1 @@
+"""Switches for tests and debugging only; nothing here changes what a run computes."""

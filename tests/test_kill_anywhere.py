@@ -1,0 +1,174 @@
+"""Kill anywhere, resume, and end exactly where an unbroken run ends.
+
+One uninterrupted reference run (4 rollouts in 2 chunks, eval and registration after each chunk) copies
+its storage root at each stage boundary (runtime/testing/moments.py, GRPOFLOW_TEST_SNAPSHOT_AT). Then,
+for each moment below — stage boundaries and points inside every stage: fetch, prepare, convert, the
+MLflow store's creation, rollouts, checkpoint writes, metric logging, eval, export, registration, the
+MLflow run's end, the finished marker — the root is restored from the boundary before it, a
+`grpoflow` run process is started there with GRPOFLOW_TEST_KILL_AT=<moment> (it SIGKILLs its own
+process group on reaching it: no clean-up of any kind), and `grpoflow resume` is run. Every resumed
+run must end bitwise-equal to the reference (every model and optimizer tensor of the final
+checkpoint), with one MLflow point per (metric, rollout), one registry version per eval point, `best`
+where the reference put it, the MLflow run FINISHED, no lease and no temp leftovers.
+
+The killed runs are forked from one warm process (tests/cli_zygote.py) and talk to the session's
+Prefect server; every run uses the same root path, so the paths recorded inside the store match.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli.main import main
+from runtime.run import checkpoint
+from runtime.run.directory import RunDir
+from runtime.run.leftovers import temp_leftovers
+
+pytestmark = pytest.mark.kill
+
+RUN = "ref"
+SETS = ["train.num_rollout=4", "checkpoint.interval=2", "eval.interval=2", "eval.max_prompts=8"]
+# Counted hits (name#k) are counted per process: in the reference, metrics are logged by chunk 1 (#1),
+# eval 2 (#2), chunk 2 (#3), eval 4 (#4); a resumed process re-registers eval points it finds done.
+BOUNDARIES = ["fetched", "prepared", "converted", "tracking-store-ready", "mlflow-metrics-logged#1",
+              "registry-aliases-moved#1", "mlflow-metrics-logged#3"]
+
+# (moment to kill at, boundary the killed run starts from: None = an empty root, a fresh `grpoflow run`)
+MOMENTS = [
+    ("fetch-datasets-done", None),                   # fetch: datasets in, model not yet
+    ("built:model/hf", None),                        # fetch: model complete under its temp name
+    ("prepare-work-done", "fetched"),                # prepare: parquet written, marker not
+    ("built:model/torch_dist", "prepared"),          # convert: checkpoint complete under its temp name
+    ("mlflow-store-built", "converted"),             # MLflow store built under its temp name
+    ("generate#1", "tracking-store-ready"),          # rollout 0 sampling
+    ("train-step-done#2", "tracking-store-ready"),   # rollout 1 updated, not saved
+    ("checkpoint-model-written#1", "tracking-store-ready"),
+    ("checkpoint-in-place#1", "tracking-store-ready"),      # complete, `latest` not moved
+    ("checkpoint-latest-moved#1", "tracking-store-ready"),  # metrics not logged
+    ("mlflow-metrics-logged#1", "tracking-store-ready"),    # logged, the chunk task not returned
+    ("generate#1", "mlflow-metrics-logged#1"),       # eval at rollout 2: sampling
+    ("eval-saved#1", "mlflow-metrics-logged#1"),     # eval saved, nothing registered
+    ("built:rollout_2/hf", "mlflow-metrics-logged#1"),  # export complete under its temp name
+    ("registry-version-created#1", "mlflow-metrics-logged#1"),  # version made, `best` not moved
+    ("train-step-done#1", "registry-aliases-moved#1"),  # rollout 2 updated
+    ("checkpoint-manifest-written#1", "registry-aliases-moved#1"),
+    ("mlflow-metrics-logged#1", "registry-aliases-moved#1"),
+    ("eval-sampled#1", "mlflow-metrics-logged#3"),   # final eval scored, not saved
+    ("registry-aliases-moved#2", "mlflow-metrics-logged#3"),  # final version registered, run not ended
+    ("mlflow-run-ending#1", "mlflow-metrics-logged#3"),
+    ("marked-finished", "mlflow-metrics-logged#3"),  # finished marker written, lease not released
+]
+
+
+class Zygote:
+    def __init__(self, env: dict):
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_zygote"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        ready = json.loads(self.proc.stdout.readline())
+        assert "ready" in ready, ready
+
+    def start(self, argv: list[str], env: dict, log: Path) -> None:
+        self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "log": str(log)}) + "\n")
+        self.proc.stdin.flush()
+
+    def wait(self) -> dict:
+        return json.loads(self.proc.stdout.readline())
+
+    def run(self, argv: list[str], env: dict, log: Path) -> dict:
+        self.start(argv, env, log)
+        return self.wait()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def _state(root: Path) -> dict:
+    """What a finished run must look like, read from its root (the checkpoint tensors aside)."""
+    from mlflow.tracking import MlflowClient
+    rd = RunDir(str(root), RUN)
+    doc = json.loads(Path(rd.sub("tracking.json")).read_text())
+    client = MlflowClient(doc["tracking_uri"], registry_uri=doc["tracking_uri"])
+    run = client.get_run(doc["mlflow_run_id"])
+    points = {k: sorted(m.step for m in client.get_metric_history(run.info.run_id, k)) for k in run.data.metrics}
+    versions = sorted((int(v.tags["grpoflow.rollout"]), int(v.version)) for v in client.search_model_versions("name = 'tiny'")
+                      if v.tags.get("grpoflow.run_id") == RUN)
+    best = int(client.get_registered_model("tiny").aliases["best"])
+    return {"status": run.info.status, "points": points, "rollouts_registered": [r for r, _ in versions],
+            "best_rollout": dict((v, r) for r, v in versions)[best],
+            "mlflow_runs": len(client.search_runs([run.info.experiment_id])),
+            "lease": Path(rd.sub("lease.json")).exists(),
+            "leftovers": [str(p) for p in temp_leftovers(rd)] + [str(p) for p in root.glob(".mlflow.db.tmp-*")],
+            "latest": checkpoint.latest(rd).rollout}
+
+
+@pytest.fixture(scope="module")
+def reference(prefect_harness, tmp_path_factory):
+    """The uninterrupted run, with a copy of its root at every boundary; returns its final facts."""
+    from tests.test_resume import checkpoint_tensors
+    base = tmp_path_factory.mktemp("kill-anywhere")
+    root, snaps = base / "root", base / "snapshots"
+    root.mkdir()
+    env = {"GRPOFLOW_TEST_SNAPSHOT_AT": ",".join(BOUNDARIES), "GRPOFLOW_TEST_SNAPSHOT_ROOT": str(root),
+           "GRPOFLOW_TEST_SNAPSHOT_DIR": str(snaps)}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        assert main(_run_argv(root)) == 0
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert sorted(p.name for p in snaps.iterdir()) == sorted(BOUNDARIES)
+    rd = RunDir(str(root), RUN)
+    state = _state(root)
+    assert state["rollouts_registered"] == [2, 4] and state["status"] == "FINISHED"
+    tensors = checkpoint_tensors(rd.checkpoint(4), base)
+    import prefect.settings
+    zygote_env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                      PREFECT_API_URL=prefect.settings.PREFECT_API_URL.value())
+    zygote = Zygote(zygote_env)
+    yield {"root": root, "snaps": snaps, "state": state, "tensors": tensors, "zygote": zygote, "base": base}
+    zygote.close()
+
+
+def _close_stores(root: Path) -> None:
+    """MLflow keeps pooled SQLite connections per store URI in this process; the file is about to be
+    replaced, and a connection to the old one would read a deleted file."""
+    from mlflow.store.model_registry.sqlalchemy_store import SqlAlchemyStore as RegistryStore
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore as TrackingStore
+    for cls in (TrackingStore, RegistryStore):
+        for uri, engine in list(cls._engine_map.items()):
+            if str(root) in uri:
+                engine.dispose()
+
+
+def _run_argv(root: Path) -> list[str]:
+    return ["run", "configs/tiny.yaml", "--run-id", RUN, *sum((["--set", s] for s in SETS + [f"storage.root={root}"]), [])]
+
+
+@pytest.mark.parametrize("moment, start", MOMENTS, ids=[f"{m}@{s or 'empty'}" for m, s in MOMENTS])
+def test_killed_at_a_moment_then_resumed_ends_as_the_reference(reference, moment, start, tmp_path, capsys):
+    from tests.test_resume import assert_same_checkpoint, checkpoint_tensors
+    root = reference["root"]
+    _close_stores(root)
+    shutil.rmtree(root)
+    if start is None:
+        root.mkdir()
+    else:
+        shutil.copytree(reference["snaps"] / start, root)
+    argv = _run_argv(root) if start is None else ["resume", RUN, "--root", str(root)]
+    log = tmp_path / "killed.log"
+    ended = reference["zygote"].run(argv, {"GRPOFLOW_TEST_KILL_AT": moment}, log)
+    assert ended.get("signal") == signal.SIGKILL, f"moment {moment} was never reached: {ended}\n{log.read_text()[-3000:]}"
+
+    assert main(["resume", RUN, "--root", str(root)]) == 0, capsys.readouterr().err[-3000:]
+    state = _state(root)
+    assert state == reference["state"]
+    assert_same_checkpoint(checkpoint_tensors(RunDir(str(root), RUN).checkpoint(4), tmp_path), reference["tensors"])

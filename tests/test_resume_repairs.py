@@ -1,0 +1,156 @@
+"""What a killed writer leaves behind, and `resume` repairing it: the last steps of a run (registration,
+the MLflow run's end, the lease), a half-made MLflow store, temp leftovers; and secrets that must never
+be written anywhere on the way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from cli.main import main
+from runtime.run.directory import RunDir
+
+FINISHED_MARKER = "finished"  # stages/finished.json, the run's last act
+
+
+def _copy_reference(reference_run, dest: Path) -> Path:
+    shutil.copytree(reference_run["root"], dest)
+    return dest
+
+
+def _mlflow(root: Path, run_id: str):
+    from mlflow.tracking import MlflowClient
+    doc = json.loads(Path(RunDir(str(root), run_id).sub("tracking.json")).read_text())
+    return MlflowClient(doc["tracking_uri"], registry_uri=doc["tracking_uri"]), doc["mlflow_run_id"]
+
+
+def test_resume_finishes_what_a_kill_after_the_last_eval_left_undone(prefect_harness, reference_run, tmp_path, capsys):
+    """Killed after the final eval was saved, before registration and the MLflow run's end: the run is not
+    finished, and `resume` registers the version, moves `best`, ends the MLflow run and drops the lease."""
+    root = _copy_reference(reference_run, tmp_path / "root")
+    rd = RunDir(str(root), "ref")
+    client, mlflow_run = _mlflow(root, "ref")
+    name = "tiny"
+    for v in client.search_model_versions(f"name = '{name}'"):
+        if v.tags.get("grpoflow.run_id") == "ref":
+            client.delete_model_version(name, v.version)
+    client.update_run(mlflow_run, status="RUNNING")
+    Path(rd.stage_marker(FINISHED_MARKER)).unlink(missing_ok=True)
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    Path(rd.sub("lease.json")).write_text(json.dumps({"token": "killed", "pid": dead, "host": os.uname().nodename,
+                                                      "heartbeat": 0}))
+
+    assert main(["resume", "ref", "--root", str(root)]) == 0, capsys.readouterr().err
+    assert "resuming run ref" in capsys.readouterr().out
+    versions = [v for v in client.search_model_versions(f"name = '{name}'") if v.tags.get("grpoflow.run_id") == "ref"]
+    assert [v.tags["grpoflow.rollout"] for v in versions] == ["4"]
+    assert client.get_registered_model(name).aliases.get("best") == versions[0].version
+    assert client.get_run(mlflow_run).info.status == "FINISHED"
+    assert not Path(rd.sub("lease.json")).exists()
+    assert Path(rd.stage_marker(FINISHED_MARKER)).is_file()
+    # and now it is finished: a second resume says so and changes nothing
+    assert main(["resume", "ref", "--root", str(root)]) == 0
+    assert "already finished" in capsys.readouterr().out
+
+
+def test_a_half_made_mlflow_store_is_made_again_without_losing_runs(tmp_path):
+    """A store killed mid-creation (tables of the first migrations only) used to fail every later open
+    ("table ... already exists"). It holds no runs: it is set aside and made again, atomically."""
+    from mlflow.store.db.utils import InitialBase
+    from sqlalchemy import create_engine
+
+    from runtime.tracking.mlflow_tracker import make_client, sqlite_uri
+    db = tmp_path / "mlflow.db"
+    engine = create_engine(f"sqlite:///{db}")
+    InitialBase.metadata.create_all(engine)  # what a kill after the first step of MLflow's set-up leaves
+    engine.dispose()
+    client = make_client(sqlite_uri(tmp_path))
+    exp = client.create_experiment("e")
+    client.create_run(exp)
+    assert [p.name for p in tmp_path.glob("mlflow.db.incomplete-*")]
+    assert not list(tmp_path.glob(".mlflow.db.tmp-*"))
+    # a complete store with runs is opened as it is
+    again = make_client(sqlite_uri(tmp_path))
+    assert len(again.search_runs([exp])) == 1
+    with sqlite3.connect(db) as con:
+        assert con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 1
+
+
+def test_temp_leftovers_of_a_killed_writer_are_removed_on_the_next_start(prefect_harness, reference_run, tmp_path):
+    root = _copy_reference(reference_run, tmp_path / "root")
+    rd = RunDir(str(root), "ref")
+    planted = [Path(rd.sub("model", ".hf.tmp-0123abcd")), Path(rd.sub("model", ".torch_dist.tmp-89abcdef")),
+               Path(rd.sub("exports", "rollout_4", ".hf.old-deadbeef")), Path(rd.sub("checkpoints", ".rollout_4.tmp-0badf00d"))]
+    for p in planted:
+        p.mkdir(parents=True)
+        (p / "half.safetensors").write_bytes(b"x" * 10)
+    stray = Path(rd.sub("data", ".train.parquet.k2j4h5g6.tmp"))
+    stray.write_bytes(b"half")
+    Path(rd.stage_marker(FINISHED_MARKER)).unlink(missing_ok=True)  # a run killed before its end, so it is resumed
+    assert main(["resume", "ref", "--root", str(root)]) == 0
+    assert not any(p.exists() for p in planted + [stray])
+    assert sorted(p.name for p in Path(rd.sub("model")).iterdir()) == ["hf", "torch_dist"]
+
+
+def test_a_secret_is_never_written(prefect_harness, tmp_path, capsys):
+    """An SGLang --api-key among rollout.sglang.launch's args: masked in the frozen config, in MLflow and in
+    the flow-run parameters Prefect stores; a resume must be given it again rather than run with the mask."""
+    secret = "S3CRET-7f3a9"
+    root = tmp_path / "root"
+    launch = f"rollout.sglang.launch=[python, -m, sglang.launch_server, --api-key, {secret}]"
+    code = main(["run", "configs/tiny.yaml", "--run-id", "secret", "--set", f"storage.root={root}", "--set", launch,
+                 "--set", "train.num_rollout=1", "--set", "checkpoint.interval=1", "--set", "eval.interval=null",
+                 "--set", "data.eval={}"])
+    assert code == 0, capsys.readouterr().err
+    leaked = [str(p) for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not leaked, leaked
+    frozen = Path(RunDir(str(root), "secret").config).read_text()
+    assert "--api-key" in frozen and "'***'" in frozen
+    import prefect.settings
+    db = prefect.settings.PREFECT_SERVER_DATABASE_CONNECTION_URL.value().split(":///", 1)[1]
+    assert secret.encode() not in b"".join(p.read_bytes() for p in Path(db).parent.glob(Path(db).name + "*"))
+    capsys.readouterr()
+    assert main(["resume", "secret", "--root", str(root), "--set", "train.num_rollout=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "rollout.sglang.launch held a secret" in err and len(err.splitlines()) == 1, err
+
+
+_LOST_CLUSTER_SCRIPT = r'''
+import socket, subprocess, sys, threading
+from runtime.placement.cluster_watch import ClusterWatch
+from runtime.run.directory import RunDir
+from runtime.run.lease import RunLease
+head = socket.socket(); head.bind(("127.0.0.1", 0)); head.listen()
+port = head.getsockname()[1]
+child = subprocess.Popen(["sleep", "600"])  # stands for the Prefect server a run starts
+print(child.pid, flush=True)
+RunLease(RunDir(sys.argv[1], "lost")).acquire()
+ClusterWatch(f"127.0.0.1:{port}", lost_after_s=1, every_s=0.2).start()
+head.close()  # the cluster's head is gone
+threading.Event().wait()  # the main thread blocked, as in a ray.get that never returns
+'''
+
+
+def test_a_lost_cluster_ends_in_one_line_with_the_lease_released_and_no_orphan(tmp_path):
+    """The whole Ray cluster gone while the main thread waits on it: one `error:` line, exit 3, the lease
+    released and the run's child processes ended — before Ray's own hard exit, which does none of that."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _LOST_CLUSTER_SCRIPT, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert len(err) == 1 and err[0].startswith("error: lost the Ray cluster"), err
+    assert f"grpoflow resume lost --root {tmp_path}" in err[0]
+    assert not Path(RunDir(str(tmp_path), "lost").sub("lease.json")).exists()
+    child = int(proc.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
