@@ -1,4 +1,4 @@
-# Two commands on a fresh machine: `make demo` (set up + run the tiny pipeline), `make test` (the suite).
+# Two commands on a fresh machine: `make demo` (set up + a GRPO run that visibly learns, configs/demo.yaml), `make test` (the suite).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -18,7 +18,7 @@ $(BIN)/grpoflow: pyproject.toml constraints-cpu.txt
 setup: $(BIN)/grpoflow
 
 demo: setup
-	$(BIN)/grpoflow run configs/tiny.yaml
+	$(BIN)/grpoflow run configs/demo.yaml
 
 test: setup
 	$(BIN)/python -m pytest -q tests

@@ -88,6 +88,14 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--tracking-uri", default=None, help="default: the SQLite store under --root")
         sp.add_argument("--root", default=DEFAULT_ROOT)
 
+    rp = sub.add_parser("report", help="write a run's HTML report (curves, evals, versions, config) into its run directory")
+    rp.add_argument("run_id")
+    rp.add_argument("--root", default="./grpoflow-data", help="storage.root of the run")
+    rp.add_argument("--tracking-uri", default=None, help="default: the run's tracking.uri, else the SQLite store of --root")
+
+    ls = sub.add_parser("runs", help="the runs under a storage root: state, last checkpoint, best eval, how to resume")
+    ls.add_argument("--root", default="./grpoflow-data", help="storage.root (a local dir or s3://bucket/prefix)")
+
     from cli.deploy import add_parsers
     add_parsers(sub)  # deploy, serve
     return p
@@ -99,7 +107,53 @@ def _print_plan(cfg) -> None:
         print(line)
 
 
-def _summary(result: dict) -> None:
+def _headline(res: dict) -> str:
+    """One eval set's result as its headline metric (avg@n) and its pass@k."""
+    n = res.get("n_samples")
+    parts = [f"avg@{n} {res[f'avg@{n}']:.3f}"] if f"avg@{n}" in res else []
+    parts += [f"{k} {v:.3f}" for k, v in res.items() if k.startswith("pass@") and isinstance(v, (int, float))]
+    return " ".join(parts) or "-"
+
+
+def _current_aliases(versions: list[dict], tracking_uri: str | None) -> dict[tuple[str, int], list[str]] | None:
+    """(model, version) -> its aliases now (registration-time aliases move as later versions arrive);
+    None when the registry cannot be read."""
+    if not versions or not tracking_uri:
+        return None
+    try:
+        from runtime.tracking.mlflow_tracker import make_client
+        from runtime.tracking.model_registry import aliases_of
+        client = make_client(tracking_uri)
+        out: dict[tuple[str, int], list[str]] = {}
+        for name in {v["name"] for v in versions}:
+            for alias, version in aliases_of(client, name).items():
+                out.setdefault((name, int(version)), []).append(alias)
+        return {k: sorted(v) for k, v in out.items()}
+    except Exception:  # noqa: BLE001 - the summary falls back to the aliases recorded at registration
+        return None
+
+
+def next_commands(run_id: str, root: str, tracking_uri: str | None) -> list[str]:
+    """What to type next: the report, the registry, the MLflow UI for this run's store."""
+    from runtime.tracking.mlflow_tracker import redact_uri, store_uri_for_root
+
+    root_arg = "" if root == "./grpoflow-data" else f" --root {root}"
+    lines = [f"grpoflow report {run_id}{root_arg}"]
+    if not tracking_uri:
+        return lines
+    try:
+        default_store = tracking_uri == store_uri_for_root(root)
+    except Exception:  # noqa: BLE001 - a remote root has no default store without state_dir
+        default_store = False
+    lines.append("grpoflow models list" + (root_arg if default_store else f" --tracking-uri {redact_uri(tracking_uri)}"))
+    if tracking_uri.startswith(("http://", "https://")):
+        lines.append(f"open {redact_uri(tracking_uri)} in a browser (the MLflow server of this run)")
+    else:
+        lines.append(f"mlflow ui --backend-store-uri {tracking_uri}")
+    return lines
+
+
+def _summary(result: dict, root: str, report: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -122,6 +176,17 @@ def _summary(result: dict) -> None:
     train = result.get("train") or {}
     if train:
         table.add_row("train", train.get("status", ""), train.get("summary", ""))
+    evals = train.get("evals") or {}
+    for rollout in sorted(evals, key=int):
+        out = "; ".join(f"{name} {_headline(res)}" for name, res in evals[rollout].items())
+        table.add_row(f"eval after {rollout}", "done", out)
+    versions = [v for _, v in sorted((train.get("versions") or {}).items(), key=lambda kv: int(kv[0])) if v]
+    aliases = _current_aliases(versions, train.get("tracking_uri"))
+    for v in versions:
+        now = (v.get("aliases") or []) if aliases is None else aliases.get((v["name"], int(v["version"])), [])
+        status = "registered" if v.get("created", True) else "registered before"
+        table.add_row("register", status, f"{v['name']} version {v['version']} ({v['checkpoint']})"
+                      f" aliases: {', '.join(now) or '-'}")
     console.print(table)
     # Plain lines, never wrapped, so they can be copied or grepped.
     print(f"run directory:        {result['run_dir']}")
@@ -131,6 +196,54 @@ def _summary(result: dict) -> None:
         print(f"eval data ({name}): {res['path']}")
     if train.get("checkpoint"):
         print(f"final checkpoint:     {train['checkpoint']}")
+    if report:
+        print(f"report:               {report}")
+    print("next:")
+    for line in next_commands(result["run_id"], root, train.get("tracking_uri")):
+        print(f"  {line}")
+
+
+def _write_report_after_run(cfg, rd, tracking_uri: str | None) -> str | None:
+    """The run's report, written at the end of every run; a failure is one warning line, never a failed run."""
+    if not tracking_uri:
+        return None
+    from runtime.tracking.report import write_report
+    try:
+        return write_report(cfg, rd, tracking_uri)
+    except Exception as err:  # noqa: BLE001 - the run itself succeeded
+        print(f"warning: the run's report was not written ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
+              f"try `grpoflow report {rd.run_id}`", file=sys.stderr)
+        return None
+
+
+def _report_command(args) -> int:
+    from runtime.run.directory import RunDir
+    from runtime.run.frozen_config import frozen_config
+    from runtime.tracking.mlflow_tracker import store_uri_for_root
+    from runtime.tracking.report import write_report
+
+    cfg = frozen_config(RunDir(args.root, args.run_id))  # unknown run id: one line
+    rd = RunDir(args.root, args.run_id, cfg.storage.state_dir)
+    uri = args.tracking_uri or cfg.tracking.uri
+    if uri is None and cfg.tracking.enabled:
+        uri = store_uri_for_root(args.root, cfg.storage.state_dir)
+    path = write_report(cfg, rd, uri)
+    print(f"report of run {args.run_id}: {path}")
+    if not path.startswith("s3://"):
+        from pathlib import Path
+        print(f"open {Path(path).resolve().as_uri()}")
+    return 0
+
+
+def _runs_command(args) -> int:
+    from runtime.run.listing import format_runs, list_runs
+    runs = list_runs(args.root)
+    if not runs:
+        print(f"no runs under {args.root}")
+        return 0
+    for line in format_runs(runs):
+        print(line)
+    return 0
 
 
 def _resume(args) -> dict | None:
@@ -192,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"{args.config}: {does_not_fit}")
             print("config is valid")
             return 0
+        if args.cmd == "report":
+            return _report_command(args)
+        if args.cmd == "runs":
+            return _runs_command(args)
         if args.cmd == "models":
             from cli.models import models_list, models_show
             if args.models_cmd == "list":
@@ -213,11 +330,19 @@ def main(argv: list[str] | None = None) -> int:
             from flows.pipeline import grpo_pipeline
             from runtime.secrets import hold
             result = grpo_pipeline(config_path=args.config, overrides=hold(args.overrides), run_id=run_id)
+            from runtime.run.directory import RunDir
+            root, rd = cfg.storage.root, RunDir(cfg.storage.root, run_id, cfg.storage.state_dir)
         elif args.cmd == "resume":
             result = _resume(args)
             if result is None:
                 return 0
-        _summary(result)
+            from runtime.run.directory import RunDir
+            from runtime.run.frozen_config import frozen_config
+            root = args.root or DEFAULT_ROOT
+            cfg = frozen_config(RunDir(root, args.run_id))
+            rd = RunDir(root, args.run_id, cfg.storage.state_dir)
+        report = _write_report_after_run(cfg, rd, (result.get("train") or {}).get("tracking_uri"))
+        _summary(result, root, report)
         return 0
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -342,9 +342,7 @@ def test_serve_process_runs_flow_runs_and_stops_on_sigterm(server, tmp_path):
         run = _wait_terminal(api, [fr], timeout=120, logs=[log])[fr]
         assert run["state_type"] == "FAILED", run["state"]
         assert "unknown key 'train.nope'" in run["state"]["message"], run["state"]["message"]
-        t0 = time.monotonic()
         os.killpg(serve.pid, signal.SIGTERM)
-        serve.wait(timeout=30)
-        assert time.monotonic() - t0 < 30
+        serve.wait(timeout=30)  # stops on SIGTERM (a hang fails here, a bound not a measurement)
     finally:
         _stop(serve)

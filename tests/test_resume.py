@@ -7,6 +7,7 @@ uninterrupted reference run of the session (same config, same seed).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -77,13 +78,21 @@ def _wait_for(predicate, proc: subprocess.Popen, log: Path, timeout: float = 300
     raise AssertionError(f"timed out waiting; log:\n{log.read_text()[-3000:]}")
 
 
+def _table_row_printed(log: Path, rollouts_done: int) -> bool:
+    """The live table's row of a finished rollout (first cell: rollouts done, or done/total) is in the log."""
+    row = re.compile(rf"^\s*{rollouts_done}(/\d+)?\s+\d+:\d\d\s", re.M)
+    return bool(row.search(log.read_text(errors="replace")))
+
+
+@pytest.mark.race
 def test_sigkill_during_rollout_then_resume_is_bitwise_equal(prefect_harness, reference_final, tmp_path):
     root = tmp_path / "root"
     rd = RunDir(str(root), "k1")
-    proc = _start_run("k1", root, tmp_path / "run.log")
+    log = tmp_path / "run.log"
+    proc = _start_run("k1", root, log)
     try:
-        _wait_for(lambda: (Path(rd.checkpoint(2)) / "manifest.json").is_file(), proc, tmp_path / "run.log")
-        time.sleep(0.5)  # inside the second chunk's rollouts
+        # killed while the last rollout of the second chunk runs: the row of the one before it is printed
+        _wait_for(lambda: _table_row_printed(log, 3), proc, log, every=0.01)
     finally:
         _kill(proc)
     assert checkpoint.latest(rd).rollout == 2
@@ -103,6 +112,7 @@ def test_sigkill_during_rollout_then_resume_is_bitwise_equal(prefect_harness, re
         assert steps == [0, 1, 2, 3], (metric, steps)
 
 
+@pytest.mark.race
 def test_sigkill_during_checkpoint_write_then_resume(prefect_harness, reference_final, tmp_path):
     root = tmp_path / "root"
     rd = RunDir(str(root), "k2")
@@ -187,31 +197,32 @@ def test_run_on_a_leased_run_is_refused(prefect_harness, tmp_path, capsys):
     assert code == 2 and "is being written by pid" in err and len(err.splitlines()) == 1
 
 
-def test_killed_trainer_actor_is_rebuilt_by_the_chunk_retry(prefect_harness, ray_session, reference_final, tmp_path):
-    import threading
-
+@pytest.mark.race
+def test_killed_trainer_actor_is_rebuilt_by_the_chunk_retry(prefect_harness, ray_session, reference_final, tmp_path,
+                                                           monkeypatch):
     import psutil
 
+    import tasks.train
     from flows.pipeline import grpo_pipeline
+    from runtime.tracking.progress_table import RolloutTable
     root = tmp_path / "root"
     rd = RunDir(str(root), "ray-kill")
     killed: list[int] = []
 
-    def kill_trainer_mid_chunk():
-        deadline = time.time() + 300
-        while time.time() < deadline and not (Path(rd.checkpoint(2)) / "manifest.json").is_file():
-            time.sleep(0.1)
-        time.sleep(0.5)  # inside the second chunk
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            if "ray::MegatronTrainer" in " ".join(proc.info["cmdline"] or []):
-                proc.kill()
-                killed.append(proc.info["pid"])
+    class KillAfterFirstRolloutOfSecondChunk(RolloutTable):
+        """Kills the trainer actor when rollout 2 is done, so rollout 3 meets a dead trainer mid-chunk."""
 
-    killer = threading.Thread(target=kill_trainer_mid_chunk, daemon=True)
-    killer.start()
+        def row(self, m: dict) -> None:
+            super().row(m)
+            if m["rollout"] == 2 and not killed:
+                for proc in psutil.process_iter(["pid", "cmdline"]):
+                    if "ray::MegatronTrainer" in " ".join(proc.info["cmdline"] or []):
+                        proc.kill()
+                        killed.append(proc.info["pid"])
+
+    monkeypatch.setattr(tasks.train, "RolloutTable", KillAfterFirstRolloutOfSecondChunk)
     result = grpo_pipeline(config_path="configs/tiny.yaml", run_id="ray-kill",
                            overrides=_overrides(root) + ["cluster.backend=ray"])
-    killer.join(timeout=10)
     assert killed, "no trainer actor was found to kill"
     assert result["train"]["actor_builds"] == 2  # rebuilt once, from checkpoints/latest
     final = checkpoint.latest(rd)

@@ -148,10 +148,12 @@ class TrainSession:
         state = {"cursor": self.state["cursor"], "metrics": chunk_metrics, "rng": {"keyed_seed": self.cfg.train.seed}}
         t0 = time.time()
         checkpoint.save(self.rd, end, self.trainer.save, state, self.cfg.checkpoint.keep_last)
+        checkpoint_s = time.time() - t0
+        chunk_metrics[-1]["checkpoint_s"] = checkpoint_s  # MLflow's record of the save: on the chunk's last rollout
         self.at = end
         self.state = {**state, "rollout": end}
         return {"start": start, "end": end, "skipped": False, "metrics": chunk_metrics,
-                "checkpoint_s": time.time() - t0, "trainer_pid": self.trainer.pid()}
+                "checkpoint_s": checkpoint_s, "trainer_pid": self.trainer.pid()}
 
     # -- evaluation ----------------------------------------------------------------------------
     def evaluate(self, rollout: int) -> dict[str, dict]:

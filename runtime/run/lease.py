@@ -35,6 +35,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def lease_holder(rd: RunDir, timeout_s: float | None = None) -> tuple[dict | None, str | None]:
+    """Who holds the run's lease: its record (pid, host, heartbeat; None when there is no lease) and
+    why it is stale (None while the holder is alive), by the same rules ``acquire`` applies."""
+    lease = RunLease(rd, timeout_s=timeout_s)
+    holder = lease._holder()
+    return holder, (lease._stale(holder) if holder is not None else None)
+
+
 class RunLease:
     def __init__(self, rd: RunDir, *, timeout_s: float | None = None, heartbeat_s: float | None = None):
         self.rd = rd
