@@ -147,9 +147,15 @@ class TrainSession:
         # draws no random numbers (dropout is off).
         state = {"cursor": self.state["cursor"], "metrics": chunk_metrics, "rng": {"keyed_seed": self.cfg.train.seed}}
         t0 = time.time()
-        checkpoint.save(self.rd, end, self.trainer.save, state, self.cfg.checkpoint.keep_last)
+
+        def write_model(path: str) -> None:
+            # the save's time rides on the chunk's last rollout, inside the state written next, so a
+            # resumed run that reads the chunk back logs the same metrics as the run that made it
+            self.trainer.save(path)
+            chunk_metrics[-1]["checkpoint_s"] = time.time() - t0
+
+        checkpoint.save(self.rd, end, write_model, state, self.cfg.checkpoint.keep_last)
         checkpoint_s = time.time() - t0
-        chunk_metrics[-1]["checkpoint_s"] = checkpoint_s  # MLflow's record of the save: on the chunk's last rollout
         self.at = end
         self.state = {**state, "rollout": end}
         return {"start": start, "end": end, "skipped": False, "metrics": chunk_metrics,

@@ -80,6 +80,8 @@ def fetch(cfg: GrpoConfig, rd: RunDir) -> dict:
         evals = {name: fetch_checked(spec, f"eval-{name}", f"data.eval.{name}") for name, spec in cfg.data.eval.items()}
         moment("fetch-datasets-done")
         model = fetch_model(cfg.model.source, rd.hf_model, builtin_seed=cfg.model.builtin_seed)
+        from runtime.models import get_adapter, load_hf_config
+        get_adapter(load_hf_config(rd.local(rd.hf_model)))  # an unsupported family is refused before prepare
         return {"model_dir": rd.hf_model, "model": model, "train_file": train, "eval_files": evals}
 
     return run_stage(rd, "fetch", fetch_inputs(cfg), work)
