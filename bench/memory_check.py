@@ -191,6 +191,25 @@ def _train_once(M: Meter, tr, batch, mb: int) -> dict:
     return rec
 
 
+def _profile_step(tr, batch, budget: int, top: int = 25) -> dict:
+    """Where a packed step's GPU time goes: torch.profiler's kernels by CUDA time (one call, 32 samples)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    tr.train_cfg.max_tokens_per_micro_batch = budget
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        tr.train(batch)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA] or list(prof.key_averages())
+    total = sum(e.self_device_time_total for e in events) or 1
+    rows = sorted(events, key=lambda e: -e.self_device_time_total)[:top]
+    out = {"budget": budget, "tokens": sum(len(t) for t in batch.tokens), "gpu_ms": round(total / 1e3, 1),
+           "top": [{"name": e.key[:90], "ms": round(e.self_device_time_total / 1e3, 1),
+                    "share": round(e.self_device_time_total / total, 3), "calls": e.count} for e in rows]}
+    for r in out["top"][:12]:
+        print(f"  {r['share']:6.1%} {r['ms']:9.1f} ms  {r['calls']:6d}  {r['name']}", flush=True)
+    return out
+
+
 def optimizer_state_bytes(tr) -> tuple[int, int]:
     """(fp32 master copies, Adam moments) held by megatron's optimizer(s), from the tensors themselves."""
     model_ids = {id(p) for p in tr.model.parameters()}
@@ -372,8 +391,9 @@ def measure(cfg, S, W: Path, args, est: dict, hf_config, log) -> dict:
         del eng
         M.cleanup()
         thr = {}
-        for name, mb, budget, rec in (("unpacked_mb1", 1, None, "none"),
-                                      (f"packed_{args.throughput_budget}", 1, args.throughput_budget, "none")):
+        budgets = [int(b) for b in str(args.throughput_budget).split(",")]
+        rows = ([("unpacked_mb1", 1, None)] if not args.packed_only else []) + [(f"packed_{b}", 1, b) for b in budgets]
+        for name, mb, budget in rows:
             if time.time() - args.t_start > args.deadline:
                 thr[name] = {"skipped": "deadline"}
                 continue
@@ -382,6 +402,8 @@ def measure(cfg, S, W: Path, args, est: dict, hf_config, log) -> dict:
             thr[name] = _train_once(M, tr, step_batch, mb)
             log(f"throughput {name}: {thr[name].get('tokens_per_s')} tok/s ({thr[name]['seconds']} s, peak "
                 f"{gib(thr[name]['peak'])} GiB)")
+        if args.profile and M.cuda and time.time() - args.t_start < args.deadline:
+            thr["profile"] = _profile_step(tr, _recipe_batch(32, P, R, V, seed=5, full=2), budgets[-1])
         tr.train_cfg.max_tokens_per_micro_batch = cfg.train.max_tokens_per_micro_batch
         res["throughput"] = thr
     else:
@@ -477,7 +499,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-mean", type=int, default=64, help="mean response length of the shortened decode")
     ap.add_argument("--throughput", action="store_true", help="after the step, the trainer alone: today's layout "
                                                               "(unpacked, micro-batch 1) vs packed")
-    ap.add_argument("--throughput-budget", type=int, default=36864, help="tokens per packed micro-batch there")
+    ap.add_argument("--throughput-budget", default="36864", help="tokens per packed micro-batch there (a list: a sweep)")
+    ap.add_argument("--packed-only", action="store_true", help="skip the unpacked baseline row")
+    ap.add_argument("--profile", action="store_true", help="profile one packed step (the last budget's) on CUDA")
     ap.add_argument("--force-offload", action="store_true", help="offload the trainer's state even where the "
                                                                  "config would not (CPU smoke)")
     ap.add_argument("--reuse", action="store_true", help="reuse the work dir's model if it is there")
@@ -581,7 +605,9 @@ def main(argv=None) -> int:
     if res.get("throughput"):
         report["throughput"] = {k: {"tokens_per_s": v.get("tokens_per_s"), "seconds": v.get("seconds"),
                                     "tokens": v.get("tokens"), "peak_GiB": gib(v.get("peak")), "ok": v.get("ok")}
-                                for k, v in res["throughput"].items()}
+                                for k, v in res["throughput"].items() if k != "profile"}
+        if "profile" in res["throughput"]:
+            report["throughput"]["profile"] = res["throughput"]["profile"]
     report["status"] = "ok" if main_ok else "ran out of memory (see measured)"
     report["total_s"] = round(time.time() - args.t_start, 1)
     report["lines"] = lines

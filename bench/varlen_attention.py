@@ -1,0 +1,136 @@
+"""The trainer's packed (varlen) causal attention: FlashAttention-2 as torch ships it against cuDNN's
+ragged SDPA, forward + backward, at the recipe's packed micro-batches (issue 17: the profile of a packed
+step puts 41 % of its GPU time in FA2's kernels).
+
+    python3 bench/varlen_attention.py --out $OUT/varlen_attention.json
+
+Shapes: Qwen3-0.6B attention (16 query heads, 8 KV heads, head dim 128, bf16); micro-batches of
+samples of 1024 prompt + log-normal responses (median 1700, cap 8192) packed to a token budget.
+Equality: cuDNN's output and gradients against FA2's on the same inputs (max |Δ|).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from runtime.mcore.env import flash_varlen_attention  # noqa: E402
+
+
+class _CudnnVarlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
+            q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed, offset)
+        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
+        empty = torch.empty(0, device=q.device)
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, seed, offset, empty, cu_q, cu_k, ctx.max_q, ctx.max_k,
+            0.0, True, scale=ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def cudnn_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    return _CudnnVarlen.apply(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, scale)
+
+
+def recipe_lengths(budget: int, rng: random.Random, prompt: int = 1024, cap: int = 8192) -> list[int]:
+    out, total = [], 0
+    while True:
+        n = prompt + min(cap, max(16, int(rng.lognormvariate(math.log(1700), 0.8))))
+        if total + n > budget and out:
+            return out
+        out.append(n)
+        total += n
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def one_shape(lengths: list[int], impls: dict, h=16, hk=8, d=128, reps=5) -> dict:
+    dev = "cuda"
+    t = sum(lengths)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(t, h, d, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(t, hk, d, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(t, hk, d, device=dev, dtype=torch.bfloat16, generator=g)
+    dout = torch.randn(t, h, d, device=dev, dtype=torch.bfloat16, generator=g)
+    scale = d ** -0.5
+    flops = sum(4 * n * n / 2 * d * h for n in lengths)  # causal fwd; bwd ≈ 2.5×
+    row = {"tokens": t, "samples": len(lengths), "max_len": max(lengths)}
+    ref = None
+    for name, fn in impls.items():
+        try:
+            def fwd_bwd():
+                qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+                out = fn(qq, kk, vv, cu, cu, max(lengths), max(lengths), scale)
+                out.backward(dout)
+                return out, qq.grad, kk.grad, vv.grad
+            res = fwd_bwd()
+            ms_fwd = timed(lambda: fn(q, k, v, cu, cu, max(lengths), max(lengths), scale), reps)
+            ms_all = timed(fwd_bwd, reps)
+            r = {"fwd_ms": round(ms_fwd, 3), "fwd_bwd_ms": round(ms_all, 3),
+                 "fwd_bwd_TFLOPs": round(flops * 3.5 / (ms_all / 1e3) / 1e12, 1)}
+            if ref is None:
+                ref = res
+            else:
+                r["max_abs_diff"] = {n: float((a.float() - b.float()).abs().max()) for n, a, b in
+                                     zip(("out", "dq", "dk", "dv"), res, ref)}
+            row[name] = r
+        except Exception as e:  # a backend this torch/cuDNN lacks is a result, not a crash
+            row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budgets", default="18432,36864")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    impls = {"flash2": flash_varlen_attention, "cudnn": cudnn_varlen_attention}
+    rng = random.Random(0)
+    rows = []
+    for budget in [int(b) for b in args.budgets.split(",")]:
+        for lengths in (recipe_lengths(budget, rng), [9216] * (budget // 9216)):
+            row = one_shape(lengths, impls)
+            row["budget"] = budget
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    res = {"benchmark": "varlen_attention", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "cudnn": torch.backends.cudnn.version(), "rows": rows}
+    print(f"{'budget':>7} {'samples':>7} {'max':>6} | " + " | ".join(f"{n} fwd+bwd ms" for n in impls))
+    for r in rows:
+        print(f"{r['budget']:>7} {r['samples']:>7} {r['max_len']:>6} | " + " | ".join(
+            str(r[n].get("fwd_bwd_ms", r[n].get("error", "")[:40])) for n in impls))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
