@@ -135,11 +135,19 @@ class RolloutSection(Section):
     @model_validator(mode="before")
     @classmethod
     def _moved_sglang_keys(cls, data: Any) -> Any:
-        # the flat rollout.sglang_* keys of older configs (and of frozen configs of older runs)
+        # the flat rollout.sglang_* keys of older configs are read into the section, so the frozen config of
+        # a run made before it resumes as it was
         old = sorted(k for k in data if isinstance(k, str) and k.startswith("sglang_")) if isinstance(data, dict) else []
-        if old:
-            raise ValueError(f"{old[0]} is now sglang.{old[0].removeprefix('sglang_')}: the SGLang settings are one "
-                             f"section, rollout.sglang; move it there")
+        if not old:
+            return data
+        data = dict(data)
+        section = dict(data.get("sglang") or {})
+        for key in old:
+            name = key.removeprefix("sglang_")
+            if name in section:
+                raise ValueError(f"{key} and sglang.{name} are both set: keep sglang.{name} only")
+            section[name] = data.pop(key)
+        data["sglang"] = section
         return data
 
 

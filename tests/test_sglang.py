@@ -617,10 +617,12 @@ def test_settings_come_from_the_config():
         config_from_dict({"rollout": {"sglang": {"weight_sync": "nccl"}}})
 
 
-def test_sglang_section_rejects_unknown_and_moved_keys():
+def test_sglang_section_rejects_unknown_keys_and_reads_moved_ones():
     with pytest.raises(ConfigError, match=r"unknown key 'rollout.sglang.num_engine'; known keys here: .*num_engines"):
         config_from_dict({"rollout": {"sglang": {"num_engine": 2}}})
-    with pytest.raises(ConfigError, match=r"sglang_tp_size is now sglang.tp_size"):  # the flat keys of before
-        config_from_dict({"rollout": {"engine": "sglang", "sglang_tp_size": 2}})
+    # the flat keys of before are read into the section (old runs' frozen configs resume)
+    assert config_from_dict({"rollout": {"engine": "sglang", "sglang_tp_size": 2}}).rollout.sglang.tp_size == 2
+    with pytest.raises(ConfigError, match=r"sglang_tp_size and sglang.tp_size are both set"):
+        config_from_dict({"rollout": {"engine": "sglang", "sglang_tp_size": 2, "sglang": {"tp_size": 2}}})
     with pytest.raises(ConfigError, match=r"rollout.sglang: port=65530: .*engine 1's port 65540"):
         config_from_dict({"rollout": {"sglang": {"port": 65530, "num_engines": 2}}})
