@@ -15,8 +15,7 @@ Sections (each its own process on GPU, so a crash or a hang costs only itself):
   stage    (c) the real train stage (runtime.grpo.session.TrainSession, cluster.backend local): rollouts of
            16 x 8 x 512, reward, update, weight sync, checkpoint; rollout/train tok/s, step time, peak memory
   trl      (d) TRL GRPOTrainer, same model and shapes (HF generate, no vLLM)
-  long     realistic lengths: up to 8k new tokens, lengths set by stop tokens (a set of token ids
-           whose total probability gives ~2k mean length), continuous batching, bounded KV cache
+Realistic lengths (the recipe's keyed length schedule, paged engine) live in bench/rollout_bench.py.
 Results: one JSON line per section in OUT/results.jsonl, the summary (device, date, ratios) in
 OUT/gpu_grpo.json and, with --results-dir, a copy in bench/results/.
 """
@@ -46,15 +45,13 @@ PEAK_BF16 = 989e12  # H100 SXM dense bf16 (datasheet)
 SHAPES = {
     "gpu": dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=3072, vocab=151936,
                 prompts=16, samples=8, prompt_len=256, new=512, micro_batch=32, decode_reps=2, train_steps=3,
-                rollouts=3, trl_steps=3, compare_rows=16, compare_new=64, long_new=8192, long_mean=2000,
-                long_kv_gb=48.0, dtype="bfloat16", device="cuda"),
+                rollouts=3, trl_steps=3, compare_rows=16, compare_new=64, dtype="bfloat16", device="cuda"),
     "cpu": dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=512,
                 prompts=2, samples=2, prompt_len=12, new=8, micro_batch=2, decode_reps=1, train_steps=1,
-                rollouts=1, trl_steps=0, compare_rows=4, compare_new=6, long_new=24, long_mean=8,
-                long_kv_gb=0.01, dtype="float32", device="cpu"),
+                rollouts=1, trl_steps=0, compare_rows=4, compare_new=6, dtype="float32", device="cpu"),
 }
-SECTIONS = ("setup", "engine", "trainer", "stage", "trl", "long")
-SECTION_MAX_S = {"setup": 150, "engine": 200, "trainer": 180, "stage": 300, "trl": 200, "long": 200}
+SECTIONS = ("setup", "engine", "trainer", "stage", "trl")
+SECTION_MAX_S = {"setup": 150, "engine": 200, "trainer": 180, "stage": 300, "trl": 200}
 SECTION_MIN_S = {"trl": 150}  # a section that cannot finish in less is skipped, not started
 
 
@@ -253,13 +250,12 @@ def sec_engine(S, W: Path) -> dict:
     torch = _torch()
     from runtime.rollout.base import SamplingParams
     from runtime.rollout.keyed_sampling import sample_key_hash, sample_next
-    from runtime.rollout.decode_attention import split_tokens_for
-    from runtime.rollout.static_decode import plain_sample
+    from runtime.rollout.decode_model import plain_sample
 
     res: dict = {"name": "engine"}
     B, P, NEW = S["prompts"] * S["samples"], S["prompt_len"], S["new"]
     t0 = time.time()
-    eng = _engine(S, W, decode_path="static")
+    eng = _engine(S, W, decode_path="paged")
     eng.eos_token_ids = set()  # fixed length: no stop token (a random model would hit eos at random)
     res["load_s"] = round(time.time() - t0, 1)
     reqs = _requests(S, S["prompts"], S["samples"])
@@ -297,44 +293,7 @@ def sec_engine(S, W: Path) -> dict:
                pct_of_bw_floor_shared_prompt=round(100 * floor_shared_s / t, 1),
                kv_cache_GiB=round(eng.decoder.kv_cache_bytes() / 2**30, 2), peak_mem_GiB=peak_gib(S),
                stats={k: v for k, v in st.items() if not isinstance(v, float) or True})
-    # -- where a decode step's time goes: 8 graph replays and 8 eager steps at the full batch, every row
-    #    halfway through its response (after generate all rows are idle, which would time nothing)
     fast_obj = eng.decoder
-    step_fn, skey, _ = fast_obj._sampler(sp)
-    with torch.inference_mode():  # the decoder's buffers are inference tensors
-        set_decode_state(fast_obj, B, P, P + NEW // 2, S["samples"])
-        fast_obj._chunk_split_tokens = split_tokens_for(B, fast_obj.nkv, P + NEW // 2 + 16, fast_obj.device)
-        fast_obj.chunk_i.zero_()  # 8 <= sync_every: a step writes column chunk_i of the output buffer
-        fast_obj._run_step(B, step_fn, skey)  # the graph of this state's split size
-        if fast_obj.use_graphs:
-            set_decode_state(fast_obj, B, P, P + NEW // 2, S["samples"])
-            fast_obj.chunk_i.zero_()
-            g = fast_obj.graphs[(B, skey, fast_obj._chunk_split_tokens if fast_obj.use_triton else None)]
-            res["profile_graph_8_steps"] = kernel_profile(S, lambda: [g.replay() for _ in range(8)])
-        set_decode_state(fast_obj, B, P, P + NEW // 2, S["samples"])
-        fast_obj.chunk_i.zero_()
-        res["profile_eager_8_steps"] = kernel_profile(S, lambda: [fast_obj._step(B, step_fn) for _ in range(8)])
-        set_decode_state(fast_obj, 0, P, P, S["samples"])
-    # -- the decode kernel's split count: the default for the batch against fixed ones
-    extra = os.environ.get("BENCH_EXTRA", "1") != "0"  # the split A/B and the attention micro-benchmark
-    if extra and fast_obj.use_triton:
-        ab = {}
-        for st in (256, 1024, 4096):
-            fast_obj.split_tokens = st
-            fast_obj.graphs.clear()
-            eng.generate(reqs, sp)  # capture
-            sync(S)
-            t0 = time.perf_counter()
-            o = eng.generate(reqs, sp)
-            sync(S)
-            ab[f"split_tokens_{st}"] = {"tok_s": round(B * NEW / (time.perf_counter() - t0)), "ms_per_decode_step": round(
-                1e3 * fast_obj.stats["decode_s"] / max(fast_obj.stats["decode_steps"], 1), 3),
-                "vs_chosen": _agreement(out, o)}
-        fast_obj.split_tokens = None
-        fast_obj.graphs.clear()
-        res["decode_split_tokens_ab"] = ab
-    if extra and S["device"] == "cuda":
-        res["decode_attention_microbench"] = attention_microbench(S)
     # -- correctness: fast path vs slow HF path on the same keys
     creqs = _requests(S, max(S["compare_rows"] // 4, 1), 4, rollout=1, seed=1)
     csp = SamplingParams(temperature=1.0, max_new_tokens=S["compare_new"])
@@ -363,78 +322,6 @@ def sec_engine(S, W: Path) -> dict:
         res["compile_error"] = fast_obj.compile_error
     eng.shutdown()
     return res
-
-
-def attention_microbench(S) -> dict:
-    """Decode attention alone over a slot cache (128 rows, groups of 8 sharing a 256-token prompt): the Triton
-    kernel with the prompt shared, the same kernel with a private prompt copy per row, and FA2's varlen kernel
-    with the query heads packed per KV head (what the engine used before) over the same lengths; and the
-    kernel's bf16 output against the fp32 reference."""
-    torch = _torch()
-    from runtime.rollout.decode_attention import decode_attention, reference_decode_attention, split_tokens_for
-    from runtime.rollout.static_decode import _flash
-    B, group, nh, nkv, hd, P = 128, S["samples"], S["heads"], S["kv_heads"], S["head_dim"], S["prompt_len"]
-    rep, scale, dev = nh // nkv, hd ** -0.5, "cuda"
-    out = {}
-
-    def timed(fn) -> float:
-        """ms per call, replayed from a CUDA graph of 10 calls (no launch overhead, as in the engine)."""
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(10):
-                fn()
-        g.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            g.replay()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / 50 * 1e3
-
-    for own_len in (256, 1024, 3840):
-        slot = P + own_len
-        k = torch.randn(B, slot, nkv, hd, device=dev, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        q = torch.randn(B, nh, hd, device=dev, dtype=torch.bfloat16)
-        plen = torch.full((B,), P, device=dev)
-        own = torch.full((B,), own_len, device=dev)
-        shared = torch.arange(B, device=dev) // group * group
-        private = torch.arange(B, device=dev)
-        row = {}
-        for name, pslot in (("triton_shared_prompt", shared), ("triton_private_prompt", private)):
-            ms = timed(lambda: decode_attention(q, k, v, pslot, plen, own, P, scale))
-            kv_gb = (len(set(pslot.tolist())) * P + B * own_len) * nkv * hd * 2 * 2 / 1e9
-            row[name] = {"ms": round(ms, 3), "kv_GB": round(kv_gb, 3), "GBps": round(kv_gb / ms * 1e3)}
-        qp = q.view(B, nkv, rep, hd).transpose(1, 2).reshape(B * rep, nkv, hd)
-        cu_k = torch.arange(B + 1, device=dev, dtype=torch.int32) * slot
-        cu_q = torch.arange(B + 1, device=dev, dtype=torch.int32) * rep
-        lens = torch.full((B,), slot, device=dev, dtype=torch.int32)
-        ms = timed(lambda: _flash(qp, k.view(-1, nkv, hd), v.view(-1, nkv, hd), cu_q, cu_k, rep, slot, False, scale,
-                                  seqused_k=lens))
-        row["fa2_gqa_packed_private"] = {"ms": round(ms, 3)}
-        ref = reference_decode_attention(q.float(), k.float(), v.float(), shared, plen, own, P, scale)
-        got = decode_attention(q, k, v, shared, plen, own, P, scale).float()
-        row["bf16_vs_fp32_reference"] = {"max_abs": float((got - ref).abs().max()), "mean_abs": float((got - ref).abs().mean())}
-        out[f"own{own_len}"] = row
-    # few rows, long sequences: what the splits are for
-    rows, L = 4, 8192
-    k = torch.randn(rows, L, nkv, hd, device=dev, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    q = torch.randn(rows, nh, hd, device=dev, dtype=torch.bfloat16)
-    z = torch.zeros(rows, dtype=torch.long, device=dev)
-    own = torch.full((rows,), L, device=dev)
-    few = {f"split_tokens_{st}": round(timed(lambda: decode_attention(q, k, v, torch.arange(rows, device=dev), z, own, 0,
-                                                                     scale, split_tokens=st)), 3)
-           for st in (8192, 2048, 512, 256, 128)}
-    few["chosen"] = split_tokens_for(rows, nkv, L, k.device)
-    out["rows4_len8192_ms"] = few
-    return out
 
 
 def trainer_numerics(S) -> dict:
@@ -678,103 +565,7 @@ def sec_trl(S, W: Path) -> dict:
             "gen_tok_s_generate_only": round(ntok / gt), "non_generate_s": round(t - gt, 2), "peak_mem_GiB": peak_gib(S)}
 
 
-def set_decode_state(fast, rows: int, prompt_len: int, position: int, group: int) -> None:
-    """Put the decoder's row buffers in a mid-generation state: rows [0, rows) live at `position` with
-    prompts of `prompt_len` shared by `group` consecutive rows; the other rows idle."""
-    torch = _torch()
-    for buf in (fast.pos, fast.plen, fast.pslot, fast.live):
-        buf.zero_()
-    fast.live[:rows] = 1
-    fast.pos[:rows] = position
-    fast.plen[:rows] = prompt_len
-    fast.pslot[:rows] = torch.arange(rows, device=fast.device) // group * group
-
-
-def tail_profile(S, fast, sp, rows: int = 3, length: int = 7500) -> dict:
-    """The draining tail of the long row: `rows` active rows at ~`length` tokens, the rest idle, in the
-    smallest batch bucket and in the full one: ms per graph-replayed step and the kernels of 8 eager steps."""
-    torch = _torch()
-    from runtime.rollout.decode_attention import split_tokens_for
-    step_fn, skey, _ = fast._sampler(sp)
-    out = {}
-    with torch.inference_mode():
-        for want in (rows, fast.slots):
-            b = next(x for x in fast._buckets() if x >= want)
-            set_decode_state(fast, rows, S["prompt_len"], length, 1)
-            fast._chunk_split_tokens = split_tokens_for(rows, fast.nkv, length + 32, fast.device)
-            fast.chunk_i.zero_()
-            fast._run_step(b, step_fn, skey)  # captures this bucket's graph if it is new
-            fast.chunk_i.zero_()
-            sync(S)
-            t0 = time.perf_counter()
-            for _ in range(8):
-                fast._run_step(b, step_fn, skey)
-            sync(S)
-            ms = (time.perf_counter() - t0) / 8 * 1e3
-            fast.chunk_i.zero_()
-            prof = kernel_profile(S, lambda: [fast._step(b, step_fn) for _ in range(8)], top=8)
-            out[f"bucket{b}"] = {"active": rows, "length": length, "split_tokens": fast._chunk_split_tokens,
-                                 "ms_per_step_graph": round(ms, 3), "profile_eager_8_steps": prof}
-        set_decode_state(fast, 0, S["prompt_len"], length, 1)
-    return out
-
-
-def sec_long(S, W: Path) -> dict:
-    """Realistic lengths: max_new up to long_new, lengths set by stop tokens, continuous batching, bounded KV."""
-    from runtime.rollout.base import SamplingParams
-
-    res: dict = {"name": "long"}
-    B = int(os.environ.get("BENCH_LONG_REQUESTS", S["prompts"] * S["samples"]))
-    eng = _engine(S, W, decode_path="static", kv_cache_gb=S["long_kv_gb"], max_batch_size=B)
-    eng.eos_token_ids = set()
-    # k stop ids out of V: with the random model's near-uniform next-token distribution a row stops
-    # with probability ~k/V per token, i.e. geometric lengths with mean ~V/k (capped at long_new).
-    k = max(1, round(S["vocab"] / S["long_mean"]))
-    stops = list(range(1000 % S["vocab"], 1000 % S["vocab"] + k))
-    sp = SamplingParams(temperature=1.0, max_new_tokens=S["long_new"], stop_token_ids=stops)
-    t0 = time.time()
-    eng.generate(_requests(S, 2, 4, rollout=9, seed=9), SamplingParams(temperature=1.0, max_new_tokens=32,
-                                                                      stop_token_ids=stops))  # compile
-    res["warmup_s"] = round(time.time() - t0, 1)
-    reset_peak(S)
-    sync(S)
-    eng.decoder.trace = []
-    t0 = time.perf_counter()
-    out = eng.generate(_requests(S, max(B // S["samples"], 1), min(S["samples"], B), rollout=3, seed=3), sp)
-    sync(S)
-    t = time.perf_counter() - t0
-    lens = sorted(len(r.response_ids) for r in out)
-    st = dict(eng.decoder.stats)
-    ntok = sum(lens)
-    res.update(requests=B, max_new_tokens=S["long_new"], stop_ids=k, new_tokens=ntok, s=round(t, 2), tok_s=round(ntok / t),
-               len_mean=round(ntok / B, 1), len_p50=lens[B // 2], len_max=lens[-1],
-               stopped=sum(r.finish_reason == "stop" for r in out), slots=st.get("slots"), slot_len=st.get("slot_len"),
-               kv_cache_GiB=round(eng.decoder.kv_cache_bytes() / 2**30, 2), kv_budget_GB=S["long_kv_gb"],
-               decode_steps=st.get("decode_steps"), row_steps=st.get("row_steps"),
-               slot_utilisation=round(ntok / max(st.get("row_steps") or 1, 1), 3), prefill_s=round(st["prefill_s"], 2),
-               decode_s=round(st["decode_s"], 2), graphs=st.get("graphs"), peak_mem_GiB=peak_gib(S))
-    if S["device"] == "cuda":
-        res["tail"] = tail_profile(S, eng.decoder, sp)
-    tr = eng.decoder.trace or []
-    # decode time by number of active rows (where the time goes: full slots vs the draining tail)
-    bins: dict = {}
-    for act, b, n, ms, mx, _split in tr:
-        k = "active<=8" if act <= 8 else "active<=24" if act <= 24 else "active>24"
-        d = bins.setdefault(k, {"chunks": 0, "steps": 0, "s": 0.0, "tokens_upper": 0, "max_len_seen": 0})
-        d["chunks"] += 1
-        d["steps"] += n
-        d["s"] += n * ms / 1e3
-        d["tokens_upper"] += n * act
-        d["max_len_seen"] = max(d["max_len_seen"], mx)
-    res["decode_by_active_rows"] = {k: {**v, "s": round(v["s"], 2), "ms_per_step": round(1e3 * v["s"] / max(v["steps"], 1), 2)}
-                                    for k, v in bins.items()}
-    res["trace_sample"] = tr[:: max(len(tr) // 40, 1)]
-    eng.shutdown()
-    return res
-
-
-FUNCS = {"setup": sec_setup, "engine": sec_engine, "trainer": sec_trainer, "stage": sec_stage, "trl": sec_trl,
-         "long": sec_long}
+FUNCS = {"setup": sec_setup, "engine": sec_engine, "trainer": sec_trainer, "stage": sec_stage, "trl": sec_trl}
 
 
 # ---- driver -------------------------------------------------------------------------------------------
@@ -853,7 +644,6 @@ def print_table(summary: dict) -> None:
             ("stage step s / rollout tok/s / train tok/s", f'{g("stage", "step_time_s")} / {g("stage", "rollout_tok_s")} / {g("stage", "train_tok_s")}'),
             ("stage peak GiB", g("stage", "peak_mem_GiB")),
             ("TRL s/step / generate tok/s", f'{g("trl", "median_s_per_step_after_first")} / {g("trl", "gen_tok_s_generate_only")}'),
-            ("long: tok/s / mean len / slots / peak GiB", f'{g("long", "tok_s")} / {g("long", "len_mean")} / {g("long", "slots")} / {g("long", "peak_mem_GiB")}'),
             ("ratios", json.dumps(summary["ratios"]))]
     for name, sec in s.items():
         if sec.get("status") != "ok":

@@ -2,7 +2,7 @@
 
 `bench/gpu_grpo.py --cpu` runs every section of the H100 benchmark on a tiny model: the fast
 engine path against the slow HF path, the trainer (chunked output layer) against full logits and
-against the engine, the real train stage, and the long-length continuous-batching row.
+against the engine, and the real train stage.
 """
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,18 +18,18 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_bench_cpu_mode_runs(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_grpo.py"), "--cpu", "--out", str(out),
-                           "--work", str(work), "--sections", "setup,engine,trainer,stage,long"],
+                           "--work", str(work), "--sections", "setup,engine,trainer,stage"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "gpu_grpo.json").read_text())
     sec = summary["sections"]
-    assert {k for k, v in sec.items() if v["status"] == "ok"} == {"setup", "engine", "trainer", "stage", "long"}
+    assert {k for k, v in sec.items() if v["status"] == "ok"} == {"setup", "engine", "trainer", "stage"}
     assert summary["device"] == "cpu" and summary["date"]
     eng = sec["engine"]
     # fp32 on CPU: the fast path draws exactly the slow path's tokens for the same keys
     assert eng["fast_vs_slow"]["rows_identical_frac"] == 1.0
     assert eng["fast_vs_slow"]["logprob_absdiff_max"] < 1e-5
-    assert eng["tok_s"] > 0 and eng["stats"]["attention"] == "sdpa"
+    assert eng["tok_s"] > 0 and eng["stats"]["attention"] == "sdpa_paged_reference"
     tr = sec["trainer"]
     assert tr["chunked_logprobs"] is True
     assert tr["chunked_vs_full_logits_logprobs"]["max_abs_diff"] < 1e-4
@@ -39,8 +37,6 @@ def test_gpu_bench_cpu_mode_runs(tmp_path):
     assert tr["tok_s"] > 0
     st = sec["stage"]
     assert st["skipped"] is False and st["step_time_s"] > 0 and st["rollouts"]
-    lg = sec["long"]
-    assert lg["stopped"] > 0 and lg["new_tokens"] > 0 and lg["slots"] >= 1
 
 
 def test_rollout_bench_cpu_mode_runs(tmp_path):
@@ -51,63 +47,15 @@ def test_rollout_bench_cpu_mode_runs(tmp_path):
     summary = json.loads((out / "rollout_bench.json").read_text())
     assert summary["benchmark"] == "rollout_bench" and summary["device"] == "cpu" and summary["date"]
     sec = summary["sections"]
-    assert {k for k, v in sec.items() if v["status"] == "ok"} == set(sec) == {"paged", "static", "capped", "kernels"}
+    assert {k for k, v in sec.items() if v["status"] == "ok"} == set(sec) == {"paged", "capped", "kernels"}
     sched = summary["schedule"]
-    paged, static, capped = (sec[k]["realistic"] for k in ("paged", "static", "capped"))
+    paged, capped = (sec[k]["realistic"] for k in ("paged", "capped"))
     # the forced stops make every engine produce exactly the schedule's tokens
-    assert paged["new_tokens"] == static["new_tokens"] == capped["new_tokens"] == sched["total"]
+    assert paged["new_tokens"] == capped["new_tokens"] == sched["total"]
     assert paged["attention"] == "sdpa_paged_reference" and paged["preemptions"] == 0
     assert capped["preemptions"] > 0 and capped["pages"] < paged["pages"]  # the small pool preempts and still finishes
     assert paged["trace"] and sec["paged"]["fixed_512"]["tok_s"] > 0 and sec["paged"]["fixed_512"]["handoff"]
-    assert summary["floor"]["floor_s"] > 0 and summary["ratios"]["paged_vs_fixed_slot"] > 0
-
-
-# ---- the fast decode path against the slow one, directly --------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_rollout import _build_tiny_model
-    d = tmp_path_factory.mktemp("tiny_fast")
-    _build_tiny_model(d)
-    return str(d)
-
-
-def test_fast_path_draws_the_slow_paths_tokens(tiny_dir):
-    from runtime.rollout import BuiltinEngine, SampleRequest, SamplingParams
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        slow = BuiltinEngine(tiny_dir, decode_path="hf")
-        # 3 slots for 13 requests: slots are refilled while others decode (continuous batching)
-        fast = BuiltinEngine(tiny_dir, decode_path="static", max_batch_size=3)
-        assert fast.health()["decode_path"] == "static" and slow.health()["decode_path"] == "hf"
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, 100, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
-                   for _ in range(6)]
-        # groups of 3 share a prompt (one prefix slot); prompt 0 comes back after its group finished
-        which = [0, 0, 0, 1, 1, 1, 2, 2, 2, 0, 3, 4, 5]
-        reqs = [SampleRequest(prompt_ids=prompts[w], key=(1, 2, i // 3, i % 3)) for i, w in enumerate(which)]
-        for sp in (SamplingParams(max_new_tokens=14, stop_token_ids=[5, 6, 7]),
-                   SamplingParams(temperature=0.7, top_p=0.9, top_k=30, max_new_tokens=9),
-                   SamplingParams(temperature=0.0, max_new_tokens=5)):
-            a, b = slow.generate(reqs, sp), fast.generate(reqs, sp)
-            # finished rows stay idle at one token (their attention does not grow with later steps)
-            assert int(fast.decoder.pos.sum()) == 0 and int(fast.decoder.live.sum()) == 0
-            assert [r.response_ids for r in a] == [r.response_ids for r in b]
-            assert [r.finish_reason for r in a] == [r.finish_reason for r in b]
-            assert max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.response_logprobs, y.response_logprobs)) < 1e-5
-        assert fast.decoder.stats["max_active"] <= 3
-        assert 6 <= fast.decoder.stats["prefills"] < len(reqs)  # a shared prompt is prefilled once while it is cached
-        # weights pushed into the engine reach the fused buffers of the fast path
-        new = {k: v * 1.05 for k, v in slow.model.state_dict().items()}
-        slow.update_weights(new, 1)
-        fast.update_weights(new, 1)
-        sp = SamplingParams(max_new_tokens=8)
-        assert [r.response_ids for r in slow.generate(reqs, sp)] == [r.response_ids for r in fast.generate(reqs, sp)]
-    finally:
-        torch.set_num_threads(threads)
+    assert summary["floor"]["floor_s"] > 0
 
 
 # ---- bench/memory_check.py: the memory estimate against what is allocated -------------------------------

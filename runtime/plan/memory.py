@@ -19,8 +19,7 @@ Trainer (``runtime.trainer.megatron_trainer``), both devices:
   layer's worth in every case (the recomputed layer).
 * ``cluster.offload_trainer_state``: gradients, fp32 master and Adam moments are off the GPU during the
   rollout phase (``runtime/trainer/state_offload.py``).
-* the engine's KV pool is ``rollout.kv_cache_gb`` GiB (the paged engine; the fixed-slot engine fills
-  that many 10^9 bytes with slots of the longest sample); unset on a GPU, the plan chooses the largest
+* the engine's KV pool is ``rollout.kv_cache_gb`` GiB (the paged engine); unset on a GPU, the plan chooses the largest
   pool, in quarter GiB, that leaves ``KV_MARGIN_FRACTION`` of the GPU free in both phases, and the run
   writes it into its frozen config. The pool counts in the training phase unless the engine gives it
   back for training (``engine_releases_kv``).
@@ -47,7 +46,7 @@ On CUDA (what runs on a GPU; ``runtime.mcore.env`` / ``_chunked_logprobs_enabled
 * the built-in engine (``runtime.rollout.builtin``) takes the fast path when the model family has it
   (``unsupported_config_reason``): the HF weights (not TP-split), the KV pool above, and beyond it a
   packed prefill of up to 16,384 prompt tokens and the sampler's per-row vocab-sized temporaries (rows:
-  at most ``max_batch_size`` = samples per rollout, or the fixed-slot engine's slots). A family without
+  at most ``max_batch_size`` = samples per rollout). A family without
   the fast path decodes with HF's dynamic cache: every row of a batch (up to ``max_batch_size``) at full
   length for one generate call, one layer's concatenation copy and the sampler's temporaries.
 * colocated: the peak is the larger of the rollout phase (trainer weights, its state unless offloaded,
@@ -65,9 +64,11 @@ logits (the cross-entropy's contiguous copy and the entropy metric's temporaries
 logit, 16 for a single-sequence micro-batch) and the engine's slow path.
 
 Measured (``torch.cuda.max_memory_allocated`` on an H100 80GB, torch 2.11, megatron-core 0.16.1,
-random Qwen3-0.6B shape, bf16; bench/results/memory_check_H100_2026-11-22*.json): the shipped
-qwen3-0.6b-dapo config colocated in one process peaks at 65.31 GiB (the estimate, without its
-overhead: 65.20); the engine made 36 KV slots as estimated; one micro-batch's activations at 1 x 9216,
+random Qwen3-0.6B shape, bf16): the shipped configs on the paged engine
+(bench/results/memory_check_H100_2026-11-23_{80gb_paged,24gb_paged,32gb}.json): 80 GiB 71.36 GiB
+(estimate without overhead 71.72), 24 GB 20.6 (reserved + context 21.9 of 24.0), 32 GB 27.86 (estimate
+28.22); every non-KV term within 2 % except the rollout's working set (estimate 1.00, measured 0.64).
+Earlier, with the fixed-slot engine (bench/results/memory_check_H100_2026-11-22*.json): one micro-batch's activations at 1 x 9216,
 2 x 4608 and 4 x 2304 tokens measured 18.61 / 18.57 / 18.43 GiB (estimate 18.66 / 18.54 / 18.48); at
 micro-batch 4 it ran out of memory, as estimated. Trainer-only steps at 8 x 768 and 16 x 768 tokens
 (bench/results/gpu_grpo_H100_2026-11-22_run3.json) measured 13.06 and 23.95 GiB of activations
@@ -82,7 +83,6 @@ is not measured. Sizes are GiB (2**30 bytes), what ``nvidia-smi`` and ``torch`` 
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 from runtime.devices import resolve_dtype
@@ -102,7 +102,7 @@ _SAMPLER_BYTES_PER_LOGIT = 40
 # CUDA path
 _LOGPROB_CHUNK = 2048      # rows per output-layer chunk (runtime/trainer/logprobs.py: linear_logprobs)
 _BACKWARD_LAYERS = 1       # layers' worth of activations the backward holds on top of the saved ones
-_PREFILL_TOKENS = 16384    # StaticDecoder's packed-prefill budget
+_PREFILL_TOKENS = 16384    # the paged decoder's packed-prefill budget
 _FAST_SAMPLER_BYTES_PER_LOGIT = 24  # bf16 logits, fp32 scaled logits, log-softmax, noise, sum
 _PREFILL_LOGIT_BYTES = 12  # the prefill's last-position logits per row (bf16 and fp32 copies)
 _OPT_STEP_BYTES_PER_PARAM = 4  # transient of the optimizer step, beside its state
@@ -132,8 +132,8 @@ def _shape(hf_config) -> dict[str, Any]:
 
 
 def fast_decode_reason(hf_config) -> str | None:
-    """None when the built-in engine's fast path (static KV cache) serves this model on CUDA, else why not."""
-    from runtime.rollout.static_decode import unsupported_config_reason
+    """None when the built-in engine's fast path (the paged decoder) serves this model on CUDA, else why not."""
+    from runtime.rollout.decode_model import unsupported_config_reason
     return unsupported_config_reason(hf_config)
 
 
@@ -267,11 +267,6 @@ def kv_bytes_per_token(hf_config, dtype="bfloat16") -> int:
     return m["L"] * 2 * m["ng"] * m["d"] * _dtype_bytes(dtype)
 
 
-def _slot_len(tokens: int) -> int:
-    from runtime.rollout.static_decode import kv_slot_len
-    return kv_slot_len(tokens)
-
-
 def engine_releases_kv() -> bool:
     """Whether the built-in engine gives its KV pool back while the trainer trains (a colocated run calls
     ``release_memory`` before the update): it overrides ``RolloutEngine.release_memory``, a no-op for
@@ -299,11 +294,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     kv_cache_gb: float | None = None, offload: bool = False, kv_released: bool | None = None,
                     max_tokens: int | None = None, recompute: str = "none", recompute_modules=("layernorm", "mlp"),
                     recompute_num_layers: int | None = None, fusions="auto", chunked_logprobs: str = "auto",
-                    core_attention: str = "auto", kv_layout: str = "paged") -> dict[str, Any]:
+                    core_attention: str = "auto") -> dict[str, Any]:
     """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
-
-    ``kv_layout``: "paged" (the built-in engine: one pool of ``kv_cache_gb`` GiB) or "slots" (the
-    earlier fixed-slot decoder, whose H100 measurements the tests keep comparing against).
 
     ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
     engine's first generate call, split over ``rollout_engines``; ``max_slots``: the engine's
@@ -382,13 +374,10 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     else:
         engine_weights = n_params * e
         fast = device == "cuda" and fast_decode_reason(hf_config) is None
-        decode_path = "static" if fast else "dynamic"
+        decode_path = "paged" if fast else "dynamic"
         if fast:
             # the paged engine (runtime/rollout/kv_pages.py) takes kv_cache_gb GiB as its pool and admits
-            # up to max_batch_size rows; the fixed-slot engine (static_decode) takes kv_cache_gb x 10^9
-            # bytes as its budget for slots of a full-length sample, one row each
-            paged = kv_layout == "paged"
-            per_slot = per_sample_kv if paged else _slot_len(seq_len) * kv_per_token
+            # up to max_batch_size rows
 
             def extra(live: int) -> int:
                 # a packed prefill of the admitted rows' prompts (at most _PREFILL_TOKENS) and their last logits,
@@ -400,22 +389,16 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
 
             live = min(rows, slots_max)
             if kv_cache_gb is not None:
-                budget = int(kv_cache_gb * GIB) if paged else int(kv_cache_gb * 1e9)
+                budget = int(kv_cache_gb * GIB)
             else:  # the largest pool (in steps of KV_STEP_GIB) that leaves the margin free in both phases
                 kv_chosen = True
                 room = _kv_room(limit, colocate=colocate, kv_released=kv_released, weights=weights, state=state,
                                 offload=offload, engine_weights=engine_weights, rollout_activations=extra(live),
                                 activations=max(activations, opt_step))
                 budget = max(int(room // (KV_STEP_GIB * GIB)), 0) * int(KV_STEP_GIB * GIB)
-            if paged:
-                kv_cache = budget
-            else:
-                live = min(live, budget // per_slot)
-                kv_cache = live * per_slot
-                live = max(live, 1)
+            kv_cache = budget
             rollout_activations = extra(live)
-            kv_info = {"pool": kv_cache, "per_sample": per_sample_kv, "per_token": kv_per_token,
-                       "engine": "paged" if paged else "fixed-slot", "per_slot": per_slot}
+            kv_info = {"pool": kv_cache, "per_sample": per_sample_kv, "per_token": kv_per_token}
         else:
             batch_rows = min(rows, slots_max)
             kv_cache = batch_rows * per_sample_kv
@@ -425,7 +408,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
             rollout_activations = max(decode_extra, prefill - kv_cache)  # beyond the cache itself
             kv_info = {"per_sample": per_sample_kv, "per_token": kv_per_token}
             kv_released = True                             # the dynamic cache lives for one generate call
-    kv_slots = kv_cache // kv_info["per_slot"] if decode_path == "static" else (
+    kv_slots = kv_cache // per_sample_kv if decode_path == "paged" else (
         min(rows, slots_max) if decode_path == "dynamic" else None)
 
     def totals(act_bytes: int) -> tuple[int, int, int, int, int]:
@@ -439,7 +422,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
         return trainer_total, rollout_total, at_rollout, at_training, max(at_rollout, at_training)
 
     trainer_total, rollout_total, at_rollout, at_training, total = totals(activations)
-    kv_too_small = decode_path == "static" and kv_cache < per_sample_kv
+    kv_too_small = decode_path == "paged" and kv_cache < per_sample_kv
     fits = total <= limit and not kv_too_small and not (engine == "sglang" and kv_cache <= 0)
     per_rank_step = (global_batch_size // dp) if global_batch_size else None
 
@@ -465,7 +448,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                else "unfused",
                logprobs="chunked" if _chunked_logprobs(device, tp, chunked_logprobs) else "full logits",
                kv_slots=kv_slots, kv_slot_len=seq_len, kv_max_slots=slots_max, kv=kv_info,
-               kv_chosen=kv_chosen, kv_cache_gb=kv_cache / GIB if decode_path == "static" else None,
+               kv_chosen=kv_chosen, kv_cache_gb=kv_cache / GIB if decode_path == "paged" else None,
                kv_released=kv_released, offload=offload, fit_micro_batch=fit_mb, **settings)
     out["max_tp"] = math.gcd(m["V"], m["nh"], m["ng"], m["f"])
     out["reason"] = None if fits else _why_not(out)
@@ -495,7 +478,7 @@ def _why_not(est: dict[str, Any]) -> str:
     gpu = est["gpu_mem_gb"]
     state = est["weights"] + est["grads"] + est["optimizer"]
     head = f"needs {est['total']:.1f} GiB per GPU but the GPU has {gpu:g} GiB"
-    if est["decode_path"] == "static" and est["kv_cache"] * GIB < est["kv"]["per_sample"]:
+    if est["decode_path"] == "paged" and est["kv_cache"] * GIB < est["kv"]["per_sample"]:
         head = (f"the KV pool ({est['kv_cache']:.2f} GiB) does not hold one {est['seq_len']}-token sample "
                 f"({est['kv']['per_sample'] / GIB:.2f} GiB) beside the rest (peak {est['total']:.1f} GiB of {gpu:g})")
     if state + (est["engine_weights"] if est["colocate"] else 0) + est["overhead"] >= 0.9 * gpu:
@@ -511,7 +494,7 @@ def _why_not(est: dict[str, Any]) -> str:
 
 def format_estimate(est: dict[str, Any]) -> str:
     """Lines for ``grpoflow validate``."""
-    if est["decode_path"] == "static":
+    if est["decode_path"] == "paged":
         kv_note = (f"pool of {est['kv_cache']:.2f} GiB: {est['kv_slots']} full-length samples of {est['kv_slot_len']} "
                    f"tokens ({'chosen by the plan' if est['kv_chosen'] else 'rollout.kv_cache_gb'}"
                    f"{'; released while training' if est['kv_released'] and est['colocate'] else ''})")
@@ -593,7 +576,7 @@ def estimate_for_config(cfg, hf_config, *, gpu_mem_gb: float | None = None, devi
     When it does not fit, ``fix`` names the settings that would (:func:`settings_that_fit`) and ``reason``
     ends with them."""
     gpu = target_gpu_memory_gb(cfg, gpu_mem_gb)
-    kw = {**config_kwargs(cfg, device), **engine_model}  # engine_model: kv_layout / kv_released for old measurements
+    kw = {**config_kwargs(cfg, device), **engine_model}  # engine_model: e.g. kv_released, to model a measurement
     est = estimate_memory(hf_config, gpu_mem_gb=gpu, **kw)
     est["fix"] = None
     if not est["fits"]:
@@ -681,9 +664,6 @@ def plan_choices(cfg, hf_config, gpu_mem_gb: float | None = None) -> dict[str, A
     if cfg.rollout.kv_cache_gb is not None or config_device(cfg) != "cuda" or cfg.rollout.engine != "builtin":
         return {}
     est = estimate_for_config(cfg, hf_config, gpu_mem_gb=gpu_mem_gb)
-    if est["decode_path"] != "static" or not est["kv_chosen"] or not est["fits"]:
+    if est["decode_path"] != "paged" or not est["kv_chosen"] or not est["fits"]:
         return {}
-    gb = est["kv_cache_gb"]
-    if est["kv"]["engine"] == "fixed-slot":  # its budget is in 10^9 bytes: the least that makes these slots
-        gb = math.ceil(est["bytes"]["kv_cache"] / 1e7) / 100
-    return {"rollout.kv_cache_gb": round(gb, 2)}
+    return {"rollout.kv_cache_gb": round(est["kv_cache_gb"], 2)}

@@ -28,7 +28,7 @@ from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, 
 from runtime.rollout.kv_pages import DEFAULT_PAGE_SIZE
 
 _ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-DECODE_PATHS = ("auto", "paged", "hf", "static")
+DECODE_PATHS = ("auto", "paged", "hf")
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +66,7 @@ class BuiltinEngine(RolloutEngine):
     ):
         """decode_path: "auto" = the paged decoder (`paged_decode`) where the model family has it, else HF's
         forward; "paged" insists (error if the family lacks it); "hf" = HF's forward with a dynamic cache
-        (the reference); "static" = the fixed-slot decoder (`static_decode`, kept for the benchmark that
-        compares it with the paged one). kv_cache_gb: the paged pool's (or the fixed-slot cache's) size in
-        GiB; None: `kv_pages.kv_pool_bytes`'s default. cuda_graphs / compile_decode: None = on for CUDA."""
+        (the reference). kv_cache_gb: the paged pool's size in GiB; None: `kv_pages.kv_pool_bytes`'s default. cuda_graphs / compile_decode: None = on for CUDA."""
         if max_batch_size < 1:
             raise ConfigError(f"rollout max_batch_size must be >= 1, got {max_batch_size}: fix rollout.max_batch_size")
         if attn_implementation not in _ATTN_IMPLEMENTATIONS:
@@ -98,16 +96,12 @@ class BuiltinEngine(RolloutEngine):
         self._gumbel_fn = compiled_gumbel_noise() if compile_sampling else gumbel_noise
         self._weight_version = 0
         self._closed = False
-        self.decoder = None  # PagedDecoder / StaticDecoder; None: HF's forward (`_generate_batch`)
+        self.decoder = None  # PagedDecoder; None: HF's forward (`_generate_batch`)
         if decode_path != "hf":
             from runtime.rollout.decode_model import unsupported_reason
 
             reason = unsupported_reason(self.model)
-            if reason is None and decode_path == "static":
-                from runtime.rollout.static_decode import StaticDecoder
-                self.decoder = StaticDecoder(self.model, max_slots=self.max_batch_size, kv_cache_gb=kv_cache_gb,
-                                             cuda_graphs=cuda_graphs, compile=compile_decode)
-            elif reason is None:
+            if reason is None:
                 from runtime.rollout.paged_decode import PagedDecoder
                 self.decoder = PagedDecoder(self.model, max_rows=self.max_batch_size, kv_cache_gb=kv_cache_gb,
                                             page_size=page_size, cuda_graphs=cuda_graphs, compile=compile_decode)
@@ -225,18 +219,15 @@ class BuiltinEngine(RolloutEngine):
         """Allocate the KV pool again, before the next `generate` (graphs are captured again at their first
         step). Sized as at the first call: `kv_cache_gb`, or its share of what is free now."""
         self._check_open()
-        if self.decoder is not None and hasattr(self.decoder, "ensure_pool"):
+        if self.decoder is not None:
             self.decoder.ensure_pool()
 
     # ---- extras -------------------------------------------------------------------------------
 
     @property
     def decode_path(self) -> str:
-        """Which decoder `generate` takes: "paged", "static" (fixed slots) or "hf"."""
-        if self.decoder is None:
-            return "hf"
-        from runtime.rollout.paged_decode import PagedDecoder
-        return "paged" if isinstance(self.decoder, PagedDecoder) else "static"
+        """Which decoder `generate` takes: "paged" or "hf"."""
+        return "hf" if self.decoder is None else "paged"
 
     @torch.inference_mode()
     def logprobs_of(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
