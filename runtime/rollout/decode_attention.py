@@ -1,27 +1,20 @@
-"""Decode attention over the engine's slot cache, with each group's prompt stored and read once.
+"""Decode attention over the paged engine's KV pool, each group's prompt pages stored once.
 
-GRPO samples several responses per prompt. The KV cache (one slab per layer, [slot, position,
-kv_head, head_dim]) is split at `prefix_region` positions: the first part of a slot holds a prompt's
-KV (a *prefix slot*), the rest holds one row's response. Row b attends to the prompt in slot
-`prefix_slot[b]` (positions [0, prefix_len[b])) followed by its own response in slot b (positions
-[prefix_region, prefix_region + own_len[b])). The rows of one group point at the same prefix slot,
-so the prompt is prefilled once and, in the kernel, its KV is read from the same addresses by
-neighbouring programs (served from L2 after the first).
+GRPO samples several responses per prompt. The pools (one per layer, [page, token, kv_head, head_dim])
+are read through a page table per row whose first `prefix_cols` columns hold the row's prompt pages
+(shared by its group: prefilled once, and read from the same addresses by neighbouring programs, so
+served from L2 after the first) and the rest its own pages.
 
-`decode_attention` is a split-KV kernel in Triton: one program per (row, KV head, split) handles all
-of that KV head's query heads at once (no padding of the query rows to a 128-row tile, as
-FlashAttention-2's varlen kernel does), each split streams its share of the row's length, and a
-second kernel merges the splits by their log-sum-exp. The caller picks the split size for the
-rows it has: one split per row when many are active, many short ones when a few long rows are left. Every length is read on the device, so the launch is the same at every
-step and a CUDA graph can replay it.
+`paged_decode_attention` is a split-KV kernel in Triton: one program per (row, KV head, split) handles
+all of that KV head's query heads at once (no padding of the query rows to a 128-row tile, as
+FlashAttention-2's varlen kernel does), each split streams its share of the row's length, and a second
+kernel merges the splits by their log-sum-exp. The caller picks the split size for the rows it has: one
+split per row when many are active, many short ones when a few long rows are left. Every length is read
+on the device, so the launch is the same at every step and a CUDA graph can replay it.
 
-`reference_decode_attention` is the same function in plain PyTorch (SDPA with a mask): CPU, and the
-check the kernel is tested against.
-
-`paged_decode_attention` (and `reference_paged_decode_attention`) are the same over the paged cache of
-`paged_decode`: pools [page, token, kv_head, head_dim] and a page table per row whose first
-`prefix_cols` columns hold the row's prompt pages (shared by its group) and the rest its own pages;
-the kernel finds every position through the table.
+`reference_paged_decode_attention` is the same function in plain PyTorch (the pages gathered into one
+contiguous slab per row, then `reference_decode_attention`: SDPA with a mask): CPU, and the check the
+kernel is tested against.
 """
 from __future__ import annotations
 
@@ -86,53 +79,6 @@ def split_tokens_for(rows: int, kv_heads: int, max_len: int, device: torch.devic
 
 
 if triton is not None:
-    @triton.jit
-    def _split_kernel(Q, K, V, PSLOT, PLEN, OLEN, OPART, LSE,
-                      stride_qb, stride_qh, stride_ks, stride_kt, stride_kh,
-                      stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                      prefix_region, scale_log2, split_tokens,
-                      REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        sp = tl.program_id(2)
-        plen = tl.load(PLEN + b).to(tl.int32)
-        olen = tl.load(OLEN + b).to(tl.int32)
-        pslot = tl.load(PSLOT + b).to(tl.int64)
-        total = plen + olen
-        lo = sp * split_tokens
-        hi = tl.minimum(lo + split_tokens, total)  # splits past the row's length do nothing
-
-        rows = tl.arange(0, REP_PAD)
-        d = tl.arange(0, HD)
-        qh = h * REP + rows
-        q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=rows[:, None] < REP, other=0.0)
-        m = tl.full([REP_PAD], float("-inf"), tl.float32)
-        l = tl.zeros([REP_PAD], tl.float32)
-        acc = tl.zeros([REP_PAD, HD], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            valid = n < hi
-            in_prefix = n < plen
-            slot = tl.where(in_prefix, pslot, b.to(tl.int64))
-            t = tl.where(in_prefix, n, n - plen + prefix_region)
-            off = slot * stride_ks + t.to(tl.int64) * stride_kt + h * stride_kh
-            k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale_log2
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        out = acc / l[:, None]
-        lse = m + tl.log2(l)
-        keep = (rows < REP) & ((rows * 0 + lo) < total)
-        tl.store(OPART + b * stride_ob + qh[:, None] * stride_oh + sp * stride_os + d[None, :], out,
-                 mask=keep[:, None])
-        tl.store(LSE + b * stride_lb + qh * stride_lh + sp, lse, mask=keep)
-
     @triton.jit
     def _paged_split_kernel(Q, K, V, PT, PLEN, OLEN, OPART, LSE,
                             stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_ptb,
@@ -210,36 +156,6 @@ if triton is not None:
         tl.store(OUT + b * stride_b + h * stride_h + d, (acc / tl.sum(wsum, 0)).to(OUT.dtype.element_ty))
 
 
-def decode_attention(q, k_cache, v_cache, prefix_slot, prefix_len, own_len, prefix_region: int, scale: float,
-                     split_tokens: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                     merge_block: int = 16):
-    """The kernel version of :func:`reference_decode_attention` (same arguments and result). `split_tokens`
-    (a multiple of `block_n`): how many positions one program streams; None: `split_tokens_for` the
-    whole batch at the slot length. `merge_block`: splits merged per step of the merge kernel's loop."""
-    b, nh, hd = q.shape
-    slot_len, nkv = k_cache.shape[1], k_cache.shape[2]
-    rep = nh // nkv
-    if split_tokens is None:
-        split_tokens = split_tokens_for(b, nkv, slot_len, q.device)
-    assert split_tokens % block_n == 0
-    splits = -(-slot_len // split_tokens)  # a row holds at most slot_len positions
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
-    o_part = torch.empty(b, nh, splits, hd, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, nh, splits, dtype=torch.float32, device=q.device)
-    _split_kernel[(b, nkv, splits)](
-        q, k_cache, v_cache, prefix_slot, prefix_len, own_len, o_part, lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        int(prefix_region), float(scale) * 1.4426950408889634, int(split_tokens),
-        REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages)
-    out = torch.empty(b, nh, hd, dtype=q.dtype, device=q.device)
-    _merge_kernel[(b, nh)](o_part, lse, out, prefix_len, own_len, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-                           lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), int(split_tokens),
-                           SPLIT_BLOCK=min(merge_block, triton.next_power_of_2(splits)), HD=hd, num_warps=4)
-    return out
-
-
 def paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len, prefix_cols: int, scale: float,
                            split_tokens: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                            merge_block: int = 16):
@@ -271,5 +187,5 @@ def paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len, p
     return out
 
 
-__all__ = ["decode_attention", "reference_decode_attention", "paged_decode_attention",
+__all__ = ["reference_decode_attention", "paged_decode_attention",
            "reference_paged_decode_attention", "split_tokens_for", "triton_available"]
