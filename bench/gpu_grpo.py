@@ -358,7 +358,8 @@ def sec_trainer(S, W: Path) -> dict:
     # which pure-PyTorch fusions the built model runs (train.fusions; BENCH_TRAINER_FUSIONS=none|rope,swiglu,bda,gqa)
     res["fusions"] = fusion_report(tr.model)
     # -- engine vs trainer log-probs on the same weights and samples (before any update)
-    eng = _engine(S, W)
+    # a pool of its own size: the default takes most of the free memory, and the trainer is alive beside it
+    eng = _engine(S, W, kv_cache_gb=4.0 if S["device"] == "cuda" else None)
     eng.eos_token_ids = set()
     new = min(R, 128)
     samples = eng.generate(_requests(S, S["prompts"], S["samples"], rollout=2, seed=2),
