@@ -422,7 +422,10 @@ def sec_trainer(S, W: Path) -> dict:
                              mfu_6N_pct=round(100 * 6 * npar["total"] * B * SEQ / t / PEAK_BF16, 1),
                              mfu_exact_pct=round(100 * flops_exact / t / PEAK_BF16, 1), peak_mem_GiB=peak_gib(S),
                              grad_norm=m.get("grad_norm"), loss=m.get("loss")))
-    best = max((v for v in variants if "tok_s" in v), key=lambda v: v["tok_s"])
+    best = max((v for v in variants if "tok_s" in v), key=lambda v: v["tok_s"], default=None)
+    if best is None:  # every micro-batch failed: keep what was measured before (the log-prob check)
+        res.update(variants=variants, error=variants[-1].get("error") if variants else "no variant ran")
+        return res
     res.update(seqs=B, seq_len=SEQ, resp_len=R, variants=variants, **{k: best[k] for k in (
         "micro_batch", "s_per_step", "tok_s", "resp_tok_s", "mfu_6N_pct", "mfu_exact_pct", "peak_mem_GiB")})
     tr.train_cfg.micro_batch_size = best["micro_batch"]

@@ -181,3 +181,56 @@ def test_decode_path_setting(model_dir, tmp_path):
     assert eng.decode_path == "paged" and eng.decoder.kv_cache_gb == 0.001  # auto: the family has it
     with pytest.raises(ConfigError, match="decode_path"):
         BuiltinEngine(model_dir, decode_path="fast")
+
+
+# ---- partial rollout's engine side: continued samples, and stopping once enough groups are complete ----------
+
+def _continued(reqs, results, cut) -> list[SampleRequest]:
+    """Each request again, with the first cut(i, result) tokens of its result as its prefix."""
+    out = []
+    for i, (q, r) in enumerate(zip(reqs, results)):
+        t = cut(i, r)
+        out.append(SampleRequest(prompt_ids=q.prompt_ids, key=q.key, prefix_ids=r.response_ids[:t],
+                                 prefix_logprobs=r.response_logprobs[:t]))
+    return out
+
+
+@pytest.mark.parametrize("path", ["paged", "hf"])
+def test_a_continued_sample_is_the_uninterrupted_sample(model_dir, hf, path):
+    eng = _paged(model_dir, rows=4) if path == "paged" else hf
+    reqs = _requests()
+    for sp in SAMPLINGS[:2]:
+        whole = hf.generate(reqs, sp)
+        # cut every sample after 0, 1, ... tokens (a cut at or past its end leaves it complete)
+        for k in (1, 3, 7):
+            again = eng.generate(_continued(reqs, whole, lambda i, r: (i * k) % (len(r.response_ids) + 1)), sp)
+            _same(whole, again)
+    if path == "paged":
+        assert eng.decoder.stats["reprefill_tokens"] > 0 and eng.decoder.pool.used == 0
+
+
+@pytest.mark.parametrize("path", ["paged", "hf"])
+def test_generation_stops_once_enough_groups_are_complete(model_dir, hf, path):
+    from runtime.rollout import GroupsDone
+    eng = _paged(model_dir, rows=6) if path == "paged" else BuiltinEngine(model_dir, decode_path="hf", max_batch_size=6)
+    reqs = _requests()  # 13 requests: groups of 3, the last one alone
+    sp = SamplingParams(max_new_tokens=20, stop_token_ids=[5, 6, 7])
+    whole = hf.generate(reqs, sp)
+    until = GroupsDone(group_size=3, count=2)
+    got = eng.generate(reqs, sp, until=until)
+    assert eng.generate(reqs, sp, until=until) == got  # where it stops depends on nothing but the inputs
+    done = [r.finish_reason != "abort" for r in got]
+    assert until.reached(done) and not all(done)
+    for w, g in zip(whole, got):
+        if g.finish_reason == "abort":  # unfinished: the beginning of what an unbroken call makes
+            assert w.response_ids[:len(g.response_ids)] == g.response_ids and len(g.response_ids) < len(w.response_ids)
+        else:
+            assert (g.response_ids, g.finish_reason) == (w.response_ids, w.finish_reason)
+    # the aborted samples, continued under the same weights, end as the unbroken call's
+    _same(whole, eng.generate(_continued(reqs, got, lambda i, r: len(r.response_ids)), sp))
+    # count 0: nothing is generated; a count no call can reach: everything finishes
+    assert all(r.finish_reason == "abort" and not r.response_ids
+               for r in eng.generate(reqs, sp, until=GroupsDone(3, 0)))
+    _same(whole, eng.generate(reqs, sp, until=GroupsDone(3, 99)))
+    if path == "paged":
+        assert eng.decoder.pool.used == 0

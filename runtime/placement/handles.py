@@ -13,7 +13,7 @@ from runtime.placement.groups import ActorGroup, Pending
 if TYPE_CHECKING:
     import torch
 
-    from runtime.rollout.base import SampleRequest, SampleResult, SamplingParams
+    from runtime.rollout.base import GroupsDone, SampleRequest, SampleResult, SamplingParams
     from runtime.trainer.batch import TrainBatch
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -104,8 +104,9 @@ class EngineHandle:
 
     # -- generation ----------------------------------------------------------------------------
     @forwards
-    def generate(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
-        return self.group.call("generate", requests, sampling)[0]
+    def generate(self, requests: list[SampleRequest], sampling: SamplingParams,
+                 until: GroupsDone | None = None) -> list[SampleResult]:
+        return self.group.call("generate", requests, sampling, until)[0]
 
     @forwards
     def logprobs_of(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:

@@ -1,6 +1,6 @@
 """Rollout: the engine interface, keyed sampling, the built-in HF engine and custom rollout functions."""
 
-from runtime.rollout.base import RolloutEngine, SampleRequest, SampleResult, SamplingParams
+from runtime.rollout.base import GroupsDone, RolloutEngine, SampleRequest, SampleResult, SamplingParams
 from runtime.rollout.custom import (
     default_rollout,
     load_custom_rollout,
@@ -10,6 +10,7 @@ from runtime.rollout.custom import (
 
 __all__ = [
     "BuiltinEngine",
+    "GroupsDone",
     "RolloutEngine",
     "SampleRequest",
     "SampleResult",

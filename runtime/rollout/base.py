@@ -18,7 +18,8 @@ from runtime.errors import ConfigError
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
-FinishReason = Literal["stop", "length"]
+# "abort": unfinished, stopped because enough groups were complete (`GroupsDone`); its tokens so far come back
+FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass
@@ -49,14 +50,26 @@ class SamplingParams:
 
 @dataclass
 class SampleRequest:
-    """One sample to draw. `key` = (seed, rollout_id, prompt_index, sample_index) fixes its randomness."""
+    """One sample to draw. `key` = (seed, rollout_id, prompt_index, sample_index) fixes its randomness.
+
+    `prefix_ids` / `prefix_logprobs`: response tokens this sample already has (an unfinished sample of an
+    earlier call, continued: partial rollout) and the log-probs recorded when they were made. The engine
+    continues after them; the result's response starts with them, and `max_new_tokens` caps the whole
+    response. Token i of a response is drawn with the noise of (key, i), so a sample stopped after any
+    token and continued with the same weights is the sample an unbroken call makes.
+    """
 
     prompt_ids: list[int]
     key: tuple[int, int, int, int]
+    prefix_ids: list[int] = field(default_factory=list)
+    prefix_logprobs: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("SampleRequest.prompt_ids is empty: a prompt needs at least one token")
+        if len(self.prefix_ids) != len(self.prefix_logprobs):
+            raise ValueError(f"SampleRequest.prefix_ids has {len(self.prefix_ids)} tokens but prefix_logprobs "
+                             f"{len(self.prefix_logprobs)}: one log-prob per token")
         try:  # operator.index accepts numpy / torch integer scalars, rejects floats
             key = tuple(operator.index(k) for k in self.key)
         except TypeError:
@@ -64,6 +77,27 @@ class SampleRequest:
         if len(key) != 4 or not all(_INT64_MIN <= k <= _INT64_MAX for k in key):
             raise ValueError(f"SampleRequest.key must be 4 int64 ints (seed, rollout_id, prompt_index, sample_index), got {self.key!r}")
         self.key = key
+
+
+@dataclass(frozen=True)
+class GroupsDone:
+    """Stop generating once `count` groups are complete: the requests of a call are consecutive groups of
+    `group_size` (a prompt's samples), and a group is complete when all its samples finished (stop or
+    length). Every other request comes back with finish_reason "abort" and its tokens so far. Where an
+    engine stops depends only on the requests, the sampling settings and the weights (the built-in engine
+    checks at the end of each decode chunk), never on timing."""
+
+    group_size: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1 or self.count < 0:
+            raise ValueError(f"GroupsDone needs group_size >= 1 and count >= 0, got {self.group_size}, {self.count}")
+
+    def reached(self, done: list[bool]) -> bool:
+        """Whether `count` groups of `done` (one flag per request, in request order) are complete."""
+        g = self.group_size
+        return sum(all(done[i:i + g]) for i in range(0, len(done), g)) >= self.count
 
 
 def sample_key(seed: int, slot: int, prompt_index: int, sample_index: int) -> tuple[int, int, int, int]:
@@ -109,9 +143,11 @@ class RolloutEngine(abc.ABC):
 
     # -- generation ----------------------------------------------------------------------------
     @abc.abstractmethod
-    def generate(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
+    def generate(self, requests: list[SampleRequest], sampling: SamplingParams,
+                 until: GroupsDone | None = None) -> list[SampleResult]:
         """One result per request, in the same order. Each result depends only on its request's
-        prompt, key, the sampling params and the weights - never on the other requests."""
+        prompt, prefix, key, the sampling params and the weights - never on the other requests - except
+        where `until` cuts it short (finish_reason "abort", the tokens it had)."""
 
     @abc.abstractmethod
     def logprobs_of(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from runtime.errors import ConfigError, ModelError
-from runtime.rollout.base import RolloutEngine, SampleRequest, SampleResult, SamplingParams
+from runtime.rollout.base import GroupsDone, RolloutEngine, SampleRequest, SampleResult, SamplingParams
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_key_hash, sample_next
 from runtime.rollout.kv_pages import DEFAULT_PAGE_SIZE
 
@@ -117,16 +117,28 @@ class BuiltinEngine(RolloutEngine):
     def weight_version(self) -> int:
         return self._weight_version
 
-    def generate(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
+    def generate(self, requests: list[SampleRequest], sampling: SamplingParams,
+                 until: GroupsDone | None = None) -> list[SampleResult]:
         self._check_open()
         from runtime.testing.moments import moment
         moment("generate")  # a rollout's (or an eval's) sampling starts
         if self.decoder is not None and requests:
-            return self._generate_decoder(requests, sampling)
+            return self._generate_decoder(requests, sampling, until)
+        # HF's path: batches one after another; `until` is checked after every step, and the requests of
+        # the batches not begun come back as they were given
+        done = [False] * len(requests)
         results: list[SampleResult] = []
         for start in range(0, len(requests), self.max_batch_size):
-            results.extend(self._generate_batch(requests[start : start + self.max_batch_size], sampling))
+            batch = requests[start: start + self.max_batch_size]
+            if until is not None and until.reached(done):
+                results.extend(self._result(r, list(r.prefix_ids), list(r.prefix_logprobs), "abort") for r in batch)
+                continue
+            results.extend(self._generate_batch(batch, sampling, done, start, until))
         return results
+
+    def _result(self, request: SampleRequest, ids: list[int], logprobs: list[float], finish: str) -> SampleResult:
+        return SampleResult(prompt_ids=list(request.prompt_ids), response_ids=ids, response_logprobs=logprobs,
+                            text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason=finish)
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Copy HF-named tensors into the model in place (dtype/device converted); all-or-nothing checks first."""
@@ -261,38 +273,57 @@ class BuiltinEngine(RolloutEngine):
     def _stop_ids(self, sampling: SamplingParams) -> set[int]:
         return set(self.eos_token_ids) | set(sampling.stop_token_ids)
 
-    def _generate_decoder(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
+    def _generate_decoder(self, requests: list[SampleRequest], sampling: SamplingParams,
+                          until: GroupsDone | None) -> list[SampleResult]:
         for r in requests:
             if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.vocab_size:
                 raise ValueError(f"token ids must be in [0, {self.vocab_size}), got range "
                                  f"[{min(r.prompt_ids)}, {max(r.prompt_ids)}]")
         key_hash = sample_key_hash(torch.tensor([r.key for r in requests], dtype=torch.long, device=self.device))
+        prefixes = [(list(r.prefix_ids), list(r.prefix_logprobs)) for r in requests] \
+            if any(r.prefix_ids for r in requests) else None
         ids, lps, finish = self.decoder.generate([list(r.prompt_ids) for r in requests], key_hash, sampling,
-                                                 self._stop_ids(sampling))
-        return [
-            SampleResult(prompt_ids=list(r.prompt_ids), response_ids=i, response_logprobs=lp,
-                         text=self.tokenizer.decode(i, skip_special_tokens=True), finish_reason=f)
-            for r, i, lp, f in zip(requests, ids, lps, finish)
-        ]
+                                                 self._stop_ids(sampling), prefixes=prefixes, until=until)
+        return [self._result(r, i, lp, f) for r, i, lp, f in zip(requests, ids, lps, finish)]
 
     @torch.inference_mode()
-    def _generate_batch(self, batch: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
-        if not batch:
-            return []
+    def _generate_batch(self, batch: list[SampleRequest], sampling: SamplingParams, done: list[bool], first: int,
+                        until: GroupsDone | None) -> list[SampleResult]:
+        """HF's forward with a dynamic cache over one batch of requests (done[first + i] is request i's
+        flag in the whole call). A continued request is prefilled with its prompt and its prefix."""
+        cap = sampling.max_new_tokens
+        stop_set = self._stop_ids(sampling)
+        response_ids = [list(r.prefix_ids[:cap]) for r in batch]
+        response_logprobs = [list(r.prefix_logprobs[:cap]) for r in batch]
+        finish_reason = ["stop" if ids and ids[-1] in stop_set else "length" for ids in response_ids]
+        for row, ids in enumerate(response_ids):
+            done[first + row] = finish_reason[row] == "stop" or len(ids) >= cap
+        live_rows = [row for row in range(len(batch)) if not done[first + row]]
+        if live_rows:
+            self._decode_rows(batch, live_rows, sampling, stop_set, response_ids, response_logprobs, finish_reason,
+                              done, first, until)
+        return [self._result(r, response_ids[row], response_logprobs[row],
+                             finish_reason[row] if done[first + row] else "abort") for row, r in enumerate(batch)]
+
+    def _decode_rows(self, batch, live_rows, sampling, stop_set, response_ids, response_logprobs, finish_reason,
+                     done, first, until) -> None:
         device = self.device
-        rows = len(batch)
-        prompt_width = max(len(r.prompt_ids) for r in batch)
-        input_ids = torch.full((rows, prompt_width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((rows, prompt_width), dtype=torch.long)
-        for row, request in enumerate(batch):
-            n = len(request.prompt_ids)
-            input_ids[row, prompt_width - n :] = torch.tensor(request.prompt_ids, dtype=torch.long)
-            attention_mask[row, prompt_width - n :] = 1
+        cap = sampling.max_new_tokens
+        inputs = [list(batch[row].prompt_ids) + response_ids[row] for row in live_rows]
+        width = max(len(x) for x in inputs)
+        input_ids = torch.full((len(inputs), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(inputs), width), dtype=torch.long)
+        for i, ids in enumerate(inputs):
+            input_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[i, width - len(ids):] = 1
         self._check_token_range(input_ids)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        key_hash = sample_key_hash(torch.tensor([r.key for r in batch], dtype=torch.long, device=device))
-        stop_ids = torch.tensor(sorted(self._stop_ids(sampling)), dtype=torch.long, device=device)
+        key_hash = sample_key_hash(torch.tensor([batch[row].key for row in live_rows], dtype=torch.long,
+                                                device=device))
+        stop_ids = torch.tensor(sorted(stop_set), dtype=torch.long, device=device)
+        # the noise position of each row's next token: its index in the response (padding cannot shift it)
+        decode_position = torch.tensor([len(response_ids[row]) for row in live_rows], dtype=torch.long, device=device)
 
         cache = DynamicCache(config=self.model.config)
         logits = self.model(
@@ -304,30 +335,27 @@ class BuiltinEngine(RolloutEngine):
             logits_to_keep=1,
         ).logits[:, -1, :]
         next_position = position_ids[:, -1] + 1
-        live_rows = list(range(rows))  # original row of each row still in the batch
-        response_ids: list[list[int]] = [[] for _ in range(rows)]
-        response_logprobs: list[list[float]] = [[] for _ in range(rows)]
-        finish_reason = ["length"] * rows
-
-        for step in range(sampling.max_new_tokens):
-            # The noise position is the index of the response token, so padding cannot shift it.
-            decode_position = torch.full((len(live_rows),), step, dtype=torch.long, device=device)
+        while True:
             tokens, logprobs = sample_next(logits, key_hash, decode_position, sampling, self._gumbel_fn)
             stopped = torch.isin(tokens, stop_ids)
+            ended = []
             for row, token, logprob, is_stop in zip(live_rows, tokens.tolist(), logprobs.tolist(), stopped.tolist()):
                 response_ids[row].append(token)
                 response_logprobs[row].append(logprob)
                 if is_stop:
                     finish_reason[row] = "stop"
-            if step == sampling.max_new_tokens - 1 or bool(stopped.all()):
-                break
-            if bool(stopped.any()):
-                keep = torch.nonzero(~stopped).squeeze(-1)
+                if is_stop or len(response_ids[row]) >= cap:
+                    done[first + row] = True
+                ended.append(done[first + row])
+            if all(ended) or (until is not None and until.reached(done)):
+                return
+            if any(ended):
+                keep = torch.tensor([i for i, e in enumerate(ended) if not e], dtype=torch.long, device=device)
                 cache.batch_select_indices(keep)
-                attention_mask, key_hash, next_position, tokens = (
-                    attention_mask[keep], key_hash[keep], next_position[keep], tokens[keep]
+                attention_mask, key_hash, next_position, tokens, decode_position = (
+                    attention_mask[keep], key_hash[keep], next_position[keep], tokens[keep], decode_position[keep]
                 )
-                live_rows = [live_rows[i] for i in keep.tolist()]
+                live_rows = [row for row, e in zip(live_rows, ended) if not e]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(live_rows), 1))], dim=1)
             logits = self.model(
                 input_ids=tokens[:, None],
@@ -337,14 +365,4 @@ class BuiltinEngine(RolloutEngine):
                 use_cache=True,
             ).logits[:, -1, :]
             next_position = next_position + 1
-
-        return [
-            SampleResult(
-                prompt_ids=list(request.prompt_ids),
-                response_ids=response_ids[row],
-                response_logprobs=response_logprobs[row],
-                text=self.tokenizer.decode(response_ids[row], skip_special_tokens=True),
-                finish_reason=finish_reason[row],
-            )
-            for row, request in enumerate(batch)
-        ]
+            decode_position = decode_position + 1

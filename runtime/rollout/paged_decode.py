@@ -211,8 +211,14 @@ class PagedDecoder(FusedModel):
 
     # ---- the loop --------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], key_hash: torch.Tensor, sampling, stop_ids: set[int],
-                 stop_at: list[int] | None = None):
+                 stop_at: list[int] | None = None, prefixes: list[tuple[list[int], list[float]]] | None = None,
+                 until=None):
         """Returns (response ids, response log-probs, finish reasons), one per prompt, in order.
+
+        prefixes: per request, the response tokens it already has and their log-probs (a continued sample:
+        admitted like a preempted one, its tokens recomputed into the cache). until (`base.GroupsDone`): stop
+        at the end of the first decode chunk after which enough groups are complete; the others come back
+        as "abort" with their tokens so far.
 
         stop_at (benchmarks): per request, the response length at which it stops; its token there is
         replaced by the smallest stop id, so that runs compared with each other make the same tokens.
@@ -223,7 +229,7 @@ class PagedDecoder(FusedModel):
         """
         while True:
             try:
-                return self._generate(prompts, key_hash, sampling, stop_ids, stop_at)
+                return self._generate(prompts, key_hash, sampling, stop_ids, stop_at, prefixes, until)
             except MemoryError:
                 raise
             except Exception as e:  # noqa: BLE001
@@ -247,7 +253,7 @@ class PagedDecoder(FusedModel):
                     torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def _generate(self, prompts, key_hash, sampling, stop_ids, stop_at):
+    def _generate(self, prompts, key_hash, sampling, stop_ids, stop_at, prefixes=None, until=None):
         n = len(prompts)
         P = self.page_size
         max_new = int(sampling.max_new_tokens)
@@ -262,13 +268,19 @@ class PagedDecoder(FusedModel):
         out_ids: list[list[int]] = [[] for _ in range(n)]
         out_lp: list[list[float]] = [[] for _ in range(n)]
         finish = ["length"] * n
+        done = [False] * n  # finished (stop or length); at the end the others are "abort"
+        for r, (ids, lps) in enumerate(prefixes or []):
+            out_ids[r], out_lp[r] = list(ids[:cap[r]]), list(lps[:cap[r]])
+            if out_ids[r] and out_ids[r][-1] in stop_ids:
+                finish[r] = "stop"
+            done[r] = finish[r] == "stop" or len(out_ids[r]) >= cap[r]
         row_req = [-1] * R                       # request decoding in each row
         row_own: list[list[int]] = [[] for _ in range(R)]   # each row's own pages, in order
         row_key: list[tuple | None] = [None] * R            # the prompt (prefix) each row reads
         prefix_pages: dict[tuple, list[int]] = {}
         prefix_refs: dict[tuple, int] = {}
         prefix_h: dict[tuple, torch.Tensor] = {}  # a prompt's last hidden state (draws a sample's first token)
-        queue = list(range(n))
+        queue = [r for r in range(n) if not done[r]]
         queue.reverse()  # pop() from the end takes requests in order
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "chunks": 0, "rows": R,
                  "pages": pool.num_pages, "page_size": P, "max_active": 0, "prefills": 0, "prefill_tokens": 0,
@@ -291,12 +303,14 @@ class PagedDecoder(FusedModel):
             out_lp[r].extend(lps)
             if stop is not None:
                 finish[r] = "stop"
+                done[r] = True
                 return True
             if len(out_ids[r]) < cap[r]:
                 return False
             if cap[r] < max_new:  # a benchmark's forced stop (stop_at)
                 out_ids[r][-1] = forced_stop
                 finish[r] = "stop"
+            done[r] = True
             return True
 
         def unref_prefix(key: tuple) -> None:
@@ -359,6 +373,8 @@ class PagedDecoder(FusedModel):
 
         try:
             while queue or any(r >= 0 for r in row_req):
+                if until is not None and until.reached(done):
+                    break  # enough groups complete: the rest are returned as they are
                 active = [s for s in range(R) if row_req[s] >= 0]
                 # ---- admit queued requests while rows and pages are free ------------------------------------
                 free_rows = [s for s in range(R) if row_req[s] < 0]
@@ -518,6 +534,8 @@ class PagedDecoder(FusedModel):
                     buf.zero_()
                 self.table.zero_()
         pool.check_all_free()
+        finish = [f if d else "abort" for f, d in zip(finish, done)]
+        stats["aborted"] = finish.count("abort")
         stats["peak_pages_used"] = pool.peak_used
         stats["total_s"] = time.perf_counter() - t_start
         stats["new_tokens"] = sum(len(x) for x in out_ids)

@@ -26,7 +26,7 @@ import torch
 
 from runtime.config import GrpoConfig
 from runtime.errors import ConfigError, ModelError, TransientError
-from runtime.rollout.base import RolloutEngine, SampleRequest, SampleResult, SamplingParams
+from runtime.rollout.base import GroupsDone, RolloutEngine, SampleRequest, SampleResult, SamplingParams
 from runtime.rollout.sglang.engine_pool import EnginePool
 from runtime.rollout.sglang.http_protocol import Aborted, EngineFault, generate_payload, parse_generate_response
 from runtime.rollout.sglang.server_process import DEAD, READY, kill_all
@@ -120,7 +120,11 @@ class SGLangEngine(RolloutEngine):
     def weight_version(self) -> int:
         return self.weights.version
 
-    def generate(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
+    def generate(self, requests: list[SampleRequest], sampling: SamplingParams,
+                 until: GroupsDone | None = None) -> list[SampleResult]:
+        if until is not None or any(r.prefix_ids for r in requests):
+            raise ConfigError("partial rollout (continued samples, stopping once enough groups are done) runs on "
+                              "the built-in engine only so far: set rollout.engine: builtin")
         with self._lock:
             self._check_open()
             if not requests:
