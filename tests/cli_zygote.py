@@ -23,6 +23,22 @@ import runtime.trainer.megatron_trainer  # noqa: F401
 import tasks.train  # noqa: F401
 
 
+def _warm_imports() -> None:
+    """What a run imports lazily (MLflow's SQL stores and migrations, megatron's model and checkpointing,
+    the HF model class, the report's plotting, parquet): imported here once, not in every forked run."""
+    import importlib
+
+    for name in ("mlflow", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
+                 "mlflow.store.model_registry.sqlalchemy_store", "mlflow.store.db.utils", "alembic.command",
+                 "sqlalchemy.dialects.sqlite", "megatron.core.models.gpt", "megatron.core.dist_checkpointing",
+                 "megatron.core.dist_checkpointing.strategies.torch", "megatron.core.optimizer",
+                 "transformers.models.qwen3.modeling_qwen3", "matplotlib.figure", "matplotlib.backends.backend_agg",
+                 "pyarrow.parquet", "prefect.flow_engine", "prefect.task_engine", "runtime.inputs.fetch",
+                 "runtime.inputs.datasets", "runtime.inputs.synthetic", "runtime.models.tiny", "runtime.mcore.env",
+                 "runtime.mcore.convert", "runtime.grpo.evaluation", "runtime.tracking.report"):
+        importlib.import_module(name)
+
+
 def _child(req: dict) -> None:
     os.setsid()
     fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -45,6 +61,7 @@ def _child(req: dict) -> None:
 
 
 def serve() -> None:
+    _warm_imports()
     assert threading.active_count() == 1, [t.name for t in threading.enumerate()]  # fork-safe
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:

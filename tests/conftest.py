@@ -14,8 +14,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-# A small reference run: 4 rollouts in 2 chunks, shared by every test that compares against it.
-REFERENCE_OVERRIDES = ["train.num_rollout=4", "checkpoint.interval=2", "eval.interval=null"]
+# A small reference run: 4 rollouts in 2 chunks, shared by every test that compares against it. Resume,
+# kill and cluster-loss tests need the loop's structure (chunks, checkpoints), not batch size: 4 prompts x
+# 4 samples keeps every path and costs a quarter of the tiny config's 8 x 16.
+SMALL_BATCH = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
+               "train.micro_batch_size=8"]
+REFERENCE_OVERRIDES = ["train.num_rollout=4", "checkpoint.interval=2", "eval.interval=null", *SMALL_BATCH]
 
 
 @pytest.fixture(scope="session")

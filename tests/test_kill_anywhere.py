@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
+from tests.conftest import SMALL_BATCH
 from runtime.run import checkpoint
 from runtime.run.directory import RunDir
 from runtime.run.leftovers import temp_leftovers
@@ -34,7 +35,7 @@ from runtime.run.leftovers import temp_leftovers
 pytestmark = pytest.mark.kill
 
 RUN = "ref"
-SETS = ["train.num_rollout=4", "checkpoint.interval=2", "eval.interval=2", "eval.max_prompts=8"]
+SETS = ["train.num_rollout=4", "checkpoint.interval=2", "eval.interval=2", "eval.max_prompts=8", *SMALL_BATCH]
 # Counted hits (name#k) are counted per process: in the reference, metrics are logged by chunk 1 (#1),
 # eval 2 (#2), chunk 2 (#3), eval 4 (#4); a resumed process re-registers eval points it finds done.
 BOUNDARIES = ["fetched", "prepared", "converted", "tracking-store-ready", "mlflow-metrics-logged#1",
