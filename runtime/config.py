@@ -122,7 +122,17 @@ class RolloutSection(Section):
     reward_timeout_s: float = Field(5.0, gt=0)
     custom_rollout: str | None = None  # module:function replacing generate+reward
     dynamic_sampling: bool = False
+    # groups in flight per rollout: rollout_batch_size x this (dynamic sampling draws them at once; partial
+    # rollout keeps that many generating and stops once rollout_batch_size of them are complete)
     over_sampling_factor: float = Field(1.0, ge=1.0)
+    # prompt draws per rollout while filtering leaves too few groups; then uninformative ones fill the batch
+    max_draws: int = Field(4, gt=0)
+    # partial rollout: a rollout stops once rollout_batch_size groups are complete (and kept); the extra
+    # complete groups and the unfinished samples (tokens, log-probs, the weight version of each token) are
+    # run state, saved with each checkpoint, and go first in the next rollout, continued under the new weights
+    partial: bool = False
+    # a buffered sample with tokens older than this many weight versions is dropped (and counted)
+    max_staleness: int = Field(2, ge=0)
     # The built-in engine's KV cache: its size in GiB (None: what the memory plan leaves free on a GPU,
     # a bounded default on CPU). Part of the plan that `grpoflow validate` checks.
     kv_cache_gb: float | None = Field(None, gt=0)
@@ -164,6 +174,8 @@ class AlgorithmSection(Section):
     entropy_coef: float = 0.0
     use_tis: bool = False
     tis_cap: float = Field(2.0, gt=0)
+    # truncate: weight min(ratio, tis_cap) (TIS); mask: weight ratio where ratio <= tis_cap, else 0 (MIS)
+    tis_mode: Literal["truncate", "mask"] = "truncate"
     logratio_clamp: float = Field(20.0, gt=0, description="|log-ratio| bound before exp (policy, TIS, KL)")
     dual_clip_c: float | None = Field(None, description="verl's dual clip for A < 0 (verl: 3); None: off")
 
@@ -350,6 +362,13 @@ class GrpoConfig(Section):
                 f"{self.checkpoint.interval} (an eval needs a checkpoint to export)")
         if r.top_k == 0:
             raise ValueError("rollout.top_k=0 keeps no token: use -1 (off) or a count >= 1")
+        if r.partial:
+            if r.engine != "builtin" or r.custom_rollout:
+                raise ValueError("rollout.partial runs on the built-in engine without a custom rollout so far; set "
+                                 "rollout.engine: builtin and remove rollout.custom_rollout, or partial: false")
+            if not self.algorithm.use_tis:
+                raise ValueError("rollout.partial trains tokens made by older weights, which TIS corrects: set "
+                                 "algorithm.use_tis: true (algorithm.tis_mode: mask for MIS)")
         if self.algorithm.entropy_coef and t.tensor_parallel > 1:
             raise ValueError("algorithm.entropy_coef > 0 needs train.tensor_parallel=1 (the entropy bonus is not "
                              "computed under tensor parallelism); set one of them back")

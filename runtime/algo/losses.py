@@ -102,6 +102,7 @@ def policy_loss(
     logratio_clamp: float = DEFAULT_LOGRATIO_CLAMP,
     dual_clip_c: float | None = None,
     norm_tokens: float | None = None,
+    tis_mode: str = "truncate",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate: max(-A·ratio, -A·clip(ratio, 1-eps_clip, 1+eps_clip_high)) per token.
 
@@ -111,7 +112,8 @@ def policy_loss(
     `advantages` is per token or per sequence (broadcast over tokens). With `rollout_logp` and
     `tis_cap`, each token's loss is weighted by min(exp(old_logp - rollout_logp), tis_cap), detached:
     truncated importance sampling that corrects for the rollout engine's probabilities differing from
-    the trainer's (slime's TIS).
+    the trainer's (slime's TIS), and for tokens an older policy made (partial rollout). `tis_mode` "mask"
+    (MIS, masked importance sampling) instead gives a token whose ratio is above `tis_cap` weight 0.
 
     Metrics (detached, aggregated by `metric_agg`): clip_frac, the share of tokens whose clipped
     branch is the active one; approx_kl, the k3 estimate of KL(old ‖ current) on tokens sampled from
@@ -140,7 +142,7 @@ def policy_loss(
         if rollout_logp is None:
             raise ValueError("tis_cap is set but rollout_logp was not given: TIS needs the rollout engine's log-probs")
         raw = torch.exp(masked_log_ratio(old_logp, rollout_logp, mask, logratio_clamp)).detach()
-        weight = raw.clamp(max=tis_cap)
+        weight = raw.clamp(max=tis_cap) if tis_mode == "truncate" else torch.where(raw <= tis_cap, raw, 0.0)
         per_token = per_token * weight
         metrics["tis_weight"] = aggregate(weight, mask, m_agg, normalizer).detach()
         metrics["tis_clip_frac"] = aggregate((raw > tis_cap).to(logp.dtype), mask, m_agg, normalizer).detach()
@@ -195,7 +197,7 @@ def grpo_loss(
     pg_loss, metrics = policy_loss(
         logp, old_logp, advantages, mask, a.eps_clip, a.eps_clip_high, a.loss_agg,
         rollout_logp if a.use_tis else None, a.tis_cap if a.use_tis else None, normalizer,
-        logratio_clamp=a.logratio_clamp, dual_clip_c=a.dual_clip_c, norm_tokens=norm_tokens,
+        logratio_clamp=a.logratio_clamp, dual_clip_c=a.dual_clip_c, norm_tokens=norm_tokens, tis_mode=a.tis_mode,
     )
     loss = pg_loss
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)

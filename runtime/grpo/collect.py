@@ -1,9 +1,10 @@
 """Collect one rollout: draw prompts, generate n samples each, score them, keep the groups to train on.
 
 With dynamic sampling (DAPO) it draws `over_sampling_factor` times the prompts it needs and keeps the
-first `rollout_batch_size` groups whose rewards differ, drawing again (up to MAX_DRAWS times) when
-too few do. Which groups are kept depends only on rewards, never on timing; every sample's randomness
-is keyed by (seed, rollout id, prompt index, sample index).
+first `rollout_batch_size` groups whose rewards differ, drawing again (up to `rollout.max_draws` times)
+when too few do. Which groups are kept depends only on rewards, never on timing; every sample's randomness
+is keyed by (seed, rollout id, prompt index, sample index). With partial rollout (`runtime/grpo/partial.py`)
+groups also carry over from one rollout to the next.
 """
 from __future__ import annotations
 
@@ -18,9 +19,6 @@ from runtime.placement.handles import EngineHandle
 from runtime.rewards.timeout import score_batch
 from runtime.rollout.base import SampleRequest, SampleResult, SamplingParams, keyed_requests
 from runtime.rollout.custom import validate_rollout_output
-
-MAX_DRAWS = 4  # prompt draws per rollout before the batch is filled with uninformative groups
-
 
 def sampling_params(d: dict) -> SamplingParams:
     return SamplingParams(temperature=d["temperature"], top_p=d["top_p"], top_k=d["top_k"],
@@ -47,14 +45,20 @@ class Collector:
         self.reward_fn, self.custom_rollout = reward_fn, custom_rollout
         self.sampling = sampling_params(cfg.rollout_sampling())
 
-    def collect(self, rollout_id: int, cursor: dict) -> RolloutBatch:
+    def collect(self, rollout_id: int, cursor: dict, partial_state: dict | None = None) -> RolloutBatch:
         r = self.cfg.rollout
+        if r.partial:
+            from runtime.grpo.partial import collect_partial
+            p = collect_partial(self, rollout_id, cursor, partial_state)
+            return RolloutBatch(groups=p.groups, generated=p.completed, cursor=p.cursor, dropped=p.filtered,
+                                reward_failures=p.reward_failures, generate_s=p.generate_s, reward_s=p.reward_s,
+                                new_tokens=p.new_tokens, partial_state=p.state, extra_metrics=p.metrics)
         need = r.rollout_batch_size
         want = max(need, int(need * r.over_sampling_factor)) if r.dynamic_sampling else need
         generated: list[Group] = []
         generate_s = reward_s = 0.0
         failures = 0
-        for _ in range(MAX_DRAWS):
+        for _ in range(r.max_draws):
             rows, cursor = self.dataset.batch(cursor, want)
             t0 = time.time()
             groups = self.generate(rows, rollout_id, first_prompt=len(generated))

@@ -112,7 +112,8 @@ class TrainSession:
             self.trainer.offload_state()  # grads, master weights, Adam to host while the engine generates
         if colocated:
             self.engine.resume_memory()  # the KV pool back from the last update
-        batch = self.collector.collect(rollout_id, self.state["cursor"])  # generate + score (+ dynamic sampling)
+        # generate + score (+ dynamic sampling; partial rollout: with the groups the last rollout left)
+        batch = self.collector.collect(rollout_id, self.state["cursor"], self.state.get("partial"))
         adv = advantages(batch, c.rollout.n_samples_per_prompt, c.algorithm.normalize_adv_std)
         if colocated:
             self.engine.release_memory()  # the trainer gets the memory generation used
@@ -123,6 +124,8 @@ class TrainSession:
         self.weights.push(version=rollout_id + 1)
         sync_s = time.time() - t_sync
         self.state["cursor"] = batch.cursor
+        if batch.partial_state is not None:
+            self.state["partial"] = batch.partial_state
         return rollout_metrics(rollout_id, batch, train, weight_sync_s=sync_s, step_time_s=time.time() - t0)
 
     # -- one chunk -----------------------------------------------------------------------------
@@ -146,6 +149,8 @@ class TrainSession:
         # No RNG state to save: sampling noise is keyed by (seed, rollout, prompt, sample) and training
         # draws no random numbers (dropout is off).
         state = {"cursor": self.state["cursor"], "metrics": chunk_metrics, "rng": {"keyed_seed": self.cfg.train.seed}}
+        if "partial" in self.state:  # the groups in flight (tokens, log-probs, weight versions): resumed exactly
+            state["partial"] = self.state["partial"]
         t0 = time.time()
 
         def write_model(path: str) -> None:
