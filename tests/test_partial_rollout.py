@@ -88,3 +88,39 @@ def test_partial_needs_tis_and_the_builtin_engine():
         load_config("configs/tiny.yaml", ["rollout.partial=true"])
     with pytest.raises(ConfigError, match="rollout.engine: builtin"):
         load_config("configs/tiny.yaml", ["rollout.partial=true", "algorithm.use_tis=true", "rollout.engine=sglang"])
+
+
+# ---- killed anywhere with a buffer in flight (the reliability issue's kill moments, SIGKILL, no clean-up) ----
+
+@pytest.mark.kill
+@pytest.mark.parametrize("moment", ["generate#3", "checkpoint-model-written#2"],
+                         ids=["mid-rollout-3-buffer-in-flight", "checkpoint-write-of-chunk-2"])
+def test_killed_with_a_buffer_in_flight_then_resumed_is_bitwise_equal(unbroken, prefect_harness, tmp_path, moment):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import prefect.settings
+
+    from cli.main import main
+    from runtime.run import checkpoint
+
+    root = tmp_path / "root"
+    sets = sum((["--set", s] for s in PARTIAL + [f"storage.root={root}"]), [])
+    argv = ["run", "configs/tiny.yaml", "--run-id", "partial", *sets]
+    env = dict(os.environ, GRPOFLOW_TEST_KILL_AT=moment, PREFECT_API_URL=prefect.settings.PREFECT_API_URL.value())
+    log = tmp_path / "killed.log"
+    with log.open("w") as out:
+        proc = subprocess.run([sys.executable, "-m", "cli.main", *argv], stdout=out, stderr=subprocess.STDOUT, env=env,
+                              start_new_session=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, f"{moment} was never reached:\n{log.read_text()[-3000:]}"
+    rd = RunDir(str(root), "partial")
+    ck = checkpoint.latest(rd)
+    assert ck is not None and ck.rollout == 2 and ck.state["partial"]["buffer"]  # a buffer was in flight
+    assert main(["resume", "partial", "--root", str(root)]) == 0
+    final = checkpoint.latest(rd)
+    assert final.rollout == 4
+    assert _untimed(final.state["metrics"]) == _untimed(unbroken["metrics"][2:])
+    assert_same_checkpoint(checkpoint_tensors(final.path, tmp_path),
+                           checkpoint_tensors(RunDir(str(unbroken["root"]), "partial").checkpoint(4), tmp_path))
