@@ -203,7 +203,7 @@ def test_fast_path_is_chosen_per_family():
     kw = dict(micro_batch_size=1, seq_len=2048, rollout_batch=64, max_new_tokens=1024)
     assert estimate_memory(_qwen3_06b(), **kw)["decode_path"] == "paged"
     assert estimate_memory(_qwen3_06b(), device="cpu", **kw)["decode_path"] == "dynamic"
-    assert estimate_memory(_glm_z1_9b(), tp=2, **kw)["decode_path"] == "dynamic"  # no fast path for GLM4
+    assert estimate_memory(_glm_z1_9b(), tp=2, **kw)["decode_path"] == "paged"  # GLM4 on the fast path too
 
 
 # ---- against the H100 --------------------------------------------------------------------------------------

@@ -342,3 +342,37 @@ def test_glm_z1_9b_config_and_its_estimate():
     est = estimate_for_config(cfg, glm, gpu_mem_gb=80)
     assert est["tp"] == t.tensor_parallel and est["params_per_gpu"] < n
     assert est["fits"] is (est["total"] <= 80)
+
+
+# ---- the built-in engine's paged fast path: every family draws the HF path's tokens -------------------------
+@pytest.mark.parametrize("name", ["glm4_untied", "glm4_tied", "qwen2_untied", "llama_tied_llama3_rope"])
+def test_paged_fast_path_draws_the_hf_paths_tokens(hf_dirs, name):
+    from runtime.rollout.base import SampleRequest, SamplingParams
+    from runtime.rollout.builtin import BuiltinEngine
+    from runtime.rollout.decode_model import unsupported_reason
+    from runtime.rollout.kv_pages import kv_bytes_per_token
+
+    hf = BuiltinEngine(str(hf_dirs[name]), decode_path="hf")
+    reason = unsupported_reason(hf.model)
+    if name.startswith("llama_tied_llama3"):  # llama3 RoPE scaling: the HF path only, said in one line
+        assert reason and "rope_type 'llama3'" in reason
+        return
+    assert reason is None
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 50, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(4)]
+    # groups of 3 share a prompt; 4 rows for 12 requests (continuous batching)
+    reqs = [SampleRequest(prompt_ids=prompts[i // 3], key=(5, 1, i // 3, i % 3)) for i in range(12)]
+    per_page = 4 * kv_bytes_per_token(hf.model.config, "float32")
+    # 4 rows for 12 requests; then 12 pages of 4 tokens for 6 rows: rows are preempted and continued
+    for rows, pages, new in ((4, None, 12), (6, 12, 20)):
+        paged = BuiltinEngine(str(hf_dirs[name]), decode_path="paged", max_batch_size=rows, page_size=4,
+                              kv_cache_gb=None if pages is None else pages * per_page / 2**30)
+        preempted = 0
+        for sp in (SamplingParams(max_new_tokens=new), SamplingParams(temperature=0.7, top_k=20, max_new_tokens=new)):
+            a, b = hf.generate(reqs, sp), paged.generate(reqs, sp)
+            preempted += paged.decoder.stats["preemptions"]
+            assert [r.response_ids for r in a] == [r.response_ids for r in b]
+            assert max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.response_logprobs, y.response_logprobs)) < 1e-4
+        assert paged.decoder.pool.used == 0
+        assert (preempted > 0) == (pages is not None), preempted

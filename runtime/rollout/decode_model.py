@@ -1,11 +1,14 @@
 """The HF model's forward as pure functions over fused weights: what the engine's decoders run.
 
-`FusedModel` takes a Qwen3 / Qwen2 / LLaMA-family HF causal LM and binds its weights (no HF forward):
-q/k/v and gate/up are fused into one buffer each and the HF parameters re-pointed to views of them,
+`FusedModel` takes a Qwen3 / Qwen2 / LLaMA / GLM4-family HF causal LM and binds its weights (no HF
+forward): q/k/v and gate/up are fused into one buffer each and the HF parameters re-pointed to views of them,
 so the engine's `update_weights` (which copies into `model.state_dict()` tensors) updates the
 decoder in place and captured CUDA graphs stay valid. The per-layer pieces (norm + fused QKV +
 q/k-norm + RoPE; o-proj + residual + norm + fused gate/up + SwiGLU + down) go through torch.compile
-on CUDA (dynamic shapes: one compile serves prefill and every decode batch size).
+on CUDA (dynamic shapes: one compile serves prefill and every decode batch size). GLM4 differs in three
+places, each a setting of the same pieces: RoPE on the first `partial_rotary_factor` of each head with
+interleaved pairs, a norm after the attention and after the MLP (before each residual add), and q/k/v
+biases (which Qwen2 has too).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch.nn.functional as F
 
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_next, uniform_noise
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "glm4")
 
 
 def unsupported_config_reason(cfg) -> str | None:
@@ -66,7 +69,16 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x[..., d:], x[..., :d]), dim=-1) * sin
 
 
-def _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, nkv: int, hd: int):
+def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # GLM4's: pairs (0, 1), (2, 3), ... of the first cos.shape[-1] dims rotate; the rest pass through
+    rot = cos.shape[-1]
+    xr = x[..., :rot]
+    turned = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat((xr * cos + turned * sin, x[..., rot:]), dim=-1)
+
+
+def _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, nkv: int, hd: int,
+              interleaved: bool = False):
     """[T, H] -> q [T, nh, hd], k, v [T, nkv, hd] (RoPE applied)."""
     x = _rms(h, ln_w, eps)
     qkv = F.linear(x, qkv_w, qkv_b)
@@ -76,24 +88,30 @@ def _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, 
     if qn_w is not None:
         q = _rms(q, qn_w, eps)
         k = _rms(k, kn_w, eps)
-    return _rope(q, cos, sin), _rope(k, cos, sin), v.reshape(-1, nkv, hd).contiguous()
+    rope = _rope_interleaved if interleaved else _rope
+    return rope(q, cos, sin), rope(k, cos, sin), v.reshape(-1, nkv, hd).contiguous()
 
 
-def _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, eps: float, ffn: int):
-    h = h + F.linear(attn, o_w, o_b)
+def _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps: float, ffn: int):
+    """o-proj, residual, norm, SwiGLU MLP, residual; `pa_w` / `pm_w` (GLM4): norms of the attention's and
+    the MLP's output before each residual add (None: none)."""
+    a = F.linear(attn, o_w, o_b)
+    h = h + (a if pa_w is None else _rms(a, pa_w, eps))
     gu = F.linear(_rms(h, ln_w, eps), gu_w)
     g, u = gu.split([ffn, ffn], dim=-1)
-    return h + F.linear(F.silu(g) * u, down_w)
+    m = F.linear(F.silu(g) * u, down_w)
+    return h + (m if pm_w is None else _rms(m, pm_w, eps))
 
 
 def _logits(h, norm_w, lm_w, eps: float):
     return F.linear(_rms(h, norm_w, eps), lm_w)
 
 
-def _cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
-    # exactly HF's rotary embedding: fp32 angles, cos/sin scaled, cast to the activation dtype
+def _cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype, interleaved: bool = False):
+    # exactly HF's rotary embedding: fp32 angles, cos/sin scaled, cast to the activation dtype; GLM4 takes
+    # each angle twice in a row (its pairs are interleaved), over its rotary dims only
     f = pos.to(torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat((f, f), dim=-1)
+    emb = f.repeat_interleave(2, dim=-1) if interleaved else torch.cat((f, f), dim=-1)
     return (emb.cos() * scale).to(dtype)[:, None, :], (emb.sin() * scale).to(dtype)[:, None, :]
 
 
@@ -138,6 +156,8 @@ class _Layer:
     ln2: torch.Tensor
     gu_w: torch.Tensor
     down_w: torch.Tensor
+    pa: torch.Tensor | None = None  # GLM4's norm after the attention
+    pm: torch.Tensor | None = None  # and after the MLP
 
 
 def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -182,17 +202,21 @@ class FusedModel:
         self.inv_freq = inner.rotary_emb.inv_freq.to(self.device, torch.float32)
         self.rope_scale = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
         self.vocab = int(self.lm.shape[0])
+        self.interleaved = cfg.model_type == "glm4"
         self.layers = []
         with torch.no_grad():
             for layer in inner.layers:
                 a, m = layer.self_attn, layer.mlp
                 qkv_b = _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+                gate_up = m.gate_up_proj.weight if hasattr(m, "gate_up_proj") else \
+                    _fuse([m.gate_proj.weight, m.up_proj.weight])
                 self.layers.append(_Layer(
                     ln1=layer.input_layernorm.weight, qkv_w=_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
                     qkv_b=qkv_b, qn=getattr(getattr(a, "q_norm", None), "weight", None),
                     kn=getattr(getattr(a, "k_norm", None), "weight", None), o_w=a.o_proj.weight, o_b=a.o_proj.bias,
-                    ln2=layer.post_attention_layernorm.weight,
-                    gu_w=_fuse([m.gate_proj.weight, m.up_proj.weight]), down_w=m.down_proj.weight))
+                    ln2=layer.post_attention_layernorm.weight, gu_w=gate_up, down_w=m.down_proj.weight,
+                    pa=getattr(getattr(layer, "post_self_attn_layernorm", None), "weight", None),
+                    pm=getattr(getattr(layer, "post_mlp_layernorm", None), "weight", None)))
         self._eager_fns()
         self.compile_error: str | None = None
         if self.compiled:
@@ -212,19 +236,22 @@ class FusedModel:
 
     def _eager_fns(self) -> None:
         """The per-layer pieces with the model's sizes bound (constants to the compiler, not inputs)."""
-        nh, nkv, hd, ffn, eps = self.nh, self.nkv, self.hd, self.ffn, self.eps
+        nh, nkv, hd, ffn, eps, interleaved = self.nh, self.nkv, self.hd, self.ffn, self.eps, self.interleaved
 
         def pre(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin):
-            return _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps, nh, nkv, hd)
+            return _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps, nh, nkv, hd, interleaved)
 
-        def post(h, attn, o_w, o_b, ln_w, gu_w, down_w):
-            return _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, eps, ffn)
+        def post(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w):
+            return _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps, ffn)
 
         def head(h, norm_w, lm_w):
             return _logits(h, norm_w, lm_w, eps)
 
         self._pre, self._post, self._head, self._plain = pre, post, head, plain_sample
         self._gumbel = gumbel_noise
+
+    def rope_tables(self, pos: torch.Tensor):
+        return _cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype, self.interleaved)
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.n_layers * self.nkv * self.hd * torch.finfo(self.dtype).bits // 8

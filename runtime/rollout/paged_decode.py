@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from runtime.rollout.decode_attention import (paged_decode_attention, reference_paged_decode_attention,
                                               split_tokens_for, triton_available)
-from runtime.rollout.decode_model import FusedModel, _cos_sin, _cumsum, _flash, _sdpa_prefill
+from runtime.rollout.decode_model import FusedModel, _cumsum, _flash, _sdpa_prefill
 from runtime.rollout.kv_pages import NULL_PAGE, DEFAULT_PAGE_SIZE, PagePool, kv_pool_bytes, pages_for
 
 log = logging.getLogger("grpoflow.rollout")
@@ -133,7 +133,7 @@ class PagedDecoder(FusedModel):
         dev = self.device
         pos = torch.cat([torch.arange(n, device=dev) for n in lens])
         cu = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int32, device=dev)
-        cos, sin = _cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype)
+        cos, sin = self.rope_tables(pos)
         h = F.embedding(ids, self.embed)
         for li, w in enumerate(self.layers):
             q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin)
@@ -143,7 +143,7 @@ class PagedDecoder(FusedModel):
                 a = _flash(q, k, v, cu, cu, max(lens), max(lens), True, self.scale)
             else:
                 a = _sdpa_prefill(q, k, v, lens, self.scale)
-            h = self._post(h, a.reshape(h.shape[0], -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w)
+            h = self._post(h, a.reshape(h.shape[0], -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm)
         return h.index_select(0, torch.tensor(want, dtype=torch.long, device=dev))
 
     def _step(self, b: int, sample_fn: Callable) -> None:
@@ -155,7 +155,7 @@ class PagedDecoder(FusedModel):
         col = self.prefix_cols + torch.clamp(own // P, max=self.own_cols - 1)
         page = table.gather(1, col[:, None]).squeeze(1).to(torch.long)
         widx = page * P + own % P
-        cos, sin = _cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype)
+        cos, sin = self.rope_tables(pos)
         h = F.embedding(tok, self.embed)
         for li, w in enumerate(self.layers):
             q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin)
@@ -167,7 +167,7 @@ class PagedDecoder(FusedModel):
                                            split_tokens=self._chunk_split_tokens)
             else:
                 a = reference_paged_decode_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols, self.scale)
-            h = self._post(h, a.reshape(b, -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w)
+            h = self._post(h, a.reshape(b, -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm)
         logits = self._head(h, self.norm, self.lm)
         t, lp = sample_fn(logits, self.key_hash[:b], self.spos[:b])
         self.out_tok[:b].index_copy_(1, self.chunk_i, t[:, None])
