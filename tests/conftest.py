@@ -16,9 +16,11 @@ import pytest  # noqa: E402
 
 # A small reference run: 4 rollouts in 2 chunks, shared by every test that compares against it. Resume,
 # kill and cluster-loss tests need the loop's structure (chunks, checkpoints), not batch size: 4 prompts x
-# 4 samples keeps every path and costs a quarter of the tiny config's 8 x 16.
+# 4 samples keeps every path and costs a quarter of the tiny config's 8 x 16. With so few samples a
+# rollout's groups can all score alike (zero advantage, no update); the entropy bonus makes every update
+# move the weights, so a bitwise comparison can tell any two checkpoints apart.
 SMALL_BATCH = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
-               "train.micro_batch_size=8"]
+               "train.micro_batch_size=8", "algorithm.entropy_coef=0.01"]
 REFERENCE_OVERRIDES = ["train.num_rollout=4", "checkpoint.interval=2", "eval.interval=null", *SMALL_BATCH]
 
 
