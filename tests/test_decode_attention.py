@@ -36,13 +36,11 @@ def _check_paged() -> None:
         v = torch.randn_like(k)
         q = torch.randn(5, nh, hd).to(dtype)
         ref = reference_paged_decode_attention(q.float(), k.float(), v.float(), table, plen, own, prefix_cols, hd ** -0.5)
-        # tiles of four pages and of one page; splits counted in page space (a prompt of 10 tokens takes 12
-        # positions), merged at once or two splits at a time
-        for split_tokens, block_n, merge_block in ((16, 16, 16), (32, 16, 16), (8, 4, 2)):
+        for split_tokens in (16, 32):
             out = paged_decode_attention(q, k, v, table, plen, own, prefix_cols, hd ** -0.5, split_tokens=split_tokens,
-                                         block_n=block_n, merge_block=merge_block)
+                                         block_n=16)
             err = (out.float() - ref).abs().max().item()
-            assert out.dtype == dtype and err < tol, (dtype, split_tokens, block_n, err)
+            assert out.dtype == dtype and err < tol, (dtype, split_tokens, err)
         # pages not in a row's table, and positions past its lengths, are never read
         k2, v2 = k.clone(), v.clone()
         used = {(int(table[b, c]), t) for b in range(5) for c in range(prefix_cols + own_cols) for t in range(page)

@@ -8,10 +8,7 @@ served from L2 after the first) and the rest its own pages.
 `paged_decode_attention` is a split-KV kernel in Triton: one program per (row, KV head, split) handles
 all of that KV head's query heads at once (no padding of the query rows to a 128-row tile, as
 FlashAttention-2's varlen kernel does), each split streams its share of the row's length, and a second
-kernel merges the splits by their log-sum-exp. A program walks the row in page space (its prompt padded to
-whole pages, then its own pages), in tiles of whole pages: one page-id load per page, not per position
-(Triton's pipeliner issues the next tile's page ids with this tile's K/V; a hand-written prefetch held more
-registers: 126 against 96 at the default tile, ptxas for sm_90). The caller picks the split size for the rows it has: one
+kernel merges the splits by their log-sum-exp. The caller picks the split size for the rows it has: one
 split per row when many are active, many short ones when a few long rows are left. Every length is read
 on the device, so the launch is the same at every step and a CUDA graph can replay it.
 
@@ -88,16 +85,14 @@ if triton is not None:
                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                             prefix_cols, scale_log2, split_tokens,
                             REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
-                            PAGE: tl.constexpr, TILE_PAGES: tl.constexpr):
-        # Positions are counted in page space: the row's prompt padded to whole pages, then its own tokens, so
-        # a tile of BLOCK_N = TILE_PAGES * PAGE positions is whole pages and needs one page id per page.
+                            PAGE: tl.constexpr):
+        # as _split_kernel, but every position is found through the row's page table
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
         plen = tl.load(PLEN + b).to(tl.int32)
         olen = tl.load(OLEN + b).to(tl.int32)
-        ppages = (plen + PAGE - 1) // PAGE  # the row's prompt pages; its own tokens start on the next page
-        total = ppages * PAGE + olen
+        total = plen + olen
         lo = sp * split_tokens
         hi = tl.minimum(lo + split_tokens, total)
 
@@ -109,15 +104,14 @@ if triton is not None:
         l = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, HD], tl.float32)
         pt_row = PT + b.to(tl.int64) * stride_ptb
-        tile_page = tl.arange(0, TILE_PAGES)
-        in_page = tl.arange(0, PAGE).to(tl.int64) * stride_kt + h * stride_kh
         for start in range(lo, hi, BLOCK_N):
-            vp = start // PAGE + tile_page
-            col = tl.where(vp < ppages, vp, prefix_cols + vp - ppages)
-            pages = tl.load(pt_row + col, mask=vp * PAGE < hi, other=0)
             n = start + tl.arange(0, BLOCK_N)
-            valid = (n < hi) & ((n < plen) | (n >= ppages * PAGE))  # not the padding of the prompt's last page
-            off = tl.reshape(pages.to(tl.int64)[:, None] * stride_kp + in_page[None, :], [BLOCK_N])
+            valid = n < hi
+            in_prefix = n < plen
+            j = tl.where(in_prefix, n, n - plen)  # the position within the prompt or within the row's own tokens
+            col = tl.where(in_prefix, j // PAGE, prefix_cols + j // PAGE)
+            page = tl.load(pt_row + col, mask=valid, other=0).to(tl.int64)
+            off = page * stride_kp + (j % PAGE).to(tl.int64) * stride_kt + h * stride_kh
             k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale_log2
             s = tl.where(valid[None, :], s, float("-inf"))
@@ -137,12 +131,12 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(OPART, LSE, OUT, PLEN, OLEN, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b,
-                      stride_h, split_tokens, SPLIT_BLOCK: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr):
+                      stride_h, split_tokens, SPLIT_BLOCK: tl.constexpr, HD: tl.constexpr):
         # in blocks of splits: a few long rows can have ~70 of them, too many to hold at once
         b = tl.program_id(0)
         h = tl.program_id(1)
-        total = tl.cdiv(tl.load(PLEN + b).to(tl.int32), PAGE) * PAGE + tl.load(OLEN + b).to(tl.int32)
-        n = tl.cdiv(total, split_tokens)  # the splits that held part of the row (in page space)
+        total = tl.load(PLEN + b).to(tl.int32) + tl.load(OLEN + b).to(tl.int32)
+        n = tl.cdiv(total, split_tokens)  # the splits that held part of the row
         sb = tl.arange(0, SPLIT_BLOCK)
         d = tl.arange(0, HD)
         lse_row = LSE + b * stride_lb + h * stride_lh
@@ -165,20 +159,15 @@ if triton is not None:
 def paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len, prefix_cols: int, scale: float,
                            split_tokens: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                            merge_block: int = 16):
-    """The kernel version of :func:`reference_paged_decode_attention` (same arguments and result). A row holds
-    at most `page_table.shape[1] * page_size` positions. `split_tokens` (a multiple of the tile): how many
-    positions one program streams, its prompt counted in whole pages; None: `split_tokens_for` the whole batch
-    at that capacity. `block_n`: positions per tile, whole pages (raised to one page if smaller).
-    `merge_block`: splits merged per step of the merge kernel's loop."""
+    """The kernel version of :func:`reference_paged_decode_attention` (same arguments and result); the split
+    and merge as in :func:`decode_attention`. A row holds at most `page_table.shape[1] * page_size` positions."""
     b, nh, hd = q.shape
     page_size, nkv = k_pool.shape[1], k_pool.shape[2]
     rep = nh // nkv
     capacity = page_table.shape[1] * page_size
-    block_n = max(block_n, page_size)
-    assert block_n % page_size == 0, (block_n, page_size)
     if split_tokens is None:
         split_tokens = split_tokens_for(b, nkv, capacity, q.device)
-    assert split_tokens % block_n == 0, (split_tokens, block_n)
+    assert split_tokens % block_n == 0
     splits = -(-capacity // split_tokens)
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1 and q.stride(-1) == 1
     assert page_table.stride(-1) == 1
@@ -190,12 +179,11 @@ def paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len, p
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         int(prefix_cols), float(scale) * 1.4426950408889634, int(split_tokens),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_N=block_n, PAGE=page_size,
-        TILE_PAGES=block_n // page_size, num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages)
     out = torch.empty(b, nh, hd, dtype=q.dtype, device=q.device)
     _merge_kernel[(b, nh)](o_part, lse, out, prefix_len, own_len, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), int(split_tokens),
-                           SPLIT_BLOCK=min(merge_block, triton.next_power_of_2(splits)), HD=hd, PAGE=page_size,
-                           num_warps=4)
+                           SPLIT_BLOCK=min(merge_block, triton.next_power_of_2(splits)), HD=hd, num_warps=4)
     return out
 
 
