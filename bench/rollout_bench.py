@@ -82,13 +82,21 @@ def reset_peak(S) -> None:
 # ---- the workload -------------------------------------------------------------------------------------------
 
 def schedule(S) -> list[int]:
-    """Each request's response length, a pure function of (SEED, prompt, sample): log-normal around `median`
-    with spread `sigma`, clipped to [min_len, max_new]. Reasoning-like: most short, a tail to the cap."""
+    """Each request's response length, a pure function of (SEED, prompt, sample): `lengths_for_hashes`."""
     torch = _torch()
-    from runtime.rollout.keyed_sampling import sample_key_hash, uniform_noise
+    from runtime.rollout.keyed_sampling import sample_key_hash
     n_prompts = round(S["prompts"] * S["over_sampling"])
     keys = torch.tensor([[SEED, 0, p, j] for p in range(n_prompts) for j in range(S["samples"])], dtype=torch.long)
-    u = uniform_noise(sample_key_hash(keys), torch.zeros(len(keys), dtype=torch.long), 1)[:, 0].double().tolist()
+    return lengths_for_hashes(S, sample_key_hash(keys))
+
+
+def lengths_for_hashes(S, key_hash) -> list[int]:
+    """A response length per sample key hash: log-normal around `median` with spread `sigma`, clipped to
+    [min_len, max_new]. Reasoning-like: most short, a tail to the cap."""
+    torch = _torch()
+    from runtime.rollout.keyed_sampling import uniform_noise
+    key_hash = key_hash.cpu()
+    u = uniform_noise(key_hash, torch.zeros(len(key_hash), dtype=torch.long), 1)[:, 0].double().tolist()
     normal = statistics.NormalDist()
     return [int(min(S["max_new"], max(S["min_len"], round(S["median"] * math.exp(S["sigma"] * normal.inv_cdf(x))))))
             for x in u]

@@ -168,7 +168,9 @@ def collect_partial(collector, rollout_id: int, cursor: dict, state: dict | None
     buffer = [asdict(g) for g, _ in extra] + [asdict(g) for g in pending]
     metrics = {"partial_buffered_groups": len(buffer),
                "partial_buffered_samples": sum(s.finish == "abort" for g in pending for s in g.samples),
-               "partial_stale_dropped": len(stale), "partial_tokens_reused": reused_tokens,
+               "partial_stale_dropped": len(stale),
+               "partial_stale_tokens": sum(len(s.ids) for g in stale for s in g.samples),  # made, never trained
+               "partial_tokens_reused": reused_tokens,
                "partial_tokens_generated": new_tokens,
                "partial_buffer_age_mean": sum(age) / len(age) if age else 0.0,
                **{f"partial_prompts_{k}": v for k, v in asdict(counts).items()}}

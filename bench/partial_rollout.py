@@ -1,0 +1,322 @@
+"""Partial rollout on the recipe's rollout (issue 21): the real train stage with `rollout.partial` off and on.
+
+    python bench/partial_rollout.py --sections setup,off --out $OUT    # H100, one call (< 10 min)
+    python bench/partial_rollout.py --sections setup,on --out $OUT     # H100, the other call
+    python bench/partial_rollout.py --merge OUT1 OUT2 --results-dir bench/results   # one JSON from both
+    python bench/partial_rollout.py --cpu                              # CI smoke: tiny shapes, same code paths
+
+What runs: `runtime.grpo.session.TrainSession` (cluster.backend local, trainer and engine colocated) on the
+shipped recipe `configs/qwen3-0.6b-dapo.yaml` (32 prompts x 8 samples, dynamic sampling with 1.5x
+over-sampling, ~1024-token prompts, at most 8192 new tokens, TIS) on a random-init Qwen3-0.6B shape, bf16,
+with the plan's KV pool, packed micro-batches (`--set`, default train.max_tokens_per_micro_batch=24576)
+and a reward that costs nothing (bench/trivial_reward.py). Each sample's length comes from the paged-engine
+bench's keyed schedule (`rollout_bench.lengths_for_hashes`: log-normal, median 1700, a tail to the cap)
+applied to the sample's key: the engine's stop token is forced there, so a continued sample stops at the
+same total length as it would have unbroken, and both modes draw lengths from the same distribution.
+
+Before the timed rollouts the engine is warmed (compile, graphs) on short requests. `off`: every rollout
+is alike (no buffer): all count, and a second call from `--first-rollout` adds more of them (other keyed
+lengths). `on`: rollout 0 starts with an empty buffer and is reported but not counted. Per rollout: step time and its parts, trained response tokens, the engine's slot use
+(row-steps / (decode steps x rows), the GPU busy fraction of a rollout's decode), tokens generated and
+tokens generated but never trained (`off`: the complete extra groups over-sampling discards; `on`: groups
+dropped as stale). Results: OUT/results.jsonl, OUT/partial_rollout.json (summary; with --results-dir a copy
+named by device and date).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+for p in (ROOT, BENCH):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import gpu_grpo  # noqa: E402  (the random model and its torch_dist copy, the section runner)
+import rollout_bench  # noqa: E402  (the keyed length schedule)
+
+RECIPE = ROOT / "configs" / "qwen3-0.6b-dapo.yaml"
+SECTIONS = ("setup", "off", "on")
+SECTION_MAX_S = {"setup": 150, "off": 600, "on": 600}
+GPU_SETS = ["train.max_tokens_per_micro_batch=24576"]
+CPU_SETS = ["data.max_prompt_len=40", "rollout.max_new_tokens=40", "rollout.rollout_batch_size=4",
+            "rollout.n_samples_per_prompt=2", "train.global_batch_size=8", "train.micro_batch_size=4",
+            "model.dtype=float32", "rollout.decode_path=paged", "rollout.kv_cache_gb=0.01"]
+
+
+def shapes(cpu: bool) -> dict:
+    """The engine bench's schedule (lengths) with the recipe's sizes; the model is gpu_grpo's."""
+    S = dict(rollout_bench.SHAPES["cpu" if cpu else "gpu"])
+    S["model"] = dict(gpu_grpo.SHAPES["cpu" if cpu else "gpu"], prompt_len=8, prompts=2, rollouts=1)
+    S["rows"] = 64 if cpu else 400  # prompts in the data set (each rollout draws ~ 48 on the H100)
+    S["timed_rollouts"] = {"off": 1 if cpu else 5, "on": 3 if cpu else 6}
+    S["on_warmup"] = 1  # rollout 0 starts with an empty buffer; from rollout 1 on it carries what the last left
+    return S
+
+
+def sec_setup(S, W: Path) -> dict:
+    """The random model (gpu_grpo's setup) and a data set of prompts of `prompt_len` tokens."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from runtime.inputs.datasets import prepare_dataset
+    from runtime.models.tiny import _WORDS
+    t0 = time.time()
+    r = gpu_grpo.sec_setup(S["model"], W)
+    tok = AutoTokenizer.from_pretrained(W / "hf")
+    rng = random.Random(21)
+    rows = []
+    for i in range(S["rows"]):
+        ids = tok(" ".join(rng.choice(_WORDS) for _ in range(S["prompt_len"] + 8)))["input_ids"][:S["prompt_len"]]
+        rows.append({"prompt": tok.decode(ids), "label": str(i % 10)})
+    (W / "data").mkdir(parents=True, exist_ok=True)
+    with open(W / "data" / "prompts.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    prep = prepare_dataset(str(W / "data" / "prompts.jsonl"), str(W / "data" / "prompts.parquet"), fmt="slime",
+                           tokenizer=tok, apply_chat_template=False, max_prompt_len=2 * S["prompt_len"])
+    return {"name": "setup", "model": r, "prompts": prep.get("rows"), "s": round(time.time() - t0, 1)}
+
+
+def bench_config(S, W: Path, partial: bool, sets: list[str]):
+    """The recipe, pointed at the random model and data, on this machine, with the plan's KV pool."""
+    import yaml
+
+    from runtime.config import config_with_overrides
+    from runtime.models import load_hf_config
+    from runtime.plan.memory import plan_choices
+    tree = yaml.safe_load(RECIPE.read_text())
+    tree["name"] = f"bench-partial-{'on' if partial else 'off'}"
+    tree["model"]["source"] = str(W / "hf")
+    tree["data"] = {**tree["data"], "train": {"source": str(W / "data" / "prompts.jsonl"), "format": "slime"},
+                    "eval": {}, "apply_chat_template": False, "max_prompt_len": 2 * S["prompt_len"]}
+    tree["rollout"].update(reward="bench.trivial_reward:length_mod13", partial=partial)
+    tree["eval"] = {"interval": None}
+    tree["tracking"] = {"enabled": False}
+    tree["cluster"] = {"backend": "local", "device": S["device"], "colocate": True}
+    tree["storage"] = {"root": str(W / f"root-{'on' if partial else 'off'}")}
+    cfg = config_with_overrides(tree, sets, "bench")
+    if S["device"] == "cuda":
+        import torch
+        gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+        choices = plan_choices(cfg, load_hf_config(str(W / "hf")), gib)
+        cfg = config_with_overrides(tree, sets + [f"{k}={v}" for k, v in choices.items()], "bench")
+    return cfg
+
+
+def force_keyed_lengths(S) -> list[dict]:
+    """Every paged generate at the recipe's max_new_tokens stops each sample at its keyed length; returns the
+    list the decoder's stats of each such call are appended to."""
+    from runtime.rollout.paged_decode import PagedDecoder
+    calls: list[dict] = []
+    plain = PagedDecoder.generate
+
+    def generate(self, prompts, key_hash, sampling, stop_ids, stop_at=None, prefixes=None, until=None):
+        timed = int(sampling.max_new_tokens) == S["max_new"]
+        if timed:
+            stop_at = rollout_bench.lengths_for_hashes(S, key_hash)
+        out = plain(self, prompts, key_hash, sampling, stop_ids, stop_at=stop_at, prefixes=prefixes, until=until)
+        if timed:
+            calls.append({k: self.stats.get(k) for k in ("decode_steps", "row_steps", "rows", "decode_s",
+                                                         "prefill_s", "total_s", "new_tokens", "max_active",
+                                                         "preemptions", "reprefill_tokens", "prefill_tokens")})
+        return out
+
+    PagedDecoder.generate = generate
+    return calls
+
+
+KEEP = ("rollout", "step_time_s", "rollout_time_s", "generate_time_s", "train_time_s", "train_tokens",
+        "weight_sync_s", "response_len_mean", "groups_dropped", "reward_mean", "tis_weight_mean")
+
+
+def run_mode(S, W: Path, partial: bool, sets: list[str], budget_s: float, first: int = 0) -> dict:
+    """Timed rollouts first, first + 1, ... of the train stage in one mode (`off` from a later `first`: more
+    steps alike, with other keyed lengths), as many of S['timed_rollouts'] as fit in budget_s."""
+    t_start = time.time()
+    from runtime.grpo.session import TrainSession
+    from runtime.rollout.base import SampleRequest, SamplingParams
+    from runtime.run.directory import RunDir
+    cfg = bench_config(S, W, partial, sets)
+    root = Path(cfg.storage.root)
+    shutil.rmtree(root, ignore_errors=True)
+    rd = RunDir(str(root), "bench")
+    for link, target in ((rd.hf_model, W / "hf"), (rd.torch_dist, W / "td"), (rd.train_data, W / "data" / "prompts.parquet")):
+        Path(link).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(target, link)
+    calls = force_keyed_lengths(S)
+    sess = TrainSession(cfg, rd)
+    sess.ensure_at(None)
+    t0 = time.time()
+    warm = [SampleRequest(prompt_ids=list(range(3, 3 + S["prompt_len"])), key=(1, 0, i, 0)) for i in range(16)]
+    sess.engine.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=32))  # compile, first graphs
+    res: dict = {"name": "on" if partial else "off", "partial": partial, "setup_s": round(t0 - t_start, 1),
+                 "engine_warmup_s": round(time.time() - t0, 1), "plan_kv_cache_gb": cfg.rollout.kv_cache_gb,
+                 "sets": sets, "rollouts": []}
+    B = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    last = 0.0
+    for rid in range(first, first + S["timed_rollouts"]["on" if partial else "off"]):
+        if time.time() - t_start + 1.15 * last > budget_s:
+            res["stopped_early"] = f"no time for rollout {rid} within {budget_s:.0f} s"
+            break
+        n_calls = len(calls)
+        m = sess.rollout(rid)
+        last = m["step_time_s"]
+        dec = calls[n_calls:]
+        row = {k: (round(m[k], 4) if isinstance(m[k], float) else m[k]) for k in KEEP if k in m}
+        row.update({k: round(v, 3) if isinstance(v, float) else v for k, v in m.items() if k.startswith("partial_")})
+        row["trained_response_tokens"] = round(m["response_len_mean"] * B)
+        row["generated_tokens"] = round(m["rollout_tok_s"] * m["generate_time_s"])  # the rollout's own count
+        row["engine_tokens"] = sum(c["new_tokens"] or 0 for c in dec)  # incl. a chunk's tokens past a stop
+        row["generate_calls"] = len(dec)
+        steps = sum(c["decode_steps"] or 0 for c in dec)
+        row["slot_use"] = round(sum(c["row_steps"] or 0 for c in dec) / max(1, sum((c["decode_steps"] or 0) * (c["rows"] or 0)
+                                                                                  for c in dec)), 3)
+        row["decode_steps"] = steps
+        row["engine_s"] = round(sum(c["total_s"] or 0 for c in dec), 2)
+        row["preemptions"] = sum(c["preemptions"] or 0 for c in dec)
+        row["trained_tok_s"] = round(row["trained_response_tokens"] / m["step_time_s"])
+        res["rollouts"].append(row)
+        print("ROLLOUT", json.dumps(row), flush=True)
+    res["counted_from"] = first + (S["on_warmup"] if partial else 0)
+    res["steady"] = steady_of(res)
+    res["peak_mem_GiB"] = rollout_bench.peak_gib(S)
+    sess.close()
+    return res
+
+
+def steady_of(res: dict) -> dict | None:
+    """Totals and medians over the rollouts counted (from `counted_from` on; rollouts merged from several
+    calls of the same mode are all counted, each call's own first ones excepted)."""
+    steady = [r for r in res["rollouts"] if r["rollout"] >= res["counted_from"]]
+    if not steady:
+        return None
+    partial = res["partial"]
+    total = lambda k: sum(r[k] for r in steady)  # noqa: E731
+    med = lambda k: round(statistics.median(r[k] for r in steady), 2)  # noqa: E731
+    out = {"rollouts": len(steady), "trained_tok_s": round(total("trained_response_tokens") / total("step_time_s")),
+           "step_time_s": med("step_time_s"), "rollout_time_s": med("rollout_time_s"),
+           "train_time_s": med("train_time_s"),
+           "slot_use": round(sum(r["slot_use"] * r["decode_steps"] for r in steady) / max(1, total("decode_steps")), 3),
+           "generated_tokens": total("generated_tokens"), "trained_response_tokens": total("trained_response_tokens"),
+           # off: the extra complete groups are dropped once the batch is full; on: only stale groups are
+           "never_trained_tokens": (total("partial_stale_tokens") if partial
+                                    else total("generated_tokens") - total("trained_response_tokens"))}
+    if partial:
+        out["tokens_reused"] = total("partial_tokens_reused")
+        out["buffered_samples_mean"] = round(statistics.fmean(r["partial_buffered_samples"] for r in steady), 1)
+        out["stale_dropped_groups"] = total("partial_stale_dropped")
+    return out
+
+
+def merge(dirs: list[str]) -> dict:
+    """The sections of several calls' OUT dirs; the rollouts of one mode run in several calls are pooled."""
+    res: dict = {}
+    for d in dirs:
+        for name, sec in gpu_grpo.read_results(Path(d)).items():
+            if name in res and name != "setup" and sec.get("status") == "ok" and res[name].get("status") == "ok":
+                have = res[name]
+                have["rollouts"] = have["rollouts"] + sec["rollouts"]
+                have["counted_from"] = min(have["counted_from"], sec["counted_from"])
+                have["steady"] = steady_of(have)
+            elif name not in res:
+                res[name] = sec
+    return res
+
+
+def summarize(S, res: dict) -> dict:
+    info = gpu_grpo.env_info(dict(S["model"]))
+    off, on = ((res.get(k) or {}).get("steady") for k in ("off", "on"))
+    ratios = {}
+    if off and on:
+        ratios = {"trained_tok_s_on_vs_off": round(on["trained_tok_s"] / off["trained_tok_s"], 2),
+                  "step_time_on_vs_off": round(on["step_time_s"] / off["step_time_s"], 2),
+                  "rollout_time_on_vs_off": round(on["rollout_time_s"] / off["rollout_time_s"], 2)}
+    return {"benchmark": "partial_rollout", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "device": info.get("gpu", "cpu"), "env": info, "shapes": {k: v for k, v in S.items() if k != "model"},
+            "ratios": ratios, "targets_met": ({"trained_tok_s>=1.3x": ratios["trained_tok_s_on_vs_off"] >= 1.3}
+                                              if ratios and S["device"] == "cuda" else None),
+            "sections": res}
+
+
+def print_table(summary: dict) -> None:
+    rows = [("mode", "rollouts", "trained tok/s", "step s", "rollout s", "train s", "slot use", "never trained")]
+    for name in ("off", "on"):
+        st = (summary["sections"].get(name) or {}).get("steady")
+        if st:
+            rows.append((name, st["rollouts"], st["trained_tok_s"], st["step_time_s"], st["rollout_time_s"],
+                         st["train_time_s"], st["slot_use"], st["never_trained_tokens"]))
+        else:
+            rows.append((name, "-", "-", "-", "-", "-", "-", str((summary["sections"].get(name) or {}).get("error", "not run"))[:80]))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)))
+    print("ratios", json.dumps(summary["ratios"]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (CI smoke)")
+    ap.add_argument("--sections", default=None, help=f"comma list of {SECTIONS}")
+    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/partial_rollout_out")
+    ap.add_argument("--set", dest="sets", action="append", default=None, help="config override (default: packing)")
+    ap.add_argument("--merge", nargs="+", default=None, help="OUT dirs of earlier calls: one summary of their sections")
+    ap.add_argument("--results-dir", default=None)
+    ap.add_argument("--deadline", type=float, default=570.0)
+    ap.add_argument("--first-rollout", type=int, default=0, help="the first rollout id of the off mode")
+    a = ap.parse_args(argv)
+    S = shapes(a.cpu)
+    sets = a.sets if a.sets is not None else (CPU_SETS if a.cpu else GPU_SETS)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    W = Path(a.work or ("/tmp/partial_rollout_work" + ("_cpu" if a.cpu else "")))
+    W.mkdir(parents=True, exist_ok=True)
+    gpu_grpo.prepare_env()
+    if a.merge:
+        res = merge(a.merge)
+    elif a.section:
+        if a.cpu:
+            import torch
+            torch.set_num_threads(1)
+        left = float(os.environ.get("SECTION_BUDGET_S", a.deadline))
+        fn = {"setup": sec_setup, "off": lambda S, W: run_mode(S, W, False, sets, left - 15, a.first_rollout),
+              "on": lambda S, W: run_mode(S, W, True, sets, left - 15)}[a.section]
+        r = gpu_grpo.run_section(a.section, S, W, out, fn=fn)
+        return 0 if r["status"] == "ok" else 1
+    else:
+        sections = [x for x in (a.sections.split(",") if a.sections else SECTIONS) if x]
+        (out / "results.jsonl").unlink(missing_ok=True)
+        t_start = time.time()
+        for name in sections:
+            left = a.deadline - (time.time() - t_start)
+            os.environ["SECTION_BUDGET_S"] = str(int(min(SECTION_MAX_S[name], left)))
+            extra = ("--cpu",) if a.cpu else ()
+            extra += tuple(x for s in sets for x in ("--set", s)) + ("--first-rollout", str(a.first_rollout))
+            gpu_grpo.run_sections_in_processes(Path(__file__), [name], W, out, left, SECTION_MAX_S,
+                                               extra_args=extra)
+        res = gpu_grpo.read_results(out)
+    summary = summarize(S, res)
+    (out / "partial_rollout.json").write_text(json.dumps(summary, indent=1, default=str))
+    if a.results_dir:
+        dev = summary["device"].replace(" ", "_")
+        name = f"partial_rollout_{dev}_{summary['date'][:10]}.json" if not a.cpu else "partial_rollout_cpu_smoke.json"
+        Path(a.results_dir).mkdir(parents=True, exist_ok=True)
+        (Path(a.results_dir) / name).write_text(json.dumps(summary, indent=1, default=str))
+    print_table(summary)
+    failed = [n for n, r in summary["sections"].items() if r.get("status") != "ok"]
+    return 1 if failed and a.cpu else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
