@@ -14,6 +14,10 @@ client uses, with the request and response shapes read from SGLang 0.5.23 (the P
                                                  LogprobEntry = [logprob, token_id, text]
   python/sglang/srt/managers/schedule_batch.py   finish_reason dicts: {"type": "stop", "matched"},
                                                  {"type": "length", "length"}, {"type": "abort", ...}
+  python/sglang/srt/managers/tokenizer_manager.py  POST /abort_request (AbortReq: rid, abort_all) answers
+                                                 200 with an empty body, a no-op for an unknown or
+                                                 finished rid; the aborted /generate answers 200 with
+                                                 finish_reason type "abort" and the tokens made so far
   python/sglang/srt/layers/sampler.py            sampling_seed is honoured only with
                                                  --enable-deterministic-inference; log-probs are
                                                  of softmax(logits / temperature)
@@ -39,6 +43,15 @@ Test-only extras:
   --health-503-count N   answer the first N health checks with 503 (like SGLang still warming up)
   --gen-jitter S                   each /generate sleeps up to S pseudo-random seconds (answers out of order)
   --ignore-weight-updates          update calls succeed but the weights do not change
+  --gate N       hold every rollout /generate's answer until N rollout /generate requests, counted since
+                 the gate was armed, have their answer computed or are held (--hold-rids): all of a call's
+                 requests are in flight, and all but the held ones finished, before any answer goes out,
+                 whatever the order they were sent in. POST /_gate {"n": N} re-arms it (0: open)
+  --hold-rids REGEX --hold-after K   a rollout /generate whose rid matches REGEX stops after exactly K new
+                 tokens (unless it finished before) and waits until /abort_request names it, then answers
+                 with those K tokens and finish_reason abort. POST /_hold {"rids": REGEX|null, "after": K}
+                 changes the rule. (Other requests honour an abort between tokens, as SGLang does; they
+                 are computed at once, so in tests an abort finds them finished: a no-op.)
   --weight-sync-timeout-s S        the weight-sync group's timeout (joining, each broadcast)
 Stdlib only until a weight-sync group is joined, so it starts in a fraction of a second.
 """
@@ -53,6 +66,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -157,9 +171,51 @@ class State:
         self.max_inflight_generate = 0
         self.hung = False
         self.stall_marker: str | None = None  # /_stall_generate
+        # partial rollout: rid -> its abort flag, for the /generate requests running; the gate and the hold rule
+        self.cond = threading.Condition()
+        self.aborts: dict[str, threading.Event] = {}
+        self.gate_n, self.gate_arrived = args.gate, 0
+        self.hold_rids = re.compile(args.hold_rids) if args.hold_rids else None
+        self.hold_after = args.hold_after
         self.health_503_left = args.health_503_count
         self.order = itertools.count()  # n0/n1 of the calls
         self.sync_groups: dict = {}  # group_name -> torch.distributed group (weight sync)
+
+    def arrive(self, rid: str) -> "Running":
+        """A rollout /generate came in: from now on /abort_request can name it."""
+        with self.cond:
+            return self.aborts.setdefault(rid, Running())
+
+    def leave(self, rid: str) -> None:
+        with self.cond:
+            self.aborts.pop(rid, None)
+
+    def at_gate(self, run: "Running") -> None:
+        """Count a request at the gate once: its answer is computed, or it is held waiting for its abort."""
+        with self.cond:
+            if not run.counted:
+                run.counted = True
+                self.gate_arrived += 1
+                self.cond.notify_all()
+
+    def pass_gate(self, run: "Running") -> None:
+        self.at_gate(run)
+        with self.cond:
+            self.cond.wait_for(lambda: self.gate_arrived >= self.gate_n)
+
+    def arm_gate(self, n: int) -> None:
+        with self.cond:
+            self.gate_n, self.gate_arrived = int(n), 0
+            self.cond.notify_all()
+
+    def abort(self, rid: str | None, abort_all: bool) -> None:
+        with self.cond:
+            for name, run in self.aborts.items():
+                if abort_all or name == rid:  # an unknown or finished rid: nothing to do, as in sglang
+                    run.aborted.set()
+
+    def held(self, rid: str) -> bool:
+        return self.hold_rids is not None and self.hold_rids.search(rid) is not None
 
     def record(self, entry: dict) -> None:
         with self.lock:
@@ -169,8 +225,18 @@ class State:
                     f.write(json.dumps(entry) + "\n")
 
 
-def generate(state: State, body: dict) -> tuple[int, object]:
-    """POST /generate for one prompt given as input_ids (what the grpoflow client sends)."""
+class Running:
+    """One rollout /generate in the stand-in: set by /abort_request naming its rid; counted at the gate."""
+
+    def __init__(self):
+        self.aborted = threading.Event()
+        self.counted = False
+
+
+def generate(state: State, body: dict, run: Running | None = None, held: bool = False) -> tuple[int, object]:
+    """POST /generate for one prompt given as input_ids (what the grpoflow client sends). `run`: a rollout
+    request (not a log-prob probe); `held`: the --hold-rids rule applies (stop after --hold-after tokens,
+    count at the gate, wait for the abort)."""
     input_ids = body.get("input_ids")
     if not (isinstance(input_ids, list) and input_ids and all(isinstance(t, int) for t in input_ids)):
         return 400, {"error": {"message": "stand-in: /generate needs input_ids as one list of ints"}}
@@ -208,7 +274,16 @@ def generate(state: State, body: dict) -> tuple[int, object]:
     context = list(input_ids)
     output_ids, output_lps = [], []
     finish = {"type": "length", "length": max_new}
+    abort_finish = {"type": "abort", "message": "stand-in: aborted by /abort_request"}
     for _ in range(max_new):
+        if held and len(output_ids) == state.hold_after:
+            state.at_gate(run)
+            run.aborted.wait()  # it answers once aborted (the client's request timeout bounds a test's bug)
+            finish = abort_finish
+            break
+        if run is not None and not held and run.aborted.is_set():
+            finish = abort_finish
+            break
         logp = model.log_softmax(context, temperature)
         order = sorted(range(len(logp)), key=lambda v: -logp[v])
         if top_k > 0:
@@ -437,12 +512,21 @@ def make_handler(state: State):
                 with state.lock:
                     state.inflight_generate += 1
                     state.max_inflight_generate = max(state.max_inflight_generate, state.inflight_generate)
+                rid = str((body or {}).get("rid") or "")
+                run = None if probe else state.arrive(rid)
                 try:
-                    status, payload = generate(state, body or {})
+                    status, payload = generate(state, body or {}, run, held=not probe and state.held(rid))
+                    if run is not None:
+                        state.pass_gate(run)  # the answer is final; an abort from now on finds it finished
                 finally:
+                    if not probe:
+                        state.leave(rid)
                     with state.lock:
                         state.inflight_generate -= 1
                 return status, payload, False
+            if path == "/abort_request" and method == "POST":
+                state.abort((body or {}).get("rid"), bool((body or {}).get("abort_all")))
+                return 200, "", True  # sglang: Response(status_code=200), no body
             if path == "/flush_cache":
                 return 200, "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n", True
             if path == "/update_weights_from_disk" and method == "POST":
@@ -469,6 +553,14 @@ def make_handler(state: State):
             if path == "/_hang" and method == "POST":
                 state.hung = True
                 return 200, {"hung": True}, False
+            if path == "/_gate" and method == "POST":
+                state.arm_gate(int((body or {}).get("n", 0)))
+                return 200, {"gate": state.gate_n}, False
+            if path == "/_hold" and method == "POST":
+                rids = (body or {}).get("rids")
+                state.hold_rids = re.compile(rids) if rids else None
+                state.hold_after = int((body or {}).get("after", state.hold_after))
+                return 200, {"hold_rids": rids, "hold_after": state.hold_after}, False
             if path == "/_stall_generate" and method == "POST":
                 state.stall_marker = str((body or {})["marker"])
                 return 200, {"stalling": True}, False
@@ -506,6 +598,9 @@ def parse_args(argv=None):
     p.add_argument("--gen-jitter", type=float, default=0.0)
     p.add_argument("--ignore-weight-updates", action="store_true")
     p.add_argument("--weight-sync-timeout-s", type=float, default=600.0)
+    p.add_argument("--gate", type=int, default=0)
+    p.add_argument("--hold-rids", default=None)
+    p.add_argument("--hold-after", type=int, default=0)
     return p.parse_args(argv)
 
 
