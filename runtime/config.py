@@ -130,6 +130,7 @@ class RolloutSection(Section):
     # partial rollout: a rollout stops once rollout_batch_size groups are complete (and kept); the extra
     # complete groups and the unfinished samples (tokens, log-probs, the weight version of each token) are
     # run state, saved with each checkpoint, and go first in the next rollout, continued under the new weights
+    # (built-in engine and SGLang; on SGLang where a rollout stops depends on timing: no bitwise resume)
     partial: bool = False
     # a buffered sample with tokens older than this many weight versions is dropped (and counted)
     max_staleness: int = Field(2, ge=0)
@@ -363,9 +364,9 @@ class GrpoConfig(Section):
         if r.top_k == 0:
             raise ValueError("rollout.top_k=0 keeps no token: use -1 (off) or a count >= 1")
         if r.partial:
-            if r.engine != "builtin" or r.custom_rollout:
-                raise ValueError("rollout.partial runs on the built-in engine without a custom rollout so far; set "
-                                 "rollout.engine: builtin and remove rollout.custom_rollout, or partial: false")
+            if r.custom_rollout:  # a custom rollout makes its own samples: there is nothing to cut and continue
+                raise ValueError("rollout.partial needs the pipeline's own generation, not rollout.custom_rollout: "
+                                 "remove rollout.custom_rollout, or set rollout.partial: false")
             if not self.algorithm.use_tis:
                 raise ValueError("rollout.partial trains tokens made by older weights, which TIS corrects: set "
                                  "algorithm.use_tis: true (algorithm.tis_mode: mask for MIS)")

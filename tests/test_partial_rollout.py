@@ -83,11 +83,16 @@ def test_a_resumed_session_ends_as_the_unbroken_one(unbroken, tmp_path):
                            checkpoint_tensors(RunDir(str(unbroken["root"]), "partial").checkpoint(4), tmp_path))
 
 
-def test_partial_needs_tis_and_the_builtin_engine():
+def test_partial_needs_tis_and_the_pipelines_own_generation():
     with pytest.raises(ConfigError, match="algorithm.use_tis: true"):
         load_config("configs/tiny.yaml", ["rollout.partial=true"])
-    with pytest.raises(ConfigError, match="rollout.engine: builtin"):
-        load_config("configs/tiny.yaml", ["rollout.partial=true", "algorithm.use_tis=true", "rollout.engine=sglang"])
+    # SGLang continues and aborts samples too (tests/test_sglang.py); a custom rollout makes its own samples
+    cfg = load_config("configs/tiny.yaml", ["rollout.partial=true", "algorithm.use_tis=true", "rollout.engine=sglang"])
+    assert cfg.rollout.partial and cfg.rollout.engine == "sglang"
+    with pytest.raises(ConfigError, match="remove rollout.custom_rollout") as err:
+        load_config("configs/tiny.yaml", ["rollout.partial=true", "algorithm.use_tis=true", "rollout.engine=sglang",
+                                          "rollout.custom_rollout=tests.test_partial_rollout:_untimed"])
+    assert "\n" not in str(err.value)
 
 
 # ---- killed anywhere with a buffer in flight (the reliability issue's kill moments, SIGKILL, no clean-up) ----

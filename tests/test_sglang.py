@@ -4,11 +4,12 @@ What these tests show: the client's payloads and parsing as read from SGLang 0.5
 order under concurrency across engines, weight-update calls and their order relative to generation,
 colocate memory release/resume, weight sync by a real gloo broadcast from a MegatronTrainer (the
 stand-in joins the group and receives the tensors), restart + re-sync of a killed or hung engine,
-start-up failures and timeouts. They do not show that a real SGLang server accepts any of it, nor
-anything about NCCL.
+start-up failures and timeouts, partial rollout (continued samples; aborting by rid once enough groups are
+complete). They do not show that a real SGLang server accepts any of it, nor anything about NCCL.
 
 Kills, hangs and shutdowns happen on events, never after a sleep: the stand-in creates a marker file
 when it holds a request (`stall`), and the test waits for that file. Such tests are marked `race`.
+Partial rollout's tests order answers and aborts with the stand-in's `--gate` and `--hold-rids` instead.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from runtime.config import SGLangSection, config_from_dict
 from runtime.errors import ConfigError, ModelError, TransientError
 from runtime.rollout.base import SampleRequest, SamplingParams
 from runtime.rollout.sglang import INSTALL_HINT, SGLangEngine, SGLangError, SGLangSettings, Supervision
-from runtime.rollout.sglang.http_protocol import Aborted, StaleWeights, parse_generate_response, sampling_seed_for
+from runtime.rollout.sglang.http_protocol import Aborted, StaleWeights, parse_generated, sampling_seed_for
 from runtime.rollout.sglang.server_process import server_command
 
 STANDIN = Path(__file__).with_name("sglang_standin.py")
@@ -168,21 +169,24 @@ def test_generate_payloads_and_parsing(start):
 
 
 def test_response_parsing_edge_cases():
-    req = SampleRequest(prompt_ids=[1, 2], key=(0, 0, 0, 0))
     ok = {"text": "x", "output_ids": [4, 2],
           "meta_info": {"finish_reason": {"type": "stop", "matched": 2}, "completion_tokens": 2, "weight_version": "3",
                         "output_token_logprobs": [[-0.5, 4, None], [-1.25, 2, None]]}}
-    res = parse_generate_response(ok, req, expected_version="3")
-    assert res.response_ids == [4, 2] and res.response_logprobs == [-0.5, -1.25] and res.finish_reason == "stop"
+    got = parse_generated(ok, expected_version="3")
+    assert (got.ids, got.logprobs, got.text, got.finish) == ([4, 2], [-0.5, -1.25], "x", "stop")
     with pytest.raises(StaleWeights):
-        parse_generate_response(ok, req, expected_version="4")
+        parse_generated(ok, expected_version="4")
     abort = {**ok, "meta_info": {**ok["meta_info"], "finish_reason": {"type": "abort", "message": "paused"}}}
-    with pytest.raises(Aborted):
-        parse_generate_response(abort, req)
+    with pytest.raises(Aborted):  # an abort the client did not ask for: retried
+        parse_generated(abort)
+    # one it asked for (partial rollout): the tokens so far are the result, none at all when cut before the first
+    assert parse_generated(abort, abort_ok=True).ids == [4, 2]
+    empty = {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}, "completion_tokens": 0}}
+    assert (parse_generated(empty, abort_ok=True).ids, parse_generated(empty, abort_ok=True).finish) == ([], "abort")
     with pytest.raises(SGLangError, match="disagree"):
-        parse_generate_response({**ok, "output_ids": [4, 3]}, req)
+        parse_generated({**ok, "output_ids": [4, 3]})
     with pytest.raises(SGLangError, match="return_logprob"):
-        parse_generate_response({**ok, "meta_info": {"finish_reason": {"type": "length", "length": 2}}}, req)
+        parse_generated({**ok, "meta_info": {"finish_reason": {"type": "length", "length": 2}}})
 
 
 @pytest.mark.race
@@ -626,3 +630,173 @@ def test_sglang_section_rejects_unknown_keys_and_reads_moved_ones():
         config_from_dict({"rollout": {"engine": "sglang", "sglang_tp_size": 2, "sglang": {"tp_size": 2}}})
     with pytest.raises(ConfigError, match=r"rollout.sglang: port=65530: .*engine 1's port 65540"):
         config_from_dict({"rollout": {"sglang": {"port": 65530, "num_engines": 2}}})
+
+
+# ---- partial rollout ------------------------------------------------------------------------------
+# Against the stand-in's event-driven controls, never timing: `--gate 6` holds every answer until all 6
+# requests of a rollout are in flight; `--hold-rids` makes the samples of one prompt stop after exactly
+# HELD_AFTER tokens and wait for /abort_request. 3 groups of 2 generate, 2 are needed: the held one is cut.
+
+PARTIAL_SEED, HELD_AFTER = 7, 2
+HOLD_PROMPT_2 = r"^gf-\d+-0-2-"  # rollout 0's prompt 2, both samples (rid = gf-seed-rollout-prompt-sample-...)
+
+
+class IdTokenizer:
+    """Prompts are token ids separated by spaces; responses decode as the stand-in writes them."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [int(t) for t in text.split()]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{t}>" for t in ids)
+
+
+def partial_collector(eng):
+    """The pipeline's Collector on `eng` with rollout.partial, scoring inline (the reward's worker processes
+    cost seconds and say nothing here)."""
+    from runtime.grpo.collect import Collector
+    from runtime.inputs.datasets import PromptDataset
+
+    class InlineScoring(Collector):
+        def score(self, groups):
+            for g in groups:
+                g.rewards = [float(len(s.response_ids) % 2) for s in g.samples]
+            return 0
+
+    cfg = config_from_dict({"rollout": {"engine": "sglang", "partial": True, "rollout_batch_size": 2,
+                                        "n_samples_per_prompt": 2, "over_sampling_factor": 1.5, "max_new_tokens": 6,
+                                        "temperature": 0.8, "top_p": 0.9, "top_k": 20},
+                            "algorithm": {"use_tis": True},
+                            "train": {"seed": PARTIAL_SEED, "global_batch_size": 4, "micro_batch_size": 4}})
+    rows = [{"prompt": f"{10 + i} {20 + i} {30 + i}", "label": "1", "metadata": {}} for i in range(8)]
+    return Collector(cfg, eng, PromptDataset(rows, shuffle=False), IdTokenizer(), reward_fn=None), cfg
+
+
+def control(eng, path: str, body: dict) -> None:
+    httpx.post(eng.urls[0] + path, json=body, trust_env=False, timeout=60).raise_for_status()
+
+
+def first_partial_rollout(start):
+    """Rollout 0 on a fresh stand-in: prompts 0 and 1 complete, prompt 2 held after HELD_AFTER tokens, aborted."""
+    from runtime.grpo.partial import collect_partial
+    from runtime.inputs.datasets import PromptDataset
+    eng = start("--gate", "6", "--hold-rids", HOLD_PROMPT_2, "--hold-after", str(HELD_AFTER))
+    collector, _ = partial_collector(eng)
+    return eng, collector, collect_partial(collector, 0, PromptDataset.initial_cursor(PARTIAL_SEED), None)
+
+
+def test_partial_rollout_stops_at_enough_groups_and_buffers_the_aborted(start):
+    eng, _, p = first_partial_rollout(start)
+    assert [g.prompt["prompt"] for g in p.groups] == ["10 20 30", "11 21 31"]  # the 2 complete groups are trained
+    assert all(s.finish_reason in ("stop", "length") for g in p.groups for s in g.samples)
+    (buffered,) = p.state["buffer"]  # the third group, cut: its samples with their tokens so far
+    assert buffered["prompt"]["prompt_ids"] == [12, 22, 32]
+    assert buffered["keys"] == [[PARTIAL_SEED, 0, 2, 0], [PARTIAL_SEED, 0, 2, 1]]
+    for s in buffered["samples"]:
+        assert s["finish"] == "abort" and len(s["ids"]) == HELD_AFTER and s["versions"] == [[0, HELD_AFTER]]
+        # the log-probs SGLang returned with the cut tokens are kept, and are the model's
+        assert s["logprobs"] == pytest.approx(eng.logprobs_of([12, 22, 32], s["ids"], temperature=0.8), abs=1e-9)
+    assert p.metrics["partial_buffered_samples"] == 2 and p.metrics["partial_prompts_trained"] == 2
+
+    calls = read_calls(start.calls_file)
+    generates = rollout_generates(calls)
+    held = [c for c in generates if re.search(HOLD_PROMPT_2, c["body"]["rid"])]
+    assert len(generates) == 6 and len(held) == 2
+    aborts = [c for c in calls if c["path"] == "/abort_request"]
+    # exactly the two running requests were aborted, by rid, after every answer of the complete groups
+    assert sorted(c["body"]["rid"] for c in aborts) == sorted(c["body"]["rid"] for c in held)
+    assert all(c["body"] == {"rid": c["body"]["rid"]} and c["status"] == 200 for c in aborts)
+    assert min(a["n0"] for a in aborts) > max(c["n1"] for c in generates if c not in held)
+    aborted_at = {a["body"]["rid"]: a["n0"] for a in aborts}
+    assert all(c["n1"] > aborted_at[c["body"]["rid"]] for c in held)  # each answered once aborted
+
+
+def test_partial_rollout_continues_a_buffered_sample_under_new_weights(start):
+    from runtime.grpo.partial import collect_partial
+    eng, collector, first = first_partial_rollout(start)
+    prefixes = [s["ids"] for s in first.state["buffer"][0]["samples"]]
+    old_logprobs = [s["logprobs"] for s in first.state["buffer"][0]["samples"]]
+    control(eng, "/_hold", {"rids": None})  # nothing held now; the gate again waits for the rollout's 6 requests
+    control(eng, "/_gate", {"n": 6})
+    eng.update_weights({"w": torch.randn(6, generator=torch.Generator().manual_seed(3))}, 1)
+    sent_before = len(read_calls(start.calls_file))
+
+    p = collect_partial(collector, 1, first.cursor, first.state)
+    # the carried group goes first and is trained; the new prompts (keys of rollout 1) follow
+    carried, trained = p.trained_pending[0], p.groups[0]
+    assert carried.keys == [[PARTIAL_SEED, 0, 2, 0], [PARTIAL_SEED, 0, 2, 1]]
+    sent = rollout_generates(read_calls(start.calls_file)[sent_before:])
+    continued = {c["body"]["rid"].split("-")[4]: c["body"] for c in sent if re.search(HOLD_PROMPT_2, c["body"]["rid"])}
+    for j, (sample, state, prefix, old) in enumerate(zip(trained.samples, carried.samples, prefixes, old_logprobs)):
+        # the request: prompt + tokens so far as input_ids, max_new_tokens cut by the tokens it has
+        body = continued[str(j)]
+        assert body["input_ids"] == [12, 22, 32] + prefix
+        assert body["sampling_params"]["max_new_tokens"] == 6 - HELD_AFTER
+        # the trained sample: the tokens so far (and their log-probs from weight version 0), then the
+        # continuation under version 1, each run of tokens with its version
+        tail = sample.response_ids[HELD_AFTER:]
+        assert sample.response_ids[:HELD_AFTER] == prefix and tail and sample.finish_reason in ("stop", "length")
+        assert sample.response_logprobs[:HELD_AFTER] == old
+        assert state.versions == [[0, HELD_AFTER], [1, len(tail)]]
+        now = eng.logprobs_of([12, 22, 32], sample.response_ids, temperature=0.8)
+        assert sample.response_logprobs[HELD_AFTER:] == pytest.approx(now[HELD_AFTER:], abs=1e-9)
+        assert old != pytest.approx(now[:HELD_AFTER], abs=1e-6)  # the weights did change under the sample
+    assert len(sent) == 6  # the carried group's 2 and the new prompts' 4: nothing re-sent
+    assert p.metrics["partial_tokens_reused"] == 2 * HELD_AFTER
+
+
+def test_partial_buffer_survives_a_checkpoint_and_a_new_engine(start, tmp_path):
+    """The buffer is run state: written in the checkpoint's trainer_state.json as TrainSession writes it, read
+    back, and continued by a new engine (new server processes) exactly from the tokens it holds. SGLang
+    promises no bitwise resume (where a rollout stops depends on timing), so nothing more is compared."""
+    from runtime.grpo.partial import collect_partial
+    from runtime.run import checkpoint
+    from runtime.run.directory import RunDir
+    eng, _, first = first_partial_rollout(start)
+    rd = RunDir(str(tmp_path / "root"), "sglang-partial")
+    state = {"cursor": first.cursor, "metrics": [], "partial": first.state}
+    checkpoint.save(rd, 1, lambda path: (Path(path).mkdir(parents=True), (Path(path) / "weights").write_text("x")),
+                    state, keep_last=1)
+    eng.shutdown()
+
+    ck = checkpoint.latest(rd)
+    assert ck.rollout == 1 and ck.state["partial"] == first.state and ck.state["cursor"] == first.cursor
+    again = start("--gate", "6")  # a fresh server, nothing held
+    collector, _ = partial_collector(again)
+    sent_before = len(read_calls(start.calls_file))
+    p = collect_partial(collector, 1, ck.state["cursor"], ck.state["partial"])
+    buffered = ck.state["partial"]["buffer"][0]
+    resumed = [c["body"] for c in rollout_generates(read_calls(start.calls_file)[sent_before:])
+               if re.search(HOLD_PROMPT_2, c["body"]["rid"])]
+    assert sorted(b["input_ids"] for b in resumed) == sorted([12, 22, 32] + s["ids"] for s in buffered["samples"])
+    assert p.trained_pending[0].keys == buffered["keys"]
+    assert [s.response_ids[:HELD_AFTER] for s in p.groups[0].samples] == [s["ids"] for s in buffered["samples"]]
+    assert p.metrics["partial_prompts_drawn"] == 3 + 2  # counts carried over from the checkpoint too
+
+
+def test_carried_samples_that_are_finished_are_not_sent(start, tmp_path):
+    """A carried sample whose tokens so far end in the model's eos (config.json) or a stop token, or fill
+    max_new_tokens, is finished: it comes back as it is, and only the others reach SGLang."""
+    from runtime.rollout.base import GroupsDone
+    eng = start()
+    lp = [-1.0, -1.0]
+    requests = [SampleRequest(prompt_ids=[10, 20], key=(1, 0, 0, 0), prefix_ids=[7, EOS], prefix_logprobs=lp),
+                SampleRequest(prompt_ids=[10, 20], key=(1, 0, 0, 1), prefix_ids=[7, 5], prefix_logprobs=lp),
+                SampleRequest(prompt_ids=[10, 20], key=(1, 0, 0, 2), prefix_ids=[7] * 6, prefix_logprobs=[-1.0] * 6),
+                SampleRequest(prompt_ids=[10, 20], key=(1, 0, 0, 3), prefix_ids=[7, 8], prefix_logprobs=lp)]
+    out = eng.generate(requests, SAMPLING)
+    assert [r.finish_reason for r in out[:3]] == ["stop", "stop", "length"]
+    assert [r.response_ids for r in out[:3]] == [[7, EOS], [7, 5], [7] * 6]
+    assert out[3].response_ids[:2] == [7, 8] and out[3].response_logprobs[:2] == lp
+    (sent,) = rollout_generates(read_calls(start.calls_file))
+    assert sent["body"]["input_ids"] == [10, 20, 7, 8] and sent["body"]["sampling_params"]["max_new_tokens"] == 4
+    # enough groups complete before anything is sent (0 needed): nothing is sent, everything comes back as given
+    cut = eng.generate(requests[3:], SAMPLING, GroupsDone(group_size=1, count=0))
+    assert (cut[0].response_ids, cut[0].finish_reason) == ([7, 8], "abort")
+    assert len(rollout_generates(read_calls(start.calls_file))) == 1
+    # a model that names no eos cannot tell a finished carried sample from a cut one: refused, not guessed
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": VOCAB}))
+    with pytest.raises(ModelError, match="eos token ids"):
+        start(model=bare).generate(requests[3:], SAMPLING)

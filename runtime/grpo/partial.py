@@ -6,8 +6,11 @@ with each sample's tokens so far, their log-probs as the engine recorded them, a
 made each run of tokens. It is saved in the checkpoint (JSON in its state) and goes first in the next
 rollout, where the unfinished samples are continued under the new weights (the engine prefills prompt +
 tokens so far; the noise of token i stays that of (key, i)). A buffered group with tokens older than
-`rollout.max_staleness` weight versions is dropped. Where a rollout stops depends only on the prompts, keys,
-weights and settings (`GroupsDone`), so a resumed run collects exactly what an unbroken one does.
+`rollout.max_staleness` weight versions is dropped. On the built-in engine where a rollout stops depends only
+on the prompts, keys, weights and settings (`GroupsDone`), so a resumed run collects exactly what an unbroken
+one does. On SGLang (runtime/rollout/sglang/partial.py: continued by prefilling prompt + tokens so far, cut by
+`/abort_request`) it depends on timing: the buffer is saved and restored exactly, but no run is bitwise
+reproducible there.
 
 Every prompt drawn ends in exactly one of: trained, filtered (dynamic sampling), stale (dropped) or buffered;
 `PartialCounts` keeps the running totals, also in the checkpoint.
@@ -88,6 +91,7 @@ class PartialCounts:
 @dataclass
 class PartialResult:
     groups: list[Group]  # exactly rollout_batch_size, to train on
+    trained_pending: list[PendingGroup]  # the same groups as carried: each sample's weight version per run of tokens
     completed: list[Group]  # every group completed in this rollout (for the reward metrics)
     state: dict  # {"buffer": [...], "counts": {...}}: run state for the next rollout
     cursor: dict
@@ -174,7 +178,7 @@ def collect_partial(collector, rollout_id: int, cursor: dict, state: dict | None
                "partial_tokens_generated": new_tokens,
                "partial_buffer_age_mean": sum(age) / len(age) if age else 0.0,
                **{f"partial_prompts_{k}": v for k, v in asdict(counts).items()}}
-    return PartialResult(groups=[grp for _, grp in trained], completed=completed,
-                         state={"buffer": buffer, "counts": asdict(counts)}, cursor=cursor, filtered=len(filtered),
-                         reward_failures=failures, new_tokens=new_tokens, generate_s=generate_s, reward_s=reward_s,
-                         metrics=metrics)
+    return PartialResult(groups=[grp for _, grp in trained], trained_pending=[g for g, _ in trained],
+                         completed=completed, state={"buffer": buffer, "counts": asdict(counts)}, cursor=cursor,
+                         filtered=len(filtered), reward_failures=failures, new_tokens=new_tokens, generate_s=generate_s,
+                         reward_s=reward_s, metrics=metrics)

@@ -83,9 +83,11 @@ class SampleRequest:
 class GroupsDone:
     """Stop generating once `count` groups are complete: the requests of a call are consecutive groups of
     `group_size` (a prompt's samples), and a group is complete when all its samples finished (stop or
-    length). Every other request comes back with finish_reason "abort" and its tokens so far. Where an
-    engine stops depends only on the requests, the sampling settings and the weights (the built-in engine
-    checks at the end of each decode chunk), never on timing."""
+    length). Every other request comes back with finish_reason "abort" and its tokens so far. Where the
+    built-in engine stops depends only on the requests, the sampling settings and the weights (it checks at
+    the end of each decode chunk), never on timing; SGLang's servers are asked to abort the requests still
+    running once the client has seen enough complete groups, so there it depends on timing
+    (runtime/rollout/sglang/partial.py)."""
 
     group_size: int
     count: int

@@ -11,6 +11,7 @@ By concern:
   server_process.py  one server's process: command line, launch, start-up wait, termination
   engine_pool.py     the servers as a pool: request slots, fan-out, memory, fault checks and restarts
   weight_sync.py     new weights into every server (disk, tensor, broadcast) and the probe check
+  partial.py         partial rollout: continuing carried samples, aborting once enough groups are complete
   engine.py          SGLangEngine, the RolloutEngine over all of it
 """
 

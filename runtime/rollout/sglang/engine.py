@@ -5,7 +5,8 @@
 The API is synchronous: a private asyncio loop in a daemon thread runs the HTTP traffic (httpx), and
 every public method takes one lock, so calls from several threads are served one after another.
 `generate` sends one request per sample, returns one result per request in request order, retries a
-failed request (same seed) on whichever server is ready, or raises.
+failed request (same seed) on whichever server is ready, or raises. Partial rollout's continued samples
+and `until` (stop once enough groups are complete, abort the rest) are described in partial.py.
 
 Memory (colocate mode, `cluster.colocate`): the servers start with `--enable-memory-saver`;
 `release_memory()` frees their GPU memory (weights and KV cache) for training and `resume_memory()`
@@ -16,6 +17,7 @@ released (an update resumes the weights first and the KV cache after the new wei
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import tempfile
 import threading
@@ -28,10 +30,14 @@ from runtime.config import GrpoConfig
 from runtime.errors import ConfigError, ModelError, TransientError
 from runtime.rollout.base import GroupsDone, RolloutEngine, SampleRequest, SampleResult, SamplingParams
 from runtime.rollout.sglang.engine_pool import EnginePool
-from runtime.rollout.sglang.http_protocol import Aborted, EngineFault, generate_payload, parse_generate_response
-from runtime.rollout.sglang.server_process import DEAD, READY, kill_all
+from runtime.rollout.sglang.http_protocol import Aborted, EngineFault, SGLangError, abort_payload, parse_generated
+from runtime.rollout.sglang.partial import Continuation, GroupsWatch, ModelTokens
+from runtime.rollout.sglang.server_process import DEAD, READY, Server, kill_all
 from runtime.rollout.sglang.settings import INSTALL_HINT, SGLangSettings, check_sglang_installed
 from runtime.rollout.sglang.weight_sync import EngineWeights
+
+log = logging.getLogger(__name__)
+ABORT_TIMEOUT_S = 30.0  # one /abort_request; SGLang answers it at once
 
 
 class _LoopThread:
@@ -86,6 +92,7 @@ class SGLangEngine(RolloutEngine):
         if not model_dir:
             raise ModelError("SGLangEngine needs model_dir: an HF checkpoint directory (or hub id) SGLang can load")
         self.model_dir = str(model_dir)
+        self.model_tokens = ModelTokens.read(self.model_dir)  # to tell a finished carried sample from a cut one
         scratch_dir = settings.section.scratch_dir
         self._own_scratch = scratch_dir is None
         base = Path(scratch_dir) if scratch_dir else Path(tempfile.gettempdir())
@@ -122,15 +129,16 @@ class SGLangEngine(RolloutEngine):
 
     def generate(self, requests: list[SampleRequest], sampling: SamplingParams,
                  until: GroupsDone | None = None) -> list[SampleResult]:
-        if until is not None or any(r.prefix_ids for r in requests):
-            raise ConfigError("partial rollout (continued samples, stopping once enough groups are done) runs on "
-                              "the built-in engine only so far: set rollout.engine: builtin")
+        """One result per request, in request order. A request with `prefix_ids` is continued after them
+        (partial.py); with `until`, the requests still running once enough groups are complete are aborted
+        and come back with their tokens so far (finish "abort"). For a continued sample `text` is SGLang's
+        text of the new tokens only."""
         with self._lock:
             self._check_open()
             if not requests:
                 return []
             self._resume_if_released()
-            return self._loop.run(self._agenerate(list(requests), sampling))
+            return self._loop.run(self._agenerate(list(requests), sampling, until))
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Write the tensors to disk, load them into every server, verify; then weight_version == version."""
@@ -257,9 +265,12 @@ class SGLangEngine(RolloutEngine):
         if self.pool.closed:
             raise RuntimeError("SGLangEngine was shut down; build a new one")
 
-    async def _agenerate(self, requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
+    async def _agenerate(self, requests: list[SampleRequest], sampling: SamplingParams,
+                         until: GroupsDone | None) -> list[SampleResult]:
         expected = str(self.weights.version)
-        tasks = [asyncio.ensure_future(self._aone(r, sampling, expected)) for r in requests]
+        plans = [Continuation.of(r, sampling, self.model_tokens) for r in requests]
+        watch = GroupsWatch(until, [p.finished is not None for p in plans])
+        tasks = [asyncio.ensure_future(self._aone(i, p, sampling, expected, watch)) for i, p in enumerate(plans)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -268,24 +279,51 @@ class SGLangEngine(RolloutEngine):
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    async def _aone(self, request: SampleRequest, sampling: SamplingParams, expected: str) -> SampleResult:
+    async def _aone(self, index: int, plan: Continuation, sampling: SamplingParams, expected: str,
+                    watch: GroupsWatch) -> SampleResult:
+        if plan.finished is not None:
+            return plan.as_given()
         pool, attempts = self.pool, self.settings.supervision.max_attempts
-        payload = generate_payload(request, sampling)
         problems: list[str] = []
         for _ in range(attempts):
+            if watch.reached:  # enough groups are complete: this one is not (re)sent
+                return plan.as_given()
             server = await pool.acquire()
             epoch = server.epoch
             try:
+                if watch.reached:  # reached while this one waited for a slot
+                    return plan.as_given()
+                payload = plan.payload(sampling)
+                watch.sending(index, server, payload["rid"])
                 body = await pool.post(server, "/generate", payload)
-                return parse_generate_response(body, request, expected)
+                # once enough groups are complete every abort is one the client asked for (or as good as one):
+                # the tokens made so far are this sample's result. Before that, an abort is SGLang's own: retry.
+                got = parse_generated(body, expected, abort_ok=watch.reached)
+                if got.finish != "abort":
+                    await self._abort(watch.complete(index))
+                return plan.result(got)
             except Aborted as exc:
                 problems.append(f"engine {server.index}: aborted ({exc})")
             except EngineFault as exc:
                 problems.append(f"engine {server.index}: {exc}")
                 pool.on_fault(server, epoch, exc)  # checked/restarted in the background; retry elsewhere now
             finally:
+                watch.settled(index)
                 await pool.release(server)
-        raise TransientError(f"SGLang request key={request.key} failed {attempts} times: {' | '.join(problems)}")
+        if watch.reached:  # its tries failed, but it is one of the requests no longer needed
+            return plan.as_given()
+        raise TransientError(f"SGLang request key={plan.request.key} failed {attempts} times: {' | '.join(problems)}")
+
+    async def _abort(self, running: list[tuple[Server, str]]) -> None:
+        """POST /abort_request for each (server, rid). A failed abort only costs time: that request runs to its
+        end and comes back complete (a dead server fails the request itself, which then comes back cut)."""
+        async def one(server: Server, rid: str) -> None:
+            try:
+                await self.pool.post(server, "/abort_request", abort_payload(rid), timeout=ABORT_TIMEOUT_S)
+            except (EngineFault, SGLangError) as exc:
+                log.warning("sglang engine %d: /abort_request for %s failed (%s); it runs to its end", server.index,
+                            rid, exc)
+        await asyncio.gather(*(one(server, rid) for server, rid in running))
 
     async def _alogprobs_any(self, prompt_ids, response_ids, temperature) -> list[float]:
         pool = self.pool

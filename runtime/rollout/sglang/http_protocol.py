@@ -23,6 +23,11 @@ here (tests use `tests/sglang_standin.py`, which speaks the same endpoints and p
 - `sglang/srt/managers/schedule_batch.py`: `finish_reason` is `{"type": "stop", "matched": id}`,
   `{"type": "length", "length": n}` or `{"type": "abort", "message": ...}`; the matched stop
   token is part of `output_ids` (our contract: the response includes its stop token).
+- `/abort_request` takes `AbortReq` (`rid`, `abort_all`) and answers 200 with an empty body; an unknown
+  or finished rid is a no-op (`tokenizer_manager.abort_request`). The `/generate` call of an aborted
+  request then answers 200 with `finish_reason` type "abort" and the tokens it had made
+  (`output_ids`, `output_token_logprobs`); only aborts that carry a status code (400: a bad request,
+  500/503) become HTTP errors.
 
 Keyed randomness: every request carries `sampling_params.sampling_seed`, a 64-bit hash of its key
 `(seed, rollout_id, prompt_index, sample_index)`. SGLang's sampler (`srt/layers/sampler.py`,
@@ -41,9 +46,10 @@ import hashlib
 import json
 import struct
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
-from runtime.rollout.base import SampleRequest, SampleResult, SamplingParams
+from runtime.rollout.base import FinishReason, SamplingParams
 
 
 class SGLangError(RuntimeError):
@@ -59,7 +65,18 @@ class StaleWeights(EngineFault):
 
 
 class Aborted(Exception):
-    """SGLang aborted the request (finish_reason type "abort"); worth a retry."""
+    """SGLang aborted a request the client did not ask it to abort (finish_reason type "abort"); worth a retry."""
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What one `/generate` answer added to a sample: the new token ids, their log-probs, SGLang's text of
+    them, and why it ended ("abort": cut by `/abort_request`, with the tokens made until then)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish: FinishReason
 
 
 def sampling_seed_for(key: tuple[int, int, int, int]) -> int:
@@ -81,15 +98,21 @@ def sglang_sampling_params(sampling: SamplingParams, seed: int) -> dict:
     return params
 
 
-def generate_payload(request: SampleRequest, sampling: SamplingParams) -> dict:
-    """The `/generate` body for one sample (GenerateReqInput, single-prompt form)."""
-    key = request.key
+def generate_payload(key: tuple[int, int, int, int], input_ids: list[int], sampling: SamplingParams) -> dict:
+    """The `/generate` body for one sample (GenerateReqInput, single-prompt form): `input_ids` is the prompt,
+    or the prompt and the response so far for a continued sample. The `rid` names the key (tests and the
+    server logs read it) plus a fresh suffix, so every attempt can be aborted on its own."""
     return {
         "rid": f"gf-{key[0]}-{key[1]}-{key[2]}-{key[3]}-{uuid.uuid4().hex[:8]}",
-        "input_ids": [int(t) for t in request.prompt_ids],
+        "input_ids": [int(t) for t in input_ids],
         "sampling_params": sglang_sampling_params(sampling, sampling_seed_for(key)),
         "return_logprob": True,
     }
+
+
+def abort_payload(rid: str) -> dict:
+    """The `/abort_request` body (AbortReq) that aborts one request."""
+    return {"rid": rid}
 
 
 def logprobs_payload(prompt_ids: list[int], response_ids: list[int], temperature: float) -> dict:
@@ -137,18 +160,21 @@ def error_message(body: Any, fallback: str) -> str:
     return fallback
 
 
-def parse_generate_response(body: Any, request: SampleRequest, expected_version: str | None = None) -> SampleResult:
-    """A SampleResult from a `/generate` response; raises Aborted, StaleWeights, or SGLangError on a malformed one."""
+def parse_generated(body: Any, expected_version: str | None = None, *, abort_ok: bool = False) -> Generated:
+    """The new tokens of a `/generate` answer. An abort is Aborted unless `abort_ok` (the client cut the
+    request short itself: its tokens so far are the result); StaleWeights, or SGLangError on a malformed one."""
     if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
         raise SGLangError(f"SGLang /generate answered without meta_info: {str(body)[:200]}")
     meta = body["meta_info"]
     finish = meta.get("finish_reason")
     kind = finish.get("type") if isinstance(finish, dict) else finish
-    if kind == "abort":
+    if kind == "abort" and not abort_ok:
         raise Aborted(error_message(finish, "aborted"))
-    if kind not in ("stop", "length"):
+    if kind not in ("stop", "length", "abort"):
         raise SGLangError(f"SGLang /generate finished with finish_reason={finish!r}; expected stop or length")
     entries = meta.get("output_token_logprobs")
+    if entries is None and kind == "abort" and not body.get("output_ids"):
+        entries = []  # aborted before its first token: nothing to score
     if not isinstance(entries, list):
         raise SGLangError("SGLang /generate answered without meta_info.output_token_logprobs (was return_logprob sent?)")
     logprobs = [float(e[0]) for e in entries]
@@ -163,13 +189,7 @@ def parse_generate_response(body: Any, request: SampleRequest, expected_version:
         raise SGLangError(f"SGLang completion_tokens={completion} but {len(response_ids)} output tokens came back")
     if expected_version is not None and meta.get("weight_version") is not None and str(meta["weight_version"]) != expected_version:
         raise StaleWeights(f"engine serves weight_version {meta['weight_version']!r}, expected {expected_version!r}")
-    return SampleResult(
-        prompt_ids=list(request.prompt_ids),
-        response_ids=response_ids,
-        response_logprobs=logprobs,
-        text=body.get("text") or "",
-        finish_reason=kind,
-    )
+    return Generated(ids=response_ids, logprobs=logprobs, text=body.get("text") or "", finish=kind)
 
 
 async def post(client, base_url: str, path: str, body: Any, timeout: float, server_index: int) -> Any:
