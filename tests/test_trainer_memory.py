@@ -234,3 +234,16 @@ def test_flash_varlen_equals_per_sample_sdpa_on_cuda():
     torch.testing.assert_close(out, ref, rtol=0, atol=2e-2)
     for a, b in ((dq, rq), (dk, rk), (dv, rv)):
         torch.testing.assert_close(a, b, rtol=0, atol=5e-2)
+
+
+def test_grad_dtype_sets_the_gradient_buffer(tiny):
+    """train.grad_dtype: bf16 weights keep fp32 gradients by default and bf16 ones (half the memory) on
+    request; the step still trains (same loss, grad norm within bf16 rounding)."""
+    batch = _batch(tiny["vocab"])
+    out = {}
+    for grad_dtype in ("float32", "bfloat16"):
+        tr = _trainer(tiny, dtype="bfloat16", grad_dtype=grad_dtype)
+        assert {b.grad_data.dtype for b in tr.ddp.buffers} == {getattr(torch, grad_dtype)}
+        out[grad_dtype] = tr.train(batch)
+    assert out["bfloat16"]["loss"] == out["float32"]["loss"]
+    assert abs(out["bfloat16"]["grad_norm"] - out["float32"]["grad_norm"]) <= 1e-2 * out["float32"]["grad_norm"]
