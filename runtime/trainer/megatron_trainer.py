@@ -382,7 +382,8 @@ class MegatronTrainer:
         return torch.device("cpu")
 
     def grads(self) -> dict[str, torch.Tensor]:
-        """Gradients of the last optimizer step, whole and on CPU (for parallel-equivalence checks)."""
+        """Gradients of the last optimizer step, whole and on CPU (for parallel-equivalence checks). With
+        ``train.distributed_optimizer`` only this DP rank's shard of the buffer is reduced over DP (reduce-scatter)."""
         from runtime.trainer.tp_gather import full_grads
         return {k: v.to("cpu") for k, v in full_grads(self.model).items()}
 
