@@ -221,6 +221,16 @@ class TrainSection(Section):
     # Micro-batches by a token budget: samples packed back to back without padding (per-sample positions,
     # attention within each sample), as many as fit this many tokens. None: micro_batch_size samples, padded.
     max_tokens_per_micro_batch: int | None = Field(None, gt=0)
+    # megatron's distributed optimizer: the fp32 master weights and Adam's moments are sharded over the
+    # data-parallel ranks (each holds 1/DP of them) and gradients are reduce-scattered instead of all-reduced;
+    # the trainer state per GPU then shrinks with DP, which is what lets a 9B model train on 80 GiB GPUs.
+    # Updates equal the replicated optimizer's within float rounding (the grad norm is summed in another
+    # order); checkpoints have one layout-free format, so a run may resume with it on or off, at any DP.
+    distributed_optimizer: bool = False
+    # dtype of the gradient buffer and its data-parallel reduction: float32 (megatron's grad_reduce_in_fp32;
+    # exact accumulation over micro-batches) or bfloat16 (the bf16 weights' own dtype: half the gradient
+    # memory, accumulated and reduced in bf16). With fp32 weights (the CPU default) gradients are fp32 either way.
+    grad_dtype: Literal["float32", "bfloat16"] = "float32"
     # -- numerics of the trainer's forward (change results within float noise; the defaults are the fast ones) --
     # chunked output layer for the log-probs (no [tokens x vocab] fp32 logits): auto = at TP 1 on CUDA
     chunked_logprobs: Literal["auto", "on", "off"] = "auto"

@@ -79,6 +79,20 @@ def test_cpu_path_exact_arithmetic_on_a_known_config():
     assert b["total"] == 2 * n + 4 * n + 12 * n + 2 * n + max(440832, 4 * n, kv + b["rollout_activations"]) + GIB
     assert est["total"] == b["total"] / GIB and est["fits"] and est["reason"] is None
 
+    # train.distributed_optimizer: fp32 master + Adam moments (12 B/param) over the DP ranks; the gradient
+    # buffer stays whole. train.grad_dtype=bfloat16: gradients in the weights' dtype (nothing changes for fp32)
+    kw = dict(tp=1, micro_batch_size=2, seq_len=8, rollout_batch=4, max_new_tokens=4, colocate=True, gpu_mem_gb=80,
+              device="cpu")
+    rep = estimate_memory(cfg, dp=4, dtype="bfloat16", **kw)["bytes"]
+    dist = estimate_memory(cfg, dp=4, dtype="bfloat16", distributed_optimizer=True, **kw)["bytes"]
+    assert (rep["optimizer"], dist["optimizer"]) == (12 * n, 12 * (n // 4)) and n % 4 == 0
+    assert dist["grads"] == rep["grads"] == 4 * n and dist["weights"] == rep["weights"]
+    assert estimate_memory(cfg, dp=1, dtype="bfloat16", distributed_optimizer=True, **kw)["bytes"]["optimizer"] == 12 * n
+    assert estimate_memory(cfg, dp=4, dtype="bfloat16", grad_dtype="bfloat16", **kw)["bytes"]["grads"] == 2 * n
+    assert estimate_memory(cfg, dp=4, dtype="float32", grad_dtype="bfloat16", **kw)["bytes"]["grads"] == 4 * n
+    fp32 = estimate_memory(cfg, dp=4, dtype="float32", distributed_optimizer=True, **kw)["bytes"]
+    assert fp32["optimizer"] == 8 * (n // 4)  # fp32 weights are their own master
+
     apart = estimate_memory(cfg, tp=1, dp=1, micro_batch_size=2, seq_len=8, rollout_batch=4, max_new_tokens=4,
                             dtype="bfloat16", colocate=False, gpu_mem_gb=80, device="cpu")["bytes"]
     assert apart["trainer_total"] == 18 * n + max(440832, 4 * n) + GIB and apart["rollout_total"] == 2 * n + kv + b["rollout_activations"] + GIB
@@ -285,7 +299,8 @@ def test_glm_z1_9b_at_its_shipped_layout_does_not_fit_80gib():
 
     cfg = load_config(ROOT / "configs" / "glm-z1-9b-dapo.yaml")
     glm = _glm_z1_9b()
-    assert (cfg.train.tensor_parallel, cfg.cluster.colocate) == (2, True)
+    assert (cfg.train.tensor_parallel, cfg.train.data_parallel, cfg.cluster.colocate) == (2, 4, True)
+    assert not cfg.train.distributed_optimizer
     est = estimate_for_config(cfg, glm, gpu_mem_gb=80)
     # 2 key-value heads: TP 2 is the most megatron allows; the optimizer is not sharded over data parallelism,
     # so every GPU holds half the model's bf16 weights, fp32 grads, fp32 master and Adam moments: 18 B/param
@@ -293,11 +308,51 @@ def test_glm_z1_9b_at_its_shipped_layout_does_not_fit_80gib():
     state = est["bytes"]["weights"] + est["bytes"]["grads"] + est["bytes"]["optimizer"]
     assert state == 18 * est["params_per_gpu"] and state / GIB > 78
     assert not est["fits"] and est["fit_micro_batch"] == 0
-    assert "tensor_parallel=2, this model's limit" in est["reason"]
+    # at DP 4 the first suggestion is the distributed optimizer, with what it saves
+    assert "try train.distributed_optimizer: true shards the fp32 master + Adam state over the 4 data-parallel " \
+           "ranks (52.5 -> 13.1 GiB per GPU)" in est["reason"]
     # not an activation problem: even one 1024-token sample does not fit beside that state
     short = estimate_for_config(load_config(ROOT / "configs" / "glm-z1-9b-dapo.yaml", ["rollout.max_new_tokens=1"]),
                                 glm, gpu_mem_gb=80)
     assert not short["fits"]
+    # at DP 1 nothing shards that state: TP 2 is the limit
+    one = estimate_for_config(load_config(ROOT / "configs" / "glm-z1-9b-dapo.yaml", [
+        "cluster.trainer_gpus=2", "train.data_parallel=1", "train.distributed_optimizer=true"]), glm, gpu_mem_gb=80)
+    assert "tensor_parallel=2, this model's limit" in one["reason"] and "already sharded" not in one["reason"]
+
+
+def test_glm_z1_9b_with_the_distributed_optimizer():
+    """train.distributed_optimizer at DP 4: fp32 master + Adam are 1/4 per GPU (13.1 instead of 52.5 GiB);
+    bf16 gradients halve the 17.5 GiB of fp32 ones. 8 x 80 GiB then needs recomputation too; 8 x 141 fits."""
+    from runtime.config import load_config
+    from runtime.plan.memory import GIB, estimate_for_config, format_estimate
+
+    glm = _glm_z1_9b()
+
+    def plan(gpu, *sets):
+        return estimate_for_config(load_config(ROOT / "configs" / "glm-z1-9b-dapo.yaml", list(sets)), glm,
+                                   gpu_mem_gb=gpu)
+
+    base = plan(80)
+    dist = plan(80, "train.distributed_optimizer=true")
+    per_gpu = dist["params_per_gpu"]
+    assert dist["bytes"]["optimizer"] == 12 * -(-per_gpu // 4) and dist["bytes"]["grads"] == base["bytes"]["grads"]
+    assert dist["bytes"]["weights"] == base["bytes"]["weights"] == 2 * per_gpu
+    assert round(base["optimizer"], 1) == 52.5 and round(dist["optimizer"], 1) == 13.1
+    assert "1/4 of them (distributed optimizer)" in format_estimate(dist)
+    assert not dist["fits"] and round(dist["total"], 1) == 94.8  # 44.7 GiB of activations at 9216 tokens
+    assert "distributed_optimizer" not in dist["reason"]
+    bf16 = plan(80, "train.distributed_optimizer=true", "train.grad_dtype=bfloat16")
+    assert bf16["bytes"]["grads"] == 2 * per_gpu and "bfloat16" in format_estimate(bf16)
+    assert plan(80, "train.distributed_optimizer=true", "train.recompute=selective")["fits"]
+    assert plan(80, "train.distributed_optimizer=true", "train.recompute=full")["fits"]
+    # 141 GiB (H200): the shipped layout fits already; the distributed optimizer frees 39.4 GiB per GPU
+    assert plan(141)["fits"] and plan(141, "train.distributed_optimizer=true")["fits"]
+    assert (base["bytes"]["optimizer"] - dist["bytes"]["optimizer"]) / GIB > 39
+    # with the built-in engine the search of settings that fit names it first (free)
+    builtin = plan(141, "rollout.engine=builtin")
+    assert not builtin["fits"] and builtin["fix"][0] == {"train.distributed_optimizer": True}
+    assert "fits with train.distributed_optimizer=true" in builtin["reason"]
 
 
 def test_errors():

@@ -177,15 +177,19 @@ def _state(tr) -> list[torch.Tensor]:
     return [t.detach().clone() for t in tr.offload._tensors()]
 
 
-def test_offload_round_trip_restores_the_state_bitwise(tiny):
+@pytest.mark.parametrize("distributed", [False, True], ids=["replicated", "distributed_optimizer"])
+def test_offload_round_trip_restores_the_state_bitwise(tiny, distributed):
     batch = _batch(tiny["vocab"])
-    a, b = _trainer(tiny, dtype="bfloat16"), _trainer(tiny, dtype="bfloat16")
+    a, b = (_trainer(tiny, dtype="bfloat16", distributed_optimizer=distributed) for _ in range(2))
     a.train(batch)
     b.train(batch)
     before = _state(a)
-    # fp32 DDP grads, fp32 master weights (bf16 params), Adam's two moments per master weight
+    # fp32 DDP grads, fp32 master weights (bf16 params), Adam's two moments per master weight (distributed:
+    # this DP rank's shards of them, here all of them at DP 1); never the weights themselves
     n_params = len(list(a.model.parameters()))
     assert len(before) == len(a.ddp.buffers) + 3 * n_params
+    weights = {p.untyped_storage().data_ptr() for p in a.model.parameters()}
+    assert not weights & {st.data_ptr() for st in a.offload._unique_storages(force=True)}
     assert a.offload_state() == {"bytes": 0.0, "seconds": 0.0}  # on CPU without force: nothing moves
     moved = a.offload_state(force=True)
     assert moved["bytes"] == sum(t.untyped_storage().nbytes() for t in before) > 0
@@ -230,3 +234,16 @@ def test_flash_varlen_equals_per_sample_sdpa_on_cuda():
     torch.testing.assert_close(out, ref, rtol=0, atol=2e-2)
     for a, b in ((dq, rq), (dk, rk), (dv, rv)):
         torch.testing.assert_close(a, b, rtol=0, atol=5e-2)
+
+
+def test_grad_dtype_sets_the_gradient_buffer(tiny):
+    """train.grad_dtype: bf16 weights keep fp32 gradients by default and bf16 ones (half the memory) on
+    request; the step still trains (same loss, grad norm within bf16 rounding)."""
+    batch = _batch(tiny["vocab"])
+    out = {}
+    for grad_dtype in ("float32", "bfloat16"):
+        tr = _trainer(tiny, dtype="bfloat16", grad_dtype=grad_dtype)
+        assert {b.grad_data.dtype for b in tr.ddp.buffers} == {getattr(torch, grad_dtype)}
+        out[grad_dtype] = tr.train(batch)
+    assert out["bfloat16"]["loss"] == out["float32"]["loss"]
+    assert abs(out["bfloat16"]["grad_norm"] - out["float32"]["grad_norm"]) <= 1e-2 * out["float32"]["grad_norm"]

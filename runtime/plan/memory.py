@@ -5,11 +5,14 @@ The model follows what our code allocates on the device the run uses, not a gene
 
 Trainer (``runtime.trainer.megatron_trainer``), both devices:
 
-* megatron DDP with an fp32 gradient buffer (``grad_reduce_in_fp32``) and megatron's
-  non-distributed mixed-precision optimizer: an fp32 master copy of every parameter (none when the
-  weights are already fp32), made when the trainer is built, and Adam's two fp32 moments, made at the
-  first optimizer step. Weights, gradients and optimizer are split by tensor parallelism only (data
-  parallelism replicates them). A reference copy of the weights when ``kl_coef > 0``.
+* megatron DDP with a gradient buffer of every parameter, fp32 (``train.grad_dtype: float32``, megatron's
+  ``grad_reduce_in_fp32``) or in the weights' dtype (``bfloat16``), and megatron's mixed-precision
+  optimizer: an fp32 master copy of every parameter (none when the weights are already fp32), made when
+  the trainer is built, and Adam's two fp32 moments, made at the first optimizer step. Weights and
+  gradients are split by tensor parallelism only (data parallelism replicates them); the master and
+  moments too, unless ``train.distributed_optimizer`` shards them over the data-parallel ranks (1/DP each;
+  its gradient buffer stays whole: megatron reduce-scatters in place). A reference copy of the weights
+  when ``kl_coef > 0``.
 * activations of one micro-batch: ``micro_batch_size`` samples padded to the longest (the worst case:
   every sample at ``max_prompt_len + max_new_tokens``), or with ``train.max_tokens_per_micro_batch``
   a packed micro-batch of that many tokens (no padding; the worst case: the budget full). Without
@@ -294,13 +297,16 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     kv_cache_gb: float | None = None, offload: bool = False, kv_released: bool | None = None,
                     max_tokens: int | None = None, recompute: str = "none", recompute_modules=("layernorm", "mlp"),
                     recompute_num_layers: int | None = None, fusions="auto", chunked_logprobs: str = "auto",
-                    core_attention: str = "auto") -> dict[str, Any]:
+                    core_attention: str = "auto", distributed_optimizer: bool = False,
+                    grad_dtype: str = "float32") -> dict[str, Any]:
     """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
 
     ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
     engine's first generate call, split over ``rollout_engines``; ``max_slots``: the engine's
-    ``max_batch_size``. ``dp`` replicates the trainer (the optimizer is not distributed) and does not
-    change the per-GPU numbers. ``ref_model``: a reference copy of the weights (``kl_coef > 0``).
+    ``max_batch_size``. ``dp`` replicates the trainer and does not change the per-GPU numbers, except with
+    ``distributed_optimizer`` (``train.distributed_optimizer``): the fp32 master, Adam's moments and the
+    optimizer step's temporaries are then 1/dp per GPU. ``grad_dtype`` (``train.grad_dtype``): the gradient
+    buffer's dtype ("float32", or "bfloat16" = the weights' dtype). ``ref_model``: a reference copy of the weights (``kl_coef > 0``).
     ``device``: "cuda" or "cpu" (other attention, logits and engine paths, see the module doc).
     ``engine``: "builtin" or "sglang". ``global_batch_size`` lets the answer name a micro-batch that
     divides the step. ``kv_cache_gb``: the built-in engine's KV pool (GiB); None on CUDA: the plan
@@ -338,15 +344,19 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     recompute_num_layers=recompute_num_layers, fusions=fusions, chunked_logprobs=chunked_logprobs,
                     core_attention=core_attention)
 
+    if grad_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"grad_dtype must be float32 or bfloat16, not {grad_dtype!r}")
     weights = per_rank * e + (per_rank * e if ref_model else 0)
-    grads = per_rank * 4                                   # fp32 DDP grad buffer
-    master = per_rank * 4 if e < 4 else 0                  # fp32 master copy, made with the optimizer
-    moments = per_rank * 8                                 # Adam m, v: made at the first step
+    grads = per_rank * (4 if grad_dtype == "float32" else e)  # DDP grad buffer: fp32, or the weights' dtype
+    # the parameters whose optimizer state this rank holds: all of its TP shard, or 1/dp of it (distributed)
+    opt_params = -(-per_rank // dp) if distributed_optimizer else per_rank
+    master = opt_params * 4 if e < 4 else 0                # fp32 master copy, made with the optimizer
+    moments = opt_params * 8                               # Adam m, v: made at the first step
     optimizer = master + moments
     state = grads + optimizer                              # what offload_state moves
-    # Adam's step (torch's foreach implementation) holds about one fp32 copy of the parameters in
+    # Adam's step (torch's foreach implementation) holds about one fp32 copy of the parameters it updates in
     # temporaries: measured 2.27 GiB for Qwen3-0.6B's 2.22 GiB (bench/results/memory_check_H100_2026-11-23_24gb.json)
-    opt_step = _OPT_STEP_BYTES_PER_PARAM * per_rank
+    opt_step = _OPT_STEP_BYTES_PER_PARAM * opt_params
     act_kw = dict(tp=tp, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, device=device,
                   response_len=max_new_tokens, **settings)
     act = activation_terms(hf_config, **act_kw)
@@ -449,7 +459,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                logprobs="chunked" if _chunked_logprobs(device, tp, chunked_logprobs) else "full logits",
                kv_slots=kv_slots, kv_slot_len=seq_len, kv_max_slots=slots_max, kv=kv_info,
                kv_chosen=kv_chosen, kv_cache_gb=kv_cache / GIB if decode_path == "paged" else None,
-               kv_released=kv_released, offload=offload, fit_micro_batch=fit_mb, **settings)
+               kv_released=kv_released, offload=offload, fit_micro_batch=fit_mb,
+               distributed_optimizer=bool(distributed_optimizer), grad_dtype=grad_dtype, **settings)
     out["max_tp"] = math.gcd(m["V"], m["nh"], m["ng"], m["f"])
     out["reason"] = None if fits else _why_not(out)
     return out
@@ -474,22 +485,39 @@ def _kv_room(limit: float, *, colocate: bool, kv_released: bool, weights: int, s
     return room
 
 
+def _distributed_optimizer_hint(est: dict[str, Any]) -> str | None:
+    """The suggestion to shard the optimizer over DP, with what it saves, when it is off at DP > 1."""
+    dp = est["dp"]
+    if dp <= 1 or est["distributed_optimizer"]:
+        return None
+    return (f"train.distributed_optimizer: true shards the fp32 master + Adam state over the {dp} data-parallel "
+            f"ranks ({est['optimizer']:.1f} -> {est['optimizer'] / dp:.1f} GiB per GPU)")
+
+
 def _why_not(est: dict[str, Any]) -> str:
     gpu = est["gpu_mem_gb"]
     state = est["weights"] + est["grads"] + est["optimizer"]
+    grads = "fp32 gradients" if est["grad_dtype"] == "float32" else f"{est['grad_dtype']} gradients"
+    what = f"the trainer's weights, {grads} and fp32 master + Adam state"
     head = f"needs {est['total']:.1f} GiB per GPU but the GPU has {gpu:g} GiB"
     if est["decode_path"] == "paged" and est["kv_cache"] * GIB < est["kv"]["per_sample"]:
         head = (f"the KV pool ({est['kv_cache']:.2f} GiB) does not hold one {est['seq_len']}-token sample "
                 f"({est['kv']['per_sample'] / GIB:.2f} GiB) beside the rest (peak {est['total']:.1f} GiB of {gpu:g})")
+    hint = _distributed_optimizer_hint(est)
     if state + (est["engine_weights"] if est["colocate"] else 0) + est["overhead"] >= 0.9 * gpu:
+        if hint is not None:
+            return f"{head}: try {hint}: {what} alone take {state:.1f} GiB per GPU"
         if est["tp"] < est["max_tp"]:
-            return (f"{head}: try more train.tensor_parallel (at most {est['max_tp']} for this model): the trainer's "
-                    f"weights, fp32 gradients and fp32 master + Adam state alone take {state:.1f} GiB per GPU")
-        return (f"{head}: try GPUs with more memory: the trainer's weights, fp32 gradients and fp32 master + Adam "
-                f"state alone take {state:.1f} GiB per GPU at tensor_parallel={est['tp']}, this model's limit, and "
-                f"data parallelism does not shard them (the trainer's optimizer is not distributed and it has no "
-                f"pipeline parallelism)")
-    return head
+            return (f"{head}: try more train.tensor_parallel (at most {est['max_tp']} for this model): "
+                    f"{what} alone take {state:.1f} GiB per GPU")
+        sharded = (f"the optimizer is already sharded over dp={est['dp']}" if est["dp"] > 1
+                   else "with one data-parallel rank nothing shards them")
+        bf16_grads = ("; train.grad_dtype: bfloat16 halves the gradients" if est["grad_dtype"] == "float32"
+                      and est["dtype"] != "float32" else "")
+        return (f"{head}: try GPUs with more memory: {what} alone take {state:.1f} GiB per GPU at "
+                f"tensor_parallel={est['tp']}, this model's limit, and {sharded} (the trainer has no pipeline "
+                f"parallelism){bf16_grads}")
+    return head if hint is None else f"{head}; {hint}"
 
 
 def format_estimate(est: dict[str, Any]) -> str:
@@ -508,9 +536,11 @@ def format_estimate(est: dict[str, Any]) -> str:
                  "full": f"; full recompute of {est['recompute_num_layers'] or 'all'} layers"}[est["recompute"]]
     act_note = f"{micro}; {est['attention']} attention, {est['logprobs']} log-probs{recompute}"
     state_note = "; off the GPU while the engine generates" if est["offload"] else ""
-    rows = [("weights", est["weights"], ""), ("gradients", est["grads"], "fp32" + state_note),
+    grad_note = "fp32" if est["grad_dtype"] == "float32" else est["dtype"]
+    shard_note = f", 1/{est['dp']} of them (distributed optimizer)" if est["distributed_optimizer"] else ""
+    rows = [("weights", est["weights"], ""), ("gradients", est["grads"], grad_note + state_note),
             ("optimizer", est["optimizer"],
-             ("fp32 master + Adam m, v" if est["optimizer_master"] else "Adam m, v") + state_note),
+             ("fp32 master + Adam m, v" if est["optimizer_master"] else "Adam m, v") + shard_note + state_note),
             ("activations", est["activations"], act_note), ("engine weights", est["engine_weights"], ""),
             ("KV cache", est["kv_cache"], kv_note), ("rollout extra", est["rollout_activations"], ""),
             ("overhead", est["overhead"], "CUDA context, allocator slack")]
@@ -567,7 +597,8 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         sglang_mem_fraction=r.sglang.mem_fraction, sglang_tp=r.sglang.tp_size, global_batch_size=t.global_batch_size,
         kv_cache_gb=r.kv_cache_gb, offload=offload_enabled(cfg, device), max_tokens=t.max_tokens_per_micro_batch,
         recompute=t.recompute, recompute_modules=tuple(t.recompute_modules), recompute_num_layers=t.recompute_num_layers,
-        fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention)
+        fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention,
+        distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype)
 
 
 def estimate_for_config(cfg, hf_config, *, gpu_mem_gb: float | None = None, device: str | None = None,
@@ -590,6 +621,8 @@ def estimate_for_config(cfg, hf_config, *, gpu_mem_gb: float | None = None, devi
 
 
 def _show(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
     if isinstance(v, (list, tuple)):
         return "[" + ",".join(str(x) for x in v) + "]"
     return "null" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
@@ -597,7 +630,8 @@ def _show(v) -> str:
 
 def settings_that_fit(hf_config, gpu_mem_gb: float, kw: dict[str, Any]):
     """The cheapest change of the memory settings that makes ``kw`` (:func:`config_kwargs`) fit, as
-    ({config key: value}, estimate), or None. Searched, cheapest first: the trainer's state offloaded
+    ({config key: value}, estimate), or None. Searched, cheapest first: the distributed optimizer at
+    DP > 1 (free: reduce-scatter + all-gather move what the all-reduce did), the trainer's state offloaded
     while generating (free), packed micro-batches by a token budget (faster), selective recompute
     (norms + MLP, ~1/3 more compute per layer), full recompute (one more forward), a smaller KV pool
     (a slower rollout); each with the largest token budget that fits."""
@@ -611,12 +645,13 @@ def settings_that_fit(hf_config, gpu_mem_gb: float, kw: dict[str, Any]):
         if r[0] != kw["recompute"] and not (kw["recompute"] == "full" and r[0] == "selective"):
             recomputes.append(r)
     offloads = [kw["offload"]] + ([True] if kw["colocate"] and not kw["offload"] else [])
+    dists = [kw["distributed_optimizer"]] + ([True] if kw["dp"] > 1 and not kw["distributed_optimizer"] else [])
     pools: list = [kw["kv_cache_gb"]]
     if kw["kv_cache_gb"] is not None:
         pools += [round(kw["kv_cache_gb"] * f / KV_STEP_GIB) * KV_STEP_GIB for f in (0.75, 0.5, 0.25)]
         pools.append(None)  # what the plan leaves free
     for min_slots in sorted({min(n, kw["rollout_batch"]) for n in (_SEARCH_MIN_KV_SAMPLES, 4, 1)}, reverse=True):
-        found = _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots)
+        found = _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots, dists)
         if found is not None:
             return found
     return None
@@ -625,28 +660,32 @@ def settings_that_fit(hf_config, gpu_mem_gb: float, kw: dict[str, Any]):
 _SEARCH_MIN_KV_SAMPLES = 8  # the search prefers pools that hold a group of full-length samples at once
 
 
-def _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots):
+def _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots, dists=(False,)):
     seq = kw["seq_len"]
     best = None
     for pi, pool in enumerate(pools):
         for ri, (rec, mods) in enumerate(recomputes):
             for oi, off in enumerate(offloads):
                 for bi, budget in enumerate(budgets):
-                    cost = (pi, ri, oi, bi)
-                    if best is not None and cost >= best[0]:
-                        continue
-                    trial = dict(kw, kv_cache_gb=pool, recompute=rec, recompute_modules=mods, offload=off,
-                                 max_tokens=budget, recompute_num_layers=None if rec != "full" else kw["recompute_num_layers"])
                     if budget is not None and budget < seq:
                         continue
-                    est = estimate_memory(hf_config, gpu_mem_gb=gpu_mem_gb, **trial)
-                    if est["fits"] and (est["kv_slots"] or 0) >= min_slots:
-                        best = (cost, trial, est)
-                        break  # larger budgets come first: the first that fits is the best of this row
+                    for di, distributed in enumerate(dists):
+                        # least significant: the distributed optimizer is preferred to any other change
+                        cost = (pi, ri, oi, bi, di)
+                        if best is not None and cost >= best[0]:
+                            continue
+                        trial = dict(kw, kv_cache_gb=pool, recompute=rec, recompute_modules=mods, offload=off,
+                                     max_tokens=budget, distributed_optimizer=distributed,
+                                     recompute_num_layers=None if rec != "full" else kw["recompute_num_layers"])
+                        est = estimate_memory(hf_config, gpu_mem_gb=gpu_mem_gb, **trial)
+                        if est["fits"] and (est["kv_slots"] or 0) >= min_slots:
+                            best = (cost, trial, est)
+                            break
     if best is None:
         return None
     _, trial, est = best
-    names = {"kv_cache_gb": "rollout.kv_cache_gb", "recompute": "train.recompute",
+    names = {"distributed_optimizer": "train.distributed_optimizer",
+             "kv_cache_gb": "rollout.kv_cache_gb", "recompute": "train.recompute",
              "recompute_modules": "train.recompute_modules", "offload": "cluster.offload_trainer_state",
              "max_tokens": "train.max_tokens_per_micro_batch", "recompute_num_layers": "train.recompute_num_layers"}
     changed: dict[str, Any] = {}

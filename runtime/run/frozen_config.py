@@ -17,11 +17,16 @@ FINISHED_MARKER = "finished"  # stages/finished.json: every stage of the run don
 # (a bitwise round trip) and recomputation (bitwise for full and mlp; a few fp32 ulps for the norms').
 # Not the micro-batching (train.micro_batch_size, train.max_tokens_per_micro_batch): it changes the
 # order in which gradients are summed.
+# The one exception to bitwise: the data-parallel layout (train.data_parallel with cluster.trainer_gpus,
+# train.distributed_optimizer), so that a run can resume on another number of GPUs. Its checkpoint loads
+# exactly into the new layout (runtime/trainer/optimizer_checkpoint.py); the updates after it differ from an
+# unbroken run's by the order of the DP reduction, within the float tolerance README.md states.
 RESUMABLE_CHANGES = {"train.num_rollout", "eval.interval", "eval.before_train", "tracking.uri",
                      "tracking.enabled", "cluster.address", "cluster.backend", "cluster.num_cpus",
                      "cluster.placement_timeout_s", "checkpoint.keep_last", "storage.state_dir",
                      "rollout.kv_cache_gb", "cluster.gpu_memory_gb", "cluster.offload_trainer_state",
-                     "train.recompute", "train.recompute_modules", "train.recompute_num_layers"}
+                     "train.recompute", "train.recompute_modules", "train.recompute_num_layers",
+                     "train.data_parallel", "cluster.trainer_gpus", "train.distributed_optimizer"}
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

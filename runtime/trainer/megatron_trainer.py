@@ -60,14 +60,18 @@ class MegatronTrainer:
             self.ref_model.eval().requires_grad_(False)
 
         with menv.cuda_to_cpu():
+            # train.grad_dtype: fp32 gradient buffer (reduced in fp32) or the weights' own dtype;
+            # train.distributed_optimizer: master weights + Adam sharded over DP, gradients reduce-scattered
+            distributed = bool(train.distributed_optimizer)
             self.ddp = DistributedDataParallel(
-                self.model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                                  use_distributed_optimizer=False), self.model)
+                self.model.config, DistributedDataParallelConfig(
+                    grad_reduce_in_fp32=train.grad_dtype == "float32", overlap_grad_reduce=False,
+                    use_distributed_optimizer=distributed), self.model)
             bf16 = self.params_dtype == torch.bfloat16
             self.optimizer = get_megatron_optimizer(OptimizerConfig(
                 optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
                 adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, clip_grad=train.clip_grad,
-                bf16=bf16, params_dtype=self.params_dtype, use_distributed_optimizer=False), [self.ddp])
+                bf16=bf16, params_dtype=self.params_dtype, use_distributed_optimizer=distributed), [self.ddp])
         total_steps = train.num_rollout * train.num_steps_per_rollout
         warmup = train.lr_warmup_steps
         self.scheduler = OptimizerParamScheduler(
@@ -378,19 +382,25 @@ class MegatronTrainer:
         return torch.device("cpu")
 
     def grads(self) -> dict[str, torch.Tensor]:
-        """Gradients of the last optimizer step, whole and on CPU (for parallel-equivalence checks)."""
+        """Gradients of the last optimizer step, whole and on CPU (for parallel-equivalence checks). With
+        ``train.distributed_optimizer`` only this DP rank's shard of the buffer is reduced over DP (reduce-scatter)."""
         from runtime.trainer.tp_gather import full_grads
         return {k: v.to("cpu") for k, v in full_grads(self.model).items()}
 
     def save(self, path: str) -> None:
+        """The model, optimizer and LR schedule as a torch_dist checkpoint (every rank takes part). The
+        optimizer's format does not depend on DP size or ``train.distributed_optimizer``: a checkpoint
+        loads into any data-parallel layout (runtime/trainer/optimizer_checkpoint.py)."""
         from megatron.core import dist_checkpointing
 
         from runtime.mcore import env as menv
+        from runtime.trainer import optimizer_checkpoint
         os.makedirs(path, exist_ok=True)
         self.offload.reload()
         with menv.cuda_to_cpu():
             msd = self.model.sharded_state_dict()
-            state = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd),
+            # one optimizer format for every layout (runtime/trainer/optimizer_checkpoint.py)
+            state = {"model": msd, "optimizer": optimizer_checkpoint.sharded_state_dict(self.optimizer, self.model, msd),
                      "scheduler": self.scheduler.state_dict(), "steps_done": self.steps_done}
             dist_checkpointing.save(state, path)
 
@@ -398,14 +408,16 @@ class MegatronTrainer:
         from megatron.core import dist_checkpointing
 
         from runtime.mcore import env as menv
+        from runtime.trainer import optimizer_checkpoint
         self.offload.reload()
         with menv.cuda_to_cpu():
             msd = self.model.sharded_state_dict()
-            state = {"model": msd, "optimizer": self.optimizer.sharded_state_dict(msd, is_loading=True),
-                     "scheduler": None, "steps_done": None}
+            state = {"model": msd, "optimizer": optimizer_checkpoint.sharded_state_dict(
+                self.optimizer, self.model, msd, is_loading=True), "scheduler": None, "steps_done": None}
             loaded = dist_checkpointing.load(state, path)
             self.model.load_state_dict(loaded["model"])
-            self.optimizer.load_state_dict(loaded["optimizer"])
+            optimizer_checkpoint.load_state_dict(self.optimizer, self.model, self.model.sharded_state_dict(),
+                                                 loaded["optimizer"])
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.steps_done = int(loaded["steps_done"])
 

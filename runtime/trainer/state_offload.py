@@ -2,7 +2,10 @@
 
 What moves: megatron DDP's fp32 gradient buffers, the optimizer's fp32 master weights and Adam's
 moments (about 16 bytes per parameter: 8.9 GiB of Qwen3-0.6B's 10 GiB of trainer state). The bf16
-weights stay: the forward of the next step and the weight sync need them.
+weights stay: the forward of the next step and the weight sync need them. With the distributed optimizer
+(``train.distributed_optimizer``) the masters and moments are this rank's 1/DP shards
+(``shard_fp32_from_float16_groups`` and the inner optimizer's state); its fp32-weight shards are views of
+the weights and stay, as does anything else that shares a storage with a parameter.
 
 How: each tensor's storage is copied to a pinned CPU buffer (non-blocking copies, one synchronise for
 all), then shrunk to 0 bytes (``untyped_storage().resize_(0)``), which returns its memory to the
@@ -36,8 +39,10 @@ class StateOffload:
         opts = getattr(tr.optimizer, "chained_optimizers", None) or [tr.optimizer]
         model_params = {id(p) for p in tr.model.parameters()}
         for opt in opts:
-            for group in getattr(opt, "fp32_from_float16_groups", None) or []:
-                out.extend(p for p in group if id(p) not in model_params)  # fp32 master copies
+            # fp32 master copies: whole (mixed-precision optimizer) or this DP rank's shards (distributed)
+            for attr in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
+                for group in getattr(opt, attr, None) or []:
+                    out.extend(p for p in group if p is not None and id(p) not in model_params)
             inner = getattr(opt, "optimizer", opt)
             for group in inner.param_groups:
                 for p in group["params"]:
@@ -47,7 +52,9 @@ class StateOffload:
         return out
 
     def _unique_storages(self, force: bool) -> list:
-        seen, out = set(), []
+        # the weights stay (under the distributed optimizer fp32 weights are the masters' storage)
+        seen = {p.untyped_storage().data_ptr() for p in self.trainer.model.parameters()}
+        out = []
         for t in self._tensors():
             st = t.untyped_storage()
             if st.nbytes() == 0 or st.data_ptr() in seen or (t.device.type != "cuda" and not force):
