@@ -109,6 +109,18 @@ class EngineHandle:
         return self.group.call("generate", requests, sampling, until)[0]
 
     @forwards
+    def start_generation(self, requests: list[SampleRequest], sampling: SamplingParams) -> None:
+        self.group.call("start_generation", requests, sampling)
+
+    @forwards
+    def advance_generation(self) -> list[bool] | None:
+        return self.group.call("advance_generation")[0]
+
+    @forwards
+    def finish_generation(self) -> list[SampleResult]:
+        return self.group.call("finish_generation")[0]
+
+    @forwards
     def logprobs_of(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         return self.group.call("logprobs_of", prompt_ids, response_ids, temperature)[0]
 
