@@ -520,3 +520,21 @@ def test_validate_rollout_output_names_contract_violations():
     for output, fragment in cases:
         with pytest.raises(ConfigError, match=fragment):
             validate_rollout_output(output, prompts, keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# data-parallel rollout: several built-in engines behind one handle
+# ---------------------------------------------------------------------------------------------
+
+def test_requests_split_into_whole_groups_balanced_by_count(engine):
+    from runtime.rollout.sharding import split_ranges
+    reqs = _requests(engine, samples_per_prompt=3)  # 4 prompts x 3 samples
+    assert split_ranges(reqs, 1) == [range(0, 12)]
+    assert split_ranges(reqs, 2) == [range(0, 6), range(6, 12)]
+    assert split_ranges(reqs, 4) == [range(0, 3), range(3, 6), range(6, 9), range(9, 12)]
+    assert split_ranges(reqs[:3], 2) == [range(0, 3), range(3, 3)]  # one group: the other engine idles
+    five = split_ranges(reqs, 5)
+    assert [i for r in five for i in r] == list(range(12)) and all(len(r) % 3 == 0 for r in five)
+    # the same prompt under another key prefix (another rollout) is another group
+    mixed = _requests(engine, samples_per_prompt=2)[:2] + _requests(engine, samples_per_prompt=2, rollout_id=1)[:2]
+    assert split_ranges(mixed, 2) == [range(0, 2), range(2, 4)]
