@@ -118,20 +118,20 @@ def force_keyed_lengths(S) -> list[dict]:
     list the decoder's stats of each such call are appended to."""
     from runtime.rollout.paged_decode import PagedDecoder
     calls: list[dict] = []
-    plain = PagedDecoder.generate
+    plain = PagedDecoder.steps
 
-    def generate(self, prompts, key_hash, sampling, stop_ids, stop_at=None, prefixes=None, until=None):
+    def steps(self, prompts, key_hash, sampling, stop_ids, stop_at=None, prefixes=None):
         timed = int(sampling.max_new_tokens) == S["max_new"]
         if timed:
             stop_at = rollout_bench.lengths_for_hashes(S, key_hash)
-        out = plain(self, prompts, key_hash, sampling, stop_ids, stop_at=stop_at, prefixes=prefixes, until=until)
+        out = yield from plain(self, prompts, key_hash, sampling, stop_ids, stop_at=stop_at, prefixes=prefixes)
         if timed:
             calls.append({k: self.stats.get(k) for k in ("decode_steps", "row_steps", "rows", "decode_s",
                                                          "prefill_s", "total_s", "new_tokens", "max_active",
                                                          "preemptions", "reprefill_tokens", "prefill_tokens")})
         return out
 
-    PagedDecoder.generate = generate
+    PagedDecoder.steps = steps  # generate and the built-in engine both go through it
     return calls
 
 

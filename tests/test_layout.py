@@ -50,8 +50,6 @@ def test_gpus_on_offer_and_rollout_gpus():
                                           r"this machine has 2"):
         layout.check_layout(split, gpus_available=2)
     layout.check_layout(cfg(cluster={"trainer_gpus": 2, "rollout_gpus": 1}), gpus_available=2)  # colocated
-    with pytest.raises(ConfigError, match="the built-in engine runs on one GPU"):
-        layout.check_layout(cfg(cluster={"trainer_gpus": 2, "rollout_gpus": 2}))
     with pytest.raises(ConfigError, match=r"rollout.sglang.num_engines × sglang.tp_size = 2 × 1"):
         layout.check_layout(cfg(cluster={"trainer_gpus": 4, "rollout_gpus": 4},
                                 rollout={"engine": "sglang", "sglang": {"num_engines": 2}}))
@@ -63,3 +61,43 @@ def test_placement_and_weight_sync_path():
     dp2 = cfg(cluster={"trainer_gpus": 2, "rollout_gpus": 1})
     assert layout.engine_gpu(dp2) == 0 and layout.weight_sync_mode(dp2) == "direct"
     assert layout.weight_sync_mode(cfg(cluster={"weight_sync": "broadcast"})) == "broadcast"
+
+
+def test_data_parallel_rollout_with_the_builtin_engine():
+    """cluster.rollout_gpus > 1 with rollout.engine=builtin: one engine per rollout GPU, beside the trainer
+    ranks (colocated) or on GPUs of their own; layouts that do not fit are one-line errors."""
+    from runtime.plan.summary import layout_lines
+    colocated = cfg(cluster={"trainer_gpus": 2, "rollout_gpus": 2})
+    layout.check_layout(colocated, gpus_available=2)
+    assert layout.rollout_engines(colocated) == 2 and layout.engine_gpus(colocated) == [0, 1]
+    assert layout.weight_sync_mode(colocated) == "direct"
+    split = cfg(cluster={"trainer_gpus": 2, "rollout_gpus": 2, "colocate": False})
+    layout.check_layout(split, gpus_available=4)
+    assert layout.engine_gpus(split) == [2, 3] and layout.weight_sync_mode(split) == "broadcast"
+    assert layout.rollout_engines(cfg(cluster={"trainer_gpus": 4, "rollout_gpus": 4},
+                                      rollout={"engine": "sglang", "sglang": {"num_engines": 4}})) == 1
+    ray = {"backend": "ray"}  # GPUs are checked when the cluster starts
+    assert layout_lines(cfg(cluster={**ray, "trainer_gpus": 2, "rollout_gpus": 2})) == [
+        "layout        trainer DP 2 × TP 1 on GPUs 0-1; 2 built-in engines (one per GPU, the requests split "
+        "between them) on GPUs 0-1 (shared with trainer ranks 0-1); weight sync direct (GPUs checked when the "
+        "cluster starts)"]
+    assert "2 built-in engines (one per GPU, the requests split between them) on GPUs 2-3 of their own; " \
+           "weight sync broadcast" in layout_lines(cfg(cluster={**ray, "trainer_gpus": 2, "rollout_gpus": 2,
+                                                                "colocate": False}))[0]
+    assert "engine on GPU 0 (shared with trainer rank 0)" in layout_lines(cfg(cluster={**ray, "trainer_gpus": 2,
+                                                                                       "rollout_gpus": 1}))[0]
+    for bad, match in [
+        (cfg(cluster={"trainer_gpus": 2, "rollout_gpus": 4}),
+         r"cluster.colocate=true shares the trainer's 2 GPU\(s\), but cluster.rollout_gpus=4; lower rollout_gpus "
+         r"to <= 2 or set colocate=false"),
+        (cfg(cluster={"rollout_gpus": 2}),
+         r"cluster.rollout_gpus=2 with cluster.colocate=true puts one built-in engine on each trainer GPU, but "
+         r"cluster.trainer_gpus=0 \(one device\); set cluster.trainer_gpus >= 2, or colocate=false"),
+    ]:
+        with pytest.raises(ConfigError, match=match) as e:
+            layout.check_layout(bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"needs 4 GPU\(s\) \(cluster.trainer_gpus=2 \+ rollout_gpus=2\) but "
+                                          r"this machine has 3"):
+        layout.check_layout(split, gpus_available=3)
+    layout.check_layout(cfg(cluster={"rollout_gpus": 2, "device": "cpu"}))  # CPU engines (the tests' Ray actors)

@@ -414,3 +414,30 @@ def test_the_plan_against_the_h100_runs_of_2026_11_23(run):
     assert est["fits"] and est["kv_slots"] == m["kv_slots"]
     assert abs(est["activations"] / m["activations"] - 1) <= 0.10, est["activations"]
     assert abs((est["total"] - est["overhead"]) / m["peak"] - 1) <= 0.05, est["total"]
+
+
+def test_data_parallel_rollout_counts_one_engine_on_each_rollout_gpu():
+    """cluster.rollout_gpus=N with the built-in engine: every rollout GPU holds a whole engine (weights, its
+    pool) and the working set of its share of the rollout's rows, 1/N of them."""
+    from runtime.config import load_config
+    from runtime.plan.memory import estimate_for_config, first_rollout_rows, format_estimate
+
+    def plan(*sets):
+        cfg = _fixed_pool(load_config(ROOT / "configs" / "qwen3-0.6b-dapo.yaml", list(sets)), gb=20.0)
+        return cfg, estimate_for_config(cfg, _qwen3_06b(), gpu_mem_gb=80)
+
+    cfg, one = plan("cluster.colocate=false", "cluster.trainer_gpus=4", "cluster.rollout_gpus=1")
+    _, four = plan("cluster.colocate=false", "cluster.trainer_gpus=4", "cluster.rollout_gpus=4")
+    rows = first_rollout_rows(cfg)  # 48 prompts x 8 samples
+    assert (one["rollout_engines"], one["rollout_rows"]) == (1, rows)
+    assert (four["rollout_engines"], four["rollout_rows"]) == (4, rows // 4)
+    # per rollout GPU: the same weights and pool, a quarter of the live rows' working set
+    assert four["engine_weights"] == one["engine_weights"] and four["kv_cache"] == one["kv_cache"] == 20.0
+    assert four["rollout_activations"] < one["rollout_activations"]
+    assert four["rollout_total"] == pytest.approx(four["engine_weights"] + 20.0 + four["rollout_activations"] + 1.0)
+    assert f"one built-in engine on each of 4 rollout GPUs, {rows // 4} rows of the first rollout each" \
+        in format_estimate(four)
+    assert "rollout GPUs" not in format_estimate(one)
+    # colocated: each of the 4 trainer GPUs holds a rank and an engine
+    _, colocated = plan("cluster.trainer_gpus=4", "cluster.rollout_gpus=4")
+    assert colocated["rollout_rows"] == rows // 4 and colocated["at_rollout"] > colocated["engine_weights"] + 20.0

@@ -234,3 +234,34 @@ def test_generation_stops_once_enough_groups_are_complete(model_dir, hf, path):
     _same(whole, eng.generate(reqs, sp, until=GroupsDone(3, 99)))
     if path == "paged":
         assert eng.decoder.pool.used == 0
+
+
+def test_a_feature_failing_midway_redoes_the_call_up_to_the_check_point_reached(model_dir):
+    """The engine driven one check point at a time (as a pool of engines drives it): a speed feature that
+    fails in the second decode chunk is switched off and the call redone to where it was, silently."""
+    from runtime.rollout import GroupsDone
+    eng = _paged(model_dir, rows=6)
+    reqs = _requests()
+    sp = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=20, stop_token_ids=[5, 6, 7])
+    until = GroupsDone(group_size=3, count=2)
+    want = eng.generate(reqs, sp, until=until)
+    dec, real, steps = eng.decoder, eng.decoder._run_step, [0]
+    dec.compiled = True  # as if compiled: the fallback switches it off
+
+    def flaky(*args):
+        steps[0] += 1
+        if steps[0] == 20:
+            raise RuntimeError("the compiler gave up")
+        return real(*args)
+
+    dec._run_step = flaky
+    eng.start_generation(reqs, sp)
+    asked = 0
+    while (done := eng.advance_generation()) is not None:
+        asked += 1
+        if until.reached(done):
+            break
+    got = eng.finish_generation()
+    assert asked >= 3 and not dec.compiled and "the compiler gave up" in dec.stats["fallbacks"][0]
+    _same(want, got)
+    assert [r.finish_reason for r in got].count("abort") and dec.pool.used == 0

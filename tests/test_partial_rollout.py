@@ -24,8 +24,8 @@ PARTIAL = ["rollout.partial=true", "algorithm.use_tis=true", "rollout.decode_pat
 TIMING = ("_s", "tok_s")
 
 
-def _session(root, run_id: str = "partial") -> TrainSession:
-    cfg = load_config("configs/tiny.yaml", PARTIAL + [f"storage.root={root}"])
+def _session(root, run_id: str = "partial", sets: tuple[str, ...] = ()) -> TrainSession:
+    cfg = load_config("configs/tiny.yaml", PARTIAL + [f"storage.root={root}", *sets])
     rd = RunDir(str(root), run_id)
     if not (root / "runs" / run_id / "model").exists():
         fetched = stages.fetch(cfg, rd)
@@ -81,6 +81,26 @@ def test_a_resumed_session_ends_as_the_unbroken_one(unbroken, tmp_path):
     assert _untimed(second) == _untimed(unbroken["metrics"][2:])
     assert_same_checkpoint(checkpoint_tensors(RunDir(str(unbroken["copy"]), "partial").checkpoint(4), tmp_path),
                            checkpoint_tensors(RunDir(str(unbroken["root"]), "partial").checkpoint(4), tmp_path))
+
+
+def test_partial_rollout_through_two_engines(ray_session, unbroken, tmp_path):
+    """cluster.rollout_gpus=2 (Ray actors on CPU): a chunk of partial rollouts through a pool of two built-in
+    engines (the requests split, the stop decided over both, the weights pushed to both) trains the golden
+    rule's groups with every prompt accounted for once. (Not sample-equal to the one-engine run: each engine
+    has max_batch_size rows, so the pool runs twice the rows at once; test_rollout.py compares samples.)"""
+    for part in ("model", "data"):  # the run's inputs as the unbroken run prepared them
+        shutil.copytree(unbroken["root"] / "runs" / "partial" / part, tmp_path / "runs" / "partial" / part)
+    session = _session(tmp_path, sets=("cluster.backend=ray", "cluster.device=cpu", "cluster.rollout_gpus=2"))
+    try:
+        metrics = session.run_chunk(0, 2)["metrics"]
+        assert session.engine.engines == 2 and session.engine.health()["weight_version"] == 2
+    finally:
+        session.close()
+    assert [m["partial_prompts_trained"] for m in metrics] == [2, 4]
+    for m in metrics:
+        assert m["partial_prompts_drawn"] == (m["partial_prompts_trained"] + m["partial_prompts_filtered"]
+                                              + m["partial_prompts_stale"] + m["partial_buffered_groups"])
+        assert m["train_tokens"] > 0 and m["train_rollout_logp_absdiff"] < 1e-4  # engines and trainer agree
 
 
 def test_partial_needs_tis_and_the_pipelines_own_generation():

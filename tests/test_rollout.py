@@ -520,3 +520,108 @@ def test_validate_rollout_output_names_contract_violations():
     for output, fragment in cases:
         with pytest.raises(ConfigError, match=fragment):
             validate_rollout_output(output, prompts, keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# data-parallel rollout: several built-in engines behind one handle
+# ---------------------------------------------------------------------------------------------
+
+def test_requests_split_into_whole_groups_balanced_by_count(engine):
+    from runtime.rollout.sharding import split_ranges
+    reqs = _requests(engine, samples_per_prompt=3)  # 4 prompts x 3 samples
+    assert split_ranges(reqs, 1) == [range(0, 12)]
+    assert split_ranges(reqs, 2) == [range(0, 6), range(6, 12)]
+    assert split_ranges(reqs, 4) == [range(0, 3), range(3, 6), range(6, 9), range(9, 12)]
+    assert split_ranges(reqs[:3], 2) == [range(0, 3), range(3, 3)]  # one group: the other engine idles
+    five = split_ranges(reqs, 5)
+    assert [i for r in five for i in r] == list(range(12)) and all(len(r) % 3 == 0 for r in five)
+    # the same prompt under another key prefix (another rollout) is another group
+    mixed = _requests(engine, samples_per_prompt=2)[:2] + _requests(engine, samples_per_prompt=2, rollout_id=1)[:2]
+    assert split_ranges(mixed, 2) == [range(0, 2), range(2, 4)]
+
+
+@pytest.fixture(scope="module")
+def engine_pool(ray_session, model_dir):
+    """Two built-in engines as Ray actors (cluster.rollout_gpus=2 on CPU) and one in-process engine of the
+    same config, to compare with."""
+    from runtime.config import GrpoConfig
+    from runtime.placement.cluster import Cluster
+    from runtime.rollout.factory import make_engine
+    cfg = GrpoConfig.model_validate({
+        "cluster": {"backend": "ray", "device": "cpu", "rollout_gpus": 2, "placement_timeout_s": 60},
+        "rollout": {"rollout_batch_size": 4, "n_samples_per_prompt": 3},
+        "train": {"global_batch_size": 12, "micro_batch_size": 4}})
+    cluster = Cluster(cfg).start()
+    pool = cluster.engine(model_dir)
+    try:
+        yield pool, make_engine(cfg=cfg, model_dir=model_dir, device="cpu", dtype=cluster.dtype)
+    finally:
+        pool.kill()
+        cluster.shutdown()
+
+
+def _same_tokens(pool: list[SampleResult], one: list[SampleResult]) -> float:
+    # log-probs within float noise, not bitwise: CPU GEMM blocking depends on the batch's rows (as above)
+    return _assert_same_samples(pool, one, atol=1e-5)
+
+
+def test_two_engines_make_the_samples_of_one(engine_pool):
+    from runtime.rollout import GroupsDone
+    pool, one = engine_pool
+    assert pool.engines == 2 and len(pool.health()["engines"]) == 2
+    reqs = _requests(one, samples_per_prompt=3, rollout_id=2)  # 4 groups: 2 per engine
+    # groups complete at different decode chunks: the 2nd (engine 0) and the 4th (engine 1) first
+    sp = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=64, stop_token_ids=[5, 6])
+    whole = pool.generate(reqs, sp)
+    _same_tokens(whole, one.generate(reqs, sp))
+    # partial rollout's stop: the engines step together and stop once 2 groups of all 4 are complete
+    until = GroupsDone(group_size=3, count=2)
+    cut = pool.generate(reqs, sp, until)
+    assert "".join(r.finish_reason[0] for r in cut) == "asasssasasss"
+    _same_tokens(cut, one.generate(reqs, sp, until))
+    # the unfinished samples continued (prefixes) through the pool end as the unbroken ones
+    continued = [SampleRequest(prompt_ids=q.prompt_ids, key=q.key, prefix_ids=r.response_ids,
+                               prefix_logprobs=r.response_logprobs) for q, r in zip(reqs, cut)]
+    _same_tokens(pool.generate(continued, sp), whole)
+    _same_tokens(pool.generate(reqs[:3], sp), whole[:3])  # one group: the second engine sits the call out
+    r = whole[0]
+    assert pool.logprobs_of(r.prompt_ids, r.response_ids, 0.9) == pytest.approx(r.response_logprobs, abs=1e-5)
+
+
+def test_weights_reach_every_engine_directly_and_by_broadcast(engine_pool):
+    import threading
+
+    from runtime.placement import weight_sync
+    from runtime.placement.ports import free_port
+    pool, one = engine_pool
+    reqs = _requests(one, samples_per_prompt=3)
+    sp = SamplingParams(max_new_tokens=8)
+    before = pool.generate(reqs, sp)
+    g = torch.Generator().manual_seed(5)
+    state = one.model.state_dict()
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    pool.update_weights(new, 1)
+    one.update_weights(new, 1)
+    after = pool.generate(reqs, sp)
+    assert [r.response_ids for r in after] != [r.response_ids for r in before]
+    _same_tokens(after, one.generate(reqs, sp))
+    assert pool.health()["weight_version"] == 1
+
+    # broadcast: rank 0 here, the engines as ranks 1 and 2 of one group
+    back = {k: v - 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    port, box = free_port(), {}
+    host = threading.Thread(target=lambda: box.update(g=weight_sync.init_group("127.0.0.1", port, 0, 3,
+                                                                               group_name="t_dp_bcast")))
+    host.start()
+    assert pool.weight_sync_ranks() == 2
+    pool.init_weight_sync("127.0.0.1", port, 1, 3, "t_dp_bcast")
+    host.join()
+    assert pool.weight_sync_ready()
+    sender = threading.Thread(target=weight_sync.send, args=(box["g"], back, "cpu"))
+    sender.start()
+    pool.receive_weights(weight_sync.metadata_of(back), 2)
+    sender.join()
+    weight_sync.destroy_group(box["g"])
+    one.update_weights(back, 2)
+    assert pool.health()["weight_version"] == 2
+    _same_tokens(pool.generate(reqs, sp), one.generate(reqs, sp))

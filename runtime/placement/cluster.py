@@ -23,9 +23,10 @@ from runtime.placement.subprocess_group import SubprocessGroup
 class Cluster:
     """One connection to wherever the actors run, held for a whole train stage.
 
-    Placement (`runtime.placement.layout`): trainer rank r on GPU r, the engine on GPU 0 when colocated, else
-    on the first GPU after the trainer's. Under `cluster.backend: local` the trainer runs in this
-    process when it is one rank sharing the engine's device, else one spawned process per rank.
+    Placement (`runtime.placement.layout`): trainer rank r on GPU r; built-in engine i (one per rollout GPU)
+    on GPU i when colocated, else on the i-th GPU after the trainer's. Under `cluster.backend: local` the
+    trainer runs in this process when it is one rank sharing the engine's device, else one spawned process
+    per rank; one engine runs in this process, several in one spawned process each.
     """
 
     def __init__(self, cfg: GrpoConfig, hf_config=None):
@@ -49,13 +50,19 @@ class Cluster:
 
     @property
     def engine_device(self) -> str:
+        return self.engine_devices[0]
+
+    @property
+    def engine_devices(self) -> list[str]:
+        """The device of every engine actor."""
+        n = layout.rollout_engines(self.cfg)
         if self.device != "cuda" or self.backend == "ray":  # Ray sets each actor's visible GPU
-            return self.device
-        return f"cuda:{layout.engine_gpu(self.cfg)}"
+            return [self.device] * n
+        return [f"cuda:{g}" for g in layout.engine_gpus(self.cfg)]
 
     @property
     def _engine_shares_gpu(self) -> bool:
-        """Ray, colocated on GPUs: the engine joins trainer rank 0's bundle and its GPU, half each."""
+        """Ray, colocated on GPUs: engine i joins trainer rank i's bundle and its GPU, half each."""
         c = self.cfg.cluster
         return self.backend == "ray" and c.colocate and c.trainer_gpus > 0
 
@@ -94,7 +101,7 @@ class Cluster:
         n = layout.trainer_world_size(self.cfg)
         trainer_bundle = {"CPU": 1, **({"GPU": 1} if c.trainer_gpus else {})}
         engine_bundle = {"CPU": 1, **({"GPU": 1} if c.rollout_gpus and not c.colocate else {})}
-        bundles = [trainer_bundle] * n + ([] if self._engine_shares_gpu else [engine_bundle])
+        bundles = [trainer_bundle] * n + ([] if self._engine_shares_gpu else [engine_bundle] * layout.rollout_engines(self.cfg))
         pg = placement_group(bundles, strategy="PACK")
         try:
             ray.get(pg.ready(), timeout=c.placement_timeout_s)
@@ -126,7 +133,8 @@ class Cluster:
 
     # -- actors --------------------------------------------------------------------------------
     def _threads(self) -> int:
-        return max(1, (os.cpu_count() or 1) // (layout.trainer_world_size(self.cfg) + (0 if self.cfg.cluster.colocate else 1)))
+        engines = 0 if self.cfg.cluster.colocate else layout.rollout_engines(self.cfg)
+        return max(1, (os.cpu_count() or 1) // (layout.trainer_world_size(self.cfg) + engines))
 
     def trainer(self, in_subprocesses: bool | None = None, **trainer_kwargs) -> TrainerHandle:
         """The trainer ranks, built with `trainer_kwargs` (MegatronTrainer's). in_subprocesses (local
@@ -156,33 +164,46 @@ class Cluster:
         return handle
 
     def engine(self, model_dir: str) -> EngineHandle:
+        """The rollout engine(s): one, or one built-in engine per rollout GPU behind one handle."""
         from runtime.rollout.factory import make_engine
-        kwargs = dict(cfg=self.cfg, model_dir=model_dir, device=self.engine_device, dtype=self.dtype)
-        if self.backend == "local":
-            if self.engine_device.startswith("cuda:"):
+        devices = self.engine_devices
+        kwargs = dict(cfg=self.cfg, model_dir=model_dir, dtype=self.dtype)
+        if self.backend == "local" and len(devices) == 1:
+            if devices[0].startswith("cuda:"):
                 import torch
-                torch.cuda.set_device(int(self.engine_device.split(":")[1]))  # CUDA graphs capture on it
-            return EngineHandle(LocalGroup([make_engine(**kwargs)]))
+                torch.cuda.set_device(int(devices[0].split(":")[1]))  # CUDA graphs capture on it
+            return EngineHandle(LocalGroup([make_engine(device=devices[0], **kwargs)]))
+        if self.backend == "local":  # one process per engine, each on its GPU (they generate at once)
+            threads = max(1, (os.cpu_count() or 1) // len(devices)) if self.device != "cuda" else self._threads()
+            handle = EngineHandle(SubprocessGroup("runtime.placement.cluster:_EngineHost",
+                                                  [dict(kwargs, device=d, num_threads=threads) for d in devices]))
+            handle.health()
+            return handle
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         shared = self._engine_shares_gpu
         gpus = 0.5 if shared else (1 if self.cfg.cluster.rollout_gpus and not self.cfg.cluster.colocate else 0)
-        actor = ray.remote(num_cpus=0 if shared else 1, num_gpus=gpus, max_restarts=0)(_EngineHost).options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self._pg, placement_group_bundle_index=0 if shared else layout.trainer_world_size(self.cfg))).remote(
-                    num_threads=self._threads(), **kwargs)
-        handle = EngineHandle(RayGroup([actor]))
+        cls = ray.remote(num_cpus=0 if shared else 1, num_gpus=gpus, max_restarts=0)(_EngineHost)
+        first = 0 if shared else layout.trainer_world_size(self.cfg)
+        actors = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=self._pg, placement_group_bundle_index=first + i)).remote(
+                num_threads=self._threads(), device=device, **kwargs) for i, device in enumerate(devices)]
+        handle = EngineHandle(RayGroup(actors))
         handle.health()  # surface construction errors here
         return handle
 
 
 class _EngineHost:
-    """A Ray actor holding one rollout engine; forwards the engine interface (`_ENGINE_METHODS`)."""
+    """An actor (Ray, or a spawned process of the local backend) holding one rollout engine; forwards the
+    engine interface (`_ENGINE_METHODS`)."""
 
     def __init__(self, num_threads: int | None = None, **kwargs):
         import torch
         if num_threads:
             torch.set_num_threads(num_threads)
+        device = str(kwargs.get("device", ""))
+        if device.startswith("cuda:"):  # a spawned process of the local backend: CUDA graphs capture on it
+            torch.cuda.set_device(int(device.split(":")[1]))
         from runtime.rollout.factory import make_engine
         self.engine = make_engine(**kwargs)
 

@@ -1,6 +1,7 @@
 """Actor groups: the members of one role (trainer ranks, engines) wherever they run.
 
-A group runs a method on every member and returns the results in rank order. Three kinds share
+A group runs a method on every member and returns the results in rank order; `submit_each` gives each
+member arguments of its own (a share of the requests), and a member given None sits the call out. Three kinds share
 this protocol: `LocalGroup` (members in this process), `SubprocessGroup` (one spawned process per
 member, runtime/placement/subprocess_group.py) and `RayGroup` (Ray actors). Only the typed handles
 (runtime/placement/handles.py) call methods on a group by name.
@@ -22,6 +23,12 @@ class ActorGroup(Protocol):
 
     def submit(self, method: str, *args, **kwargs) -> Pending:
         """Start `method` on every member and return at once."""
+
+    def submit_each(self, method: str, args: list[tuple | None]) -> Pending:
+        """Start `method(*args[i])` on member i (none where args[i] is None, its result None) and return at once."""
+
+    def __len__(self) -> int:
+        """How many members."""
 
     def kill(self) -> None:
         """End every member; the group is unusable afterwards."""
@@ -47,6 +54,12 @@ class LocalGroup:
     def submit(self, method: str, *args, **kwargs) -> _Done:
         return _Done(self.call(method, *args, **kwargs))
 
+    def submit_each(self, method: str, args: list[tuple | None]) -> _Done:
+        return _Done([None if a is None else getattr(m, method)(*a) for m, a in zip(self.members, args)])
+
+    def __len__(self) -> int:
+        return len(self.members)
+
     def kill(self) -> None:
         self.members = []
 
@@ -57,7 +70,8 @@ class _RayPending:
 
     def get(self) -> list[Any]:
         import ray
-        return ray.get(self._refs)
+        got = iter(ray.get([r for r in self._refs if r is not None]))
+        return [None if r is None else next(got) for r in self._refs]
 
 
 class RayGroup:
@@ -73,8 +87,15 @@ class RayGroup:
                      for a in args)
         return _RayPending([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
 
+    def submit_each(self, method: str, args: list[tuple | None]) -> _RayPending:
+        return _RayPending([None if a is None else getattr(actor, method).remote(*a)
+                            for actor, a in zip(self.actors, args)])
+
     def call(self, method: str, *args, **kwargs) -> list[Any]:
         return self.submit(method, *args, **kwargs).get()
+
+    def __len__(self) -> int:
+        return len(self.actors)
 
     def kill(self) -> None:
         import ray

@@ -94,10 +94,25 @@ class TrainerHandle:
 
 
 class EngineHandle:
-    """The rollout engine(s) (runtime/rollout/base.py:RolloutEngine)."""
+    """The rollout engine(s) (runtime/rollout/base.py:RolloutEngine), one or a data-parallel pool.
+
+    One member (the built-in engine, or SGLangEngine with its own servers): every call goes to it. Several
+    (built-in engines, one per rollout GPU): `generate` gives each a contiguous share of the requests,
+    whole groups each, balanced by count (runtime/rollout/sharding.py), and merges the results back in
+    request order. With `until` the members step together (start/advance/finish_generation, one check
+    point per round each) and the pool stops at the first round after which `until` holds over all of
+    their requests: where it stops depends on the requests, settings, weights and the number of engines,
+    never on timing. Weights, memory calls and the weight-sync group reach every member; `logprobs_of`
+    asks the first.
+    """
 
     def __init__(self, group: ActorGroup):
         self.group = group
+        self._call: _PoolCall | None = None  # the stepped call under way on a pool
+
+    @property
+    def engines(self) -> int:
+        return len(self.group)
 
     def kill(self) -> None:
         self.group.kill()
@@ -106,15 +121,70 @@ class EngineHandle:
     @forwards
     def generate(self, requests: list[SampleRequest], sampling: SamplingParams,
                  until: GroupsDone | None = None) -> list[SampleResult]:
-        return self.group.call("generate", requests, sampling, until)[0]
+        if self.engines == 1:
+            return self.group.call("generate", requests, sampling, until)[0]
+        if until is not None:  # the stop must see every engine's progress: step them together
+            from runtime.rollout.base import drive_generation
+            return drive_generation(self, requests, sampling, until)
+        shares = self._split(requests)
+        out = self.group.submit_each("generate", [(requests[s.start:s.stop], sampling) if s else None
+                                                  for s in shares]).get()
+        return [r for part in out if part for r in part]
+
+    @forwards
+    def start_generation(self, requests: list[SampleRequest], sampling: SamplingParams) -> None:
+        if self.engines == 1:
+            self.group.call("start_generation", requests, sampling)
+            return
+        shares = self._split(requests)
+        self._call = _PoolCall(shares)
+        self.group.submit_each("start_generation", [(requests[s.start:s.stop], sampling) if s else None
+                                                    for s in shares]).get()
+
+    @forwards
+    def advance_generation(self) -> list[bool] | None:
+        if self.engines == 1:
+            return self.group.call("advance_generation")[0]
+        call = self._pool_call()
+        live = [None if call.ended[i] else () for i in range(len(call.shares))]
+        for i, flags in enumerate(self.group.submit_each("advance_generation", live).get()):
+            if live[i] is None:
+                continue
+            if flags is None:  # that engine's share is finished, every request of it
+                call.ended[i], call.done[i] = True, [True] * len(call.shares[i])
+            else:
+                call.done[i] = list(flags)
+        return None if all(call.ended) else [d for flags in call.done for d in flags]
+
+    @forwards
+    def finish_generation(self) -> list[SampleResult]:
+        if self.engines == 1:
+            return self.group.call("finish_generation")[0]
+        call, self._call = self._pool_call(), None
+        out = self.group.submit_each("finish_generation", [() if s else None for s in call.shares]).get()
+        return [r for part in out if part for r in part]
+
+    def _split(self, requests: list[SampleRequest]) -> list[range]:
+        from runtime.rollout.sharding import split_ranges
+        return split_ranges(requests, self.engines)
+
+    def _pool_call(self) -> _PoolCall:
+        if self._call is None:
+            raise RuntimeError("no generate call under way on the engine pool: start_generation first")
+        return self._call
 
     @forwards
     def logprobs_of(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
-        return self.group.call("logprobs_of", prompt_ids, response_ids, temperature)[0]
+        first = (prompt_ids, response_ids, temperature)
+        return self.group.submit_each("logprobs_of", [first] + [None] * (self.engines - 1)).get()[0]
 
     @forwards
     def health(self) -> dict:
-        return self.group.call("health")[0]
+        each = self.group.call("health")
+        if len(each) == 1:
+            return each[0]
+        return {**each[0], "ok": all(h.get("ok") for h in each),
+                "weight_version": min(h["weight_version"] for h in each), "engines": each}
 
     @forwards
     def release_memory(self) -> None:
@@ -131,11 +201,18 @@ class EngineHandle:
 
     @forwards
     def weight_sync_ranks(self) -> int:
-        return self.group.call("weight_sync_ranks")[0]
+        return sum(self.group.call("weight_sync_ranks"))
 
     @forwards
     def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, group_name: str) -> None:
-        self.group.call("init_weight_sync", host, port, rank_offset, world_size, group_name)
+        """Every member joins at once (a join returns only when all ranks have), member i after the ranks
+        of the members before it."""
+        offsets, at = [], rank_offset
+        for ranks in self.group.call("weight_sync_ranks"):
+            offsets.append(at)
+            at += ranks
+        self.group.submit_each("init_weight_sync",
+                               [(host, port, off, world_size, group_name) for off in offsets]).get()
 
     @forwards
     def weight_sync_ready(self) -> bool:
@@ -144,3 +221,13 @@ class EngineHandle:
     @forwards
     def receive_weights(self, metadata: list, version: int) -> None:
         self.group.call("receive_weights", metadata, version)
+
+
+class _PoolCall:
+    """A stepped generate call on a pool: each member's share of the requests, its done flags at its last
+    check point, and whether its call has ended (an empty share has nothing to do)."""
+
+    def __init__(self, shares: list[range]):
+        self.shares = shares
+        self.done = [[False] * len(s) for s in shares]
+        self.ended = [not s for s in shares]

@@ -10,10 +10,24 @@ def trainer_world_size(cfg: GrpoConfig) -> int:
     return cfg.train.data_parallel * cfg.train.tensor_parallel
 
 
-def engine_gpu(cfg: GrpoConfig) -> int:
-    """Index of the built-in engine's GPU on its host: shared with trainer rank 0, or the next one free."""
+def rollout_engines(cfg: GrpoConfig) -> int:
+    """How many engine actors: one built-in engine per rollout GPU (data-parallel rollout); one SGLangEngine
+    (it runs its own servers, `rollout.sglang.num_engines`)."""
     c = cfg.cluster
-    return 0 if c.colocate or not c.rollout_gpus else max(c.trainer_gpus, trainer_world_size(cfg))
+    return max(c.rollout_gpus, 1) if cfg.rollout.engine == "builtin" else 1
+
+
+def engine_gpus(cfg: GrpoConfig) -> list[int]:
+    """GPU index (on its host) of every built-in engine: colocated, engine i shares trainer rank i's GPU;
+    otherwise they take the GPUs after the trainer's, one each."""
+    c = cfg.cluster
+    first = 0 if c.colocate or not c.rollout_gpus else max(c.trainer_gpus, trainer_world_size(cfg))
+    return list(range(first, first + rollout_engines(cfg)))
+
+
+def engine_gpu(cfg: GrpoConfig) -> int:
+    """Index of the (first) built-in engine's GPU on its host: shared with trainer rank 0, or the next one free."""
+    return engine_gpus(cfg)[0]
 
 
 def gpus_needed(cfg: GrpoConfig) -> int:
@@ -48,16 +62,17 @@ def check_layout(cfg: GrpoConfig, hf_config=None, gpus_available: int | None = N
         vocab = int(getattr(hf_config, "vocab_size", 0) or 0)
         if vocab and vocab % tp:
             raise ConfigError(f"train.tensor_parallel={tp} does not divide the vocabulary ({vocab}); use a divisor")
-    if r.engine == "builtin" and c.rollout_gpus > 1:
-        raise ConfigError(f"cluster.rollout_gpus={c.rollout_gpus}: the built-in engine runs on one GPU; set "
-                          f"cluster.rollout_gpus=1, or rollout.engine=sglang with sglang.num_engines × "
-                          f"sglang.tp_size = {c.rollout_gpus}")
+    if r.engine == "builtin" and c.rollout_gpus > 1 and c.colocate and not c.trainer_gpus and c.device != "cpu":
+        raise ConfigError(f"cluster.rollout_gpus={c.rollout_gpus} with cluster.colocate=true puts one built-in engine on "
+                          f"each trainer GPU, but cluster.trainer_gpus=0 (one device); set cluster.trainer_gpus >= "
+                          f"{c.rollout_gpus}, or colocate=false")
     if r.engine == "sglang" and c.rollout_gpus and c.rollout_gpus != r.sglang.num_engines * r.sglang.tp_size:
         raise ConfigError(f"cluster.rollout_gpus={c.rollout_gpus} but rollout.sglang.num_engines × sglang.tp_size = "
                           f"{r.sglang.num_engines} × {r.sglang.tp_size}; make them equal")
     if c.colocate and c.trainer_gpus and c.rollout_gpus > c.trainer_gpus:
         raise ConfigError(f"cluster.colocate=true shares the trainer's {c.trainer_gpus} GPU(s), but "
-                          f"cluster.rollout_gpus={c.rollout_gpus}; lower rollout_gpus or set colocate=false")
+                          f"cluster.rollout_gpus={c.rollout_gpus}; lower rollout_gpus to <= {c.trainer_gpus} "
+                          f"or set colocate=false")
     if cfg.cluster.weight_sync == "broadcast" and c.backend == "local" and c.colocate and c.trainer_gpus:
         raise ConfigError("cluster.weight_sync=broadcast needs the engine on GPUs of its own (NCCL cannot join two "
                           "ranks on one GPU); set cluster.colocate=false, or weight_sync=auto")

@@ -96,12 +96,15 @@ class _Member:
 class Pending:
     """Calls sent to every member; `get()` collects the results in rank order."""
 
-    def __init__(self, members: list[_Member], method: str):
-        self.members, self.method = members, method
+    def __init__(self, members: list[_Member | None], method: str):
+        self.members, self.method = members, method  # None: a member that sits the call out
 
     def get(self) -> list[Any]:
         results, first_error = [], None
         for m in self.members:  # drain every reply, so the pipes stay in step after an error
+            if m is None:
+                results.append(None)
+                continue
             try:
                 results.append(m.recv(self.method))
             except BaseException as exc:  # noqa: BLE001
@@ -122,12 +125,21 @@ class SubprocessGroup:
         self.pids = Pending(self.members, f"starting {target}").get()
 
     def submit(self, method: str, *args, **kwargs) -> Pending:
-        for m in self.members:
+        return self.submit_each(method, [args] * len(self.members), kwargs)
+
+    def submit_each(self, method: str, args: list[tuple | None], kwargs: dict | None = None) -> Pending:
+        """`method(*args[i])` on member i, none where args[i] is None."""
+        for m, a in zip(self.members, args):
+            if a is None:
+                continue
             try:
-                m.conn.send((method, args, kwargs))
+                m.conn.send((method, a, kwargs or {}))
             except (BrokenPipeError, OSError):
                 raise ProcessDiedError(f"{method}: process {m.proc.pid} is gone (code {m.proc.exitcode})") from None
-        return Pending(self.members, method)
+        return Pending([m if a is not None else None for m, a in zip(self.members, args)], method)
+
+    def __len__(self) -> int:
+        return len(self.members)
 
     def call(self, method: str, *args, **kwargs) -> list[Any]:
         return self.submit(method, *args, **kwargs).get()

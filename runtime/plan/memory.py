@@ -52,6 +52,9 @@ On CUDA (what runs on a GPU; ``runtime.mcore.env`` / ``_chunked_logprobs_enabled
   at most ``max_batch_size`` = samples per rollout). A family without
   the fast path decodes with HF's dynamic cache: every row of a batch (up to ``max_batch_size``) at full
   length for one generate call, one layer's concatenation copy and the sampler's temporaries.
+* data-parallel rollout (``cluster.rollout_gpus`` > 1 with the built-in engine): one engine on each rollout
+  GPU, each with the whole weights, its own KV pool and the working set of its share of the requests
+  (``rollout_engines``: the rows split evenly); the per-GPU numbers are those of a GPU that holds an engine.
 * colocated: the peak is the larger of the rollout phase (trainer weights, its state unless offloaded,
   engine weights, KV pool, rollout working set) and the training phase (trainer weights and state,
   engine weights, the pool unless released, activations).
@@ -89,6 +92,7 @@ import math
 from typing import Any
 
 from runtime.devices import resolve_dtype
+from runtime.placement import layout
 from runtime.mcore import fusions as megatron_fusions
 
 GIB = 2**30
@@ -452,6 +456,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     out: dict[str, Any] = {k: v / GIB for k, v in exact.items()}
     out.update(fits=fits, bytes=exact, params=n_params, params_per_gpu=per_rank, gpu_mem_gb=gpu_mem_gb,
                tp=tp, dp=dp, colocate=colocate, dtype=str(dtype).removeprefix("torch."), rollout_rows=rows,
+               rollout_engines=rollout_engines,
                micro_batch_size=micro_batch_size, seq_len=seq_len, device=device, engine=engine,
                decode_path=decode_path,
                attention="flash (SDPA)" if _flash_attention(device, core_attention, max_tokens is not None)
@@ -541,7 +546,10 @@ def format_estimate(est: dict[str, Any]) -> str:
     rows = [("weights", est["weights"], ""), ("gradients", est["grads"], grad_note + state_note),
             ("optimizer", est["optimizer"],
              ("fp32 master + Adam m, v" if est["optimizer_master"] else "Adam m, v") + shard_note + state_note),
-            ("activations", est["activations"], act_note), ("engine weights", est["engine_weights"], ""),
+            ("activations", est["activations"], act_note),
+            ("engine weights", est["engine_weights"],
+             f"one built-in engine on each of {est['rollout_engines']} rollout GPUs, {est['rollout_rows']} rows of "
+             f"the first rollout each" if est.get("rollout_engines", 1) > 1 else ""),
             ("KV cache", est["kv_cache"], kv_note), ("rollout extra", est["rollout_activations"], ""),
             ("overhead", est["overhead"], "CUDA context, allocator slack")]
     head = (f"memory per GPU (tp={est['tp']}, dp={est['dp']}, {'colocated' if est['colocate'] else 'separate'} "
@@ -594,6 +602,7 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         seq_len=cfg.data.max_prompt_len + r.max_new_tokens, rollout_batch=first_rollout_rows(cfg),
         max_slots=max(cfg.samples_per_rollout, 1), max_new_tokens=r.max_new_tokens, dtype=dtype,
         colocate=cfg.cluster.colocate, ref_model=cfg.algorithm.kl_coef > 0, device=device, engine=r.engine,
+        rollout_engines=layout.rollout_engines(cfg),
         sglang_mem_fraction=r.sglang.mem_fraction, sglang_tp=r.sglang.tp_size, global_batch_size=t.global_batch_size,
         kv_cache_gb=r.kv_cache_gb, offload=offload_enabled(cfg, device), max_tokens=t.max_tokens_per_micro_batch,
         recompute=t.recompute, recompute_modules=tuple(t.recompute_modules), recompute_num_layers=t.recompute_num_layers,

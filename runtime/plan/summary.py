@@ -140,11 +140,16 @@ def layout_lines(cfg: GrpoConfig) -> list[str]:
         gpus = torch.cuda.device_count()
     layout.check_layout(cfg, hf_config=hf_config, gpus_available=gpus)
     c, t = cfg.cluster, cfg.train
+    n = layout.rollout_engines(cfg)
+    on = layout.engine_gpus(cfg)
+    span = f"GPU {on[0]}" if n == 1 else f"GPUs {on[0]}-{on[-1]}"
+    engines = "engine" if n == 1 else f"{n} built-in engines (one per GPU, the requests split between them)"
     if c.trainer_gpus:
-        engine = (f"GPU {layout.engine_gpu(cfg)} (shared with trainer rank 0)" if c.colocate
-                  else f"{c.rollout_gpus} GPU(s) of its own from GPU {layout.engine_gpu(cfg)}")
-        where = f"trainer DP {t.data_parallel} × TP {t.tensor_parallel} on GPUs 0-{c.trainer_gpus - 1}; engine on {engine}"
+        ranks = "trainer rank 0" if n == 1 else f"trainer ranks 0-{n - 1}"
+        engine = (f"{span} (shared with {ranks})" if c.colocate
+                  else f"{c.rollout_gpus} GPU(s) of its own from GPU {on[0]}" if n == 1 else f"{span} of their own")
+        where = f"trainer DP {t.data_parallel} × TP {t.tensor_parallel} on GPUs 0-{c.trainer_gpus - 1}; {engines} on {engine}"
     else:
-        where = f"trainer DP {t.data_parallel} × TP {t.tensor_parallel}, engine beside it (no GPU accounting)"
+        where = f"trainer DP {t.data_parallel} × TP {t.tensor_parallel}, {engines} beside it (no GPU accounting)"
     checked = "" if gpus is not None else " (GPUs checked when the cluster starts)" if c.trainer_gpus else ""
     return [f"layout        {where}; weight sync {layout.weight_sync_mode(cfg)}{checked}"]

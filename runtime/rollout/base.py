@@ -139,6 +139,17 @@ class SampleResult:
         return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.response_ids)
 
 
+def drive_generation(engine, requests: list[SampleRequest], sampling: SamplingParams,
+                     until: GroupsDone | None) -> list[SampleResult]:
+    """`generate` through the stepped calls: advance to each check point, stop there once `until` holds.
+    One driver for one engine and for a pool of engines stepping together (its flags: all of theirs)."""
+    engine.start_generation(requests, sampling)
+    while (done := engine.advance_generation()) is not None:
+        if until is not None and until.reached(done):
+            break
+    return engine.finish_generation()
+
+
 class RolloutEngine(abc.ABC):
     """A policy copy that generates samples and receives weights from the trainer: the whole surface
     the loop reaches through `runtime.placement.handles.EngineHandle`."""
@@ -150,6 +161,29 @@ class RolloutEngine(abc.ABC):
         """One result per request, in the same order. Each result depends only on its request's
         prompt, prefix, key, the sampling params and the weights - never on the other requests - except
         where `until` cuts it short (finish_reason "abort", the tokens it had)."""
+
+    # A generate call driven from outside, one check point at a time: how a pool of engines stops together
+    # (runtime/placement/handles.py:EngineHandle; `until` must see every engine's progress). An engine
+    # that cannot stop midway keeps these defaults: its whole call runs at the first advance.
+    def start_generation(self, requests: list[SampleRequest], sampling: SamplingParams) -> None:
+        """Begin a call of `generate(requests, sampling)` that `advance_generation` drives."""
+        self._stepped_call = (list(requests), sampling)
+
+    def advance_generation(self) -> list[bool] | None:
+        """Run the call to its next check point and return every request's done flag there (finished:
+        stop or length); None once the call has ended (every request finished)."""
+        call = getattr(self, "_stepped_call", None)
+        if isinstance(call, tuple):
+            self._stepped_call = self.generate(*call)
+        return None
+
+    def finish_generation(self) -> list[SampleResult]:
+        """End the call where it is: one result per request, the unfinished ones as "abort" with their tokens."""
+        call = getattr(self, "_stepped_call", None)
+        if call is None:
+            raise RuntimeError("finish_generation without start_generation")
+        self._stepped_call = None
+        return self.generate(*call) if isinstance(call, tuple) else call
 
     @abc.abstractmethod
     def logprobs_of(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:

@@ -23,7 +23,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from runtime.errors import ConfigError, ModelError
-from runtime.rollout.base import GroupsDone, RolloutEngine, SampleRequest, SampleResult, SamplingParams
+from runtime.rollout.base import (GroupsDone, RolloutEngine, SampleRequest, SampleResult, SamplingParams,
+                                  drive_generation)
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_key_hash, sample_next
 from runtime.rollout.kv_pages import DEFAULT_PAGE_SIZE
 
@@ -119,21 +120,78 @@ class BuiltinEngine(RolloutEngine):
 
     def generate(self, requests: list[SampleRequest], sampling: SamplingParams,
                  until: GroupsDone | None = None) -> list[SampleResult]:
+        try:
+            return drive_generation(self, requests, sampling, until)
+        finally:
+            self._abandon_generation()
+
+    # ---- a generate call one check point at a time (RolloutEngine.start_generation) ------------------
+    # The paged decoder checks before each round of its loop (an admission or a decode chunk of
+    # `sync_every` steps), HF's path before each batch and after each step.
+
+    def start_generation(self, requests: list[SampleRequest], sampling: SamplingParams) -> None:
         self._check_open()
+        self._abandon_generation()
         from runtime.testing.moments import moment
         moment("generate")  # a rollout's (or an eval's) sampling starts
+        requests = list(requests)
         if self.decoder is not None and requests:
-            return self._generate_decoder(requests, sampling, until)
-        # HF's path: batches one after another; `until` is checked after every step, and the requests of
-        # the batches not begun come back as they were given
+            run = self._decoder_steps(requests, sampling)
+        else:
+            run = self._hf_steps(requests, sampling)
+        self._call = {"run": run, "done": None, "results": None}
+
+    def advance_generation(self) -> list[bool] | None:
+        call = self._current_call()
+        if call["results"] is not None:
+            return None
+        try:
+            call["done"] = next(call["run"]) if call["done"] is None else call["run"].send(False)
+        except StopIteration as end:
+            call["results"] = end.value
+            return None
+        return call["done"]
+
+    def finish_generation(self) -> list[SampleResult]:
+        call = self._current_call()
+        if call["results"] is None:
+            try:
+                if call["done"] is None:
+                    next(call["run"])
+                call["run"].send(True)
+                raise RuntimeError("the built-in engine's generate did not stop when told to")
+            except StopIteration as end:
+                call["results"] = end.value
+        self._call = None
+        return call["results"]
+
+    def _current_call(self) -> dict:
+        call = getattr(self, "_call", None)
+        if call is None:
+            raise RuntimeError("no generate call under way: start_generation first")
+        return call
+
+    def _abandon_generation(self) -> None:
+        """Drop a call left midway (its KV pages go back)."""
+        call, self._call = getattr(self, "_call", None), None
+        if call is not None:
+            call["run"].close()
+
+    def _hf_steps(self, requests: list[SampleRequest], sampling: SamplingParams):
+        """HF's path: batches one after another, a check point before each batch and after each step; the
+        requests of the batches not begun when told to stop come back as they were given."""
         done = [False] * len(requests)
         results: list[SampleResult] = []
+        stopped = False
         for start in range(0, len(requests), self.max_batch_size):
             batch = requests[start: start + self.max_batch_size]
-            if until is not None and until.reached(done):
+            if not stopped:
+                stopped = bool((yield list(done)))
+            if stopped:
                 results.extend(self._result(r, list(r.prefix_ids), list(r.prefix_logprobs), "abort") for r in batch)
                 continue
-            results.extend(self._generate_batch(batch, sampling, done, start, until))
+            batch_results, stopped = yield from self._generate_batch(batch, sampling, done, start)
+            results.extend(batch_results)
         return results
 
     def _result(self, request: SampleRequest, ids: list[int], logprobs: list[float], finish: str) -> SampleResult:
@@ -207,6 +265,7 @@ class BuiltinEngine(RolloutEngine):
     def shutdown(self) -> None:
         if self._closed:
             return
+        self._abandon_generation()
         self._closed = True
         if self.decoder is not None:
             self.decoder.release()
@@ -222,6 +281,7 @@ class BuiltinEngine(RolloutEngine):
         """Free the KV cache (the paged pool) and the captured CUDA graphs while the trainer trains; the
         weights stay (weight updates still land). `resume_memory` (or the next `generate`) makes them again."""
         self._check_open()
+        self._abandon_generation()
         if self.decoder is not None:
             self.decoder.release()
         elif self.device.type == "cuda":
@@ -273,8 +333,9 @@ class BuiltinEngine(RolloutEngine):
     def _stop_ids(self, sampling: SamplingParams) -> set[int]:
         return set(self.eos_token_ids) | set(sampling.stop_token_ids)
 
-    def _generate_decoder(self, requests: list[SampleRequest], sampling: SamplingParams,
-                          until: GroupsDone | None) -> list[SampleResult]:
+    def _decoder_steps(self, requests: list[SampleRequest], sampling: SamplingParams):
+        """The paged decoder's `steps` over the requests (checked here, before the first step); the
+        generator returns the results."""
         for r in requests:
             if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.vocab_size:
                 raise ValueError(f"token ids must be in [0, {self.vocab_size}), got range "
@@ -282,15 +343,19 @@ class BuiltinEngine(RolloutEngine):
         key_hash = sample_key_hash(torch.tensor([r.key for r in requests], dtype=torch.long, device=self.device))
         prefixes = [(list(r.prefix_ids), list(r.prefix_logprobs)) for r in requests] \
             if any(r.prefix_ids for r in requests) else None
-        ids, lps, finish = self.decoder.generate([list(r.prompt_ids) for r in requests], key_hash, sampling,
-                                                 self._stop_ids(sampling), prefixes=prefixes, until=until)
-        return [self._result(r, i, lp, f) for r, i, lp, f in zip(requests, ids, lps, finish)]
+        steps = self.decoder.steps([list(r.prompt_ids) for r in requests], key_hash, sampling,
+                                   self._stop_ids(sampling), prefixes=prefixes)
+
+        def run():
+            ids, lps, finish = yield from steps
+            return [self._result(r, i, lp, f) for r, i, lp, f in zip(requests, ids, lps, finish)]
+        return run()
 
     @torch.inference_mode()
-    def _generate_batch(self, batch: list[SampleRequest], sampling: SamplingParams, done: list[bool], first: int,
-                        until: GroupsDone | None) -> list[SampleResult]:
+    def _generate_batch(self, batch: list[SampleRequest], sampling: SamplingParams, done: list[bool], first: int):
         """HF's forward with a dynamic cache over one batch of requests (done[first + i] is request i's
-        flag in the whole call). A continued request is prefilled with its prompt and its prefix."""
+        flag in the whole call). A continued request is prefilled with its prompt and its prefix. A
+        generator (`_hf_steps`' check points); returns (results, whether told to stop)."""
         cap = sampling.max_new_tokens
         stop_set = self._stop_ids(sampling)
         response_ids = [list(r.prefix_ids[:cap]) for r in batch]
@@ -299,14 +364,16 @@ class BuiltinEngine(RolloutEngine):
         for row, ids in enumerate(response_ids):
             done[first + row] = finish_reason[row] == "stop" or len(ids) >= cap
         live_rows = [row for row in range(len(batch)) if not done[first + row]]
+        stopped = False
         if live_rows:
-            self._decode_rows(batch, live_rows, sampling, stop_set, response_ids, response_logprobs, finish_reason,
-                              done, first, until)
+            stopped = yield from self._decode_rows(batch, live_rows, sampling, stop_set, response_ids,
+                                                   response_logprobs, finish_reason, done, first)
         return [self._result(r, response_ids[row], response_logprobs[row],
-                             finish_reason[row] if done[first + row] else "abort") for row, r in enumerate(batch)]
+                             finish_reason[row] if done[first + row] else "abort") for row, r in enumerate(batch)], stopped
 
     def _decode_rows(self, batch, live_rows, sampling, stop_set, response_ids, response_logprobs, finish_reason,
-                     done, first, until) -> None:
+                     done, first):
+        """Decode the live rows of a batch; a check point after every step. Returns whether told to stop."""
         device = self.device
         cap = sampling.max_new_tokens
         inputs = [list(batch[row].prompt_ids) + response_ids[row] for row in live_rows]
@@ -347,8 +414,10 @@ class BuiltinEngine(RolloutEngine):
                 if is_stop or len(response_ids[row]) >= cap:
                     done[first + row] = True
                 ended.append(done[first + row])
-            if all(ended) or (until is not None and until.reached(done)):
-                return
+            if all(ended):
+                return False
+            if (yield list(done)):
+                return True
             if any(ended):
                 keep = torch.tensor([i for i, e in enumerate(ended) if not e], dtype=torch.long, device=device)
                 cache.batch_select_indices(keep)

@@ -223,13 +223,43 @@ class PagedDecoder(FusedModel):
         stop_at (benchmarks): per request, the response length at which it stops; its token there is
         replaced by the smallest stop id, so that runs compared with each other make the same tokens.
 
-        If a speed feature fails at run time (the compiler, graph capture, the Triton or flash kernel),
-        it is switched off, the failure is kept in `stats["fallbacks"]`, and the call is redone: every
-        sample is a pure function of its key, so the redone call returns what the first would have.
+        The call is `steps` driven to its end, asking `until` at every check point.
         """
+        run = self.steps(prompts, key_hash, sampling, stop_ids, stop_at, prefixes)
+        try:
+            done = next(run)
+            while True:
+                done = run.send(until is not None and until.reached(done))
+        except StopIteration as end:
+            return end.value
+
+    def steps(self, prompts: list[list[int]], key_hash: torch.Tensor, sampling, stop_ids: set[int],
+              stop_at: list[int] | None = None, prefixes: list[tuple[list[int], list[float]]] | None = None):
+        """`generate` one check point at a time, for a caller that decides when to stop (one engine's
+        `until`, or a pool of engines stepping together): a generator that yields, before each round of
+        the decode loop (an admission or a decode chunk), every request's done flag (finished: stop or
+        length); send it True to stop there (the unfinished come back as "abort"), False to go on. Returns
+        what `generate` returns. Where it yields depends only on the requests, the settings and the weights.
+
+        If a speed feature fails at run time (the compiler, graph capture, the Triton or flash kernel),
+        it is switched off, the failure is kept in `stats["fallbacks"]`, and the call is redone up to the
+        check point it had reached (every sample is a pure function of its key, so the redone rounds make
+        what the first made, and the caller is not asked again).
+        """
+        answered, stop = 0, False  # check points answered "go on"; whether the caller said stop
         while True:
+            run = self._generate(prompts, key_hash, sampling, stop_ids, stop_at, prefixes)
             try:
-                return self._generate(prompts, key_hash, sampling, stop_ids, stop_at, prefixes, until)
+                done = next(run)
+                for _ in range(answered):  # a redone call: the rounds already answered again
+                    done = run.send(False)
+                while True:
+                    if not stop:
+                        stop = bool((yield done))
+                        answered += 0 if stop else 1
+                    done = run.send(stop)
+            except StopIteration as end:
+                return end.value
             except MemoryError:
                 raise
             except Exception as e:  # noqa: BLE001
@@ -251,9 +281,12 @@ class PagedDecoder(FusedModel):
                 self.graphs.clear()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
+            finally:
+                run.close()  # a call left midway gives its pages back (its own `finally`)
 
     @torch.inference_mode()
-    def _generate(self, prompts, key_hash, sampling, stop_ids, stop_at, prefixes=None, until=None):
+    def _generate(self, prompts, key_hash, sampling, stop_ids, stop_at, prefixes=None):
+        """`steps`' one attempt: a generator yielding the done flags at every check point (send True to stop)."""
         n = len(prompts)
         P = self.page_size
         max_new = int(sampling.max_new_tokens)
@@ -373,8 +406,8 @@ class PagedDecoder(FusedModel):
 
         try:
             while queue or any(r >= 0 for r in row_req):
-                if until is not None and until.reached(done):
-                    break  # enough groups complete: the rest are returned as they are
+                if (yield list(done)):
+                    break  # the caller stops here (enough groups complete): the rest are returned as they are
                 active = [s for s in range(R) if row_req[s] >= 0]
                 # ---- admit queued requests while rows and pages are free ------------------------------------
                 free_rows = [s for s in range(R) if row_req[s] < 0]
