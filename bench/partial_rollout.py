@@ -140,8 +140,9 @@ KEEP = ("rollout", "step_time_s", "rollout_time_s", "generate_time_s", "train_ti
 
 
 def run_mode(S, W: Path, partial: bool, sets: list[str], budget_s: float, first: int = 0) -> dict:
-    """Timed rollouts first, first + 1, ... of the train stage in one mode (`off` from a later `first`: more
-    steps alike, with other keyed lengths), as many of S['timed_rollouts'] as fit in budget_s."""
+    """Timed rollouts first, first + 1, ... of the train stage in one mode (from a later `first`: more steps
+    alike, with other keyed lengths; `on` starts with an empty buffer again), as many of S['timed_rollouts']
+    as fit in budget_s."""
     t_start = time.time()
     from runtime.grpo.session import TrainSession
     from runtime.rollout.base import SampleRequest, SamplingParams
@@ -197,7 +198,7 @@ def run_mode(S, W: Path, partial: bool, sets: list[str], budget_s: float, first:
 def steady_of(res: dict) -> dict | None:
     """Totals and medians over the rollouts counted (from `counted_from` on; rollouts merged from several
     calls of the same mode are all counted, each call's own first ones excepted)."""
-    steady = [r for r in res["rollouts"] if r["rollout"] >= res["counted_from"]]
+    steady = [r for r in res["rollouts"] if r.get("counted", r["rollout"] >= res["counted_from"])]
     if not steady:
         return None
     partial = res["partial"]
@@ -223,18 +224,25 @@ def merge(dirs: list[str]) -> dict:
     res: dict = {}
     for d in dirs:
         for name, sec in gpu_grpo.read_results(Path(d)).items():
+            for r in sec.get("rollouts", []):  # each call's own warm-up rollouts stay out of the pool's count
+                r.setdefault("counted", r["rollout"] >= sec["counted_from"])
             if name in res and name != "setup" and sec.get("status") == "ok" and res[name].get("status") == "ok":
                 have = res[name]
                 have["rollouts"] = have["rollouts"] + sec["rollouts"]
-                have["counted_from"] = min(have["counted_from"], sec["counted_from"])
                 have["steady"] = steady_of(have)
             elif name not in res:
                 res[name] = sec
     return res
 
 
-def summarize(S, res: dict) -> dict:
-    info = gpu_grpo.env_info(dict(S["model"]))
+def merged_env(dirs: list[str]) -> dict | None:
+    """The machine the merged calls ran on (their own summaries say), not the one merging them."""
+    envs = [json.loads(p.read_text())["env"] for d in dirs if (p := Path(d) / "partial_rollout.json").exists()]
+    return envs[0] if envs else None
+
+
+def summarize(S, res: dict, env: dict | None = None) -> dict:
+    info = env or gpu_grpo.env_info(dict(S["model"]))
     off, on = ((res.get(k) or {}).get("steady") for k in ("off", "on"))
     ratios = {}
     if off and on:
@@ -274,7 +282,7 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", nargs="+", default=None, help="OUT dirs of earlier calls: one summary of their sections")
     ap.add_argument("--results-dir", default=None)
     ap.add_argument("--deadline", type=float, default=570.0)
-    ap.add_argument("--first-rollout", type=int, default=0, help="the first rollout id of the off mode")
+    ap.add_argument("--first-rollout", type=int, default=0, help="the first rollout id (a later one: more steps alike, other keyed lengths)")
     a = ap.parse_args(argv)
     S = shapes(a.cpu)
     sets = a.sets if a.sets is not None else (CPU_SETS if a.cpu else GPU_SETS)
@@ -283,15 +291,16 @@ def main(argv=None) -> int:
     W = Path(a.work or ("/tmp/partial_rollout_work" + ("_cpu" if a.cpu else "")))
     W.mkdir(parents=True, exist_ok=True)
     gpu_grpo.prepare_env()
+    env = None
     if a.merge:
-        res = merge(a.merge)
+        res, env = merge(a.merge), merged_env(a.merge)
     elif a.section:
         if a.cpu:
             import torch
             torch.set_num_threads(1)
         left = float(os.environ.get("SECTION_BUDGET_S", a.deadline))
         fn = {"setup": sec_setup, "off": lambda S, W: run_mode(S, W, False, sets, left - 15, a.first_rollout),
-              "on": lambda S, W: run_mode(S, W, True, sets, left - 15)}[a.section]
+              "on": lambda S, W: run_mode(S, W, True, sets, left - 15, a.first_rollout)}[a.section]
         r = gpu_grpo.run_section(a.section, S, W, out, fn=fn)
         return 0 if r["status"] == "ok" else 1
     else:
@@ -306,7 +315,7 @@ def main(argv=None) -> int:
             gpu_grpo.run_sections_in_processes(Path(__file__), [name], W, out, left, SECTION_MAX_S,
                                                extra_args=extra)
         res = gpu_grpo.read_results(out)
-    summary = summarize(S, res)
+    summary = summarize(S, res, env)
     (out / "partial_rollout.json").write_text(json.dumps(summary, indent=1, default=str))
     if a.results_dir:
         dev = summary["device"].replace(" ", "_")
