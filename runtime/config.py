@@ -141,6 +141,10 @@ class RolloutSection(Section):
     # (CUDA graphs and the Triton kernel on CUDA); hf = HF's forward with a dynamic cache (the reference);
     # auto = paged where the model family has it (runtime/rollout/decode_model.py), else hf.
     decode_path: Literal["auto", "paged", "hf"] = "auto"
+    # The paged decoder's decode steps between host syncs: queued requests are admitted into freed rows, and a
+    # partial rollout's stop is checked, only at these points, so it decides which samples a partial rollout
+    # carries over. Fewer syncs run faster on a GPU; a short max_new_tokens needs fewer steps to cut samples mid-way.
+    sync_every: int = Field(16, gt=0)
     sglang: SGLangSection = SGLangSection()
 
     @model_validator(mode="before")

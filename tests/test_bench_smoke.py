@@ -58,6 +58,19 @@ def test_rollout_bench_cpu_mode_runs(tmp_path):
     assert summary["floor"]["floor_s"] > 0
 
 
+def test_partial_rollout_bench_cpu_mode_runs(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "partial_rollout.py"), "--cpu", "--out", str(out),
+                           "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "partial_rollout.json").read_text())
+    assert summary["benchmark"] == "partial_rollout" and summary["device"] == "cpu" and summary["ratios"]
+    off, on = (summary["sections"][k]["steady"] for k in ("off", "on"))
+    # off discards what it over-sampled; on carries it over, and only staleness drops could waste tokens
+    assert off["never_trained_tokens"] > 0 and on["never_trained_tokens"] == 0 and on["stale_dropped_groups"] == 0
+    assert on["tokens_reused"] > 0 and on["trained_tok_s"] > 0 and off["trained_tok_s"] > 0
+
+
 # ---- bench/memory_check.py: the memory estimate against what is allocated -------------------------------
 
 def test_memory_check_cpu_mode_runs(tmp_path):

@@ -175,6 +175,8 @@ def collect_partial(collector, rollout_id: int, cursor: dict, state: dict | None
                "partial_stale_dropped": len(stale),
                "partial_stale_tokens": sum(len(s.ids) for g in stale for s in g.samples),  # made, never trained
                "partial_tokens_reused": reused_tokens,
+               # trained samples made under two or more weight versions: carried unfinished, continued, trained
+               "partial_samples_continued": sum(len(s.versions) > 1 for g, _ in trained for s in g.samples),
                "partial_tokens_generated": new_tokens,
                "partial_buffer_age_mean": sum(age) / len(age) if age else 0.0,
                **{f"partial_prompts_{k}": v for k, v in asdict(counts).items()}}

@@ -64,6 +64,7 @@ class BuiltinEngine(RolloutEngine):
         cuda_graphs: bool | None = None,
         compile_decode: bool | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
+        sync_every: int = 16,
     ):
         """decode_path: "auto" = the paged decoder (`paged_decode`) where the model family has it, else HF's
         forward; "paged" insists (error if the family lacks it); "hf" = HF's forward with a dynamic cache
@@ -105,7 +106,8 @@ class BuiltinEngine(RolloutEngine):
             if reason is None:
                 from runtime.rollout.paged_decode import PagedDecoder
                 self.decoder = PagedDecoder(self.model, max_rows=self.max_batch_size, kv_cache_gb=kv_cache_gb,
-                                            page_size=page_size, cuda_graphs=cuda_graphs, compile=compile_decode)
+                                            page_size=page_size, cuda_graphs=cuda_graphs, compile=compile_decode,
+                                            sync_every=sync_every)
             elif decode_path != "auto":
                 raise ConfigError(f"rollout.decode_path {decode_path!r} asked for, but {model_dir}: {reason}; "
                                   f"set rollout.decode_path: hf")

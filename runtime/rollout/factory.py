@@ -11,4 +11,5 @@ def make_engine(*, cfg: GrpoConfig, model_dir: str, device: str, dtype: str):
         return SGLangEngine.from_config(cfg, model_dir)
     from runtime.rollout.builtin import BuiltinEngine
     return BuiltinEngine(model_dir, device=device, dtype=DTYPES[dtype], max_batch_size=max(cfg.samples_per_rollout, 1),
-                         decode_path=cfg.rollout.decode_path, kv_cache_gb=cfg.rollout.kv_cache_gb)
+                         decode_path=cfg.rollout.decode_path, kv_cache_gb=cfg.rollout.kv_cache_gb,
+                         sync_every=cfg.rollout.sync_every)
