@@ -293,11 +293,42 @@ def test_qwen3_dapo_on_24gib():
     assert plan_choices(small, _qwen3_06b())["rollout.kv_cache_gb"] > 4
 
 
-def test_glm_z1_9b_at_its_shipped_layout_does_not_fit_80gib():
+# the seed notebook's GLM-Z1-9B layout, before the shipped config took the distributed optimizer, recompute,
+# packing and the built-in engine: SGLang (4 engines of TP 2), a replicated optimizer, 1 x 9216-token micro-batches
+NOTEBOOK_LAYOUT = ["rollout.engine=sglang", "rollout.sglang.num_engines=4", "rollout.sglang.tp_size=2",
+                   "train.distributed_optimizer=false", "train.recompute=none", "train.max_tokens_per_micro_batch=null",
+                   "cluster.gpu_memory_gb=null"]
+
+
+def test_glm_z1_9b_shipped_config_fits_8_h200s_and_says_what_fits_80gib():
+    """The shipped config: 8 built-in engines colocated with a DP 4 x TP 2 trainer on the distributed optimizer,
+    planned for the H200's 139.8 GiB; on 80 GiB the answer names full recompute, which fits."""
+    from runtime.config import load_config
+    from runtime.placement.layout import check_layout
+    from runtime.plan.memory import estimate_for_config, plan_choices
+
+    glm = _glm_z1_9b()
+    cfg = load_config(ROOT / "configs" / "glm-z1-9b-dapo.yaml")
+    assert (cfg.rollout.engine, cfg.cluster.rollout_gpus, cfg.cluster.trainer_gpus, cfg.cluster.colocate) == ("builtin", 8, 8, True)
+    assert cfg.train.distributed_optimizer and cfg.cluster.gpu_memory_gb == 139.8
+    check_layout(cfg, glm)  # 8 engines beside 8 trainer ranks: accepted
+    est = estimate_for_config(cfg, glm)
+    assert est["fits"] and est["gpu_mem_gb"] == 139.8 and est["rollout_engines"] == 8
+    assert est["at_rollout"] <= 139.8 and est["at_training"] < est["at_rollout"]
+    assert round(est["optimizer"], 1) == 13.1 and round(est["engine_weights"], 1) == 17.5  # a whole model per engine
+    assert plan_choices(cfg, glm)["rollout.kv_cache_gb"] > 90
+    small = estimate_for_config(cfg, glm, gpu_mem_gb=80)
+    assert not small["fits"] and "train.recompute=full" in small["reason"]
+    full = estimate_for_config(load_config(ROOT / "configs" / "glm-z1-9b-dapo.yaml", ["train.recompute=full"]), glm,
+                               gpu_mem_gb=80)
+    assert full["fits"] and full["activations"] < est["activations"]
+
+
+def test_glm_z1_9b_at_the_notebooks_layout_does_not_fit_80gib():
     from runtime.config import load_config
     from runtime.plan.memory import GIB, estimate_for_config, param_counts
 
-    cfg = load_config(ROOT / "configs" / "glm-z1-9b-dapo.yaml")
+    cfg = load_config(ROOT / "configs" / "glm-z1-9b-dapo.yaml", NOTEBOOK_LAYOUT)
     glm = _glm_z1_9b()
     assert (cfg.train.tensor_parallel, cfg.train.data_parallel, cfg.cluster.colocate) == (2, 4, True)
     assert not cfg.train.distributed_optimizer
@@ -312,11 +343,11 @@ def test_glm_z1_9b_at_its_shipped_layout_does_not_fit_80gib():
     assert "try train.distributed_optimizer: true shards the fp32 master + Adam state over the 4 data-parallel " \
            "ranks (52.5 -> 13.1 GiB per GPU)" in est["reason"]
     # not an activation problem: even one 1024-token sample does not fit beside that state
-    short = estimate_for_config(load_config(ROOT / "configs" / "glm-z1-9b-dapo.yaml", ["rollout.max_new_tokens=1"]),
+    short = estimate_for_config(load_config(ROOT / "configs" / "glm-z1-9b-dapo.yaml", [*NOTEBOOK_LAYOUT, "rollout.max_new_tokens=1"]),
                                 glm, gpu_mem_gb=80)
     assert not short["fits"]
     # at DP 1 nothing shards that state: TP 2 is the limit
-    one = estimate_for_config(load_config(ROOT / "configs" / "glm-z1-9b-dapo.yaml", [
+    one = estimate_for_config(load_config(ROOT / "configs" / "glm-z1-9b-dapo.yaml", [*NOTEBOOK_LAYOUT,
         "cluster.trainer_gpus=2", "train.data_parallel=1", "train.distributed_optimizer=true"]), glm, gpu_mem_gb=80)
     assert "tensor_parallel=2, this model's limit" in one["reason"] and "already sharded" not in one["reason"]
 
@@ -330,7 +361,7 @@ def test_glm_z1_9b_with_the_distributed_optimizer():
     glm = _glm_z1_9b()
 
     def plan(gpu, *sets):
-        return estimate_for_config(load_config(ROOT / "configs" / "glm-z1-9b-dapo.yaml", list(sets)), glm,
+        return estimate_for_config(load_config(ROOT / "configs" / "glm-z1-9b-dapo.yaml", [*NOTEBOOK_LAYOUT, *sets]), glm,
                                    gpu_mem_gb=gpu)
 
     base = plan(80)
@@ -346,7 +377,7 @@ def test_glm_z1_9b_with_the_distributed_optimizer():
     assert bf16["bytes"]["grads"] == 2 * per_gpu and "bfloat16" in format_estimate(bf16)
     assert plan(80, "train.distributed_optimizer=true", "train.recompute=selective")["fits"]
     assert plan(80, "train.distributed_optimizer=true", "train.recompute=full")["fits"]
-    # 141 GiB (H200): the shipped layout fits already; the distributed optimizer frees 39.4 GiB per GPU
+    # 141 GiB (H200): the notebook's layout fits already; the distributed optimizer frees 39.4 GiB per GPU
     assert plan(141)["fits"] and plan(141, "train.distributed_optimizer=true")["fits"]
     assert (base["bytes"]["optimizer"] - dist["bytes"]["optimizer"]) / GIB > 39
     # with the built-in engine the search of settings that fit names it first (free)
