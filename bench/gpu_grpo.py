@@ -161,7 +161,6 @@ def sec_setup(S, W: Path) -> dict:
     from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     from runtime.mcore.convert import hf_to_torch_dist
-    from runtime.inputs.datasets import prepare_dataset
     from runtime.models.tiny import _WORDS, build_tiny_qwen3
 
     t0 = time.time()
@@ -203,12 +202,7 @@ def sec_setup(S, W: Path) -> dict:
             words.append(rng.choice(_WORDS))
         ids = tok(" ".join(words))["input_ids"][: S["prompt_len"]]
         rows.append({"prompt": tok.decode(ids), "label": str(i % 10)})
-    (W / "data").mkdir(parents=True, exist_ok=True)
-    with open(W / "data" / "train.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    prep = prepare_dataset(str(W / "data" / "train.jsonl"), str(W / "data" / "train.parquet"), fmt="slime",
-                           tokenizer=tok, apply_chat_template=False, max_prompt_len=4 * S["prompt_len"])
+    prep = write_prompts(W, "train", rows, tok, max_prompt_len=4 * S["prompt_len"])
     return {"name": "setup", "model_s": round(t_model, 1), "convert_s": round(t_conv, 1),
             "parity_max_abs_logit_diff": parity.get("max_abs_logit_diff"), "n_params": n_params(S),
             "tokenizer_vocab": tok_info.get("vocab_size"), "prepared": {k: prep[k] for k in prep if k in ("rows", "dropped")},
@@ -597,6 +591,33 @@ def run_section(name: str, S: dict, W: Path, out: Path, fn=None) -> dict:
     return r
 
 
+def write_prompts(W: Path, stem: str, rows: list[dict], tok, max_prompt_len: int) -> dict:
+    """rows as W/data/<stem>.jsonl, prepared into W/data/<stem>.parquet (slime format); the prepare report."""
+    from runtime.inputs.datasets import prepare_dataset
+    (W / "data").mkdir(parents=True, exist_ok=True)
+    with open(W / "data" / f"{stem}.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return prepare_dataset(str(W / "data" / f"{stem}.jsonl"), str(W / "data" / f"{stem}.parquet"), fmt="slime",
+                           tokenizer=tok, apply_chat_template=False, max_prompt_len=max_prompt_len)
+
+
+def save_summary(summary: dict, out: Path, bench: str, results_dir: str | None, cpu: bool) -> None:
+    """<out>/<bench>.json, and with results_dir a copy named by device and date (the CPU smoke: one fixed name)."""
+    text = json.dumps(summary, indent=1, default=str)
+    (out / f"{bench}.json").write_text(text)
+    if results_dir:
+        dev = summary["device"].replace(" ", "_")
+        name = f"{bench}_{dev}_{summary['date'][:10]}.json" if not cpu else f"{bench}_cpu_smoke.json"
+        Path(results_dir).mkdir(parents=True, exist_ok=True)
+        (Path(results_dir) / name).write_text(text)
+
+
+def exit_code(summary: dict, cpu: bool) -> int:
+    """A failed section fails the CPU smoke; on a GPU the summary says which failed and why."""
+    return 1 if cpu and any(r.get("status") != "ok" for r in summary["sections"].values()) else 0
+
+
 def read_results(out: Path) -> dict:
     res = {}
     if (out / "results.jsonl").exists():
@@ -724,15 +745,9 @@ def main(argv=None) -> int:
         run_sections_in_processes(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S, SECTION_MIN_S)
     summary = summarize(S, read_results(out), env_info(S))
     summary["total_s"] = round(time.time() - t_start, 1)
-    (out / "gpu_grpo.json").write_text(json.dumps(summary, indent=1, default=str))
-    if a.results_dir:
-        dev = summary["device"].replace(" ", "_")
-        name = f"gpu_grpo_{dev}_{summary['date'][:10]}.json" if not a.cpu else "gpu_grpo_cpu_smoke.json"
-        Path(a.results_dir).mkdir(parents=True, exist_ok=True)
-        (Path(a.results_dir) / name).write_text(json.dumps(summary, indent=1, default=str))
+    save_summary(summary, out, "gpu_grpo", a.results_dir, a.cpu)
     print_table(summary)
-    failed = [n for n, r in summary["sections"].items() if r.get("status") != "ok"]
-    return 1 if failed and a.cpu else 0
+    return exit_code(summary, a.cpu)
 
 
 def _has(mod: str) -> bool:

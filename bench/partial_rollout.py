@@ -68,7 +68,6 @@ def sec_setup(S, W: Path) -> dict:
 
     from transformers import AutoTokenizer
 
-    from runtime.inputs.datasets import prepare_dataset
     from runtime.models.tiny import _WORDS
     t0 = time.time()
     r = gpu_grpo.sec_setup(S["model"], W)
@@ -78,12 +77,7 @@ def sec_setup(S, W: Path) -> dict:
     for i in range(S["rows"]):
         ids = tok(" ".join(rng.choice(_WORDS) for _ in range(S["prompt_len"] + 8)))["input_ids"][:S["prompt_len"]]
         rows.append({"prompt": tok.decode(ids), "label": str(i % 10)})
-    (W / "data").mkdir(parents=True, exist_ok=True)
-    with open(W / "data" / "prompts.jsonl", "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    prep = prepare_dataset(str(W / "data" / "prompts.jsonl"), str(W / "data" / "prompts.parquet"), fmt="slime",
-                           tokenizer=tok, apply_chat_template=False, max_prompt_len=2 * S["prompt_len"])
+    prep = gpu_grpo.write_prompts(W, "prompts", rows, tok, max_prompt_len=2 * S["prompt_len"])
     return {"name": "setup", "model": r, "prompts": prep.get("rows"), "s": round(time.time() - t0, 1)}
 
 
@@ -316,15 +310,9 @@ def main(argv=None) -> int:
                                                extra_args=extra)
         res = gpu_grpo.read_results(out)
     summary = summarize(S, res, env)
-    (out / "partial_rollout.json").write_text(json.dumps(summary, indent=1, default=str))
-    if a.results_dir:
-        dev = summary["device"].replace(" ", "_")
-        name = f"partial_rollout_{dev}_{summary['date'][:10]}.json" if not a.cpu else "partial_rollout_cpu_smoke.json"
-        Path(a.results_dir).mkdir(parents=True, exist_ok=True)
-        (Path(a.results_dir) / name).write_text(json.dumps(summary, indent=1, default=str))
+    gpu_grpo.save_summary(summary, out, "partial_rollout", a.results_dir, a.cpu)
     print_table(summary)
-    failed = [n for n, r in summary["sections"].items() if r.get("status") != "ok"]
-    return 1 if failed and a.cpu else 0
+    return gpu_grpo.exit_code(summary, a.cpu)
 
 
 if __name__ == "__main__":

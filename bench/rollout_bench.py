@@ -697,15 +697,10 @@ def main(argv=None) -> int:
     from bench.gpu_grpo import env_info
     summary = summarize(S, read_results(out), env_info(S))
     summary["total_s"] = round(time.time() - t_start, 1)
-    (out / "rollout_bench.json").write_text(json.dumps(summary, indent=1, default=str))
-    if a.results_dir:
-        dev = summary["device"].replace(" ", "_")
-        name = f"rollout_bench_{dev}_{summary['date'][:10]}.json" if not a.cpu else "rollout_bench_cpu_smoke.json"
-        Path(a.results_dir).mkdir(parents=True, exist_ok=True)
-        (Path(a.results_dir) / name).write_text(json.dumps(summary, indent=1, default=str))
+    from bench.gpu_grpo import exit_code, save_summary
+    save_summary(summary, out, "rollout_bench", a.results_dir, a.cpu)
     print_table(summary)
-    failed = [n for n, r in summary["sections"].items() if r.get("status") != "ok"]
-    return 1 if failed and a.cpu else 0
+    return exit_code(summary, a.cpu)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_bench_cpu_mode_runs(tmp_path):
-    out, work = tmp_path / "out", tmp_path / "work"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_grpo.py"), "--cpu", "--out", str(out),
-                           "--work", str(work), "--sections", "setup,engine,trainer,stage"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+def _cpu_bench(script: str, tmp_path, *args: str, timeout: int = 600) -> dict:
+    """Run bench/<script>.py on CPU into tmp_path/out; its summary (<script>.json)."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), "--cpu", "--out", str(out),
+                           "--work", str(tmp_path / "work"), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((out / "gpu_grpo.json").read_text())
+    return json.loads((out / f"{script}.json").read_text())
+
+
+def test_gpu_bench_cpu_mode_runs(tmp_path):
+    summary = _cpu_bench("gpu_grpo", tmp_path, "--sections", "setup,engine,trainer,stage", timeout=900)
     sec = summary["sections"]
     assert {k for k, v in sec.items() if v["status"] == "ok"} == {"setup", "engine", "trainer", "stage"}
     assert summary["device"] == "cpu" and summary["date"]
@@ -40,11 +45,7 @@ def test_gpu_bench_cpu_mode_runs(tmp_path):
 
 
 def test_rollout_bench_cpu_mode_runs(tmp_path):
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_bench.py"), "--cpu", "--out", str(out),
-                           "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((out / "rollout_bench.json").read_text())
+    summary = _cpu_bench("rollout_bench", tmp_path)
     assert summary["benchmark"] == "rollout_bench" and summary["device"] == "cpu" and summary["date"]
     sec = summary["sections"]
     assert {k for k, v in sec.items() if v["status"] == "ok"} == set(sec) == {"paged", "capped", "kernels"}
@@ -59,11 +60,7 @@ def test_rollout_bench_cpu_mode_runs(tmp_path):
 
 
 def test_partial_rollout_bench_cpu_mode_runs(tmp_path):
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "partial_rollout.py"), "--cpu", "--out", str(out),
-                           "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((out / "partial_rollout.json").read_text())
+    summary = _cpu_bench("partial_rollout", tmp_path)
     assert summary["benchmark"] == "partial_rollout" and summary["device"] == "cpu" and summary["ratios"]
     off, on = (summary["sections"][k]["steady"] for k in ("off", "on"))
     # off discards what it over-sampled; on carries it over, and only staleness drops could waste tokens
