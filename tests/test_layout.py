@@ -57,9 +57,9 @@ def test_gpus_on_offer_and_rollout_gpus():
 
 def test_placement_and_weight_sync_path():
     split = cfg(cluster={"trainer_gpus": 1, "rollout_gpus": 1, "colocate": False})
-    assert layout.engine_gpu(split) == 1 and layout.weight_sync_mode(split) == "broadcast"
+    assert layout.engine_gpus(split)[0] == 1 and layout.weight_sync_mode(split) == "broadcast"
     dp2 = cfg(cluster={"trainer_gpus": 2, "rollout_gpus": 1})
-    assert layout.engine_gpu(dp2) == 0 and layout.weight_sync_mode(dp2) == "direct"
+    assert layout.engine_gpus(dp2)[0] == 0 and layout.weight_sync_mode(dp2) == "direct"
     assert layout.weight_sync_mode(cfg(cluster={"weight_sync": "broadcast"})) == "broadcast"
 
 

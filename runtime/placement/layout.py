@@ -25,11 +25,6 @@ def engine_gpus(cfg: GrpoConfig) -> list[int]:
     return list(range(first, first + rollout_engines(cfg)))
 
 
-def engine_gpu(cfg: GrpoConfig) -> int:
-    """Index of the (first) built-in engine's GPU on its host: shared with trainer rank 0, or the next one free."""
-    return engine_gpus(cfg)[0]
-
-
 def gpus_needed(cfg: GrpoConfig) -> int:
     c = cfg.cluster
     return c.trainer_gpus + (0 if c.colocate else c.rollout_gpus)
