@@ -549,7 +549,7 @@ def format_estimate(est: dict[str, Any]) -> str:
             ("activations", est["activations"], act_note),
             ("engine weights", est["engine_weights"],
              f"one built-in engine on each of {est['rollout_engines']} rollout GPUs, {est['rollout_rows']} rows of "
-             f"the first rollout each" if est.get("rollout_engines", 1) > 1 else ""),
+             f"the first rollout each" if est["rollout_engines"] > 1 else ""),
             ("KV cache", est["kv_cache"], kv_note), ("rollout extra", est["rollout_activations"], ""),
             ("overhead", est["overhead"], "CUDA context, allocator slack")]
     head = (f"memory per GPU (tp={est['tp']}, dp={est['dp']}, {'colocated' if est['colocate'] else 'separate'} "
