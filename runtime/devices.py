@@ -24,3 +24,10 @@ def resolve_dtype(cfg: GrpoConfig, device: str) -> str:
     if cfg.model.dtype != "auto":
         return cfg.model.dtype
     return "bfloat16" if device == "cuda" else "float32"
+
+
+def make_current(device: str) -> None:
+    """Make a `cuda:N` device the current one (no-op otherwise): CUDA graphs capture on the current device,
+    so an engine must be built with its own GPU current."""
+    if device.startswith("cuda:"):
+        torch.cuda.set_device(int(device.split(":")[1]))

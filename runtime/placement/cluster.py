@@ -10,7 +10,7 @@ from typing import Any
 
 from runtime.placement import layout
 from runtime.config import GrpoConfig
-from runtime.devices import resolve_device, resolve_dtype
+from runtime.devices import make_current, resolve_device, resolve_dtype
 from runtime.errors import ConfigError
 from runtime.placement.cluster_watch import ClusterWatch, check_reachable
 from runtime.placement.groups import LocalGroup, RayGroup
@@ -169,9 +169,7 @@ class Cluster:
         devices = self.engine_devices
         kwargs = dict(cfg=self.cfg, model_dir=model_dir, dtype=self.dtype)
         if self.backend == "local" and len(devices) == 1:
-            if devices[0].startswith("cuda:"):
-                import torch
-                torch.cuda.set_device(int(devices[0].split(":")[1]))  # CUDA graphs capture on it
+            make_current(devices[0])
             return EngineHandle(LocalGroup([make_engine(device=devices[0], **kwargs)]))
         if self.backend == "local":  # one process per engine, each on its GPU (they generate at once)
             threads = max(1, (os.cpu_count() or 1) // len(devices)) if self.device != "cuda" else self._threads()
@@ -201,9 +199,7 @@ class _EngineHost:
         import torch
         if num_threads:
             torch.set_num_threads(num_threads)
-        device = str(kwargs.get("device", ""))
-        if device.startswith("cuda:"):  # a spawned process of the local backend: CUDA graphs capture on it
-            torch.cuda.set_device(int(device.split(":")[1]))
+        make_current(str(kwargs.get("device", "")))
         from runtime.rollout.factory import make_engine
         self.engine = make_engine(**kwargs)
 
