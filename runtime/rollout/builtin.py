@@ -18,6 +18,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from collections.abc import Generator
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -40,6 +42,15 @@ def _as_id_set(value) -> set[int]:
     if isinstance(value, int):
         return {value}
     return {int(v) for v in value}
+
+
+@dataclass
+class _GenerationCall:
+    """A generate call under way: its step generator, the last check point's per-request done flags
+    (None before the first), and its results once it ended."""
+    run: Generator
+    done: list[bool] | None = None
+    results: list[SampleResult] | None = None
 
 
 class BuiltinEngine(RolloutEngine):
@@ -98,6 +109,7 @@ class BuiltinEngine(RolloutEngine):
         self._gumbel_fn = compiled_gumbel_noise() if compile_sampling else gumbel_noise
         self._weight_version = 0
         self._closed = False
+        self._call: _GenerationCall | None = None
         self.decoder = None  # PagedDecoder; None: HF's forward (`_generate_batch`)
         if decode_path != "hf":
             from runtime.rollout.decode_model import unsupported_reason
@@ -141,43 +153,43 @@ class BuiltinEngine(RolloutEngine):
             run = self._decoder_steps(requests, sampling)
         else:
             run = self._hf_steps(requests, sampling)
-        self._call = {"run": run, "done": None, "results": None}
+        self._call = _GenerationCall(run)
 
     def advance_generation(self) -> list[bool] | None:
         call = self._current_call()
-        if call["results"] is not None:
+        if call.results is not None:
             return None
         try:
-            call["done"] = next(call["run"]) if call["done"] is None else call["run"].send(False)
+            call.done = next(call.run) if call.done is None else call.run.send(False)
         except StopIteration as end:
-            call["results"] = end.value
+            call.results = end.value
             return None
-        return call["done"]
+        return call.done
 
     def finish_generation(self) -> list[SampleResult]:
         call = self._current_call()
-        if call["results"] is None:
+        if call.results is None:
             try:
-                if call["done"] is None:
-                    next(call["run"])
-                call["run"].send(True)
+                if call.done is None:
+                    next(call.run)
+                call.run.send(True)
                 raise RuntimeError("the built-in engine's generate did not stop when told to")
             except StopIteration as end:
-                call["results"] = end.value
+                call.results = end.value
         self._call = None
-        return call["results"]
+        return call.results
 
-    def _current_call(self) -> dict:
-        call = getattr(self, "_call", None)
+    def _current_call(self) -> _GenerationCall:
+        call = self._call
         if call is None:
             raise RuntimeError("no generate call under way: start_generation first")
         return call
 
     def _abandon_generation(self) -> None:
         """Drop a call left midway (its KV pages go back)."""
-        call, self._call = getattr(self, "_call", None), None
+        call, self._call = self._call, None
         if call is not None:
-            call["run"].close()
+            call.run.close()
 
     def _hf_steps(self, requests: list[SampleRequest], sampling: SamplingParams):
         """HF's path: batches one after another, a check point before each batch and after each step; the
