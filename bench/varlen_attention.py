@@ -1,8 +1,8 @@
-"""The trainer's packed (varlen) causal attention, FlashAttention-2 as torch ships it, forward + backward
-at the recipe's packed micro-batches (issue 17: the profile of a packed step puts 41 % of its GPU time in
-FA2's kernels; this says how close to its ceiling they run). `impls` takes other kernels to compare.
+"""The trainer's packed (varlen) causal attention kernels (runtime/mcore/varlen_attention.py: FA2 and cuDNN as
+torch ships them, FA4's CuTe kernels where flash-attn-4 is installed), forward + backward at the recipe's
+packed micro-batches (issue 17: the profile of a packed step puts 41 % of its GPU time in FA2's kernels).
 
-    python3 bench/varlen_attention.py --out $OUT/varlen_attention.json
+    python3 bench/varlen_attention.py --kernels flash2,cudnn,fa4 --out $OUT/varlen_attention.json
 
 Shapes: Qwen3-0.6B attention (16 query heads, 8 KV heads, head dim 128, bf16); micro-batches of
 samples of 1024 prompt + log-normal responses (median 1700, cap 8192) packed to a token budget.
@@ -16,6 +16,8 @@ import json
 import math
 import random
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -23,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime.mcore.env import flash_varlen_attention  # noqa: E402
+from runtime.mcore.varlen_attention import KERNELS  # noqa: E402
 
 
 def recipe_lengths(budget: int, rng: random.Random, prompt: int = 1024, cap: int = 8192) -> list[int]:
@@ -68,10 +70,13 @@ def one_shape(lengths: list[int], impls: dict, h=16, hk=8, d=128, reps=5) -> dic
                 out = fn(qq, kk, vv, cu, cu, max(lengths), max(lengths), scale)
                 out.backward(dout)
                 return out, qq.grad, kk.grad, vv.grad
+            t0 = time.perf_counter()
             res = fwd_bwd()
+            torch.cuda.synchronize()
+            first_s = time.perf_counter() - t0
             ms_fwd = timed(lambda: fn(q, k, v, cu, cu, max(lengths), max(lengths), scale), reps)
             ms_all = timed(fwd_bwd, reps)
-            r = {"fwd_ms": round(ms_fwd, 3), "fwd_bwd_ms": round(ms_all, 3),
+            r = {"first_call_s": round(first_s, 2), "fwd_ms": round(ms_fwd, 3), "fwd_bwd_ms": round(ms_all, 3),
                  "fwd_bwd_TFLOPs": round(flops * 3.5 / (ms_all / 1e3) / 1e12, 1)}
             if ref is None:
                 ref = res
@@ -80,16 +85,19 @@ def one_shape(lengths: list[int], impls: dict, h=16, hk=8, d=128, reps=5) -> dic
                                      zip(("out", "dq", "dk", "dv"), res, ref)}
             row[name] = r
         except Exception as e:  # a backend this torch/cuDNN lacks is a result, not a crash
-            row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}",
+                         "where": traceback.format_exc().splitlines()[-6:-1]}
     return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budgets", default="18432,36864")
+    ap.add_argument("--kernels", default="flash2", help=f"comma-separated, of {', '.join(KERNELS)}; the first "
+                    "is the reference for the differences")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    impls = {"flash2": flash_varlen_attention}
+    impls = {name: KERNELS[name] for name in args.kernels.split(",")}
     rng = random.Random(0)
     rows = []
     for budget in [int(b) for b in args.budgets.split(",")]:

@@ -239,10 +239,14 @@ class TrainSection(Section):
     # chunked output layer for the log-probs (no [tokens x vocab] fp32 logits): auto = at TP 1 on CUDA
     chunked_logprobs: Literal["auto", "on", "off"] = "auto"
     # pure-PyTorch fusions on CUDA (runtime/mcore/fusions.py): auto = all of them; none; or a list. CPU: none.
-    fusions: Literal["auto", "none"] | list[Literal["rope", "swiglu", "bda", "gqa"]] = "auto"
+    fusions: Literal["auto", "none"] | list[Literal["rope", "swiglu", "bda", "gqa", "norm"]] = "auto"
     # core attention: auto = torch SDPA (flash) on CUDA, megatron's unfused one on CPU (SDPA there too when
     # packing); sdpa; megatron (refuses packed micro-batches)
     core_attention: Literal["auto", "sdpa", "megatron"] = "auto"
+    # the kernel of packed micro-batches on CUDA: flash2 = FlashAttention-2 as torch ships it; fa4 = the
+    # flash-attn-4 package's CuTe kernels (pip install 'grpoflow[fa4]'; about 2x FA2's forward + backward on the
+    # H100, so the trainer's packed step is faster). CPU: block-causal SDPA either way.
+    packed_attention: Literal["flash2", "fa4"] = "flash2"
 
 
 class EvalSection(Section):

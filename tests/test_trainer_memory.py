@@ -207,12 +207,23 @@ def test_offload_round_trip_restores_the_state_bitwise(tiny, distributed):
 
 # ---- on a GPU only: FlashAttention's variable-length kernel ----------------------------------------------------
 
+def _installed(module: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_flash_varlen_equals_per_sample_sdpa_on_cuda():
-    """The CUDA packed path (aten._flash_attention_forward/_backward over cu_seqlens, K/V at their own
+@pytest.mark.parametrize("kernel", ["flash2", pytest.param("fa4", marks=pytest.mark.skipif(
+    not _installed("flash_attn.cute"), reason="needs flash-attn-4"))])
+def test_flash_varlen_equals_per_sample_sdpa_on_cuda(kernel):
+    """Each packed-attention kernel on CUDA (train.packed_attention, over cu_seqlens, K/V at their own
     heads): output and q/k/v gradients equal per-sample causal SDPA within bf16 noise."""
-    from runtime.mcore.env import flash_varlen_attention
+    from runtime.mcore.varlen_attention import KERNELS
+    flash_varlen_attention = KERNELS[kernel]
 
     lens = [300, 1, 517, 64]
     cu = torch.tensor([0, 300, 301, 818, 882], dtype=torch.int32, device="cuda")
@@ -234,6 +245,19 @@ def test_flash_varlen_equals_per_sample_sdpa_on_cuda():
     torch.testing.assert_close(out, ref, rtol=0, atol=2e-2)
     for a, b in ((dq, rq), (dk, rk), (dv, rv)):
         torch.testing.assert_close(a, b, rtol=0, atol=5e-2)
+
+
+@pytest.mark.skipif(_installed("flash_attn.cute"), reason="flash-attn-4 is installed here")
+def test_packed_attention_fa4_without_the_package_is_a_one_line_error():
+    from runtime.errors import ConfigError
+    from runtime.mcore.varlen_attention import check_available
+
+    check_available("flash2")
+    with pytest.raises(ConfigError) as err:
+        check_available("fa4")
+    msg = str(err.value)
+    assert "\n" not in msg and "train.packed_attention=fa4" in msg and "train.packed_attention=flash2" in msg
+    assert "pip install 'grpoflow[fa4]'" in msg
 
 
 def test_grad_dtype_sets_the_gradient_buffer(tiny):

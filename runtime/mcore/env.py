@@ -27,6 +27,7 @@ from megatron.core import tensor_parallel  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
+from runtime.mcore import varlen_attention  # noqa: E402
 from runtime.placement.ports import free_port  # noqa: E402  (re-exported: callers set up ranks with it)
 
 _state: dict[str, Any] = {"device": None, "saved_cuda_fns": None}
@@ -267,10 +268,12 @@ def uses_sdpa_attention(device: str, core_attention: str = "auto", packed: bool 
 
 def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                     init_weights: bool = True, parallel_output: bool = True, fusions: str | list = "auto",
-                    core_attention: str = "auto", packed: bool = False, **config_overrides):
+                    core_attention: str = "auto", packed: bool = False, packed_attention: str = "flash2",
+                    **config_overrides):
     """A megatron ``GPTModel`` with the architecture of ``hf_config`` and its family's layer spec
     (``adapter.layer_spec``: megatron-core's local spec unless the family needs its own), its core
-    attention per :func:`uses_sdpa_attention` (``packed``: the model will see packed micro-batches).
+    attention per :func:`uses_sdpa_attention` (``packed``: the model will see packed micro-batches, through the
+    ``packed_attention`` kernel of runtime/mcore/varlen_attention.py on CUDA).
 
     ``init_weights=False`` skips the random init (the weights are garbage until loaded): use it
     when a checkpoint is loaded right after. Calls :func:`ensure_parallel` first.
@@ -289,7 +292,7 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: st
     spec = adapter.layer_spec(hf_config)
     if uses_sdpa_attention(device, core_attention, packed):
         native_gqa = "gqa" in megatron_fusions.active(device, fusions) and megatron_fusions.sdpa_supports_gqa()
-        spec = _with_sdpa_core_attention(spec, native_gqa)
+        spec = _with_sdpa_core_attention(spec, native_gqa, packed_attention)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -300,6 +303,8 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: st
     )
     if not init_weights:
         _mark_tensor_parallel_params(model)
+    if "norm" in megatron_fusions.active(device, fusions):
+        megatron_fusions.use_compiled_norms(model)
     if device == "cuda":
         model = model.cuda(torch.cuda.current_device())
     if dtype in (torch.bfloat16, torch.float16):
@@ -332,7 +337,7 @@ def _mark_tensor_parallel_params(model) -> None:
         tpl.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
 
 
-def _with_sdpa_core_attention(spec, native_gqa: bool):
+def _with_sdpa_core_attention(spec, native_gqa: bool, packed_attention: str = "flash2"):
     """The layer spec with megatron's unfused ``DotProductAttention`` (it materialises [b, h, s, s]
     scores and refuses packed sequences) replaced by :class:`SdpaCoreAttention`."""
     import copy
@@ -346,7 +351,7 @@ def _with_sdpa_core_attention(spec, native_gqa: bool):
         return spec
     spec = copy.deepcopy(spec)
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=SdpaCoreAttention, params={"native_gqa": native_gqa})
+        module=SdpaCoreAttention, params={"native_gqa": native_gqa, "packed_attention": packed_attention})
     return spec
 
 
@@ -361,8 +366,8 @@ class SdpaCoreAttention(MegatronModule):
     causal one, and right padding never reaches a real token under it. Other mask types use the
     mask (True = masked out, megatron's convention).
 
-    Packed: on CUDA in half precision FlashAttention's variable-length kernel
-    (``aten._flash_attention_forward/_backward`` with ``cu_seqlens``: every sample attends causally to
+    Packed: on CUDA in half precision the variable-length kernel ``packed_attention`` names
+    (runtime/mcore/varlen_attention.py, with ``cu_seqlens``: every sample attends causally to
     itself only, no [t, t] mask, K/V at their own heads); elsewhere (CPU, fp32) SDPA with a
     block-causal mask built from ``cu_seqlens`` (key j is seen by query i iff same sample and j <= i).
 
@@ -373,7 +378,8 @@ class SdpaCoreAttention(MegatronModule):
     comes back as a view when the kernel wrote it in that layout (cuDNN allocates it like the query)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, native_gqa: bool = False, **_ignored):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, native_gqa: bool = False,
+                 packed_attention: str = "flash2", **_ignored):
         super().__init__(config=config)
         tp = pg_collection.tp.size() if pg_collection is not None else mpu.get_tensor_model_parallel_world_size()
         self.heads = config.num_attention_heads // tp
@@ -383,6 +389,7 @@ class SdpaCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.native_gqa = bool(native_gqa)
+        self.packed_kernel = varlen_attention.KERNELS[packed_attention]
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -415,7 +422,7 @@ class SdpaCoreAttention(MegatronModule):
         t = query.shape[0]
         cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_kv
         if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
-            out = flash_varlen_attention(query, key, value, cu_q, cu_k, int(params.max_seqlen_q),
+            out = self.packed_kernel(query, key, value, cu_q, cu_k, int(params.max_seqlen_q),
                                          int(params.max_seqlen_kv), self.softmax_scale)
             return out.reshape(t, self.heads * self.head_dim)
         q, k, v = (x.unsqueeze(0).transpose(1, 2) for x in (query, key, value))  # [1, h, t, d]
@@ -435,34 +442,6 @@ def block_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return (sample[:, None] == sample[None, :]) & (idx[None, :] <= idx[:, None])
 
 
-class _FlashVarlen(torch.autograd.Function):
-    """FlashAttention-2's variable-length kernels as torch ships them (``aten._flash_attention_forward``
-    and ``_backward``): causal within each sample of a packed [t, h, d] batch; K/V may have fewer heads."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale):
-        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state, unused)
-        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse, cu_q, cu_k, rng_state, unused = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True, rng_state,
-            unused, scale=ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
-
-
-def flash_varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
-    """Causal attention within each packed sample: q [t, h, d], k/v [t, hk, d] (hk divides h),
-    ``cu_*`` int32 sample offsets on the device; returns [t, h, d]."""
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    return _FlashVarlen.apply(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, scale)
-
-
 def causal_attention_mask(batch: int, seq_len: int, device: str | torch.device = "cpu") -> torch.Tensor:
     """megatron's mask convention: True = masked out, shape [b, 1, s, s]."""
     mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)
@@ -479,5 +458,5 @@ def unwrap_model(model):
 __all__ = [
     "init_parallel", "ensure_parallel", "destroy_parallel", "parallel_device", "cuda_to_cpu",
     "build_transformer_config", "build_gpt_model", "causal_attention_mask", "unwrap_model", "free_port",
-    "recompute_kwargs", "uses_sdpa_attention", "block_causal_mask", "flash_varlen_attention",
+    "recompute_kwargs", "uses_sdpa_attention", "block_causal_mask",
 ]

@@ -87,12 +87,15 @@ class MegatronTrainer:
     def _build_model(self, train: bool):
         """The GPTModel with the config's attention, fusions and (for the trained copy) recomputation."""
         from runtime.mcore import env as menv
+        from runtime.mcore.varlen_attention import check_available
         t = self.train_cfg
+        if self.packs and str(self.device).startswith("cuda"):
+            check_available(t.packed_attention)
         recompute = dict(recompute=t.recompute, recompute_modules=tuple(t.recompute_modules),
                          recompute_num_layers=t.recompute_num_layers) if train else {}
         return menv.build_gpt_model(self.hf_config, dtype=self.params_dtype, device=self.device, init_weights=False,
                                     fusions=t.fusions, core_attention=t.core_attention, packed=self.packs,
-                                    **recompute)
+                                    packed_attention=t.packed_attention, **recompute)
 
     @property
     def packs(self) -> bool:
