@@ -6,6 +6,7 @@
 * a whole tiny GPT with RoPE, SwiGLU and bias-dropout-add fusions on (torch.compile forced eager)
   gives the logits and gradients of the unfused model;
 * SdpaCoreAttention with native GQA (``enable_gqa``) against the ``repeat_interleave`` path;
+* the RMSNorm fusion's math against ``F.rms_norm``, and a model's norms switched and back;
 * the switches: nothing on CPU, ``train.fusions`` on CUDA.
 """
 from __future__ import annotations
@@ -200,6 +201,42 @@ def test_tiny_gpt_with_fusions_matches_unfused(monkeypatch):
     assert mf.report(fused)["rope"] == "grpoflow-compiled" and mf.report(plain)["rope"] is False
 
 
+# ---- RMSNorm ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_torchs(dtype):
+    """The math the norm fusion compiles is F.rms_norm's: equal values, gradients within rounding."""
+    g = torch.Generator().manual_seed(0)
+    for shape in ((37, 64), (5, 7, 4, 16)):
+        x = (torch.randn(*shape, generator=g) * 3).to(dtype).requires_grad_()
+        w = (torch.randn(shape[-1], generator=g) * 0.1 + 1).to(dtype).requires_grad_()
+        y, ref = mf.rms_norm(x, w, 1e-6), torch.nn.functional.rms_norm(x, (shape[-1],), w, 1e-6)
+        assert torch.equal(y, ref)
+        gy = torch.randn(y.shape, generator=g).to(dtype)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+        for a, b in zip(torch.autograd.grad(y, (x, w), gy), torch.autograd.grad(ref, (x, w), gy)):
+            torch.testing.assert_close(a, b, **tol)
+
+
+def test_use_compiled_norms_switches_every_rmsnorm_and_back():
+    """Every RMSNorm of a tiny Qwen3 (pre-norms, q/k norms, final norm) switched in place: same parameters,
+    and on CPU (eager) bitwise the same logits; switched back, plain torch RMSNorms again."""
+    from runtime.mcore.env import build_gpt_model, causal_attention_mask
+
+    cfg = _qwen3_config()
+    torch.manual_seed(0)
+    model = build_gpt_model(cfg)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert len(norms) == 4 * cfg.num_hidden_layers + 1 and mf.report(model)["norm"] is False
+    ids, pos = torch.randint(0, 96, (2, 9)), torch.arange(9).expand(2, 9)
+    before, state = model(ids, pos, causal_attention_mask(2, 9)), model.state_dict()
+    assert mf.use_compiled_norms(model) == len(norms) and mf.report(model)["norm"] is True
+    assert all(type(m) is mf.CompiledRMSNorm for m in norms)
+    assert torch.equal(model(ids, pos, causal_attention_mask(2, 9)), before)
+    assert model.state_dict().keys() == state.keys()
+    assert mf.use_compiled_norms(model, False) == len(norms) and all(type(m) is torch.nn.RMSNorm for m in norms)
+
+
 # ---- SDPA core attention: native GQA vs repeat_interleave --------------------------------------------------
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -265,6 +302,22 @@ def test_compiled_rope_on_cuda_matches_megatron():
                 (r,) = torch.autograd.grad(ref, t, g)
                 torch.testing.assert_close(a, r, rtol=0, atol=0.125)
     assert mf._ROPE["error"] is None, mf._ROPE["error"]
+
+
+@needs_cuda
+def test_compiled_rms_norm_on_cuda_matches_torchs():
+    for shape in ((4099, 1024), (4099, 16, 128)):
+        x = (torch.randn(*shape, device="cuda") * 3).bfloat16().requires_grad_()
+        w = (torch.randn(shape[-1], device="cuda") * 0.1 + 1).bfloat16().requires_grad_()
+        norm = mf.CompiledRMSNorm(shape[-1], eps=1e-6, device="cuda", dtype=torch.bfloat16)
+        norm.weight.data.copy_(w)
+        y, ref = norm(x), torch.nn.functional.rms_norm(x, (shape[-1],), w, 1e-6)
+        torch.testing.assert_close(y, ref, rtol=0.0079, atol=0.0079)  # one bf16 ulp
+        gy = torch.randn_like(y)
+        (dx,) = torch.autograd.grad(y, x, gy)
+        (rx,) = torch.autograd.grad(ref, x, gy)
+        torch.testing.assert_close(dx, rx, rtol=0.02, atol=0.02)
+    assert mf._NORM["error"] is None, mf._NORM["error"]
 
 
 @needs_cuda
