@@ -254,8 +254,8 @@ class MegatronTrainer:
         slices = step_slices(len(batch), steps, self.dp_size, self.dp_rank, self.train_cfg.micro_batch_size,
                              lengths=[len(t) for t in batch.tokens], max_tokens=self.train_cfg.max_tokens_per_micro_batch)
         per_step = len(batch) // steps
-        sums: dict[str, float] = {}
-        grad_norms, tokens = [], 0
+        sums: dict[str, torch.Tensor] = {}
+        grad_norms = []
         for s, micro_batches in enumerate(slices):
             step_idx = list(range(s * per_step, (s + 1) * per_step))
             step_tokens = sum(sum(batch.loss_masks[i]) for i in step_idx)
@@ -279,16 +279,17 @@ class MegatronTrainer:
                     ref_logp=ref, entropy=entropy, rollout_logp=mb.rollout_logp, normalizer=normalizer)
                 # Megatron DDP averages gradients over DP ranks; our loss is already a global sum.
                 (loss * self.dp_size).backward()
-                n_tok = float(mb.resp_mask.sum())
-                tokens += int(n_tok)
+                # Metrics stay on the device until the step's end: reading one here would stall the host
+                # until the GPU is done, and the GPU would then idle while the next micro-batch is packed.
                 # grpo_loss normalises by the whole step, so summing over micro-batches and ranks gives step values
+                n_tok = mb.resp_mask.sum()
+                _accumulate(sums, "_tokens", n_tok)
                 for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                sums["loss"] = sums.get("loss", 0.0) + loss.item()
+                    _accumulate(sums, k, v)
+                _accumulate(sums, "loss", loss.detach())
                 if s == 0:
-                    diff = ((logp.detach() - mb.rollout_logp).abs() * mb.resp_mask).sum()
-                    sums["_logp_absdiff"] = sums.get("_logp_absdiff", 0.0) + float(diff)
-                    sums["_tokens_step0"] = sums.get("_tokens_step0", 0.0) + n_tok
+                    _accumulate(sums, "_logp_absdiff", ((logp.detach() - mb.rollout_logp).abs() * mb.resp_mask).sum())
+                    _accumulate(sums, "_tokens_step0", n_tok)
             finalize_model_grads([self.ddp])
             with menv.cuda_to_cpu():
                 ok, grad_norm, _ = self.optimizer.step()
@@ -297,10 +298,10 @@ class MegatronTrainer:
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         # average over every DP rank's tokens
         keys = sorted(sums)
-        vec = torch.tensor([sums[k] for k in keys] + [float(tokens)], dtype=torch.float64, device=self._device_obj())
+        vec = torch.stack([sums[k].to(self._device_obj()) for k in keys])
         if self.dp_size > 1:
             torch.distributed.all_reduce(vec, group=self.mpu.get_data_parallel_group(with_context_parallel=False))
-        total = dict(zip(keys + ["_tokens"], vec.tolist()))
+        total = dict(zip(keys, vec.tolist()))
         out = {k: total[k] / steps for k in keys if not k.startswith("_")}
         # how far the trainer's log-probs are from the engine's on the same weights (before any update)
         out["train_rollout_logp_absdiff"] = total["_logp_absdiff"] / max(total["_tokens_step0"], 1.0)
@@ -428,3 +429,9 @@ class MegatronTrainer:
 def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
     return reduce_from_tensor_model_parallel_region(t)
+
+
+def _accumulate(sums: dict[str, torch.Tensor], key: str, value) -> None:
+    """``sums[key] += value`` in float64 where the value lives (the device, for tensors): no host sync."""
+    v = value.detach().to(torch.float64) if torch.is_tensor(value) else torch.tensor(float(value), dtype=torch.float64)
+    sums[key] = sums[key] + v if key in sums else v
