@@ -392,17 +392,25 @@ def measure(cfg, S, W: Path, args, est: dict, hf_config, log) -> dict:
         M.cleanup()
         thr = {}
         budgets = [int(b) for b in str(args.throughput_budget).split(",")]
-        rows = ([("unpacked_mb1", 1, None)] if not args.packed_only else []) + [(f"packed_{b}", 1, b) for b in budgets]
-        for name, mb, budget in rows:
+        from runtime.mcore import fusions as mf
+        kernels = str(args.throughput_attention).split(",")
+        built_norm = mf.report(tr.model)["norm"]
+        norms = ([not built_norm] if args.throughput_both_norms else []) + [built_norm]  # as built last: profiled
+        rows = ([("unpacked_mb1", 1, None, kernels[0], built_norm)] if not args.packed_only else []) + [
+            (f"packed_{b}" + ("" if k == "flash2" else f"_{k}") + ("" if n == built_norm else
+             ("_compiled_norm" if n else "_eager_norm")), 1, b, k, n) for k in kernels for n in norms for b in budgets]
+        for name, mb, budget, kernel, norm in rows:
             if time.time() - args.t_start > args.deadline:
                 thr[name] = {"skipped": "deadline"}
                 continue
             tr.train_cfg.max_tokens_per_micro_batch = budget
+            _use_packed_attention(tr, kernel)
+            mf.use_compiled_norms(tr.model, norm)
             _train_once(M, tr, _recipe_batch(16, P, R, V, seed=3, full=1), mb)  # warm-up (compile at these shapes)
             thr[name] = _train_once(M, tr, step_batch, mb)
             log(f"throughput {name}: {thr[name].get('tokens_per_s')} tok/s ({thr[name]['seconds']} s, peak "
                 f"{gib(thr[name]['peak'])} GiB)")
-        if args.profile and M.cuda and time.time() - args.t_start < args.deadline:
+        if args.profile and M.cuda and time.time() - args.t_start < args.deadline:  # the last kernel's
             thr["profile"] = _profile_step(tr, _recipe_batch(32, P, R, V, seed=5, full=2), budgets[-1])
         tr.train_cfg.max_tokens_per_micro_batch = cfg.train.max_tokens_per_micro_batch
         res["throughput"] = thr
@@ -412,6 +420,17 @@ def measure(cfg, S, W: Path, args, est: dict, hf_config, log) -> dict:
     res["final"] = {"allocated": M.allocated(), "reserved": M.reserved()}
     res["points"] = []
     return res
+
+
+def _use_packed_attention(tr, kernel: str) -> None:
+    """Every layer's packed-attention kernel swapped in place (train.packed_attention), so one trainer times
+    each kernel on the same weights and batch."""
+    from runtime.mcore.env import unwrap_model
+    from runtime.mcore.varlen_attention import KERNELS, check_available
+    check_available(kernel)
+    tr.train_cfg.packed_attention = kernel
+    for layer in unwrap_model(tr.model).decoder.layers:
+        layer.self_attention.core_attention.packed_kernel = KERNELS[kernel]
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -500,6 +519,10 @@ def main(argv=None) -> int:
     ap.add_argument("--throughput", action="store_true", help="after the step, the trainer alone: today's layout "
                                                               "(unpacked, micro-batch 1) vs packed")
     ap.add_argument("--throughput-budget", default="36864", help="tokens per packed micro-batch there (a list: a sweep)")
+    ap.add_argument("--throughput-attention", default="flash2", help="packed-attention kernels to time there "
+                    "(train.packed_attention; a list: each budget once per kernel)")
+    ap.add_argument("--throughput-both-norms", action="store_true", help="each throughput row also with the RMSNorms "
+                    "the other way (train.fusions' norm: compiled or eager)")
     ap.add_argument("--packed-only", action="store_true", help="skip the unpacked baseline row")
     ap.add_argument("--profile", action="store_true", help="profile one packed step (the last budget's) on CUDA")
     ap.add_argument("--force-offload", action="store_true", help="offload the trainer's state even where the "
