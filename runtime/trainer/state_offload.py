@@ -84,6 +84,10 @@ class StateOffload:
             torch.cuda.synchronize()
         for st in storages:
             st.resize_(0)
+        if on_gpu:
+            # hand the freed blocks back to the driver: the allocator would keep them cached (reserved), and
+            # the engine's KV pool, too large to fit into them, would be allocated beside them
+            torch.cuda.empty_cache()
         self.storages = [(st, pos) for pos, st in enumerate(storages)]
         self.offloaded = True
         return {"bytes": float(moved), "seconds": time.time() - t0}
