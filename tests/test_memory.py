@@ -51,7 +51,7 @@ def _llama_known():
 # ---- arithmetic ------------------------------------------------------------------------------------------
 
 def test_cpu_path_exact_arithmetic_on_a_known_config():
-    from runtime.plan.memory import GIB, estimate_memory, param_counts
+    from runtime.plan.memory import GIB, OVERHEAD_BYTES, estimate_memory, param_counts
 
     cfg = _llama_known()
     # embeddings + lm_head 2*1000*64; per layer qkv 64*(4+2*2)*16, o 64*64, mlp 3*64*128, 2 norms; final norm
@@ -76,7 +76,7 @@ def test_cpu_path_exact_arithmetic_on_a_known_config():
     assert b["rollout_activations"] == kv // 2 + 4 * 1000 * 40  # one layer's concat copy + sampler temporaries
     # the slow path's dynamic cache lives for one generate call: the peak is the larger of the two phases
     # training holds the activations or the optimizer step's transient (one fp32 copy of the parameters)
-    assert b["total"] == 2 * n + 4 * n + 12 * n + 2 * n + max(440832, 4 * n, kv + b["rollout_activations"]) + GIB
+    assert b["total"] == 2 * n + 4 * n + 12 * n + 2 * n + max(440832, 4 * n, kv + b["rollout_activations"]) + OVERHEAD_BYTES
     assert est["total"] == b["total"] / GIB and est["fits"] and est["reason"] is None
 
     # train.distributed_optimizer: fp32 master + Adam moments (12 B/param) over the DP ranks; the gradient
@@ -95,7 +95,7 @@ def test_cpu_path_exact_arithmetic_on_a_known_config():
 
     apart = estimate_memory(cfg, tp=1, dp=1, micro_batch_size=2, seq_len=8, rollout_batch=4, max_new_tokens=4,
                             dtype="bfloat16", colocate=False, gpu_mem_gb=80, device="cpu")["bytes"]
-    assert apart["trainer_total"] == 18 * n + max(440832, 4 * n) + GIB and apart["rollout_total"] == 2 * n + kv + b["rollout_activations"] + GIB
+    assert apart["trainer_total"] == 18 * n + max(440832, 4 * n) + OVERHEAD_BYTES and apart["rollout_total"] == 2 * n + kv + b["rollout_activations"] + OVERHEAD_BYTES
     assert apart["total"] == max(apart["trainer_total"], apart["rollout_total"])
     # fp32 weights need no master copy
     assert estimate_memory(cfg, micro_batch_size=1, seq_len=8, rollout_batch=1, max_new_tokens=1,
@@ -372,7 +372,7 @@ def test_glm_z1_9b_with_the_distributed_optimizer():
     assert dist["bytes"]["weights"] == base["bytes"]["weights"] == 2 * per_gpu
     assert round(base["optimizer"], 1) == 52.5 and round(dist["optimizer"], 1) == 13.1
     assert "1/4 of them (distributed optimizer)" in format_estimate(dist)
-    assert not dist["fits"] and round(dist["total"], 1) == 94.8  # 44.7 GiB of activations at 9216 tokens
+    assert not dist["fits"] and dist["total"] > 80 and dist["activations"] > 40  # 44.7 GiB of activations at 9216 tokens
     assert "distributed_optimizer" not in dist["reason"]
     bf16 = plan(80, "train.distributed_optimizer=true", "train.grad_dtype=bfloat16")
     assert bf16["bytes"]["grads"] == 2 * per_gpu and "bfloat16" in format_estimate(bf16)
@@ -448,11 +448,41 @@ def test_the_plan_against_the_h100_runs_of_2026_11_23(run):
     assert abs((est["total"] - est["overhead"]) / m["peak"] - 1) <= 0.05, est["total"]
 
 
+# bench/results/memory_check_H100_2026-11-25_{24gb,80gb}_empty_cache.json: the same runs after the trainer's state
+# offload hands its freed blocks back; every term as measured (GiB). overhead: CUDA context + reserved - allocated
+# at the peak; footprint: peak reserved + context, what the card must hold.
+H100_2026_11_25 = {
+    "24gb": {"config": "qwen3-0.6b-dapo-24gb.yaml", "gpu": 24.0, "kv_cache_gb": 17.75,
+             "terms": {"weights": 1.11, "grads": 2.22, "optimizer": 6.661, "activations": 3.165, "engine_weights": 1.111,
+                       "rollout_activations": 0.639, "overhead": 1.326}, "footprint": 21.936},
+    "80gb": {"config": "qwen3-0.6b-dapo.yaml", "gpu": H100_GIB, "kv_cache_gb": 68.5,
+             "terms": {"weights": 1.11, "grads": 2.22, "optimizer": 6.661, "activations": 14.182,
+                       "engine_weights": 1.111, "rollout_activations": 0.639, "overhead": 1.365}, "footprint": 72.725},
+}
+
+
+@pytest.mark.parametrize("run", sorted(H100_2026_11_25))
+def test_every_non_kv_term_within_10_percent_of_the_h100_runs_of_2026_11_25(run):
+    """Issue 17's target: each non-KV term of the plan within 10 % of what was measured, at 24 and 80 GiB, and the
+    plan's total within 1 % of the card's footprint (peak reserved + CUDA context)."""
+    from runtime.config import load_config
+    from runtime.plan.memory import estimate_for_config, plan_choices
+
+    m = H100_2026_11_25[run]
+    cfg = load_config(ROOT / "configs" / m["config"])
+    assert plan_choices(cfg, _qwen3_06b(), m["gpu"]) == {"rollout.kv_cache_gb": m["kv_cache_gb"]}
+    est = estimate_for_config(cfg, _qwen3_06b(), gpu_mem_gb=m["gpu"])
+    off = {term: round(est[term] / measured - 1, 3) for term, measured in m["terms"].items()
+           if abs(est[term] / measured - 1) > 0.10}
+    assert not off, off
+    assert abs(est["total"] / m["footprint"] - 1) <= 0.01, est["total"]
+
+
 def test_data_parallel_rollout_counts_one_engine_on_each_rollout_gpu():
     """cluster.rollout_gpus=N with the built-in engine: every rollout GPU holds a whole engine (weights, its
     pool) and the working set of its share of the rollout's rows, 1/N of them."""
     from runtime.config import load_config
-    from runtime.plan.memory import estimate_for_config, first_rollout_rows, format_estimate
+    from runtime.plan.memory import GIB, OVERHEAD_BYTES, estimate_for_config, first_rollout_rows, format_estimate
 
     def plan(*sets):
         cfg = _fixed_pool(load_config(ROOT / "configs" / "qwen3-0.6b-dapo.yaml", list(sets)), gb=20.0)
@@ -466,7 +496,8 @@ def test_data_parallel_rollout_counts_one_engine_on_each_rollout_gpu():
     # per rollout GPU: the same weights and pool, a quarter of the live rows' working set
     assert four["engine_weights"] == one["engine_weights"] and four["kv_cache"] == one["kv_cache"] == 20.0
     assert four["rollout_activations"] < one["rollout_activations"]
-    assert four["rollout_total"] == pytest.approx(four["engine_weights"] + 20.0 + four["rollout_activations"] + 1.0)
+    assert four["rollout_total"] == pytest.approx(four["engine_weights"] + 20.0 + four["rollout_activations"]
+                                                    + OVERHEAD_BYTES / GIB)
     assert f"one built-in engine on each of 4 rollout GPUs, {rows // 4} rows of the first rollout each" \
         in format_estimate(four)
     assert "rollout GPUs" not in format_estimate(one)

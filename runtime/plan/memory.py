@@ -73,7 +73,10 @@ Measured (``torch.cuda.max_memory_allocated`` on an H100 80GB, torch 2.11, megat
 random Qwen3-0.6B shape, bf16): the shipped configs on the paged engine
 (bench/results/memory_check_H100_2026-11-23_{80gb_paged,24gb_paged,32gb}.json): 80 GiB 71.36 GiB
 (estimate without overhead 71.72), 24 GB 20.6 (reserved + context 21.9 of 24.0), 32 GB 27.86 (estimate
-28.22); every non-KV term within 2 % except the rollout's working set (estimate 1.00, measured 0.64).
+28.22). Again on 2026-11-25 after the state offload started handing its freed blocks back
+(bench/results/memory_check_H100_2026-11-25_{24gb,80gb}_empty_cache.json): every non-KV term within 10 %, the
+rollout's working set (0.652 planned, 0.639 measured) and the overhead (1.35; 1.33 and 1.37) included, and the
+total against the card's footprint (peak reserved + context): 21.97 / 21.94 GiB at 24 GiB, 72.72 / 72.73 at 80.
 Earlier, with the fixed-slot engine (bench/results/memory_check_H100_2026-11-22*.json): one micro-batch's activations at 1 x 9216,
 2 x 4608 and 4 x 2304 tokens measured 18.61 / 18.57 / 18.43 GiB (estimate 18.66 / 18.54 / 18.48); at
 micro-batch 4 it ran out of memory, as estimated. Trainer-only steps at 8 x 768 and 16 x 768 tokens
@@ -96,7 +99,10 @@ from runtime.placement import layout
 from runtime.mcore import fusions as megatron_fusions
 
 GIB = 2**30
-OVERHEAD_BYTES = 1 * GIB  # CUDA context, cuBLAS workspaces, allocator slack (one process)
+# CUDA context, cuBLAS workspaces, allocator slack (one process). Measured on the H100 (2026-11-25, colocated,
+# bench/results/memory_check_H100_2026-11-25_{24gb,80gb}_empty_cache.json): context 0.61 GiB, and at the peak
+# 0.72 GiB (24 GiB) / 0.76 GiB (80 GiB) reserved beyond what is allocated.
+OVERHEAD_BYTES = int(1.35 * GIB)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # CPU path (megatron's unfused attention, full logits): per token and layer, bytes of saved activations
@@ -110,8 +116,9 @@ _SAMPLER_BYTES_PER_LOGIT = 40
 _LOGPROB_CHUNK = 2048      # rows per output-layer chunk (runtime/trainer/logprobs.py: linear_logprobs)
 _BACKWARD_LAYERS = 1       # layers' worth of activations the backward holds on top of the saved ones
 _PREFILL_TOKENS = 16384    # the paged decoder's packed-prefill budget
-_FAST_SAMPLER_BYTES_PER_LOGIT = 24  # bf16 logits, fp32 scaled logits, log-softmax, noise, sum
-_PREFILL_LOGIT_BYTES = 12  # the prefill's last-position logits per row (bf16 and fp32 copies)
+# the sampler's peak per logit: bf16 logits, their fp32 copy, the scaled logits, the log-softmax, the noise
+# (measured 17.6 B on the H100 at 256 rows, where the decode step is the rollout's peak)
+_FAST_SAMPLER_BYTES_PER_LOGIT = 18
 _OPT_STEP_BYTES_PER_PARAM = 4  # transient of the optimizer step, beside its state
 
 
@@ -394,11 +401,13 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
             # up to max_batch_size rows
 
             def extra(live: int) -> int:
-                # a packed prefill of the admitted rows' prompts (at most _PREFILL_TOKENS) and their last logits,
-                # or a decode step's sampler over the live rows
+                # one after the other: a packed prefill of the admitted rows' prompts (at most _PREFILL_TOKENS; a
+                # layer's q/k/v and attention output are still held while its MLP runs), then the sampler over
+                # the admitted rows' first logits or, at each decode step, over the live rows (the larger).
+                # Measured on the H100 at the recipe's 80 GiB and 24 GiB configs: 0.576 GiB with prefills only,
+                # 0.639 GiB with the decode (planned 0.563 and 0.652)
                 prefill = min(_PREFILL_TOKENS, live * max(prompt, 1)) * e * (
-                    3 * m["h"] + 2 * m["nh"] * m["d"] + 2 * m["ng"] * m["d"] + 3 * m["f"]) \
-                    + live * m["V"] * _PREFILL_LOGIT_BYTES
+                    3 * m["h"] + 2 * m["nh"] * m["d"] + 2 * m["ng"] * m["d"] + 3 * m["f"])
                 return max(prefill, live * m["V"] * _FAST_SAMPLER_BYTES_PER_LOGIT)
 
             live = min(rows, slots_max)
