@@ -1,8 +1,8 @@
-"""The trainer's packed (varlen) causal attention kernels (runtime/mcore/varlen_attention.py: FA2 and cuDNN as
-torch ships them, FA4's CuTe kernels where flash-attn-4 is installed), forward + backward at the recipe's
-packed micro-batches (issue 17: the profile of a packed step puts 41 % of its GPU time in FA2's kernels).
+"""The trainer's packed (varlen) causal attention kernels (runtime/mcore/varlen_attention.py: FA2 as torch
+ships it, FA4's CuTe kernels where flash-attn-4 is installed), forward + backward at the recipe's packed
+micro-batches (issue 17: the profile of a packed step puts 41 % of its GPU time in FA2's kernels).
 
-    python3 bench/varlen_attention.py --kernels flash2,cudnn,fa4 --out $OUT/varlen_attention.json
+    python3 bench/varlen_attention.py --kernels flash2,fa4 --out $OUT/varlen_attention.json
 
 Shapes: Qwen3-0.6B attention (16 query heads, 8 KV heads, head dim 128, bf16); micro-batches of
 samples of 1024 prompt + log-normal responses (median 1700, cap 8192) packed to a token budget.
