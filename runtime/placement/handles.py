@@ -1,7 +1,7 @@
 """Typed handles on the trainer ranks and the rollout engines, whatever group holds them.
 
 The loop calls named methods here; each runs the actor method of the same name and signature on
-every member of the group (tests/test_handles.py checks the signatures match). A trainer method
+every member of the group (tests/test_architecture.py checks the signatures match). A trainer method
 returns rank 0's result: the ranks hold one model, so their answers agree.
 """
 from __future__ import annotations
