@@ -15,7 +15,8 @@ Sections, each its own process (the capped one under ../shared/tools/gpu-cap, ca
            the next generate with graph re-capture), the realistic rollout (pages in use over time, decode
            steps, preemptions), a kernel profile of a mid-rollout step, the per-step latency at batch 8 by
            context (the tail floor), the HBM bandwidth, and the paged attention kernel against FlexAttention's
-           paged path
+           paged path; the fixed shape again waiting for every chunk's tokens before queueing the next (with
+           --overlap-ab the realistic rollout too): what queueing a chunk ahead saves
   (the fixed-slot decoder this replaced made 6,808 tok/s on this schedule with the same KV GiB on the H100:
    bench/results/rollout_bench_H100_2026-11-23_run2.json, its last run before it was deleted)
   capped   the paged decoder on the same schedule under a 24 GiB card (GPU_CAP_GIB = 24 - the measured
@@ -225,8 +226,9 @@ def run_schedule(S, eng, lengths: list[int]) -> dict:
 
 # ---- measurements on the paged decoder ---------------------------------------------------------------------
 
-def fixed_shape(S, eng) -> dict:
-    """The regression row: 16 x 8, 256-token prompts, 512 new tokens at fixed length (no stop)."""
+def fixed_shape(S, eng, checks: bool = True) -> dict:
+    """The regression row: 16 x 8, 256-token prompts, 512 new tokens at fixed length (no stop); with checks,
+    also the engine's log-probs against HF's forward and the memory hand-off."""
     from runtime.rollout.base import SamplingParams
     F = S["fixed"]
     reqs = requests(S, F["prompts"], F["samples"], F["prompt_len"], rollout=0, seed=0)
@@ -251,7 +253,9 @@ def fixed_shape(S, eng) -> dict:
         res = {"rows": len(reqs), "prompt_len": F["prompt_len"], "new_tokens": F["new"], "warmup_s": round(warm, 1),
                "s_per_generate": [round(x, 3) for x in times], "tok_s": round(len(reqs) * F["new"] / t),
                "ms_per_decode_step": round(1e3 * st["decode_s"] / max(st["decode_steps"], 1), 3),
-               "prefill_s": round(st["prefill_s"], 3)}
+               "prefill_s": round(st["prefill_s"], 3), "chunks_queued_ahead": st.get("queued_ahead")}
+        if not checks:
+            return res
         # the engine's log-probs of its sampled tokens against HF's forward (teacher-forced) on the same weights
         diffs = []
         for r in out[:: max(len(out) // 16, 1)]:
@@ -470,6 +474,12 @@ def sec_paged(S, W: Path) -> dict:
     with open(Path(os.environ.get("ROLLOUT_BENCH_OUT", W)) / "results.jsonl", "a") as f:  # kept if the rest is cut off
         f.write(json.dumps({**res, "name": "paged_realistic_only", "status": "partial"}, default=str) + "\n")
     res["fixed_512"] = fixed_shape(S, eng)
+    # the same engine waiting for every chunk's tokens before it queues the next (what queueing ahead saves)
+    eng.decoder.overlap_chunks = False
+    res["fixed_512_waiting_every_chunk"] = fixed_shape(S, eng, checks=False)
+    if os.environ.get("ROLLOUT_BENCH_OVERLAP_AB") == "1":
+        res["realistic_waiting_every_chunk"] = {k: v for k, v in run_schedule(S, eng, lengths).items() if k != "trace"}
+    eng.decoder.overlap_chunks = True
     if not extras:
         eng.shutdown()
         return res
@@ -596,6 +606,8 @@ def print_table(summary: dict) -> None:
              f'{real("capped", "pages")} / {real("capped", "peak_mem_GiB")}'),
             ("peak GiB paged", real("paged", "peak_mem_GiB")),
             ("fixed 512 shape on paged: tok/s", (pg.get("fixed_512") or {}).get("tok_s", "-")),
+            ("  the same, waiting for every chunk", (pg.get("fixed_512_waiting_every_chunk") or {}).get("tok_s", "-")),
+            ("realistic waiting for every chunk: tok/s", (pg.get("realistic_waiting_every_chunk") or {}).get("tok_s", "-")),
             ("hand-off (release/resume/recapture s)", json.dumps((pg.get("fixed_512") or {}).get("handoff"))),
             ("floor", json.dumps(summary["floor"])),
             ("ratios", json.dumps(summary["ratios"])), ("targets", json.dumps(summary["targets_met"]))]
@@ -646,8 +658,12 @@ def main(argv=None) -> int:
     ap.add_argument("--results-dir", default=None, help="also copy the summary JSON here (e.g. bench/results)")
     ap.add_argument("--gpu-cap-dir", default=str(ROOT / ".gpucap"), help="the gpu-cap tool (its sitecustomize.py)")
     ap.add_argument("--deadline", type=float, default=455.0, help="seconds for the whole run (GPU mode)")
+    ap.add_argument("--overlap-ab", action="store_true",
+                    help="paged: also the realistic schedule waiting for every chunk before queueing the next")
     a = ap.parse_args(argv)
     S = dict(SHAPES["cpu" if a.cpu else "gpu"])
+    if a.overlap_ab:
+        os.environ["ROLLOUT_BENCH_OVERLAP_AB"] = "1"
     W = Path(a.work or ("/tmp/rollout_bench_work" + ("_cpu" if a.cpu else "")))
     out = Path(a.out)
     W.mkdir(parents=True, exist_ok=True)
@@ -669,7 +685,7 @@ def main(argv=None) -> int:
     else:
         for name in sections:
             left = a.deadline - (time.time() - t_start)
-            limit = int(min(SECTION_MAX_S[name], left))
+            limit = int(min(SECTION_MAX_S[name] + (120 if name == "paged" and a.overlap_ab else 0), left))
             if limit < 30:
                 rec = {"name": name, "status": "SKIPPED", "error": "no time left in this run"}
                 with open(out / "results.jsonl", "a") as f:

@@ -32,11 +32,12 @@ def hf(model_dir):
     return BuiltinEngine(model_dir, decode_path="hf")
 
 
-def _paged(model_dir, rows: int, pages: int | None = None) -> BuiltinEngine:
+def _paged(model_dir, rows: int, pages: int | None = None, sync_every: int = 16) -> BuiltinEngine:
     from transformers import AutoConfig
     per_page = PAGE * kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), "float32")
     gb = None if pages is None else pages * per_page / 2**30
-    eng = BuiltinEngine(model_dir, decode_path="paged", max_batch_size=rows, page_size=PAGE, kv_cache_gb=gb)
+    eng = BuiltinEngine(model_dir, decode_path="paged", max_batch_size=rows, page_size=PAGE, kv_cache_gb=gb,
+                        sync_every=sync_every)
     assert eng.decode_path == "paged" and (pages is None or eng.decoder.kv_cache_bytes() == 0)
     return eng
 
@@ -73,10 +74,11 @@ def test_paged_draws_the_hf_paths_tokens(model_dir, hf):
         assert int(paged.decoder.live.sum()) == 0 and int(paged.decoder.table.abs().sum()) == 0
     assert {r.finish_reason for r in paged.generate(reqs, SAMPLINGS[0])} == {"stop", "length"}
     # 12 rows (batch buckets of 8 and 12), the requests of rows 8-11 long (forced stops: `stop_at`): once
-    # the short ones finished, the long rows move down to rows 0-3 and decode in the bucket of 8
+    # the short ones finished (in the first chunk; the second is already queued in the bucket of 12), the
+    # long rows move down to rows 0-3 and decode their third chunk in the bucket of 8
     from runtime.rollout.keyed_sampling import sample_key_hash
     prompts, kh = [r.prompt_ids for r in reqs[:12]], sample_key_hash(torch.tensor([r.key for r in reqs[:12]]))
-    lengths, sp = [2] * 8 + [17, 18, 19, 20], SamplingParams(max_new_tokens=20)
+    lengths, sp = [2] * 8 + [37, 38, 39, 40], SamplingParams(max_new_tokens=40)
     wide = _paged(model_dir, rows=12)
     got = wide.decoder.generate(prompts, kh, sp, set(), stop_at=lengths)
     assert wide.decoder.stats["compactions"] > 0 and wide.decoder.pool.used == 0
@@ -90,6 +92,29 @@ def test_paged_draws_the_hf_paths_tokens(model_dir, hf):
     other_hf.update_weights(new, 1)
     paged.update_weights(new, 1)
     _same(other_hf.generate(reqs, SAMPLINGS[0]), paged.generate(reqs, SAMPLINGS[0]))
+
+
+def test_a_chunk_queued_before_the_last_is_read_changes_no_token(model_dir, hf):
+    """All 13 requests in rows at once and chunks of 4 steps: each chunk is queued before the last one's
+    tokens are read, so rows that stopped run one more chunk for nobody; the tokens, log-probs and finish
+    reasons are those of the same engine waiting every chunk, and of HF's path, also when the caller stops
+    with a chunk queued."""
+    from runtime.rollout import GroupsDone
+    ahead, waits = _paged(model_dir, rows=13, sync_every=4), _paged(model_dir, rows=13, sync_every=4)
+    waits.decoder.overlap_chunks = False
+    reqs = _requests()
+    for sp in (SamplingParams(max_new_tokens=20, stop_token_ids=[5, 6, 7]), SAMPLINGS[1]):
+        got = ahead.generate(reqs, sp)
+        _same(waits.generate(reqs, sp), got)
+        _same(hf.generate(reqs, sp), got)
+        assert ahead.decoder.stats["queued_ahead"] > 0 and waits.decoder.stats["queued_ahead"] == 0
+        assert ahead.decoder.pool.used == 0 and int(ahead.decoder.live.sum()) == 0
+    sp = SamplingParams(max_new_tokens=20, stop_token_ids=[5, 6, 7])
+    until = GroupsDone(group_size=3, count=1)
+    got = ahead.generate(reqs, sp, until=until)
+    _same(waits.generate(reqs, sp, until=until), got)
+    assert "abort" in [r.finish_reason for r in got] and ahead.decoder.stats["queued_ahead"] > 0
+    assert ahead.decoder.pool.used == 0 and int(ahead.decoder.table.abs().sum()) == 0
 
 
 def test_preempted_sequences_continue_with_the_same_tokens(model_dir, hf):

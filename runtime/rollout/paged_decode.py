@@ -15,6 +15,10 @@ responses actually reach, not the longest they could reach.
   host reserves the pages each row will write in it and writes them into the page table, a static
   device buffer; every length lives on the device, so one CUDA graph per batch bucket replays every
   step.
+* While nothing waits to be admitted and the bucket stays, the next chunk is queued before the last one's
+  tokens are read, with pages for its rows as if none stopped; so the device never waits while the host
+  reads tokens, finds stops and reserves pages. A row that stopped makes one more chunk of tokens that
+  nobody takes, and sampling is keyed, so the tokens are those of a call that waits every chunk.
 * Preemption: when the pool cannot hold the next chunk, the row that has made the fewest tokens gives
   up its pages and goes back to the queue, ahead of every later request, with the tokens it made. When it is admitted again its prompt and
   those tokens are prefilled again (recompute) and it continues. Sampling is keyed by (request,
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -43,14 +48,30 @@ from runtime.rollout.kv_pages import NULL_PAGE, DEFAULT_PAGE_SIZE, PagePool, kv_
 log = logging.getLogger("grpoflow.rollout")
 
 
+@dataclass
+class _Chunk:
+    """A queued chunk of decode steps: the (row, request) pairs it runs and where its tokens land."""
+    rows: list[tuple[int, int]]
+    bucket: int
+    steps: int
+    tok: torch.Tensor  # [bucket, steps] on the host (CUDA: filled once `event` has passed)
+    lp: torch.Tensor
+    event: "torch.cuda.Event | None"
+    launched: float
+    first_step: int  # decode steps before it
+    pages_used: int
+
+
 class PagedDecoder(FusedModel):
     """Generates for many requests at once over a paged KV cache (see the module doc)."""
 
     def __init__(self, model, *, max_rows: int = 256, kv_cache_gb: float | None = None,
                  page_size: int = DEFAULT_PAGE_SIZE, cuda_graphs: bool | None = None, compile: bool | None = None,
-                 sync_every: int = 16, prefill_tokens: int = 16384, attention: str = "auto"):
+                 sync_every: int = 16, prefill_tokens: int = 16384, attention: str = "auto",
+                 overlap_chunks: bool = True):
         """attention: "auto" (the Triton kernel on CUDA where it applies, else the PyTorch reference),
-        "triton" or "reference"."""
+        "triton" or "reference". overlap_chunks: queue the next decode chunk before reading the last one
+        (the tokens are the same either way; off only to measure what it saves)."""
         super().__init__(model, compile=compile)
         cuda = self.device.type == "cuda"
         self.max_rows = int(max_rows)
@@ -58,6 +79,7 @@ class PagedDecoder(FusedModel):
         self.page_size = int(page_size)
         self.sync_every = int(sync_every)
         self.prefill_tokens = int(prefill_tokens)
+        self.overlap_chunks = bool(overlap_chunks)
         self.use_flash = cuda and self.dtype in (torch.bfloat16, torch.float16)  # prefill
         # the kernel tiles the head dimension whole (a power of two, >= 16 for tensor-core dots)
         fits_kernel = triton_available() and self.hd >= 16 and self.hd & (self.hd - 1) == 0
@@ -121,9 +143,21 @@ class PagedDecoder(FusedModel):
         self.spos = torch.zeros(n, dtype=torch.long, device=dev)      # response position of the token to draw
         self.live = torch.zeros(n, dtype=torch.long, device=dev)      # 1 while the row decodes, 0 idle
         self.key_hash = torch.zeros(n, dtype=torch.long, device=dev)
-        self.out_tok = torch.zeros(n, self.sync_every, dtype=torch.long, device=dev)
-        self.out_lp = torch.zeros(n, self.sync_every, dtype=torch.float32, device=dev)
+        # two chunks' columns: one chunk writes its half while the host reads the other's
+        self.out_tok = torch.zeros(n, 2 * self.sync_every, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros(n, 2 * self.sync_every, dtype=torch.float32, device=dev)
         self.chunk_i = torch.zeros(1, dtype=torch.long, device=dev)
+        if dev.type == "cuda":  # where each half's tokens land on the host (pinned: the copy does not wait)
+            self.host_tok = torch.zeros(2, n, self.sync_every, dtype=torch.long, pin_memory=True)
+            self.host_lp = torch.zeros(2, n, self.sync_every, dtype=torch.float32, pin_memory=True)
+
+    def _on_device(self, values: list[int]) -> torch.Tensor:
+        """A long tensor on the engine's device, copied without waiting for the work already queued (a
+        plain `torch.tensor(..., device=cuda)` would wait for the chunk in flight)."""
+        t = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     # ---- forward pieces --------------------------------------------------------------------------------
     def _prefill(self, ids: torch.Tensor, lens: list[int], write_idx: torch.Tensor, want: list[int]) -> torch.Tensor:
@@ -317,7 +351,8 @@ class PagedDecoder(FusedModel):
         queue.reverse()  # pop() from the end takes requests in order
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "chunks": 0, "rows": R,
                  "pages": pool.num_pages, "page_size": P, "max_active": 0, "prefills": 0, "prefill_tokens": 0,
-                 "preemptions": 0, "reprefill_tokens": 0, "peak_pages_used": 0, "compactions": 0}
+                 "preemptions": 0, "reprefill_tokens": 0, "peak_pages_used": 0, "compactions": 0,
+                 "queued_ahead": 0}
         pool.peak_used = pool.used
         self.stats.update(stats)
         stats = self.stats  # live: a failed call leaves what it got to
@@ -362,7 +397,7 @@ class PagedDecoder(FusedModel):
                 row_key[s] = None
                 row_req[s] = -1
             if rows:
-                idx = torch.tensor(rows, dtype=torch.long, device=dev)
+                idx = self._on_device(rows)
                 for buf in (self.pos, self.plen, self.live):
                     buf.index_fill_(0, idx, 0)
                 self.table.index_fill_(0, idx, NULL_PAGE)
@@ -401,11 +436,91 @@ class PagedDecoder(FusedModel):
 
         def write_table(entries: list[tuple[int, int, int]]) -> None:
             if entries:
-                e = torch.tensor(entries, dtype=torch.long, device=dev)
+                e = self._on_device(entries)
                 self.table[e[:, 0], e[:, 1]] = e[:, 2].to(torch.int32)
 
+        S = self.sync_every
+        cuda = dev.type == "cuda"
+        last_read = [time.perf_counter()]  # when the host last had a chunk's tokens
+
+        def launch(active: list[int], b: int, steps: int, ahead: int) -> _Chunk:
+            """Queue `steps` decode steps over rows [0, b) and the copy of their tokens to the host; nothing
+            waits. ahead: steps already queued for these rows and not yet read."""
+            longest = max(len(prompts[row_req[s]]) + len(out_ids[row_req[s]]) for s in active) + ahead + steps
+            self._chunk_split_tokens = self.split_tokens or split_tokens_for(len(active), self.nkv, longest, dev)
+            half = stats["chunks"] % 2
+            t0 = time.perf_counter()
+            self.chunk_i.fill_(half * S)
+            for _ in range(steps):
+                self._run_step(b, step_fn, skey)
+            cols = slice(half * S, half * S + steps)
+            event = None
+            if cuda:
+                tok, lp = self.host_tok[half, :b, :steps], self.host_lp[half, :b, :steps]
+                tok.copy_(self.out_tok[:b, cols], non_blocking=True)
+                lp.copy_(self.out_lp[:b, cols], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            else:
+                tok, lp = self.out_tok[:b, cols], self.out_lp[:b, cols]
+            stats["decode_steps"] += steps
+            stats["row_steps"] += steps * b
+            stats["chunks"] += 1
+            stats["max_active"] = max(stats["max_active"], len(active))
+            return _Chunk(rows=[(s, row_req[s]) for s in active], bucket=b, steps=steps, tok=tok, lp=lp,
+                          event=event, launched=t0, first_step=stats["decode_steps"] - steps, pages_used=pool.used)
+
+        def read(chunk: _Chunk) -> None:
+            """Wait for a chunk's tokens and hand them to their requests; rows that finished go idle."""
+            if chunk.event is not None:
+                chunk.event.synchronize()
+            toks, lps = chunk.tok.tolist(), chunk.lp.tolist()
+            now = time.perf_counter()
+            dt = now - max(chunk.launched, last_read[0])
+            last_read[0] = now
+            stats["decode_s"] += dt
+            if self.trace is not None:  # (decode steps before it, active rows, bucket, steps, ms/step, pages used)
+                self.trace.append((chunk.first_step, len(chunk.rows),
+                                   chunk.bucket, chunk.steps, round(1e3 * dt / chunk.steps, 3), chunk.pages_used))
+            # a row vacated after this chunk was queued made its tokens for nobody
+            vacate([s for s, r in chunk.rows if row_req[s] == r and take(r, toks[s], lps[s])])
+
+        def follow(chunk: _Chunk) -> _Chunk | None:
+            """The chunk after `chunk`, queued before `chunk` is read, so the device does not wait for the host:
+            the same rows (those that stop in `chunk` make tokens nobody takes) in the same bucket. None when
+            the round after `chunk` has host work to do first: requests to admit, a smaller bucket, no
+            tokens left to make, or pages that only preemption would free."""
+            rows = [s for s, r in chunk.rows if row_req[s] == r]
+            if not self.overlap_chunks or queue or not rows:
+                return None
+            if next(x for x in self._buckets() if x >= len(rows)) < chunk.bucket:
+                return None
+            left = {s: cap[row_req[s]] - len(out_ids[row_req[s]]) for s in rows}  # tokens each may still make
+            steps = min(S, max(left.values()) - chunk.steps)
+            # a row that reaches its cap in `chunk` gets no page for after it: what it writes then lands on
+            # its own last page or the null page, and nobody reads it
+            more = {s: growth(s, min(chunk.steps + steps, left[s])) for s in rows}
+            if steps <= 0 or sum(more.values()) > pool.free:
+                return None
+            entries = []
+            for s, more in more.items():
+                if more:
+                    cols, pages = give_pages(s, more)
+                    entries += [(s, c, p) for c, p in zip(cols, pages)]
+            write_table(entries)
+            stats["queued_ahead"] += 1
+            return launch(rows, chunk.bucket, steps, chunk.steps)
+
+        pending: _Chunk | None = None  # a queued chunk whose tokens are not read yet
         try:
             while queue or any(r >= 0 for r in row_req):
+                if pending is not None:
+                    queued, pending = pending, None
+                    pending = follow(queued)
+                    read(queued)
+                    if pending is not None and (yield list(done)):
+                        break
+                    continue
                 if (yield list(done)):
                     break  # the caller stops here (enough groups complete): the rest are returned as they are
                 active = [s for s in range(R) if row_req[s] >= 0]
@@ -536,25 +651,10 @@ class PagedDecoder(FusedModel):
                 b = next(x for x in self._buckets() if x >= len(active))
                 if max(active) >= b:  # rows finished below: move the top ones down, so the step runs b rows
                     active = compact(active, b)
-                longest = max(len(prompts[row_req[s]]) + len(out_ids[row_req[s]]) for s in active) + steps
-                self._chunk_split_tokens = self.split_tokens or split_tokens_for(len(active), self.nkv, longest, dev)
-                t0 = time.perf_counter()
-                self.chunk_i.zero_()
-                for _ in range(steps):
-                    self._run_step(b, step_fn, skey)
-                toks = self.out_tok[:b, :steps].tolist()  # the one host sync of the chunk
-                lps = self.out_lp[:b, :steps].tolist()
-                dt = time.perf_counter() - t0
-                stats["decode_s"] += dt
-                if self.trace is not None:  # (decode steps so far, active rows, bucket, steps, ms/step, pages used)
-                    self.trace.append((stats["decode_steps"], len(active), b, steps, round(1e3 * dt / steps, 3),
-                                       pool.used))
-                stats["decode_steps"] += steps
-                stats["row_steps"] += steps * b
-                stats["chunks"] += 1
-                stats["max_active"] = max(stats["max_active"], len(active))
-                vacate([s for s in active if take(row_req[s], toks[s], lps[s])])
+                pending = launch(active, b, steps, 0)
         finally:
+            if pending is not None and pending.event is not None:
+                pending.event.synchronize()  # a chunk nobody reads still writes into the pool
             # every page goes back, also when the loop failed part-way (the pool outlives the call)
             for s in range(R):
                 if row_own[s]:
