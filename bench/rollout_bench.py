@@ -22,7 +22,6 @@ Sections, each its own process (the capped one under ../shared/tools/gpu-cap, ca
   capped   the paged decoder on the same schedule under a 24 GiB card (GPU_CAP_GIB = 24 - the measured
            CUDA context), its pool at the default size (a share of what is free)
   kernels  the paged attention kernel against FlexAttention's paged path (torch's experimental PagedAttention)
---kv-cache-dtype fp8_e4m3: the pool in fp8 (rollout.kv_cache_dtype), the same GiB holding twice the tokens.
 Results: OUT/results.jsonl (one line per section) and OUT/rollout_bench.json (summary: device, date, floor,
 ratios, targets); with --results-dir a copy named by device and date.
 """
@@ -47,11 +46,11 @@ if str(ROOT) not in sys.path:
 SHAPES = {
     "gpu": dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=3072, vocab=151936, dtype="bfloat16",
                 device="cuda", prompts=32, samples=8, over_sampling=1.5, prompt_len=1024, max_new=8192,
-                median=1700, sigma=0.8, min_len=16, kv_gib=56.0, page_size=16, cap_gib=24.0, kv_cache_dtype="auto",
+                median=1700, sigma=0.8, min_len=16, kv_gib=56.0, page_size=16, cap_gib=24.0,
                 fixed=dict(prompts=16, samples=8, prompt_len=256, new=512, reps=2)),
     "cpu": dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=512, dtype="float32",
                 device="cpu", prompts=4, samples=2, over_sampling=1.5, prompt_len=12, max_new=40,
-                median=10, sigma=0.8, min_len=2, kv_gib=0.002, page_size=4, cap_gib=None, kv_cache_dtype="auto",
+                median=10, sigma=0.8, min_len=2, kv_gib=0.002, page_size=4, cap_gib=None,
                 fixed=dict(prompts=2, samples=2, prompt_len=8, new=8, reps=1)),
 }
 SECTIONS = ("paged", "capped", "kernels")
@@ -117,8 +116,7 @@ def requests(S, n_prompts: int, samples: int, prompt_len: int, rollout: int, see
 
 
 def kv_bytes_per_token(S) -> int:
-    element = 1 if S["kv_cache_dtype"] == "fp8_e4m3" else 2 if S["dtype"] == "bfloat16" else 4
-    return S["layers"] * 2 * S["kv_heads"] * S["head_dim"] * element
+    return S["layers"] * 2 * S["kv_heads"] * S["head_dim"] * (2 if S["dtype"] == "bfloat16" else 4)
 
 
 def weight_bytes(S) -> int:
@@ -165,8 +163,7 @@ def engine(S, W: Path, decode_path: str, kv_gib: float | None, rows: int):
     from runtime.rollout.builtin import BuiltinEngine
     eng = BuiltinEngine(str(W / "hf"), device=S["device"], dtype={"bfloat16": torch.bfloat16,
                                                                     "float32": torch.float32}[S["dtype"]],
-                        max_batch_size=rows, decode_path=decode_path, kv_cache_gb=kv_gib, page_size=S["page_size"],
-                        kv_cache_dtype=S["kv_cache_dtype"])
+                        max_batch_size=rows, decode_path=decode_path, kv_cache_gb=kv_gib, page_size=S["page_size"])
     assert eng.decode_path == decode_path, eng.decode_path
     return eng
 
@@ -661,11 +658,10 @@ def main(argv=None) -> int:
     ap.add_argument("--results-dir", default=None, help="also copy the summary JSON here (e.g. bench/results)")
     ap.add_argument("--gpu-cap-dir", default=str(ROOT / ".gpucap"), help="the gpu-cap tool (its sitecustomize.py)")
     ap.add_argument("--deadline", type=float, default=455.0, help="seconds for the whole run (GPU mode)")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="the pool's element type: auto (bf16) or fp8_e4m3")
     ap.add_argument("--overlap-ab", action="store_true",
                     help="paged: also the realistic schedule waiting for every chunk before queueing the next")
     a = ap.parse_args(argv)
-    S = dict(SHAPES["cpu" if a.cpu else "gpu"], kv_cache_dtype=a.kv_cache_dtype)
+    S = dict(SHAPES["cpu" if a.cpu else "gpu"])
     if a.overlap_ab:
         os.environ["ROLLOUT_BENCH_OVERLAP_AB"] = "1"
     W = Path(a.work or ("/tmp/rollout_bench_work" + ("_cpu" if a.cpu else "")))
@@ -701,8 +697,7 @@ def main(argv=None) -> int:
                 env["GPU_CAP_GIB"] = str(round(S["cap_gib"] - ctx, 2))
                 env["PYTHONPATH"] = os.pathsep.join([a.gpu_cap_dir, env["PYTHONPATH"]])
             print(f"=== {name} (limit {limit}s) at {time.time() - t_start:.0f}s", flush=True)
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--work", str(W), "--out", str(out),
-                   "--kv-cache-dtype", a.kv_cache_dtype]
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--work", str(W), "--out", str(out)]
             with open(out / "log.txt", "a") as log:
                 log.write(f"\n===== {name} =====\n")
                 log.flush()

@@ -1,7 +1,7 @@
 """The Triton paged decode kernel against its PyTorch reference, run by Triton's interpreter on the CPU.
 
 The interpreter decides at import time, so the check runs in a child process with TRITON_INTERPRET=1.
-Its numpy backend has no bfloat16 matmul, so the dtypes here are fp32 and fp16 (and fp8 pools); bf16 is checked on the
+Its numpy backend has no bfloat16 matmul, so the dtypes here are fp32 and fp16; bf16 is checked on the
 GPU by bench/rollout_bench.py and bench/gpu_grpo.py (engine vs trainer log-probs).
 """
 import os
@@ -52,14 +52,6 @@ def _check_paged() -> None:
         kw = dict(split_tokens=16, block_n=16)
         assert torch.equal(paged_decode_attention(q, k2, v2, table, plen, own, prefix_cols, hd ** -0.5, **kw),
                            paged_decode_attention(q, k, v, table, plen, own, prefix_cols, hd ** -0.5, **kw))
-    # an fp8 pool (rollout.kv_cache_dtype: fp8_e4m3): the kernel widens each K and V (to fp16), the reference to q's dtype
-    k8, v8 = torch.randn(pages, page, nkv, hd).to(torch.float8_e4m3fn), torch.randn(pages, page, nkv, hd).to(torch.float8_e4m3fn)
-    for dtype in (torch.float32, torch.float16):  # the kernel computes in fp16 (q rounded to it)
-        q8 = torch.randn(5, nh, hd).to(dtype)
-        ref8 = reference_paged_decode_attention(q8.float(), k8, v8, table, plen, own, prefix_cols, hd ** -0.5)
-        assert ref8.dtype == torch.float32
-        out = paged_decode_attention(q8, k8, v8, table, plen, own, prefix_cols, hd ** -0.5, split_tokens=16, block_n=16)
-        assert out.dtype == dtype and (out.float() - ref8).abs().max().item() < 2e-3, dtype
     # the paged reference is plain attention over [the row's prompt pages, its own pages]
     b = 1
     keys = torch.cat([k[table[b, :3].long()].reshape(-1, nkv, hd)[:10], k[table[b, 3:].long()].reshape(-1, nkv, hd)[:17]])

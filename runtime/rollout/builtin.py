@@ -28,7 +28,7 @@ from runtime.errors import ConfigError, ModelError
 from runtime.rollout.base import (GroupsDone, RolloutEngine, SampleRequest, SampleResult, SamplingParams,
                                   drive_generation)
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_key_hash, sample_next
-from runtime.rollout.kv_pages import DEFAULT_PAGE_SIZE, KV_CACHE_DTYPES
+from runtime.rollout.kv_pages import DEFAULT_PAGE_SIZE
 
 _ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 DECODE_PATHS = ("auto", "paged", "hf")
@@ -76,21 +76,16 @@ class BuiltinEngine(RolloutEngine):
         compile_decode: bool | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         sync_every: int = 16,
-        kv_cache_dtype: str = "auto",
     ):
         """decode_path: "auto" = the paged decoder (`paged_decode`) where the model family has it, else HF's
         forward; "paged" insists (error if the family lacks it); "hf" = HF's forward with a dynamic cache
-        (the reference). kv_cache_gb: the paged pool's size in GiB; None: `kv_pages.kv_pool_bytes`'s default.
-        kv_cache_dtype: the paged pool's element type (`paged_decode.KV_CACHE_DTYPES`); the HF path keeps the
-        model's. cuda_graphs / compile_decode: None = on for CUDA."""
+        (the reference). kv_cache_gb: the paged pool's size in GiB; None: `kv_pages.kv_pool_bytes`'s default. cuda_graphs / compile_decode: None = on for CUDA."""
         if max_batch_size < 1:
             raise ConfigError(f"rollout max_batch_size must be >= 1, got {max_batch_size}: fix rollout.max_batch_size")
         if attn_implementation not in _ATTN_IMPLEMENTATIONS:
             raise ConfigError(f"rollout attn_implementation must be one of {_ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
         if decode_path not in DECODE_PATHS:
             raise ConfigError(f"rollout.decode_path must be one of {DECODE_PATHS}, got {decode_path!r}")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"rollout.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             raise ModelError(f"no HF model at {model_dir} (config.json missing): point the engine at an HF checkpoint directory")
         self.model_dir = str(model_dir)
@@ -124,15 +119,12 @@ class BuiltinEngine(RolloutEngine):
                 from runtime.rollout.paged_decode import PagedDecoder
                 self.decoder = PagedDecoder(self.model, max_rows=self.max_batch_size, kv_cache_gb=kv_cache_gb,
                                             page_size=page_size, cuda_graphs=cuda_graphs, compile=compile_decode,
-                                            sync_every=sync_every, kv_cache_dtype=kv_cache_dtype)
+                                            sync_every=sync_every)
             elif decode_path != "auto":
                 raise ConfigError(f"rollout.decode_path {decode_path!r} asked for, but {model_dir}: {reason}; "
                                   f"set rollout.decode_path: hf")
             else:
                 log.info("built-in engine: HF decode path (%s)", reason)
-        if self.decoder is None and kv_cache_dtype != "auto":
-            raise ConfigError(f"rollout.kv_cache_dtype {kv_cache_dtype!r} needs the paged decoder, and {model_dir} "
-                              f"decodes on HF's path: set rollout.kv_cache_dtype: auto")
 
     # ---- RolloutEngine ------------------------------------------------------------------------
 

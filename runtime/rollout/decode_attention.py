@@ -52,7 +52,7 @@ def reference_decode_attention(q, k_cache, v_cache, prefix_slot, prefix_len, own
 
 def reference_paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len, prefix_cols: int,
                                      scale: float):
-    """The paged cache: q [B, nh, hd]; pools [pages, page_size, nkv, hd] (q's dtype or fp8); page_table [B, cols] (int) whose
+    """The paged cache: q [B, nh, hd]; pools [pages, page_size, nkv, hd]; page_table [B, cols] (int) whose
     columns [0, prefix_cols) hold the row's prompt pages and the rest its own pages; prefix_len/own_len [B]
     (long) -> [B, nh, hd]. Row b attends to prompt positions [0, prefix_len[b]) and own positions
     [0, own_len[b]), each read through its pages."""
@@ -60,9 +60,8 @@ def reference_paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, 
     page_size, nkv, hd = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
     cols = page_table.shape[1]
     rows = page_table.long()
-    # each row's pages side by side (a slot per row), in q's dtype (an fp8 pool is widened)
-    k = k_pool[rows].reshape(b, cols * page_size, nkv, hd).to(q.dtype)
-    v = v_pool[rows].reshape(b, cols * page_size, nkv, hd).to(q.dtype)
+    k = k_pool[rows].reshape(b, cols * page_size, nkv, hd)  # each row's pages side by side: a slot per row
+    v = v_pool[rows].reshape(b, cols * page_size, nkv, hd)
     return reference_decode_attention(q, k, v, torch.arange(b, device=q.device), prefix_len, own_len,
                                       prefix_cols * page_size, scale)
 
@@ -86,7 +85,7 @@ if triton is not None:
                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                             prefix_cols, scale_log2, split_tokens,
                             REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
-                            PAGE: tl.constexpr, FP8_KV: tl.constexpr):
+                            PAGE: tl.constexpr):
         # as _split_kernel, but every position is found through the row's page table
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -101,8 +100,6 @@ if triton is not None:
         d = tl.arange(0, HD)
         qh = h * REP + rows
         q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=rows[:, None] < REP, other=0.0)
-        if FP8_KV:  # fp8 widens to fp16 in one instruction per pair (to bf16 it takes several); q fits fp16
-            q = q.to(tl.float16)
         m = tl.full([REP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, HD], tl.float32)
@@ -115,14 +112,14 @@ if triton is not None:
             col = tl.where(in_prefix, j // PAGE, prefix_cols + j // PAGE)
             page = tl.load(pt_row + col, mask=valid, other=0).to(tl.int64)
             off = page * stride_kp + (j % PAGE).to(tl.int64) * stride_kt + h * stride_kh
-            k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)  # fp8 pools
+            k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale_log2
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
-            v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+            v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         out = acc / l[:, None]
@@ -182,7 +179,7 @@ def paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len, p
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         int(prefix_cols), float(scale) * 1.4426950408889634, int(split_tokens),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_N=block_n, PAGE=page_size,
-        FP8_KV=k_pool.dtype == torch.float8_e4m3fn, num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages)
     out = torch.empty(b, nh, hd, dtype=q.dtype, device=q.device)
     _merge_kernel[(b, nh)](o_part, lse, out, prefix_len, own_len, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), int(split_tokens),

@@ -21,15 +21,11 @@ KV_FREE_FRACTION = 0.85      # without kv_cache_gb, on CUDA: this share of the f
 CPU_KV_POOL_BYTES = 256 * 2**20
 NULL_PAGE = 0
 
-# the pool's element type (rollout.kv_cache_dtype): "auto" = the model's dtype; "fp8_e4m3" = float8 e4m3
-# without scales (K and V rounded to 3 mantissa bits, as SGLang's and vLLM's fp8 KV cache without calibrated
-# scales): half the bytes per token, so twice the tokens per GiB and half the bytes a decode step reads
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "float8_e4m3fn": 1}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def kv_bytes_per_token(hf_config, dtype: str = "bfloat16") -> int:
-    """K and V of one token over every layer, in bytes (dtype: the pool's element type)."""
+    """K and V of one token over every layer, in bytes."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     dtype = str(dtype).removeprefix("torch.")
     return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * _DTYPE_BYTES[dtype]
@@ -121,5 +117,5 @@ class PagePool:
             raise RuntimeError(f"KV page pool leaked {len(held)} page(s), e.g. {held[:5]}")
 
 
-__all__ = ["DEFAULT_PAGE_SIZE", "KV_CACHE_DTYPES", "KV_FREE_FRACTION", "CPU_KV_POOL_BYTES", "NULL_PAGE", "PagePool",
-           "PoolExhausted", "kv_bytes_per_token", "kv_pool_bytes", "kv_pool_pages", "pages_for"]
+__all__ = ["DEFAULT_PAGE_SIZE", "KV_FREE_FRACTION", "CPU_KV_POOL_BYTES", "NULL_PAGE", "PagePool", "PoolExhausted",
+           "kv_bytes_per_token", "kv_pool_bytes", "kv_pool_pages", "pages_for"]

@@ -43,8 +43,7 @@ import torch.nn.functional as F
 from runtime.rollout.decode_attention import (paged_decode_attention, reference_paged_decode_attention,
                                               split_tokens_for, triton_available)
 from runtime.rollout.decode_model import FusedModel, _cumsum, _flash, _sdpa_prefill
-from runtime.rollout.kv_pages import (DEFAULT_PAGE_SIZE, KV_CACHE_DTYPES, NULL_PAGE, PagePool, kv_pool_bytes,
-                                      pages_for)
+from runtime.rollout.kv_pages import NULL_PAGE, DEFAULT_PAGE_SIZE, PagePool, kv_pool_bytes, pages_for
 
 log = logging.getLogger("grpoflow.rollout")
 
@@ -69,11 +68,10 @@ class PagedDecoder(FusedModel):
     def __init__(self, model, *, max_rows: int = 256, kv_cache_gb: float | None = None,
                  page_size: int = DEFAULT_PAGE_SIZE, cuda_graphs: bool | None = None, compile: bool | None = None,
                  sync_every: int = 16, prefill_tokens: int = 16384, attention: str = "auto",
-                 kv_cache_dtype: str = "auto", overlap_chunks: bool = True):
+                 overlap_chunks: bool = True):
         """attention: "auto" (the Triton kernel on CUDA where it applies, else the PyTorch reference),
-        "triton" or "reference". kv_cache_dtype: "auto" (the model's dtype) or "fp8_e4m3" (`kv_pages.KV_CACHE_DTYPES`).
-        overlap_chunks: queue the next decode chunk before reading the last one (the tokens are the same
-        either way; off only to measure what it saves)."""
+        "triton" or "reference". overlap_chunks: queue the next decode chunk before reading the last one
+        (the tokens are the same either way; off only to measure what it saves)."""
         super().__init__(model, compile=compile)
         cuda = self.device.type == "cuda"
         self.max_rows = int(max_rows)
@@ -82,9 +80,6 @@ class PagedDecoder(FusedModel):
         self.sync_every = int(sync_every)
         self.prefill_tokens = int(prefill_tokens)
         self.overlap_chunks = bool(overlap_chunks)
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-        self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.use_flash = cuda and self.dtype in (torch.bfloat16, torch.float16)  # prefill
         # the kernel tiles the head dimension whole (a power of two, >= 16 for tensor-core dots)
         fits_kernel = triton_available() and self.hd >= 16 and self.hd & (self.hd - 1) == 0
@@ -102,17 +97,6 @@ class PagedDecoder(FusedModel):
         self.trace: list | None = None  # set to [] to record every decode chunk
 
     # ---- memory ----------------------------------------------------------------------------------------
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.n_layers * self.nkv * self.hd * self.kv_dtype.itemsize
-
-    def _store_kv(self, pool: torch.Tensor, index: torch.Tensor, x: torch.Tensor) -> None:
-        """Write x [tokens, kv_heads, head_dim] at the flat token positions `index` of one layer's pool, in the
-        pool's dtype (an fp8 pool through its bytes: index_copy_ has no fp8 kernel)."""
-        if pool.dtype == x.dtype:
-            pool.view(-1, self.nkv, self.hd).index_copy_(0, index, x)
-        else:
-            pool.view(torch.uint8).view(-1, self.nkv, self.hd).index_copy_(0, index, x.to(pool.dtype).view(torch.uint8))
-
     def page_bytes(self) -> int:
         return self.page_size * self.kv_bytes_per_token()
 
@@ -130,8 +114,8 @@ class PagedDecoder(FusedModel):
                               f"holds no page of {self.page_size} tokens ({self.page_bytes()} bytes); raise "
                               f"rollout.kv_cache_gb")
         shape = (self.n_layers, int(pages), self.page_size, self.nkv, self.hd)
-        self.k_pool = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        self.v_pool = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.k_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.pool = PagePool(int(pages), self.page_size)
         self.graphs.clear()  # they point into the old pool
 
@@ -187,8 +171,8 @@ class PagedDecoder(FusedModel):
         h = F.embedding(ids, self.embed)
         for li, w in enumerate(self.layers):
             q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin)
-            self._store_kv(self.k_pool[li], write_idx, k)
-            self._store_kv(self.v_pool[li], write_idx, v)
+            self.k_pool[li].view(-1, self.nkv, self.hd).index_copy_(0, write_idx, k)
+            self.v_pool[li].view(-1, self.nkv, self.hd).index_copy_(0, write_idx, v)
             if self.use_flash:
                 a = _flash(q, k, v, cu, cu, max(lens), max(lens), True, self.scale)
             else:
@@ -210,8 +194,8 @@ class PagedDecoder(FusedModel):
         for li, w in enumerate(self.layers):
             q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin)
             kc, vc = self.k_pool[li], self.v_pool[li]
-            self._store_kv(kc, widx, k)
-            self._store_kv(vc, widx, v)
+            kc.view(-1, self.nkv, self.hd).index_copy_(0, widx, k)
+            vc.view(-1, self.nkv, self.hd).index_copy_(0, widx, v)
             if self.use_triton:
                 a = paged_decode_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols, self.scale,
                                            split_tokens=self._chunk_split_tokens)
