@@ -53,8 +53,8 @@ SHAPES = {
                 median=10, sigma=0.8, min_len=2, kv_gib=0.002, page_size=4, cap_gib=None,
                 fixed=dict(prompts=2, samples=2, prompt_len=8, new=8, reps=1)),
 }
-SECTIONS = ("paged", "capped", "kernels")
-SECTION_MAX_S = {"paged": 200, "capped": 150, "kernels": 90}
+SECTIONS = ("paged", "capped", "kernels")  # and "sweep", asked for by name
+SECTION_MAX_S = {"paged": 200, "capped": 150, "kernels": 90, "sweep": 300}
 # the fixed-slot decoder on this schedule (H100, same KV GiB, CUDA graphs), before it was deleted
 FIXED_SLOT_TOK_S = {"file": "bench/results/rollout_bench_H100_2026-11-23_run2.json", "tok_s": 6808, "new_tokens": 809287}
 SEED = 18
@@ -519,7 +519,47 @@ def sec_kernels(S, W: Path) -> dict:
     return {"name": "kernels", "attention_ab": attention_ab(S) if S["device"] == "cuda" else None}
 
 
-FUNCS = {"paged": sec_paged, "capped": sec_capped, "kernels": sec_kernels}
+def sec_sweep(S, W: Path) -> dict:
+    """The paged kernel's launch settings (tokens per block, warps, pipeline stages) at three points of the
+    realistic rollout: its start (384 rows just past their prompts), its middle (128 rows at the mean length)
+    and its tail (8 rows far out); ms per decode step, CUDA graphs on."""
+    import functools
+
+    import runtime.rollout.paged_decode as paged_decode
+    from runtime.rollout.decode_attention import paged_decode_attention
+    from runtime.rollout.kv_pages import pages_for
+    make_model(S, W)
+    lengths = schedule(S)
+    eng = engine(S, W, "paged", S["kv_gib"], len(lengths))
+    dec = eng.decoder
+    dec.ensure_pool()
+    dec._ensure_rows(pages_for(S["prompt_len"], S["page_size"]), pages_for(S["max_new"] + dec.sync_every, S["page_size"]))
+    n = len(lengths)
+    points = {"start": (n, min(128, S["max_new"] // 4)), "middle": (min(n, 128), int(sum(lengths) / n)),
+              "tail": (min(n, 8), 2 * max(lengths) // 3)}
+    settings = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]
+    rows = []
+    for bn, w, st in settings:
+        paged_decode.paged_decode_attention = functools.partial(paged_decode_attention, block_n=bn, num_warps=w,
+                                                                num_stages=st)
+        dec.graphs.clear()
+        row = {"block_n": bn, "num_warps": w, "num_stages": st}
+        for name, (n, own) in points.items():
+            try:
+                row[name] = step_latency(S, eng, n, own, S["samples"])["ms_per_step"]
+            except Exception as e:  # noqa: BLE001 - a setting the compiler rejects is recorded
+                row[name] = f"{type(e).__name__}: {str(e)[:120]}"
+                dec.release()  # a fresh pool: the failed point may have kept pages
+                dec.ensure_pool()
+        rows.append(row)
+        print("SWEEP", json.dumps(row), flush=True)
+    paged_decode.paged_decode_attention = paged_decode_attention
+    eng.shutdown()
+    return {"name": "sweep", "points": {k: {"rows": n, "own_tokens": o} for k, (n, o) in points.items()},
+            "default": {"block_n": 64, "num_warps": 4, "num_stages": 2}, "rows": rows}
+
+
+FUNCS = {"paged": sec_paged, "capped": sec_capped, "kernels": sec_kernels, "sweep": sec_sweep}
 
 
 def cuda_context_gib() -> float:
