@@ -439,9 +439,18 @@ class PagedDecoder(FusedModel):
                 e = self._on_device(entries)
                 self.table[e[:, 0], e[:, 1]] = e[:, 2].to(torch.int32)
 
+        def grant_pages(counts: dict[int, int]) -> None:
+            """Give each row s `counts[s]` more own pages and write them into the page table."""
+            entries = []
+            for s, count in counts.items():
+                if count:
+                    cols, pages = give_pages(s, count)
+                    entries += [(s, c, p) for c, p in zip(cols, pages)]
+            write_table(entries)
+
         S = self.sync_every
         cuda = dev.type == "cuda"
-        last_read = [time.perf_counter()]  # when the host last had a chunk's tokens
+        last_read = time.perf_counter()  # when the host last had a chunk's tokens
 
         def launch(active: list[int], b: int, steps: int, ahead: int) -> _Chunk:
             """Queue `steps` decode steps over rows [0, b) and the copy of their tokens to the host; nothing
@@ -472,12 +481,13 @@ class PagedDecoder(FusedModel):
 
         def read(chunk: _Chunk) -> None:
             """Wait for a chunk's tokens and hand them to their requests; rows that finished go idle."""
+            nonlocal last_read
             if chunk.event is not None:
                 chunk.event.synchronize()
             toks, lps = chunk.tok.tolist(), chunk.lp.tolist()
             now = time.perf_counter()
-            dt = now - max(chunk.launched, last_read[0])
-            last_read[0] = now
+            dt = now - max(chunk.launched, last_read)
+            last_read = now
             stats["decode_s"] += dt
             if self.trace is not None:  # (decode steps before it, active rows, bucket, steps, ms/step, pages used)
                 self.trace.append((chunk.first_step, len(chunk.rows),
@@ -497,17 +507,14 @@ class PagedDecoder(FusedModel):
                 return None
             left = {s: cap[row_req[s]] - len(out_ids[row_req[s]]) for s in rows}  # tokens each may still make
             steps = min(S, max(left.values()) - chunk.steps)
+            if steps <= 0:
+                return None
             # a row that reaches its cap in `chunk` gets no page for after it: what it writes then lands on
             # its own last page or the null page, and nobody reads it
             more = {s: growth(s, min(chunk.steps + steps, left[s])) for s in rows}
-            if steps <= 0 or sum(more.values()) > pool.free:
+            if sum(more.values()) > pool.free:
                 return None
-            entries = []
-            for s, more in more.items():
-                if more:
-                    cols, pages = give_pages(s, more)
-                    entries += [(s, c, p) for c, p in zip(cols, pages)]
-            write_table(entries)
+            grant_pages(more)
             stats["queued_ahead"] += 1
             return launch(rows, chunk.bucket, steps, chunk.steps)
 
@@ -640,13 +647,7 @@ class PagedDecoder(FusedModel):
                     queue.sort(reverse=True)  # it is admitted again before every later request
                     stats["preemptions"] += 1
                     active.remove(victim)
-                entries = []
-                for s in active:
-                    more = growth(s, steps)
-                    if more:
-                        cols, pages = give_pages(s, more)
-                        entries += [(s, c, p) for c, p in zip(cols, pages)]
-                write_table(entries)
+                grant_pages({s: growth(s, steps) for s in active})
                 # ---- decode the chunk -------------------------------------------------------------------------
                 b = next(x for x in self._buckets() if x >= len(active))
                 if max(active) >= b:  # rows finished below: move the top ones down, so the step runs b rows
