@@ -119,7 +119,7 @@ def sec_replay(S, W: Path, layout: str) -> dict:
         sync = None
         if layout in ENGINE_LAYOUTS:
             engine = cluster.engine(str(W / "hf"))
-            sync = TrainerToEngine(trainer, engine, cluster.weight_sync, tensors_on_cpu=False, group_name="replay")
+            sync = TrainerToEngine(trainer, engine, cluster.weight_sync, transport=cluster.direct_transport, group_name="replay")
             extra = {"engine_device": cluster.engine_device, "weight_sync": cluster.weight_sync}
             rows = [(b.tokens[i][:b.prompt_lens[i]], b.tokens[i][b.prompt_lens[i]:])
                     for b in batches[:1] for i in range(min(ENGINE_ROWS, len(b)))]

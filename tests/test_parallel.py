@@ -127,7 +127,7 @@ def test_local_backend_tp2_processes_and_broadcast_weight_sync(tiny_checkpoint, 
                 assert abs(m[key] - ref[key]) <= 1e-5 * max(abs(ref[key]), 1e-3), (key, m[key], ref[key])
 
         engine = BuiltinEngine(hf)
-        sync = TrainerToEngine(trainer, EngineHandle(LocalGroup([engine])), "broadcast", tensors_on_cpu=True,
+        sync = TrainerToEngine(trainer, EngineHandle(LocalGroup([engine])), "broadcast", transport="host",
                                group_name="t_bcast")
         assert [n for n, _, _ in sync.metadata] == list(one_rank["weights"])
         before = {k: v.clone() for k, v in engine.model.state_dict().items()}

@@ -403,7 +403,7 @@ def test_broadcast_from_a_megatron_trainer_and_a_restart(start, trainer):
     before = eng.generate(requests, SAMPLING)
     train_step(group, seed=1)
 
-    link = TrainerToEngine(group, EngineHandle(LocalGroup([eng])), "broadcast", tensors_on_cpu=False, group_name="gf_bcast_a")
+    link = TrainerToEngine(group, EngineHandle(LocalGroup([eng])), "broadcast", transport="as_is", group_name="gf_bcast_a")
     assert eng.weight_sync_ready()
     link.push(1)
     assert_serves_trainer_weights(eng, group, 1)

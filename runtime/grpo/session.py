@@ -64,7 +64,7 @@ class TrainSession:
         self.builds += 1
         # a fresh group name per build: c10d keeps the names of groups already made
         self.weights = TrainerToEngine(self.trainer, self.engine, self.cluster.weight_sync,
-                                       tensors_on_cpu=c.cluster.backend == "ray",
+                                       transport=self.cluster.direct_transport,
                                        group_name=f"grpoflow_weights_{self.builds}")
 
     def close_actors(self) -> None:

@@ -61,6 +61,16 @@ class Cluster:
         return [f"cuda:{g}" for g in layout.engine_gpus(self.cfg)]
 
     @property
+    def direct_transport(self) -> str:
+        """How `direct` weight sync carries tensors (weight_sync.DirectTransport): Ray actors sharing a GPU
+        by CUDA IPC, other Ray actors through host memory, the local backend as they are."""
+        if self.backend != "ray":
+            return "as_is"
+        if self.device == "cuda" and self._engine_shares_gpu and self.cfg.rollout.engine == "builtin":
+            return "cuda_ipc"
+        return "host"
+
+    @property
     def _engine_shares_gpu(self) -> bool:
         """Ray, colocated on GPUs: engine i joins trainer rank i's bundle and its GPU, half each."""
         c = self.cfg.cluster

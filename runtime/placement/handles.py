@@ -75,6 +75,15 @@ class TrainerHandle:
         return self.group.call("hf_weights", to_cpu)[0]
 
     @forwards
+    def share_weights(self) -> list:
+        """Every rank's whole model as CUDA IPC handles (cuda_ipc.SharedTensors), in rank order."""
+        return self.group.call("share_weights")
+
+    @forwards
+    def release_shared_weights(self) -> None:
+        self.group.call("release_shared_weights")
+
+    @forwards
     def weight_sync_address(self) -> tuple[str, int]:
         return self.group.call("weight_sync_address")[0]
 
@@ -198,6 +207,11 @@ class EngineHandle:
     @forwards
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         self.group.call("update_weights", named_tensors, version)
+
+    @forwards
+    def update_weights_shared(self, shared: list, version: int) -> None:
+        """Engine i reads `shared[i]` (the CUDA IPC handles of the trainer rank on its GPU) in place."""
+        self.group.submit_each("update_weights_shared", [(s, version) for s in shared[:self.engines]]).get()
 
     @forwards
     def weight_sync_ranks(self) -> int:

@@ -12,7 +12,7 @@ sender broadcasts the tensors in that order, one collective per tensor.
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Literal
 
 import torch
 import torch.distributed as dist
@@ -93,16 +93,23 @@ def as_metadata(items: Iterable) -> Metadata:
     return out
 
 
+# How `direct` weight sync carries the tensors: "as_is" (in-process; between local processes torch's own
+# pickling shares CUDA tensors by IPC), "cuda_ipc" (Ray actors sharing a GPU: each engine maps the handles
+# of the trainer rank on its GPU, runtime/placement/cuda_ipc.py), "host" (through host memory: Ray's object store).
+DirectTransport = Literal["as_is", "cuda_ipc", "host"]
+
+
 class TrainerToEngine:
     """The weight path from a trainer group to an engine group, for one build of the actors.
 
-    `direct`: rank 0 hands the HF-named tensors over as a call result (in-process, CUDA IPC between
-    local processes, or Ray's object store, for which they go to CPU first). `broadcast`: trainer
-    rank 0 and every engine rank join a group of their own and the tensors go over it.
+    `direct`: the HF-named tensors are handed over by call (`transport`: as they are, by CUDA IPC handle,
+    or through host memory). `broadcast`: trainer rank 0 and every engine rank join a group of their own
+    and the tensors go over it.
     """
 
-    def __init__(self, trainer: TrainerHandle, engine: EngineHandle, mode: str, tensors_on_cpu: bool, group_name: str):
-        self.trainer, self.engine, self.mode, self.tensors_on_cpu = trainer, engine, mode, tensors_on_cpu
+    def __init__(self, trainer: TrainerHandle, engine: EngineHandle, mode: str, transport: DirectTransport,
+                 group_name: str):
+        self.trainer, self.engine, self.mode, self.transport = trainer, engine, mode, transport
         self.metadata: Metadata = []
         self._group_name, self._joins = group_name, 0
         if mode == "broadcast":
@@ -129,5 +136,11 @@ class TrainerToEngine:
                 self.engine.receive_weights(self.metadata, version)
             finally:
                 sending.get()  # keeps the trainer's replies in step, also after an engine error
+        elif self.transport == "cuda_ipc":
+            shared = self.trainer.share_weights()
+            try:
+                self.engine.update_weights_shared(shared, version)
+            finally:
+                self.trainer.release_shared_weights()
         else:
-            self.engine.update_weights(self.trainer.hf_weights(self.tensors_on_cpu), version)
+            self.engine.update_weights(self.trainer.hf_weights(self.transport == "host"), version)

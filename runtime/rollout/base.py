@@ -209,6 +209,13 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Copy tensors named as in the HF checkpoint into the engine; then weight_version == version."""
 
+    def update_weights_shared(self, shared, version: int) -> None:
+        """`update_weights` from tensors that a process on this engine's GPU shares by CUDA IPC
+        (runtime/placement/cuda_ipc.py:SharedTensors): read in place, no copy through host memory."""
+        from runtime.placement import cuda_ipc
+        self.update_weights(cuda_ipc.open_shared(shared), version)
+        torch.cuda.synchronize()  # the copies are done before the sender lets its tensors go
+
     @property
     @abc.abstractmethod
     def weight_version(self) -> int:

@@ -328,16 +328,29 @@ class MegatronTrainer:
     def hf_weights(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
         """Full (TP-gathered) weights in Hugging Face names for the rollout engine: on rank 0; the
         other ranks take part in the gather and return {}."""
+        hf = self._full_hf_weights()
+        if self.rank != 0:
+            return {}
+        # In-process engines and CUDA IPC take the tensors where they are; Ray's object store needs them on CPU.
+        return {k: v.detach().to("cpu") if to_cpu else v.detach() for k, v in hf.items()}
+
+    def _full_hf_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's copy of the whole model in HF names (every rank takes part in the TP gather)."""
         from runtime.models import get_adapter
         from runtime.trainer.tp_gather import full_state_dict
         if self.adapter is None:
             self.adapter = get_adapter(self.hf_config)
-        sd = full_state_dict(self.model, self.hf_config)
-        if self.rank != 0:
-            return {}
-        hf = self.adapter.to_hf(sd, self.hf_config, include_tied_lm_head=True)
-        # In-process engines and CUDA IPC take the tensors where they are; Ray actors need them on CPU.
-        return {k: v.detach().to("cpu") if to_cpu else v.detach() for k, v in hf.items()}
+        return self.adapter.to_hf(full_state_dict(self.model, self.hf_config), self.hf_config, include_tied_lm_head=True)
+
+    def share_weights(self):
+        """This rank's whole model in HF names as CUDA IPC handles (runtime/placement/cuda_ipc.py), for the
+        engine on this rank's GPU in another process; the tensors stay alive until `release_shared_weights`."""
+        from runtime.placement import cuda_ipc
+        self._shared_weights = {k: v.detach() for k, v in self._full_hf_weights().items()}
+        return cuda_ipc.share(self._shared_weights)
+
+    def release_shared_weights(self) -> None:
+        self._shared_weights = None
 
     # -- weight sync over a group of its own (runtime/placement/weight_sync.py) --------------------------
     def weight_sync_address(self) -> tuple[str, int]:
