@@ -155,8 +155,9 @@ def kernel_profile(S, fn, top: int = 14) -> dict | None:
 
 # ---- sections -----------------------------------------------------------------------------------------
 
-def sec_setup(S, W: Path) -> dict:
-    """Random HF model + tokenizer, torch_dist conversion, prepared prompts (~prompt_len tokens each)."""
+def sec_setup(S, W: Path, convert: bool = True) -> dict:
+    """Random HF model + tokenizer, torch_dist conversion (unless `convert` is False), prepared prompts
+    (~prompt_len tokens each)."""
     torch = _torch()
     from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -190,7 +191,7 @@ def sec_setup(S, W: Path) -> dict:
     if S["device"] == "cuda":
         torch.cuda.empty_cache()
     t_model = time.time() - t0
-    parity = hf_to_torch_dist(W / "hf", W / "td", tolerance=1e-3)
+    parity = hf_to_torch_dist(W / "hf", W / "td", tolerance=1e-3) if convert else {}
     t_conv = time.time() - t0 - t_model
     # prompts of ~prompt_len tokens from the tokenizer's words
     import random
