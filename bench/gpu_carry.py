@@ -37,8 +37,8 @@ IMAGE_PACKAGES = Path(__file__).with_name("gpu_image_packages.txt")
 # What `grpoflow run` imports that the image lacks (their dependencies are resolved, not listed)
 TOP_LEVEL = ["ray", "prefect", "mlflow-skinny", "sqlalchemy", "alembic", "fastapi", "pydantic", "math-verify",
              "megatron-core"]
-# Never carried: the image's CUDA stack is the one its torch was built with; asyncpg serves only a Postgres API
-NEVER = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|asyncpg)$")
+# Never carried: the image's CUDA stack is the one its torch was built with (Prefect's server imports asyncpg even on SQLite)
+NEVER = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
 RAY_DROP = ("ray/jars", "ray/rllib")  # Java workers and RLlib: unused, 41 MB unpacked
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:",
             *[a for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",

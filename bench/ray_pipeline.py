@@ -243,10 +243,18 @@ def registry_versions(rd: Path, model: str) -> list[dict]:
 
 # -- the same rollouts under the local backend ----------------------------------------------------------
 def local_config(S, W: Path, layout: str, sets: list[str] = ()):
-    """The Ray run's frozen config (its plan's KV pool), under `cluster.backend: local`."""
+    """The Ray run's frozen config (its plan's KV pool), under `cluster.backend: local`; without a Ray run
+    (a call on a fresh machine), the layout's config with the plan's choices, as freezing makes it."""
+    import yaml
+
     from runtime.config import config_with_overrides
+    from runtime.run.frozen_config import with_plan_choices
     rd = W / f"root-{layout}" / "runs" / f"bench-{layout}"
-    tree = _frozen(rd)
+    if (rd / "config.yaml").exists():
+        tree = _frozen(rd)
+    else:
+        tree = with_plan_choices(config_with_overrides(yaml.safe_load((W / f"{layout}.yaml").read_text()), [], "bench")
+                                 ).model_dump(mode="json")
     tree["storage"] = {"root": str(W / f"local-root-{layout}")}
     tree["tracking"] = {"enabled": False}
     return config_with_overrides(tree, ["cluster.backend=local", *sets], "local"), rd
@@ -261,10 +269,29 @@ def local_session(S, W: Path, layout: str, sets: list[str] = ()):
     shutil.rmtree(root, ignore_errors=True)
     rd = RunDir(str(root), "local")
     src = RunDir(str(W / f"root-{layout}"), f"bench-{layout}")
-    for link, target in ((rd.hf_model, src.hf_model), (rd.torch_dist, src.torch_dist), (rd.train_data, src.train_data)):
+    inputs = (src.hf_model, src.torch_dist, src.train_data)
+    if not all(Path(p).exists() for p in inputs):  # no Ray run on this machine: convert and prepare here
+        inputs = standalone_inputs(S, W)
+    for link, target in zip((rd.hf_model, rd.torch_dist, rd.train_data), inputs):
         Path(link).parent.mkdir(parents=True, exist_ok=True)
         os.symlink(target, link)
     return TrainSession(cfg, rd)
+
+
+def standalone_inputs(S, W: Path) -> tuple[Path, Path, Path]:
+    """The setup's model converted and its train set prepared, as the pipeline's stages would."""
+    from transformers import AutoTokenizer
+
+    from runtime.inputs.datasets import prepare_dataset
+    from runtime.mcore.convert import hf_to_torch_dist
+    if not (W / "td").exists():
+        hf_to_torch_dist(W / "hf", W / "td", tolerance=1e-3)
+    parquet = W / "data" / "train.parquet"
+    if not parquet.exists():
+        prepare_dataset(str(W / "data" / "train.jsonl"), str(parquet), fmt="slime",
+                        tokenizer=AutoTokenizer.from_pretrained(W / "hf"), apply_chat_template=False,
+                        max_prompt_len=2 * S["prompt_len"])
+    return W / "hf", W / "td", parquet
 
 
 def sec_local(S, W: Path, layout: str) -> dict:
@@ -289,7 +316,9 @@ def logprob_gap(sess, n_prompts: int, max_new: int) -> dict:
     rows, _ = sess.dataset.batch(sess.dataset.initial_cursor(99), n_prompts)
     prompts = [sess.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     reqs = [SampleRequest(prompt_ids=p, key=(99, 0, i, j)) for i, p in enumerate(prompts) for j in range(2)]
-    samples = sess.engine.generate(reqs, SamplingParams(temperature=sess.cfg.rollout.temperature, max_new_tokens=max_new))
+    with sess.generating():  # the GPU handed to the engine, as in a rollout
+        samples = sess.engine.generate(reqs, SamplingParams(temperature=sess.cfg.rollout.temperature,
+                                                            max_new_tokens=max_new))
     batch = TrainBatch(tokens=[s.prompt_ids + s.response_ids for s in samples],
                        prompt_lens=[len(s.prompt_ids) for s in samples], advantages=[0.0] * len(samples),
                        loss_masks=[[1] * len(s.response_ids) for s in samples],
@@ -341,6 +370,20 @@ def sec_sync(S, W: Path, layout: str) -> dict:
     return res
 
 
+def gpu_ids() -> list[str]:
+    """The UUIDs of this machine's GPUs: whether two sections (two calls) ran on the same machine."""
+    import torch
+    if not torch.cuda.is_available():
+        return ["cpu"]
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def on_machine(fn):
+    def run(S, W):
+        return {**fn(S, W), "gpus": gpu_ids()}
+    return run
+
+
 FUNCS = {"setup": sec_setup,
          **{f"ray-{lay}": (lambda S, W, lay=lay: sec_ray(S, W, lay)) for lay in LAYOUTS},
          **{f"local-{lay}": (lambda S, W, lay=lay: sec_local(S, W, lay)) for lay in LAYOUTS},
@@ -373,7 +416,11 @@ def summarize(res: dict, env: dict | None) -> dict:
             row["same_samples_as_local"] = pick(ray_r["rollouts"]) == pick(loc_r["rollouts"])
         if row.get("steady_ray") and row.get("steady_local"):
             r, lo = row["steady_ray"]["step_time_s"], row["steady_local"]["step_time_s"]
-            row["overhead_pct_of_step"] = round(100 * (r - lo) / lo, 2)
+            if ray_r.get("gpus") and ray_r.get("gpus") == loc_r.get("gpus"):
+                row["overhead_pct_of_step"] = round(100 * (r - lo) / lo, 2)
+            else:  # another machine (the lease went back between the calls): its speed is another's
+                row["overhead_pct_of_step"] = None
+                row["overhead_not_comparable"] = f"ray {r} s and local {lo} s ran on different machines"
         sy = res.get(f"sync-{lay}") or {}
         if sy.get("status") == "ok":
             row["sync"] = {b: sy[b] for b in ("local", "ray") if b in sy}
@@ -391,8 +438,10 @@ def print_table(summary: dict) -> None:
                 print(f"  {label} step {r.get('step_time_s')} s = generate {r.get('generate_time_s')} + reward "
                       f"{r.get('reward_time_s')} + train {r.get('train_time_s')} + sync {r.get('weight_sync_s')}; "
                       f"checkpoint {r.get('checkpoint_s', '-')}")
-        if "overhead_pct_of_step" in row:
+        if row.get("overhead_pct_of_step") is not None:
             print(f"  Prefect + Ray + MLflow overhead: {row['overhead_pct_of_step']} % of a step")
+        elif row.get("overhead_not_comparable"):
+            print(f"  overhead not measured: {row['overhead_not_comparable']}")
         for b, s in (row.get("sync") or {}).items():
             print(f"  sync {b}: {s.get('transport')} push {s.get('push_s')} s"
                   + (f", host path {s['host_push_s']} s" if "host_push_s" in s else "")
@@ -437,7 +486,7 @@ def main(argv=None) -> int:
     gpu_grpo.prepare_env()
     os.environ.update(hook_env(S))  # every section process and its children force the keyed lengths
     if a.section:
-        r = gpu_grpo.run_section(a.section, S, W, out, fn=FUNCS[a.section])
+        r = gpu_grpo.run_section(a.section, S, W, out, fn=on_machine(FUNCS[a.section]))
         return 0 if r["status"] == "ok" else 1
     sections = [x for x in (a.sections.split(",") if a.sections else
                             (("setup", "ray-colocated", "local-colocated", "sync-colocated") if a.cpu else SECTIONS)) if x]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from typing import Any, Callable
 
 from runtime.config import GrpoConfig
@@ -104,21 +105,30 @@ class TrainSession:
         self.at = target
 
     # -- one rollout: collect → advantages → train → push weights --------------------------------
-    def rollout(self, rollout_id: int) -> dict[str, Any]:
-        c = self.cfg
-        t0 = time.time()
-        colocated = c.cluster.colocate
+    @contextmanager
+    def generating(self):
+        """The GPU to the engine while it generates (a rollout's or an evaluation's), then back: the trainer's
+        grads, master weights and Adam go to the host (its freed blocks back to the driver: under Ray the
+        trainer is another process, whose cached blocks the engine could not use), the KV pool comes back;
+        after, the reverse."""
+        colocated = self.cfg.cluster.colocate
         if self.offload:
-            self.trainer.offload_state()  # grads, master weights, Adam to host while the engine generates
+            self.trainer.offload_state()
         if colocated:
             self.engine.resume_memory()  # the KV pool back from the last update
-        # generate + score (+ dynamic sampling; partial rollout: with the groups the last rollout left)
-        batch = self.collector.collect(rollout_id, self.state["cursor"], self.state.get("partial"))
-        adv = advantages(batch, c.rollout.n_samples_per_prompt, c.algorithm.normalize_adv_std)
+        yield
         if colocated:
             self.engine.release_memory()  # the trainer gets the memory generation used
         if self.offload:
             self.trainer.reload_state()
+
+    def rollout(self, rollout_id: int) -> dict[str, Any]:
+        c = self.cfg
+        t0 = time.time()
+        with self.generating():
+            # generate + score (+ dynamic sampling; partial rollout: with the groups the last rollout left)
+            batch = self.collector.collect(rollout_id, self.state["cursor"], self.state.get("partial"))
+            adv = advantages(batch, c.rollout.n_samples_per_prompt, c.algorithm.normalize_adv_std)
         train = self.trainer.train(to_train_batch(batch, adv))
         t_sync = time.time()
         self.weights.push(version=rollout_id + 1)
@@ -185,12 +195,13 @@ class TrainSession:
             self.ensure_at(ckpt)
         c = self.cfg
         results = {}
-        for name in c.data.eval:
-            results[name] = evaluate(
-                self.engine.generate, self.tokenizer, read_prepared(self.rd.eval_data(name)),
-                n_samples=c.eval.n_samples_per_prompt, sampling=sampling_params(c.eval_sampling()), seed=c.train.seed,
-                eval_point=rollout, ks=c.eval.pass_k, max_prompts=c.eval.max_prompts,
-                reward_timeout_s=c.rollout.reward_timeout_s)
+        with self.generating():
+            for name in c.data.eval:
+                results[name] = evaluate(
+                    self.engine.generate, self.tokenizer, read_prepared(self.rd.eval_data(name)),
+                    n_samples=c.eval.n_samples_per_prompt, sampling=sampling_params(c.eval_sampling()),
+                    seed=c.train.seed, eval_point=rollout, ks=c.eval.pass_k, max_prompts=c.eval.max_prompts,
+                    reward_timeout_s=c.rollout.reward_timeout_s)
         save_eval(self.rd, rollout, results)
         return results
 

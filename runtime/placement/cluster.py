@@ -46,7 +46,7 @@ class Cluster:
 
     @property
     def trainer_in_subprocesses(self) -> bool:
-        return self.backend == "local" and (layout.trainer_world_size(self.cfg) > 1 or self.weight_sync == "broadcast")
+        return layout.trainer_in_subprocesses(self.cfg)
 
     @property
     def engine_device(self) -> str:
@@ -62,13 +62,7 @@ class Cluster:
 
     @property
     def direct_transport(self) -> str:
-        """How `direct` weight sync carries tensors (weight_sync.DirectTransport): Ray actors sharing a GPU
-        by CUDA IPC, other Ray actors through host memory, the local backend as they are."""
-        if self.backend != "ray":
-            return "as_is"
-        if self.device == "cuda" and self._engine_shares_gpu and self.cfg.rollout.engine == "builtin":
-            return "cuda_ipc"
-        return "host"
+        return layout.direct_transport(self.cfg, self.device)
 
     @property
     def _engine_shares_gpu(self) -> bool:

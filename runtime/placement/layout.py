@@ -40,6 +40,27 @@ def weight_sync_mode(cfg: GrpoConfig) -> str:
     return "broadcast" if (not c.colocate and c.rollout_gpus > 0) else "direct"
 
 
+def trainer_in_subprocesses(cfg: GrpoConfig) -> bool:
+    """Under `cluster.backend: local`, whether the trainer ranks run in spawned processes (several ranks, or a
+    broadcast group to join) rather than in the driver."""
+    return cfg.cluster.backend == "local" and (trainer_world_size(cfg) > 1 or weight_sync_mode(cfg) == "broadcast")
+
+
+def direct_transport(cfg: GrpoConfig, device: str) -> str:
+    """How `direct` weight sync carries the tensors (runtime/placement/weight_sync.py DirectTransport):
+    "cuda_ipc" where each built-in engine shares its GPU with a trainer rank in another process (Ray actors
+    colocated on GPUs; spawned ranks of the local backend: a tensor received by IPC cannot be sent on), each
+    reading that rank's copy in place; "host" for other Ray actors (the object store); else "as_is"."""
+    c = cfg.cluster
+    if c.backend == "ray":
+        shares_gpu_across_processes = c.colocate and c.trainer_gpus > 0
+    else:
+        shares_gpu_across_processes = c.colocate and trainer_in_subprocesses(cfg)
+    if device == "cuda" and shares_gpu_across_processes and cfg.rollout.engine == "builtin":
+        return "cuda_ipc"
+    return "host" if c.backend == "ray" else "as_is"
+
+
 def check_layout(cfg: GrpoConfig, hf_config=None, gpus_available: int | None = None) -> None:
     """Raise ConfigError when the parallel layout cannot run: model shapes vs TP, rollout GPUs vs
     engines, and (when known) the GPUs of this host or cluster."""
