@@ -79,10 +79,10 @@ def test_data_parallel_rollout_with_the_builtin_engine():
     ray = {"backend": "ray"}  # GPUs are checked when the cluster starts
     assert layout_lines(cfg(cluster={**ray, "trainer_gpus": 2, "rollout_gpus": 2})) == [
         "layout        trainer DP 2 × TP 1 on GPUs 0-1; 2 built-in engines (one per GPU, the requests split "
-        "between them) on GPUs 0-1 (shared with trainer ranks 0-1); weight sync direct (GPUs checked when the "
-        "cluster starts)"]
+        "between them) on GPUs 0-1 (shared with trainer ranks 0-1); weight sync direct (CUDA IPC: each engine reads "
+        "its GPU's trainer rank in place) (GPUs checked when the cluster starts)"]
     assert "2 built-in engines (one per GPU, the requests split between them) on GPUs 2-3 of their own; " \
-           "weight sync broadcast" in layout_lines(cfg(cluster={**ray, "trainer_gpus": 2, "rollout_gpus": 2,
+           "weight sync broadcast (NCCL from trainer rank 0)" in layout_lines(cfg(cluster={**ray, "trainer_gpus": 2, "rollout_gpus": 2,
                                                                 "colocate": False}))[0]
     assert "engine on GPU 0 (shared with trainer rank 0)" in layout_lines(cfg(cluster={**ray, "trainer_gpus": 2,
                                                                                        "rollout_gpus": 1}))[0]

@@ -152,4 +152,11 @@ def layout_lines(cfg: GrpoConfig) -> list[str]:
     else:
         where = f"trainer DP {t.data_parallel} × TP {t.tensor_parallel}, {engines} beside it (no GPU accounting)"
     checked = "" if gpus is not None else " (GPUs checked when the cluster starts)" if c.trainer_gpus else ""
-    return [f"layout        {where}; weight sync {layout.weight_sync_mode(cfg)}{checked}"]
+    mode = layout.weight_sync_mode(cfg)
+    from runtime.plan.memory import config_device
+    device = config_device(cfg)
+    how = {"broadcast": " (NCCL from trainer rank 0)" if device == "cuda" else " (gloo from trainer rank 0)",
+           "cuda_ipc": " (CUDA IPC: each engine reads its GPU's trainer rank in place)",
+           "host": " (through host memory)"}
+    via = how["broadcast"] if mode == "broadcast" else how.get(layout.direct_transport(cfg, device), "")
+    return [f"layout        {where}; weight sync {mode}{via}{checked}"]
