@@ -21,6 +21,7 @@ from runtime.rewards import (
     reward_fail_value,
     score_batch,
 )
+from runtime.rewards.contract import call_reward
 from runtime.rewards.dapo import normalize_answer
 from runtime.rewards.answers import final_answer, last_boxed
 
@@ -283,7 +284,10 @@ REQUIRED_CATEGORIES = {
     "integer", "fraction", "root", "power", "pi", "percent", "thousands", "unicode_minus", "units",
     "several_boxes", "nested_braces", "truncated_box", "middle_answer", "empty", "long", "think",
     "answer_line_latex", "space_box", "text_wrapper", "infinity",
+    # issue 33: answers cut off, thinking left open, and the engine's finish reason
+    "unclosed_think", "cut_sentence", "answer_then_cut", "length_finish", "stop_finish",
 }
+FINISH_REASONS = ("stop", "length")  # a case without one is a direct call (no finish reason known)
 
 
 def load_grading_cases() -> list[dict]:
@@ -291,8 +295,11 @@ def load_grading_cases() -> list[dict]:
 
 
 def disagreements(reward_fn, cases) -> list[dict]:
-    """Cases where the reward's pass (a positive reward) differs from the verdict by plain meaning."""
-    return [c for c in cases if (reward_fn(c["response"], c["label"]) > 0) != (c["verdict"] == "correct")]
+    """Cases where the reward's pass (a positive reward) differs from the verdict by plain meaning; the
+    reward is called as the pipeline calls it (`call_reward`: the case's finish reason when it has one)."""
+    return [c for c in cases
+            if (call_reward(reward_fn, c["response"], c["label"], None, c.get("finish_reason")) > 0)
+            != (c["verdict"] == "correct")]
 
 
 def test_grading_case_set_is_well_formed():
@@ -300,14 +307,16 @@ def test_grading_case_set_is_well_formed():
     assert len(cases) >= 200
     assert len({c["id"] for c in cases}) == len(cases)
     for c in cases:
-        assert set(c) == {"id", "category", "response", "label", "verdict", "reason"}, c["id"]
+        assert set(c) - {"finish_reason"} == {"id", "category", "response", "label", "verdict", "reason"}, c["id"]
         assert c["verdict"] in ("correct", "incorrect") and c["reason"], c["id"]
+        assert c.get("finish_reason", "stop") in FINISH_REASONS, c["id"]
     assert REQUIRED_CATEGORIES <= {c["category"] for c in cases}
     assert max(len(c["response"]) for c in cases) >= 20_000
 
 
 # Before the grader fixes (answers read as LaTeX, truncation, units) the set measured: math 176/223 (13 false positives), dapo 140/223,
-# deepscaler 140/223.
+# deepscaler 140/223. Issue 33 added 39 cases (cut-off answers, thinking left open, finish reasons) and turned think-06
+# (a box inside thinking never closed) to incorrect: before its fix math had 244/262 (18 false positives).
 
 
 def test_math_and_is_correct_agree_with_the_plain_meaning():
@@ -316,7 +325,8 @@ def test_math_and_is_correct_agree_with_the_plain_meaning():
     assert [c["id"] for c in wrong if c["verdict"] == "incorrect"] == []  # no false positive
     assert (len(cases) - len(wrong)) / len(cases) >= 0.97
     assert len(wrong) == 0  # today's count; a rule change that loses a case shows up here
-    assert all(is_correct(c["response"], c["label"]) is (c["verdict"] == "correct") for c in cases)
+    assert all(is_correct(c["response"], c["label"], c.get("finish_reason")) is (c["verdict"] == "correct")
+               for c in cases)
 
 
 def _last(pattern: str, text: str) -> int:
@@ -404,7 +414,7 @@ def test_where_math_differs_from_math_verify_used_directly():
     for c in cases:
         direct = verify(parse("\\boxed{" + c["label"] + "}", parsing_timeout=None), parse(c["response"], parsing_timeout=None),
                         timeout_seconds=None)
-        ours = is_correct(c["response"], c["label"])
+        ours = is_correct(c["response"], c["label"], c.get("finish_reason"))
         if bool(direct) != ours:
             assert ours is (c["verdict"] == "correct"), c["id"]
             differ.append(c["id"])
