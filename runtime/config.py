@@ -289,6 +289,12 @@ class ClusterSection(Section):
     # generates (colocated), and come back for the update. auto: on when colocated on a GPU.
     offload_trainer_state: Literal["auto", "on", "off"] = "auto"
 
+    @field_validator("offload_trainer_state", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v):
+        # YAML 1.1 reads a bare on/off as a boolean (`offload_trainer_state: on`, `--set ...=on`)
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
 
 DEFAULT_ROOT = "./grpoflow-data"  # storage.root when a config or a command names none
 
