@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from runtime.config import GrpoConfig
 from runtime.grpo.collect import Collector, sampling_params
@@ -103,22 +104,33 @@ class TrainSession:
         self.weights.push(target)
         self.at = target
 
+    # -- the memory hand-off: the engine's turn on a colocated GPU --------------------------------
+    @contextmanager
+    def engine_turn(self) -> Iterator[dict[str, Any]]:
+        """Every generate of the loop runs inside one (a rollout's, an evaluation's, a benchmark's warm-up):
+        the trainer's grads, master weights and Adam go to the host (when offloading) and the engine's KV
+        pool comes back; after the block the pool is freed and the trainer's state returns. Yields what
+        the moves reported (`offload` / `reload`: bytes and seconds; None where nothing moved). A block
+        that raises leaves the memory as it is (the chunk fails; its actors are rebuilt)."""
+        moved: dict[str, Any] = {"offload": None, "reload": None}
+        if self.offload:
+            moved["offload"] = self.trainer.offload_state()
+        if self.cfg.cluster.colocate:
+            self.engine.resume_memory()  # the KV pool back from the last update
+        yield moved
+        if self.cfg.cluster.colocate:
+            self.engine.release_memory()  # the trainer gets the memory generation used
+        if self.offload:
+            moved["reload"] = self.trainer.reload_state()
+
     # -- one rollout: collect → advantages → train → push weights --------------------------------
     def rollout(self, rollout_id: int) -> dict[str, Any]:
         c = self.cfg
         t0 = time.time()
-        colocated = c.cluster.colocate
-        if self.offload:
-            self.trainer.offload_state()  # grads, master weights, Adam to host while the engine generates
-        if colocated:
-            self.engine.resume_memory()  # the KV pool back from the last update
-        # generate + score (+ dynamic sampling; partial rollout: with the groups the last rollout left)
-        batch = self.collector.collect(rollout_id, self.state["cursor"], self.state.get("partial"))
-        adv = advantages(batch, c.rollout.n_samples_per_prompt, c.algorithm.normalize_adv_std)
-        if colocated:
-            self.engine.release_memory()  # the trainer gets the memory generation used
-        if self.offload:
-            self.trainer.reload_state()
+        with self.engine_turn():
+            # generate + score (+ dynamic sampling; partial rollout: with the groups the last rollout left)
+            batch = self.collector.collect(rollout_id, self.state["cursor"], self.state.get("partial"))
+            adv = advantages(batch, c.rollout.n_samples_per_prompt, c.algorithm.normalize_adv_std)
         train = self.trainer.train(to_train_batch(batch, adv))
         t_sync = time.time()
         self.weights.push(version=rollout_id + 1)
@@ -185,12 +197,13 @@ class TrainSession:
             self.ensure_at(ckpt)
         c = self.cfg
         results = {}
-        for name in c.data.eval:
-            results[name] = evaluate(
-                self.engine.generate, self.tokenizer, read_prepared(self.rd.eval_data(name)),
-                n_samples=c.eval.n_samples_per_prompt, sampling=sampling_params(c.eval_sampling()), seed=c.train.seed,
-                eval_point=rollout, ks=c.eval.pass_k, max_prompts=c.eval.max_prompts,
-                reward_timeout_s=c.rollout.reward_timeout_s)
+        with self.engine_turn():  # as a rollout generates: the trainer's state off a shared GPU
+            for name in c.data.eval:
+                results[name] = evaluate(
+                    self.engine.generate, self.tokenizer, read_prepared(self.rd.eval_data(name)),
+                    n_samples=c.eval.n_samples_per_prompt, sampling=sampling_params(c.eval_sampling()),
+                    seed=c.train.seed, eval_point=rollout, ks=c.eval.pass_k, max_prompts=c.eval.max_prompts,
+                    reward_timeout_s=c.rollout.reward_timeout_s)
         save_eval(self.rd, rollout, results)
         return results
 
