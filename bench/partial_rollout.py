@@ -4,23 +4,35 @@
     python bench/partial_rollout.py --sections setup,on --out $OUT     # H100, the other call
     python bench/partial_rollout.py --merge OUT1 OUT2 --results-dir bench/results   # one JSON from both
     python bench/partial_rollout.py --cpu                              # CI smoke: tiny shapes, same code paths
+    # the 24 GB card (issue 33): its config, the allocator capped as on that card (../shared/tools/gpu-cap
+    # copied to .gpucap), partial on, ~5 rollouts in one call
+    GPU_CAP_GIB=23.39 PYTHONPATH=$PWD/.gpucap:$PYTHONPATH python bench/partial_rollout.py --out $OUT \
+        --config configs/qwen3-0.6b-dapo-24gb.yaml --sections setup,on --deadline 585 --results-dir $OUT
 
 What runs: `runtime.grpo.session.TrainSession` (cluster.backend local, trainer and engine colocated) on the
 shipped recipe `configs/qwen3-0.6b-dapo.yaml` (32 prompts x 8 samples, dynamic sampling with 1.5x
 over-sampling, ~1024-token prompts, at most 8192 new tokens, TIS) on a random-init Qwen3-0.6B shape, bf16,
 with the plan's KV pool, packed micro-batches (`--set`, default train.max_tokens_per_micro_batch=24576)
-and a reward that costs nothing (bench/trivial_reward.py). Each sample's length comes from the paged-engine
+and a reward that costs nothing (bench/trivial_reward.py). `--config` takes another config of the recipe
+(configs/qwen3-0.6b-dapo-24gb.yaml: its memory settings kept, no default `--set`). The plan is sized for
+`cluster.gpu_memory_gb` where the config sets it (else the device's total memory), as `grpoflow run`
+sizes it. Each sample's length comes from the paged-engine
 bench's keyed schedule (`rollout_bench.lengths_for_hashes`: log-normal, median 1700, a tail to the cap)
 applied to the sample's key: the engine's stop token is forced there, so a continued sample stops at the
 same total length as it would have unbroken, and both modes draw lengths from the same distribution.
 
-Before the timed rollouts the engine is warmed (compile, graphs) on short requests. `off`: every rollout
+Before the timed rollouts the engine is warmed (compile, graphs) on short requests, inside the session's
+memory hand-off as a rollout generates (`TrainSession.engine_turn`: the trainer's state offloaded, the KV
+pool made, then freed and the state reloaded). `off`: every rollout
 is alike (no buffer): all count, and a second call from `--first-rollout` adds more of them (other keyed
 lengths). `on`: rollout 0 starts with an empty buffer and is reported but not counted. Per rollout: step time and its parts, trained response tokens, the engine's slot use
 (row-steps / (decode steps x rows), the GPU busy fraction of a rollout's decode), tokens generated and
 tokens generated but never trained (`off`: the complete extra groups over-sampling discards; `on`: groups
-dropped as stale). Results: OUT/results.jsonl, OUT/partial_rollout.json (summary; with --results-dir a copy
-named by device and date).
+dropped as stale), preemptions, and the peak GPU memory (allocated, reserved) against the plan's. A rollout
+is started while the median step so far still fits the section's time; each one finished is kept in
+OUT/<section>.progress.json, so a section cut at its time limit keeps the rollouts it finished.
+Results: OUT/results.jsonl, OUT/partial_rollout.json (summary; with --results-dir a copy named by device,
+date and, for another config or a capped allocator, both).
 """
 from __future__ import annotations
 
@@ -49,7 +61,8 @@ SECTION_MAX_S = {"setup": 150, "off": 600, "on": 600}
 GPU_SETS = ["train.max_tokens_per_micro_batch=24576"]
 CPU_SETS = ["data.max_prompt_len=40", "rollout.max_new_tokens=40", "rollout.rollout_batch_size=4",
             "rollout.n_samples_per_prompt=2", "train.global_batch_size=8", "train.micro_batch_size=4",
-            "model.dtype=float32", "rollout.decode_path=paged", "rollout.kv_cache_gb=0.01"]
+            "model.dtype=float32", "rollout.decode_path=paged", "rollout.kv_cache_gb=0.01",
+            "cluster.offload_trainer_state=on"]  # (on the CPU nothing moves, but the hand-off calls it as on a GPU)
 
 
 def shapes(cpu: bool) -> dict:
@@ -81,14 +94,35 @@ def sec_setup(S, W: Path) -> dict:
     return {"name": "setup", "model": r, "prompts": prep.get("rows"), "s": round(time.time() - t0, 1)}
 
 
-def bench_config(S, W: Path, partial: bool, sets: list[str]):
-    """The recipe, pointed at the random model and data, on this machine, with the plan's KV pool."""
+def default_sets(cpu: bool, config: Path) -> list[str]:
+    """The `--set` overrides when none are given: the CPU smoke's shapes; the recipe's packing on a GPU;
+    nothing for another config (its own memory settings are what is measured)."""
+    if cpu:
+        return CPU_SETS
+    return GPU_SETS if config.resolve() == RECIPE.resolve() else []
+
+
+def plan_card(S, cfg) -> dict:
+    """The GPU memory the plan is sized for: `cluster.gpu_memory_gb` where the config sets it (what
+    `grpoflow run` plans with), else the device's total memory (as an allocator cap reports it)."""
+    if cfg.cluster.gpu_memory_gb is not None:
+        return {"card_gib": float(cfg.cluster.gpu_memory_gb), "card_from": "cluster.gpu_memory_gb"}
+    if S["device"] != "cuda":
+        return {"card_gib": None, "card_from": None}
+    import torch
+    return {"card_gib": round(torch.cuda.mem_get_info(0)[1] / 2**30, 2), "card_from": "the device's total memory"}
+
+
+def bench_config(S, W: Path, partial: bool, sets: list[str], config: Path = RECIPE):
+    """The config, pointed at the random model and data, on this machine (one process: trainer and engine
+    colocated; the config's gpu_memory_gb and offload setting kept), with the plan's KV pool. Returns the
+    config and the plan (`plan_card`, and on a GPU the plan's estimate in GiB)."""
     import yaml
 
     from runtime.config import config_with_overrides
     from runtime.models import load_hf_config
-    from runtime.plan.memory import plan_choices
-    tree = yaml.safe_load(RECIPE.read_text())
+    from runtime.plan.memory import estimate_for_config, plan_choices
+    tree = yaml.safe_load(Path(config).read_text())
     tree["name"] = f"bench-partial-{'on' if partial else 'off'}"
     tree["model"]["source"] = str(W / "hf")
     tree["data"] = {**tree["data"], "train": {"source": str(W / "data" / "prompts.jsonl"), "format": "slime"},
@@ -96,15 +130,20 @@ def bench_config(S, W: Path, partial: bool, sets: list[str]):
     tree["rollout"].update(reward="bench.trivial_reward:length_mod13", partial=partial)
     tree["eval"] = {"interval": None}
     tree["tracking"] = {"enabled": False}
-    tree["cluster"] = {"backend": "local", "device": S["device"], "colocate": True}
+    memory = {k: v for k, v in (tree.get("cluster") or {}).items() if k in ("gpu_memory_gb", "offload_trainer_state")}
+    tree["cluster"] = {"backend": "local", "device": S["device"], "colocate": True, **memory}
     tree["storage"] = {"root": str(W / f"root-{'on' if partial else 'off'}")}
     cfg = config_with_overrides(tree, sets, "bench")
+    plan = {"config": str(config), **plan_card(S, cfg)}
     if S["device"] == "cuda":
-        import torch
-        gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-        choices = plan_choices(cfg, load_hf_config(str(W / "hf")), gib)
+        hf = load_hf_config(str(W / "hf"))
+        choices = plan_choices(cfg, hf, plan["card_gib"])
         cfg = config_with_overrides(tree, sets + [f"{k}={v}" for k, v in choices.items()], "bench")
-    return cfg
+        est = estimate_for_config(cfg, hf, gpu_mem_gb=plan["card_gib"])
+        plan.update({k: round(est[k], 2) for k in ("kv_cache", "at_rollout", "at_training", "total")}, fits=est["fits"],
+                    offload=est["offload"])
+    plan["kv_cache_gb"] = cfg.rollout.kv_cache_gb
+    return cfg, plan
 
 
 def force_keyed_lengths(S) -> list[dict]:
@@ -133,15 +172,17 @@ KEEP = ("rollout", "step_time_s", "rollout_time_s", "generate_time_s", "train_ti
         "weight_sync_s", "response_len_mean", "groups_dropped", "reward_mean", "tis_weight_mean")
 
 
-def run_mode(S, W: Path, partial: bool, sets: list[str], budget_s: float, first: int = 0) -> dict:
+def run_mode(S, W: Path, partial: bool, sets: list[str], budget_s: float, first: int = 0, config: Path = RECIPE,
+             progress: Path | None = None) -> dict:
     """Timed rollouts first, first + 1, ... of the train stage in one mode (from a later `first`: more steps
     alike, with other keyed lengths; `on` starts with an empty buffer again), as many of S['timed_rollouts']
-    as fit in budget_s."""
+    as fit in budget_s (the next is started while the median step so far fits); each finished one is
+    written to `progress` (the section's result so far)."""
     t_start = time.time()
     from runtime.grpo.session import TrainSession
     from runtime.rollout.base import SampleRequest, SamplingParams
     from runtime.run.directory import RunDir
-    cfg = bench_config(S, W, partial, sets)
+    cfg, plan = bench_config(S, W, partial, sets, config)
     root = Path(cfg.storage.root)
     shutil.rmtree(root, ignore_errors=True)
     rd = RunDir(str(root), "bench")
@@ -151,21 +192,30 @@ def run_mode(S, W: Path, partial: bool, sets: list[str], budget_s: float, first:
     calls = force_keyed_lengths(S)
     sess = TrainSession(cfg, rd)
     sess.ensure_at(None)
+    engine = sess.engine.group.members[0]  # cluster.backend local: the built-in engine in this process
     t0 = time.time()
     warm = [SampleRequest(prompt_ids=list(range(3, 3 + S["prompt_len"])), key=(1, 0, i, 0)) for i in range(16)]
-    sess.engine.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=32))  # compile, first graphs
+    with sess.engine_turn() as moved:  # as a rollout generates: the trainer's state off the GPU, the pool in
+        sess.engine.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=32))  # compile, first graphs
+        pool_during = engine.decoder.kv_cache_bytes()
     res: dict = {"name": "on" if partial else "off", "partial": partial, "setup_s": round(t0 - t_start, 1),
                  "engine_warmup_s": round(time.time() - t0, 1), "plan_kv_cache_gb": cfg.rollout.kv_cache_gb,
-                 "sets": sets, "rollouts": []}
+                 "plan": plan, "sets": sets, "rollouts": [],
+                 "warmup_handoff": {"offload": moved["offload"], "reload": moved["reload"],
+                                    "kv_pool_GiB_during": round(pool_during / 2**30, 4),
+                                    "kv_pool_GiB_after": round(engine.decoder.kv_cache_bytes() / 2**30, 4)}}
     B = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
-    last = 0.0
+    step_times: list[float] = []
     for rid in range(first, first + S["timed_rollouts"]["on" if partial else "off"]):
-        if time.time() - t_start + 1.15 * last > budget_s:
-            res["stopped_early"] = f"no time for rollout {rid} within {budget_s:.0f} s"
+        # the next step's time: the median after the first (which compiles, captures, pins host memory)
+        expect = statistics.median(step_times[1:]) if len(step_times) > 1 else (step_times[0] if step_times else 0.0)
+        if time.time() - t_start + expect > budget_s:
+            res["stopped_early"] = f"no time for rollout {rid} within {budget_s:.0f} s (a step takes ~{expect:.0f} s)"
             break
         n_calls = len(calls)
+        rollout_bench.reset_peak(S)
         m = sess.rollout(rid)
-        last = m["step_time_s"]
+        step_times.append(m["step_time_s"])
         dec = calls[n_calls:]
         row = {k: (round(m[k], 4) if isinstance(m[k], float) else m[k]) for k in KEEP if k in m}
         row.update({k: round(v, 3) if isinstance(v, float) else v for k, v in m.items() if k.startswith("partial_")})
@@ -180,13 +230,30 @@ def run_mode(S, W: Path, partial: bool, sets: list[str], budget_s: float, first:
         row["engine_s"] = round(sum(c["total_s"] or 0 for c in dec), 2)
         row["preemptions"] = sum(c["preemptions"] or 0 for c in dec)
         row["trained_tok_s"] = round(row["trained_response_tokens"] / m["step_time_s"])
+        row.update(peak_memory(S))
         res["rollouts"].append(row)
         print("ROLLOUT", json.dumps(row), flush=True)
+        res["counted_from"] = first + (S["on_warmup"] if partial else 0)
+        res["steady"] = steady_of(res)
+        res["peak_mem_GiB"] = max(r["peak_allocated_GiB"] for r in res["rollouts"])
+        res["peak_reserved_GiB"] = max(r["peak_reserved_GiB"] for r in res["rollouts"])
+        if progress is not None:  # what this section has, should it be cut at its time limit
+            tmp = progress.with_suffix(".tmp")
+            tmp.write_text(json.dumps({**res, "status": "ok", "cut_at_time_limit": True}, default=str))
+            tmp.replace(progress)
     res["counted_from"] = first + (S["on_warmup"] if partial else 0)
     res["steady"] = steady_of(res)
-    res["peak_mem_GiB"] = rollout_bench.peak_gib(S)
     sess.close()
     return res
+
+
+def peak_memory(S) -> dict:
+    """The peak GPU memory since the last reset: allocated and reserved (the CUDA context not counted)."""
+    if S["device"] != "cuda":
+        return {"peak_allocated_GiB": 0.0, "peak_reserved_GiB": 0.0}
+    import torch
+    return {"peak_allocated_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "peak_reserved_GiB": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
 
 
 def steady_of(res: dict) -> dict | None:
@@ -236,7 +303,7 @@ def merged_env(dirs: list[str]) -> dict | None:
 
 
 def summarize(S, res: dict, env: dict | None = None) -> dict:
-    info = env or gpu_grpo.env_info(dict(S["model"]))
+    info = env or {**gpu_grpo.env_info(dict(S["model"])), "gpu_cap_gib": os.environ.get("GPU_CAP_GIB")}
     off, on = ((res.get(k) or {}).get("steady") for k in ("off", "on"))
     ratios = {}
     if off and on:
@@ -259,10 +326,59 @@ def print_table(summary: dict) -> None:
                          st["train_time_s"], st["slot_use"], st["never_trained_tokens"]))
         else:
             rows.append((name, "-", "-", "-", "-", "-", "-", str((summary["sections"].get(name) or {}).get("error", "not run"))[:80]))
+    _print_rows(rows)
+    print("ratios", json.dumps(summary["ratios"]))
+    for name in ("off", "on"):
+        sec = summary["sections"].get(name) or {}
+        if not sec.get("rollouts"):
+            continue
+        print(f"\n{name}: per rollout (counted from {sec.get('counted_from')})"
+              + (" - cut at the section's time limit" if sec.get("cut_at_time_limit") else ""))
+        rows = [("rollout", "step s", "generate s", "train s", "weight sync s", "preemptions", "trained tok/s",
+                 "peak alloc GiB", "peak reserved GiB")]
+        rows += [(r["rollout"], r["step_time_s"], r.get("generate_time_s"), r.get("train_time_s"), r.get("weight_sync_s"),
+                  r["preemptions"], r["trained_tok_s"], r.get("peak_allocated_GiB"), r.get("peak_reserved_GiB"))
+                 for r in sec["rollouts"]]
+        _print_rows(rows)
+        plan, warm = sec.get("plan") or {}, sec.get("warmup_handoff") or {}
+        print(f"plan: {plan.get('config')}, card {plan.get('card_gib')} GiB ({plan.get('card_from')}), KV pool "
+              f"{plan.get('kv_cache_gb')} GiB, estimate {plan.get('at_rollout')} GiB generating / {plan.get('at_training')} "
+              f"GiB training (peak {plan.get('total')}); measured peak {sec.get('peak_mem_GiB')} GiB allocated, "
+              f"{sec.get('peak_reserved_GiB')} GiB reserved (the CUDA context not counted)")
+        print(f"engine warm-up in the hand-off: {sec.get('engine_warmup_s')} s, offload {warm.get('offload')}, "
+              f"KV pool {warm.get('kv_pool_GiB_during')} GiB while warming, {warm.get('kv_pool_GiB_after')} GiB after")
+
+
+def _print_rows(rows: list[tuple]) -> None:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)))
-    print("ratios", json.dumps(summary["ratios"]))
+
+
+def keep_progress(out: Path, names: list[str]) -> None:
+    """A section whose process was cut at its time limit and left rollouts in its progress file: that
+    file's result (the rollouts it finished) as the section's. (A section that failed stays failed.)"""
+    res = gpu_grpo.read_results(out)
+    for name in names:
+        progress = out / f"{name}.progress.json"
+        cut = (res.get(name) or {}).get("error") == "section process ended with timeout (see log.txt)"
+        if cut and progress.exists():
+            rec = json.loads(progress.read_text())
+            rec["error_of_the_process"] = (res.get(name) or {}).get("error")
+            with open(out / "results.jsonl", "a") as f:
+                f.write(json.dumps(rec, default=str) + "\n")
+
+
+def save_copy(summary: dict, results_dir: str, config: Path) -> None:
+    """The summary in results_dir, named by device and date, and by the config and the allocator cap when
+    they are not the recipe's and the card's."""
+    name = "partial_rollout_" + summary["device"].replace(" ", "_")
+    if config.resolve() != RECIPE.resolve():
+        name += "_" + config.stem
+    if summary["env"].get("gpu_cap_gib"):
+        name += f"_cap{summary['env']['gpu_cap_gib']}"
+    Path(results_dir).mkdir(parents=True, exist_ok=True)
+    (Path(results_dir) / f"{name}_{summary['date'][:10]}.json").write_text(json.dumps(summary, indent=1, default=str))
 
 
 def main(argv=None) -> int:
@@ -272,14 +388,17 @@ def main(argv=None) -> int:
     ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/partial_rollout_out")
-    ap.add_argument("--set", dest="sets", action="append", default=None, help="config override (default: packing)")
+    ap.add_argument("--config", default=str(RECIPE), help="the recipe's config to run (default: the 80 GiB recipe)")
+    ap.add_argument("--set", dest="sets", action="append", default=None,
+                    help="config override (default: the recipe's packing; none for another --config)")
     ap.add_argument("--merge", nargs="+", default=None, help="OUT dirs of earlier calls: one summary of their sections")
     ap.add_argument("--results-dir", default=None)
     ap.add_argument("--deadline", type=float, default=570.0)
     ap.add_argument("--first-rollout", type=int, default=0, help="the first rollout id (a later one: more steps alike, other keyed lengths)")
     a = ap.parse_args(argv)
     S = shapes(a.cpu)
-    sets = a.sets if a.sets is not None else (CPU_SETS if a.cpu else GPU_SETS)
+    config = Path(a.config)
+    sets = a.sets if a.sets is not None else default_sets(a.cpu, config)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     W = Path(a.work or ("/tmp/partial_rollout_work" + ("_cpu" if a.cpu else "")))
@@ -293,24 +412,32 @@ def main(argv=None) -> int:
             import torch
             torch.set_num_threads(1)
         left = float(os.environ.get("SECTION_BUDGET_S", a.deadline))
-        fn = {"setup": sec_setup, "off": lambda S, W: run_mode(S, W, False, sets, left - 15, a.first_rollout),
-              "on": lambda S, W: run_mode(S, W, True, sets, left - 15, a.first_rollout)}[a.section]
+        progress = out / f"{a.section}.progress.json"
+        fn = {"setup": sec_setup,
+              "off": lambda S, W: run_mode(S, W, False, sets, left - 15, a.first_rollout, config, progress),
+              "on": lambda S, W: run_mode(S, W, True, sets, left - 15, a.first_rollout, config, progress)}[a.section]
         r = gpu_grpo.run_section(a.section, S, W, out, fn=fn)
         return 0 if r["status"] == "ok" else 1
     else:
         sections = [x for x in (a.sections.split(",") if a.sections else SECTIONS) if x]
         (out / "results.jsonl").unlink(missing_ok=True)
+        for name in sections:
+            (out / f"{name}.progress.json").unlink(missing_ok=True)
         t_start = time.time()
         for name in sections:
             left = a.deadline - (time.time() - t_start)
             os.environ["SECTION_BUDGET_S"] = str(int(min(SECTION_MAX_S[name], left)))
             extra = ("--cpu",) if a.cpu else ()
             extra += tuple(x for s in sets for x in ("--set", s)) + ("--first-rollout", str(a.first_rollout))
+            extra += ("--config", str(config))
             gpu_grpo.run_sections_in_processes(Path(__file__), [name], W, out, left, SECTION_MAX_S,
                                                extra_args=extra)
+        keep_progress(out, sections)
         res = gpu_grpo.read_results(out)
     summary = summarize(S, res, env)
-    gpu_grpo.save_summary(summary, out, "partial_rollout", a.results_dir, a.cpu)
+    gpu_grpo.save_summary(summary, out, "partial_rollout", a.results_dir if a.cpu else None, a.cpu)
+    if a.results_dir and not a.cpu:
+        save_copy(summary, a.results_dir, config)
     print_table(summary)
     return gpu_grpo.exit_code(summary, a.cpu)
 

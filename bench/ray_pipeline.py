@@ -316,7 +316,7 @@ def logprob_gap(sess, n_prompts: int, max_new: int) -> dict:
     rows, _ = sess.dataset.batch(sess.dataset.initial_cursor(99), n_prompts)
     prompts = [sess.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     reqs = [SampleRequest(prompt_ids=p, key=(99, 0, i, j)) for i, p in enumerate(prompts) for j in range(2)]
-    with sess.generating():  # the GPU handed to the engine, as in a rollout
+    with sess.engine_turn():  # the GPU handed to the engine, as in a rollout
         samples = sess.engine.generate(reqs, SamplingParams(temperature=sess.cfg.rollout.temperature,
                                                             max_new_tokens=max_new))
     batch = TrainBatch(tokens=[s.prompt_ids + s.response_ids for s in samples],

@@ -118,7 +118,7 @@ class RolloutSection(Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1, description="-1: off")
-    reward: str = "math"  # math | dapo | deepscaler | module:function
+    reward: str = "math"  # math | dapo | deepscaler | module:function: fn(response, label, metadata=None[, *, finish_reason])
     reward_timeout_s: float = Field(5.0, gt=0)
     custom_rollout: str | None = None  # module:function replacing generate+reward
     dynamic_sampling: bool = False

@@ -1,4 +1,5 @@
-"""Which device and dtype a run uses, and the one map from dtype names (as the config spells them) to torch."""
+"""Which device and dtype a run uses, the one map from dtype names (as the config spells them) to torch, and
+what running out of device memory looks like."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -31,3 +32,21 @@ def make_current(device: str) -> None:
     so an engine must be built with its own GPU current."""
     if device.startswith("cuda:"):
         torch.cuda.set_device(int(device.split(":")[1]))
+
+
+def out_of_memory_error(error: BaseException | None) -> BaseException | None:
+    """The device running out of memory in `error` or its cause/context chain (where a compiler or kernel
+    library wrapped it): the first `torch.OutOfMemoryError` (CUDA's, also named `torch.cuda.OutOfMemoryError`;
+    a RuntimeError, not a MemoryError) or error whose text says "out of memory"; None when there is none."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is (or wraps) the device running out of memory (`out_of_memory_error`)."""
+    return out_of_memory_error(error) is not None

@@ -24,3 +24,8 @@ class ModelError(UserError):
 
 class TransientError(Exception):
     """Network or I/O trouble worth a retry (the Prefect tasks retry only these)."""
+
+
+class MemoryPlanError(UserError, MemoryError):
+    """What a step needs does not fit the memory it has (the device ran out, or the KV pool is too small for
+    one sequence). The message names the plan's numbers and the setting to change."""

@@ -66,6 +66,43 @@ def test_partial_rollout_bench_cpu_mode_runs(tmp_path):
     # off discards what it over-sampled; on carries it over, and only staleness drops could waste tokens
     assert off["never_trained_tokens"] > 0 and on["never_trained_tokens"] == 0 and on["stale_dropped_groups"] == 0
     assert on["tokens_reused"] > 0 and on["trained_tok_s"] > 0 and off["trained_tok_s"] > 0
+    for mode in ("off", "on"):
+        sec = summary["sections"][mode]
+        # the engine warmed inside the session's hand-off, as a rollout generates: the trainer's state offloaded
+        # (nothing moves on a CPU, but it was asked), the KV pool made for the warm-up and freed after it
+        warm = sec["warmup_handoff"]
+        assert warm["offload"] == {"bytes": 0.0, "seconds": 0.0} and warm["reload"] is not None
+        assert warm["kv_pool_GiB_during"] > 0 and warm["kv_pool_GiB_after"] == 0
+        assert all({"generate_time_s", "train_time_s", "weight_sync_s", "preemptions", "peak_allocated_GiB",
+                    "peak_reserved_GiB"} <= set(r) for r in sec["rollouts"])
+        assert sec["plan"]["card_gib"] is None  # on a CPU no card; the GPU sizing is checked below
+
+
+def test_partial_rollout_bench_sizes_the_24gb_plan_from_its_config(tmp_path):
+    """The GPU run's config as the bench builds it (on the CPU: the plan is arithmetic on the model's shape):
+    the 24 GB config keeps its memory settings and takes its KV pool from the plan for cluster.gpu_memory_gb
+    (17.75 GiB, as measured under the 23.39 GiB cap in issue 33), not from the device's total memory."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_grpo
+        import partial_rollout as pr
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    from transformers import Qwen3Config
+
+    m = gpu_grpo.SHAPES["gpu"]
+    Qwen3Config(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["ffn"], num_hidden_layers=m["layers"],
+                num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"], head_dim=m["head_dim"],
+                tie_word_embeddings=True).save_pretrained(tmp_path / "hf")
+    config = ROOT / "configs" / "qwen3-0.6b-dapo-24gb.yaml"
+    sets = pr.default_sets(False, config)
+    assert sets == [] and pr.default_sets(False, pr.RECIPE) == pr.GPU_SETS  # the 24 GB config's own packing
+    cfg, plan = pr.bench_config(pr.shapes(False), tmp_path, True, sets, config)
+    assert (plan["card_gib"], plan["card_from"]) == (24.0, "cluster.gpu_memory_gb")
+    assert cfg.rollout.kv_cache_gb == plan["kv_cache_gb"] == 17.75 and cfg.rollout.partial
+    assert plan["fits"] and plan["offload"] and plan["total"] <= 24.0
+    assert cfg.train.max_tokens_per_micro_batch == 18432 and cfg.train.recompute == "full"
+    assert cfg.cluster.backend == "local" and cfg.cluster.gpu_memory_gb == 24
 
 
 # ---- bench/memory_check.py: the memory estimate against what is allocated -------------------------------

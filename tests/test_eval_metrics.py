@@ -84,7 +84,8 @@ ROWS = [{"prompt": f"What is {a} + {b}?", "label": str(a + b)} for a, b in [(1, 
 def fake_engine(log: list):
     """A deterministic stand-in for the rollout engine: right on even prompts (every sample), and on
     odd prompts only for sample 0; the result's own `reward` field says the opposite (as a custom
-    rollout's training reward could), which evaluation must ignore. Sample 1 stops on length."""
+    rollout's training reward could), which evaluation must ignore. Sample 1 stops on length, its box
+    after a closed `</think>` (a sample that ran out of tokens states an answer only there)."""
 
     def generate(requests: list[SampleRequest], sampling: SamplingParams) -> list[SampleResult]:
         out = []
@@ -93,7 +94,7 @@ def fake_engine(log: list):
             seed, rollout, prompt_i, sample_i = req.key
             a, b = map(int, re.findall(r"\d+", CharTokenizer.decode(req.prompt_ids)))
             right = prompt_i % 2 == 0 or sample_i == 0
-            text = f"The answer is \\boxed{{{a + b if right else a + b + 1}}}"
+            text = f"<think>{a} plus {b}</think>The answer is \\boxed{{{a + b if right else a + b + 1}}}"
             ids = [ord(ch) for ch in text][: sampling.max_new_tokens]
             out.append(SampleResult(prompt_ids=req.prompt_ids, response_ids=ids, response_logprobs=[0.0] * len(ids),
                                     text=text, finish_reason="length" if sample_i == 1 else "stop",
@@ -121,13 +122,29 @@ def test_evaluate_keys_counts_and_correctness_ignore_training_reward():
     # the rule and the math-verify version that scored them travel with the numbers
     from importlib.metadata import version
 
-    assert res["grader"] == {"grader": "math", "rule_version": "math-2", "math_verify_version": version("math-verify")}
+    assert res["grader"] == {"grader": "math", "rule_version": "math-3", "math_verify_version": version("math-verify")}
     assert [d["n_correct"] for d in res["details"]] == [3, 1, 3, 1, 3]
     assert res["details"][1]["correct"] == [True, False, False]
     # the loggable view drops the details; a JSON round trip keeps everything
     nm = numeric_metrics(res)
     assert "details" not in nm and nm["avg@3"] == res["avg@3"]
     json.dumps(res)
+
+
+def test_a_sample_that_ran_out_of_tokens_is_graded_knowing_it():
+    """The same text right when the model ended it, wrong when it ran out of tokens with no </think> (the
+    finish reason reaches the grader, inline and through the timed scorer)."""
+
+    def engine(finish: str):
+        def generate(requests, sampling):
+            return [SampleResult(prompt_ids=r.prompt_ids, response_ids=[1], response_logprobs=[0.0],
+                                 text="adding them: \\boxed{3}", finish_reason=finish) for r in requests]
+        return generate
+
+    kw = dict(n_samples=1, sampling=SamplingParams(max_new_tokens=8), seed=0, eval_point=0, ks=[1], max_prompts=1)
+    for timeout_s in (None, 10):
+        assert evaluate(engine("stop"), CharTokenizer(), ROWS, **kw, reward_timeout_s=timeout_s)["avg@1"] == 1.0
+        assert evaluate(engine("length"), CharTokenizer(), ROWS, **kw, reward_timeout_s=timeout_s)["avg@1"] == 0.0
 
 
 def test_evaluate_is_independent_of_batching_and_uses_the_timed_scorer():

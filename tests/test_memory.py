@@ -242,6 +242,14 @@ def test_qwen3_dapo_config_fits_80gib():
     assert set(plan_choices(cfg, _qwen3_06b(), 80)) == {"rollout.kv_cache_gb"}
 
 
+def test_offload_setting_reads_yaml_on_and_off():
+    """YAML reads a bare on/off as a boolean: `offload_trainer_state: on` (or `--set ...=on`, as the plan's
+    fixes and the engine's out-of-memory error spell it) is the setting "on", not a type error."""
+    from runtime.config import config_from_dict, config_with_overrides
+    assert config_with_overrides({}, ["cluster.offload_trainer_state=on"], "x").cluster.offload_trainer_state == "on"
+    assert config_from_dict({"cluster": {"offload_trainer_state": False}}).cluster.offload_trainer_state == "off"
+
+
 def _fixed_pool(cfg, gb: float = 35.0):
     """The config with a KV pool of its own (not the plan's choice) and the trainer's state kept on the GPU."""
     cfg = cfg.model_copy(deep=True)

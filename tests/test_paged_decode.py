@@ -261,25 +261,80 @@ def test_generation_stops_once_enough_groups_are_complete(model_dir, hf, path):
         assert eng.decoder.pool.used == 0
 
 
-def test_a_feature_failing_midway_redoes_the_call_up_to_the_check_point_reached(model_dir):
-    """The engine driven one check point at a time (as a pool of engines drives it): a speed feature that
-    fails in the second decode chunk is switched off and the call redone to where it was, silently."""
+# ---- speed features that fail, and running out of memory -----------------------------------------------------
+# On CPU the compiler and graph capture are off; these tests turn them on where the decoder takes them:
+# `torch.compile` is replaced by a compiler that hands back the function as it is (so the "compiled" path
+# runs the same math) and raises where a test asks, and graph capture is the decoder's `_capture` (its
+# CUDA calls cannot run here), replaced by one that raises.
+
+OOM_TEXT = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.39 GiB"
+
+
+def _compiling(model_dir, monkeypatch, fail_at=lambda call: None, **kw) -> tuple[BuiltinEngine, list[int]]:
+    """A paged engine with compile on, torch.compile replaced (above); `fail_at(n)`: the error the n-th call
+    of a compiled piece raises, or None. Returns the engine and the count of such calls."""
+    from runtime.rollout import keyed_sampling
+    calls = [0]
+
+    def fake_compile(fn, **_):
+        def compiled(*args, **kwargs):
+            calls[0] += 1
+            error = fail_at(calls[0])
+            if error is not None:
+                raise error
+            return fn(*args, **kwargs)
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(keyed_sampling, "_COMPILED_GUMBEL", [])  # its cache: not the fake's outside this test
+    eng = BuiltinEngine(model_dir, decode_path="paged", max_batch_size=6, page_size=PAGE, compile_decode=True, **kw)
+    assert eng.decoder.compiled
+    return eng, calls
+
+
+def _wrapped_oom() -> RuntimeError:
+    """Out of memory as a compiler reports it: its own error, the allocator's as the cause."""
+    error = RuntimeError("backend='inductor' raised: RuntimeError: triton autotuning failed")
+    error.__cause__ = torch.OutOfMemoryError(OOM_TEXT)
+    return error
+
+
+def test_a_failing_compiler_or_graph_capture_is_switched_off_and_the_tokens_stay(model_dir, hf, monkeypatch):
+    reqs = _requests()
+    plain = _paged(model_dir, rows=6)
+    # the compiler fails at its first call: compile is off, the same tokens as the plain engine and HF's path
+    eng, _ = _compiling(model_dir, monkeypatch, lambda n: RuntimeError("inductor: C++ compile failed") if n == 1 else None)
+    for sp in SAMPLINGS:
+        _same(plain.generate(reqs, sp), eng.generate(reqs, sp))
+    dec = eng.decoder
+    assert not dec.compiled and dec.stats["fallbacks"] == ["compile: RuntimeError: inductor: C++ compile failed"]
+    _same(hf.generate(reqs, SAMPLINGS[0]), eng.generate(reqs, SAMPLINGS[0]))
+    # graph capture fails (compile working): only the graphs go, compile stays on
+    eng, calls = _compiling(model_dir, monkeypatch)
+    dec = eng.decoder
+    dec.use_graphs = True
+
+    def capture(b, sample_fn):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    dec._capture = capture
+    for sp in SAMPLINGS:
+        _same(plain.generate(reqs, sp), eng.generate(reqs, sp))
+    assert dec.compiled and not dec.use_graphs and calls[0] > 0
+    assert [f.split(":")[0] for f in dec.stats["fallbacks"]] == ["cuda_graphs"] and dec.pool.used == 0
+
+
+def test_a_feature_failing_midway_redoes_the_call_up_to_the_check_point_reached(model_dir, monkeypatch):
+    """The engine driven one check point at a time (as a pool of engines drives it): the compiler failing in
+    the middle of a call is switched off and the call redone to where it was, silently."""
     from runtime.rollout import GroupsDone
-    eng = _paged(model_dir, rows=6)
     reqs = _requests()
     sp = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=20, stop_token_ids=[5, 6, 7])
     until = GroupsDone(group_size=3, count=2)
-    want = eng.generate(reqs, sp, until=until)
-    dec, real, steps = eng.decoder, eng.decoder._run_step, [0]
-    dec.compiled = True  # as if compiled: the fallback switches it off
-
-    def flaky(*args):
-        steps[0] += 1
-        if steps[0] == 20:
-            raise RuntimeError("the compiler gave up")
-        return real(*args)
-
-    dec._run_step = flaky
+    whole, calls = _compiling(model_dir, monkeypatch)
+    want = whole.generate(reqs, sp, until=until)
+    midway = calls[0] // 2
+    eng, _ = _compiling(model_dir, monkeypatch, lambda n: RuntimeError("the compiler gave up") if n == midway else None)
     eng.start_generation(reqs, sp)
     asked = 0
     while (done := eng.advance_generation()) is not None:
@@ -287,6 +342,75 @@ def test_a_feature_failing_midway_redoes_the_call_up_to_the_check_point_reached(
         if until.reached(done):
             break
     got = eng.finish_generation()
+    dec = eng.decoder
     assert asked >= 3 and not dec.compiled and "the compiler gave up" in dec.stats["fallbacks"][0]
     _same(want, got)
     assert [r.finish_reason for r in got].count("abort") and dec.pool.used == 0
+
+
+@pytest.mark.parametrize("where", ["compile", "compile_wrapped", "graph_capture"])
+def test_out_of_memory_is_one_error_with_the_plan_and_switches_nothing_off(model_dir, monkeypatch, where):
+    from runtime.errors import MemoryPlanError, UserError
+    reqs, sp = _requests(), SAMPLINGS[0]
+    want = _paged(model_dir, rows=6).generate(reqs, sp)
+    oom = [True]  # a transient shortage: the first failure only
+    error = _wrapped_oom() if where == "compile_wrapped" else torch.OutOfMemoryError(OOM_TEXT)
+
+    def fail_at(n):
+        if oom[0] and where != "graph_capture" and n == 5:
+            oom[0] = False
+            return error
+        return None
+
+    eng, _ = _compiling(model_dir, monkeypatch, fail_at, kv_cache_gb=0.01, gpu_memory_gb=24)
+    dec = eng.decoder
+    if where == "graph_capture":
+        dec.use_graphs, real = True, dec._step
+
+        def capture(b, sample_fn):
+            if oom[0]:
+                oom[0] = False
+                raise error
+            real(b, sample_fn)  # the step the capture would have warmed; the "graph" replays it
+            return type("Graph", (), {"replay": lambda _: real(b, sample_fn)})()
+
+        dec._capture = capture
+    with pytest.raises(MemoryPlanError) as raised:
+        eng.generate(reqs, sp)
+    msg = str(raised.value)
+    assert isinstance(raised.value, UserError) and "\n" not in msg  # the CLI prints it as one line
+    for part in ("out of device memory", "tried to allocate 2.00 GiB", "KV pool 0.01 GiB (rollout.kv_cache_gb)",
+                 "engine weights", "24 GiB card (cluster.gpu_memory_gb)", "cluster.offload_trainer_state: on"):
+        assert part in msg, (part, msg)
+    assert dec.compiled and dec.use_graphs == (where == "graph_capture") and "fallbacks" not in dec.stats
+    assert dec.pool.used == 0
+    # memory back: the next call runs with every feature still on, and makes the same tokens
+    _same(want, eng.generate(reqs, sp))
+    assert dec.compiled and dec.use_graphs == (where == "graph_capture") and "fallbacks" not in dec.stats
+
+
+def test_out_of_memory_while_making_the_pool_leaves_no_half_pool(model_dir, monkeypatch):
+    """The pool's second tensor cannot be allocated: one clear error (not taken for a compiler failure), no
+    half-made pool behind, and the next call makes the pool whole (before: every retry met a missing
+    page allocator, `'NoneType' object has no attribute 'num_pages'`)."""
+    from runtime.errors import MemoryPlanError
+    from runtime.rollout import paged_decode
+    reqs, sp = _requests(), SAMPLINGS[0]
+    want = _paged(model_dir, rows=6).generate(reqs, sp)
+    eng, _ = _compiling(model_dir, monkeypatch)
+    dec, zeros, made = eng.decoder, torch.zeros, []
+
+    def zeros_running_out(*shape, **kw):
+        if len(shape) == 1 and isinstance(shape[0], tuple) and len(shape[0]) == 5:  # a pool [layer, page, ...]
+            made.append(shape[0])
+            if len(made) == 2:
+                raise torch.OutOfMemoryError(OOM_TEXT)
+        return zeros(*shape, **kw)
+
+    monkeypatch.setattr(paged_decode.torch, "zeros", zeros_running_out)
+    with pytest.raises(MemoryPlanError, match=r"KV pool .* being allocated"):
+        eng.generate(reqs, sp)
+    assert dec.pool is None and dec.k_pool is None and dec.v_pool is None and dec.compiled
+    monkeypatch.setattr(paged_decode.torch, "zeros", zeros)
+    _same(want, eng.generate(reqs, sp))
+    assert dec.compiled and "fallbacks" not in dec.stats

@@ -16,6 +16,7 @@ from runtime.algo import fill_batch
 from runtime.config import GrpoConfig
 from runtime.grpo.rollout_batch import Group, RolloutBatch
 from runtime.placement.handles import EngineHandle
+from runtime.rewards.contract import call_reward
 from runtime.rewards.timeout import score_batch
 from runtime.rollout.base import SampleRequest, SampleResult, SamplingParams, keyed_requests
 from runtime.rollout.custom import validate_rollout_output
@@ -90,14 +91,17 @@ class Collector:
 
     def _reward_of_sample(self, prompt: dict, sample: SampleResult) -> float:
         """The run's reward in the custom-rollout contract's form: reward_fn(prompt, sample)."""
-        return float(self.reward_fn(sample.text, prompt["label"], prompt.get("metadata") or {}))
+        return float(call_reward(self.reward_fn, sample.text, prompt["label"], prompt.get("metadata") or {},
+                                 sample.finish_reason))
 
     def score(self, groups: list[Group]) -> int:
-        """Fill each group's rewards (a custom rollout may have set some); returns how many failed."""
+        """Fill each group's rewards (a custom rollout may have set some); returns how many failed. The
+        reward gets each sample's finish reason when it takes one (`rewards.contract`)."""
         todo = [(g, i) for g in groups for i, s in enumerate(g.samples) if s.reward is None]
         scored, failed = score_batch(self.reward_fn, [g.samples[i].text for g, i in todo],
                                      [g.prompt["label"] for g, _ in todo],
-                                     [g.prompt.get("metadata") or {} for g, _ in todo], self.cfg.rollout.reward_timeout_s)
+                                     [g.prompt.get("metadata") or {} for g, _ in todo], self.cfg.rollout.reward_timeout_s,
+                                     finish_reasons=[g.samples[i].finish_reason for g, i in todo])
         for g in groups:
             g.rewards = [float(s.reward) if s.reward is not None else 0.0 for s in g.samples]
         for (g, i), value in zip(todo, scored):

@@ -82,12 +82,14 @@ def eval_key(seed: int, eval_point: int, prompt_index: int, sample_index: int) -
     return sample_key(seed, eval_slot(eval_point), prompt_index, sample_index)
 
 
-def _score(texts: list[str], labels: list[str], timeout_s: float | None) -> tuple[list[bool], int]:
+def _score(texts: list[str], labels: list[str], finish_reasons: list[str], timeout_s: float | None
+           ) -> tuple[list[bool], int]:
     from runtime.rewards import is_correct, math_reward, score_batch
 
-    if timeout_s is None:  # inline, trusted to return promptly
-        return [bool(is_correct(t, lab)) for t, lab in zip(texts, labels)], 0
-    scores, failed = score_batch(math_reward, texts, labels, None, timeout_s, fail_value=0.0)
+    if timeout_s is None:  # one at a time (each check is still bounded: `rewards.timeout.bounded`)
+        return [bool(is_correct(t, lab, f)) for t, lab, f in zip(texts, labels, finish_reasons)], 0
+    scores, failed = score_batch(math_reward, texts, labels, None, timeout_s, fail_value=0.0,
+                                 finish_reasons=finish_reasons)
     return [s >= 0.5 for s in scores], failed
 
 
@@ -108,7 +110,8 @@ def evaluate(engine_generate: EngineGenerate, tokenizer, rows: list[dict], *, n_
     math-verify version that scored them) and ``eval_time_s``; with ``details=True`` also ``details``: per
     prompt its label, the number correct and the first response. ``max_prompts`` keeps the first rows;
     ``batch_prompts`` bounds how many prompts go to the engine per call (results do not depend on
-    it: every sample's noise is keyed). ``reward_timeout_s=None`` checks answers inline.
+    it: every sample's noise is keyed). ``reward_timeout_s=None`` checks answers one at a time. A sample
+    that ran out of tokens is graded knowing it (``is_correct``'s finish reason).
     """
     if isinstance(ks, int):
         ks = [ks]
@@ -130,7 +133,7 @@ def evaluate(engine_generate: EngineGenerate, tokenizer, rows: list[dict], *, n_
         results += out
     texts = [r.text for r in results]
     labels = [str(row["label"]) for row in rows for _ in range(n_samples)]
-    flat_correct, failed = _score(texts, labels, reward_timeout_s)
+    flat_correct, failed = _score(texts, labels, [r.finish_reason for r in results], reward_timeout_s)
 
     def grouped(values: list) -> list[list]:
         return [values[i * n_samples:(i + 1) * n_samples] for i in range(len(rows))]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from runtime.config import GrpoConfig
 from runtime.grpo.collect import Collector, sampling_params
@@ -104,28 +104,32 @@ class TrainSession:
         self.weights.push(target)
         self.at = target
 
-    # -- one rollout: collect → advantages → train → push weights --------------------------------
+    # -- the memory hand-off: the engine's turn on a colocated GPU --------------------------------
     @contextmanager
-    def generating(self):
-        """The GPU to the engine while it generates (a rollout's or an evaluation's), then back: the trainer's
-        grads, master weights and Adam go to the host (its freed blocks back to the driver: under Ray the
-        trainer is another process, whose cached blocks the engine could not use), the KV pool comes back;
-        after, the reverse."""
-        colocated = self.cfg.cluster.colocate
+    def engine_turn(self) -> Iterator[dict[str, Any]]:
+        """Every generate of the loop runs inside one (a rollout's, an evaluation's, a benchmark's warm-up):
+        the trainer's grads, master weights and Adam go to the host (when offloading) and the engine's KV
+        pool comes back; after the block the pool is freed and the trainer's state returns. Yields what
+        the moves reported (`offload` / `reload`: bytes and seconds; None where nothing moved). A block
+        that raises leaves the memory as it is (the chunk fails; its actors are rebuilt). Under Ray the
+        trainer is another process: the offload also hands its freed blocks back to the driver, which the
+        engine could not use otherwise (an evaluation on two H100s ran out of memory beside 51.7 GiB of them)."""
+        moved: dict[str, Any] = {"offload": None, "reload": None}
         if self.offload:
-            self.trainer.offload_state()
-        if colocated:
+            moved["offload"] = self.trainer.offload_state()
+        if self.cfg.cluster.colocate:
             self.engine.resume_memory()  # the KV pool back from the last update
-        yield
-        if colocated:
+        yield moved
+        if self.cfg.cluster.colocate:
             self.engine.release_memory()  # the trainer gets the memory generation used
         if self.offload:
-            self.trainer.reload_state()
+            moved["reload"] = self.trainer.reload_state()
 
+    # -- one rollout: collect → advantages → train → push weights --------------------------------
     def rollout(self, rollout_id: int) -> dict[str, Any]:
         c = self.cfg
         t0 = time.time()
-        with self.generating():
+        with self.engine_turn():
             # generate + score (+ dynamic sampling; partial rollout: with the groups the last rollout left)
             batch = self.collector.collect(rollout_id, self.state["cursor"], self.state.get("partial"))
             adv = advantages(batch, c.rollout.n_samples_per_prompt, c.algorithm.normalize_adv_std)
@@ -195,7 +199,7 @@ class TrainSession:
             self.ensure_at(ckpt)
         c = self.cfg
         results = {}
-        with self.generating():
+        with self.engine_turn():  # as a rollout generates: the trainer's state off a shared GPU
             for name in c.data.eval:
                 results[name] = evaluate(
                     self.engine.generate, self.tokenizer, read_prepared(self.rd.eval_data(name)),

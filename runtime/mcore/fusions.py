@@ -51,6 +51,8 @@ import warnings
 
 import torch
 
+from runtime.devices import is_out_of_memory
+
 FUSIONS = ("rope", "swiglu", "bda", "gqa", "norm")
 
 
@@ -126,9 +128,9 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved
         return apply_rope(t, freqs, interleaved)
     try:
         return apply_rope(t, freqs, interleaved, rotate=fn)
-    except torch.OutOfMemoryError:
-        raise
     except Exception as e:  # noqa: BLE001 - a compiler failure: the same math eagerly, from now on
+        if is_out_of_memory(e):  # also one the compiler wrapped: memory, not the compiler
+            raise
         _ROPE["compiled"], _ROPE["error"] = None, f"{type(e).__name__}: {e}"[:500]
         warnings.warn(f"grpoflow fused RoPE: torch.compile failed, using eager RoPE ({_ROPE['error']})")
         return apply_rope(t, freqs, interleaved)

@@ -1,4 +1,9 @@
-"""Rule-based rewards: fn(response, label, metadata=None) -> float, and bounded-time batch scoring.
+"""Rule-based rewards: fn(response, label, metadata=None, *, finish_reason=None) -> float, and bounded-time scoring.
+
+A reward gets the sample's finish reason ("stop", "length", "abort") when it declares a `finish_reason`
+parameter (`contract.call_reward`; a user's three-argument reward is called as before). The built-ins
+are bounded in time for any caller: through `score_batch` by its deadline, called directly by
+`timeout.DIRECT_CALL_TIMEOUT_S` (`timeout.bounded`).
 
 The rule each built-in reward follows (its module says more; `catalog.grader_record` names the
 rule's version beside every score that is kept):
@@ -8,7 +13,11 @@ rule's version beside every score that is kept):
     \\boxed and the last `Answer:` line; without either, the last "answer is" sentence; without that,
     a one-line response read whole. A multi-line response that states none of these scores 0.
   truncation: an unclosed last box scores 0; no earlier box or number stands in for it. A `<think>`
-    left open is graded on the whole text, but its lone line is not read as an answer.
+    never closed states no answer. A sample that ran out of tokens (finish reason "length") states one
+    only after a `</think>`, and an `Answer:` line, "answer is" sentence or one-line response that runs
+    to the cut states none (the model was still writing it); a complete box, line or sentence before
+    the cut stands. Without a finish reason (a direct call) a text that ends mid-sentence counts as cut
+    ("... the number of such pairs is 46, and the" states nothing).
   leniency: the answer's text is read as LaTeX, the way a box is (`Answer: 2^{10}` is 1024), after
     `answers.clean_answer` drops `$` delimiters, `\\$`, `\\text{}`, unit words, degree and percent
     signs (a percent sign is a unit: `300\\%` states 300), thousands separators (`1{,}000`,
@@ -17,13 +26,14 @@ rule's version beside every score that is kept):
 
 `dapo` (+1 / -1):
   format: only the last `Answer:` line within the last 300 characters counts.
-  truncation: an unclosed box on that line scores -1.
+  truncation: an unclosed box on that line scores -1; so does a line inside a `<think>` never closed,
+    or one that runs to the cut (as in `math`).
   leniency: canonical strings (cleaned as above, as DAPO's reference drops `\\$` and unit words)
     equal, or else math-verify equality as in `math`.
 
 `deepscaler` (1 / 0):
   format: only the last box after `</think>` counts; `<think>` never closed scores 0.
-  truncation: an unclosed last box scores 0.
+  truncation: an unclosed last box scores 0; so does a sample that ran out of tokens without `</think>`.
   leniency: as `math`.
 """
 

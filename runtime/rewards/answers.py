@@ -3,6 +3,12 @@
 Pure string work shared by every built-in reward: where the answer is (a box, an `Answer:` line, an
 "answer is" sentence), whether it was cut off, and the clean-up that makes `\\$42`, `7 dollars`,
 `1{,}000` or `\\boxed 7.` read as the number they state.
+
+Cut off: the engine says why a sample ended (its finish reason: "stop", or "length" / "abort" when it was
+cut off). Without it (a direct call) a text that ends mid-sentence (`ends_mid_sentence`: "... the
+number of such pairs is 46, and the") counts as cut off. A cut-off statement states nothing: an
+`Answer:` line, an "answer is" sentence or a one-line response that runs to the cut, an unclosed box;
+a complete box, line or sentence before the cut still stands.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ ANSWER_LINE = re.compile(r"answer\s*:", re.IGNORECASE)
 _ANSWER_PHRASE = re.compile(r"\banswer\s+is\b\s*:?", re.IGNORECASE)
 # The end of a sentence: a period, then a space or the end (not the point of 0.5).
 _SENTENCE_END = re.compile(r"\.(?:\s|$)")
+# Finish reasons of a sample that was cut off (`runtime.rollout.base.SampleResult.finish_reason`).
+CUT_OFF = ("length", "abort")
 
 
 class FinalAnswer(NamedTuple):
@@ -74,41 +82,101 @@ def after_think(response: str) -> str | None:
     return response
 
 
-def _rest_of_line(text: str, start: int) -> str:
-    return text[start:].split("\n", 1)[0].strip()
+def answer_region(response: str, finish_reason: str | None = None) -> str | None:
+    """The part of a response that can state its final answer: `after_think`'s, except that a sample cut
+    off (finish reason in `CUT_OFF`) states one only after a `</think>`: without it, all it wrote is
+    thinking that never ended (a template may open `<think>` in the prompt) or an answer never concluded."""
+    if finish_reason in CUT_OFF and "</think>" not in response:
+        return None
+    return after_think(response)
 
 
-def final_answer(response: str, *, finished: bool = True) -> FinalAnswer | None:
+# A text ends mid-sentence when its last character continues what came before it ...
+_CONTINUING_END = re.compile(r"[,;:=+\-/(\[{^_&<>\\]$")
+# ... or its last word is one a sentence does not end with
+_CONTINUING_WORDS = frozenset(
+    "a an the and or but so then thus hence therefore of to in on at by for with from as into than that which "
+    "who whose where when while if since because is are was were be been being has have had we it its this "
+    "these those their our each every let plus minus times over divided not no also".split())
+# or it stops right after a LaTeX command that still needs its argument
+_CONTINUING_COMMANDS = frozenset(
+    "frac dfrac tfrac sqrt binom cdot times div pm mp le leq ge geq ne neq approx equiv to left text textbf "
+    "mathrm boxed".split())
+
+
+def ends_mid_sentence(text: str) -> bool:
+    """Whether a text stops inside a sentence, as one cut off does: after a comma, an operator or an
+    opening bracket, after a word a sentence does not end with ("... is 46, and the"), after a LaTeX
+    command still waiting for its argument, or inside a brace or `\\(...\\)` (`\\frac{1}{2`). A text that
+    ends after a number, a closed formula or a sentence's end reads as complete."""
+    s = text.rstrip()
+    if not s:
+        return False
+    if _CONTINUING_END.search(s):
+        return True
+    command = re.search(r"\\([A-Za-z]+)$", s)
+    if command is not None:
+        return command.group(1) in _CONTINUING_COMMANDS
+    word = re.search(r"(?<![A-Za-z\\])([A-Za-z]+)$", s)
+    if word is not None and word.group(1).lower() in _CONTINUING_WORDS:
+        return True
+    # (not a lone `$`: it may be a dollar sign)
+    last_line = s.replace("\\{", "").replace("\\}", "").rsplit("\n", 1)[-1]
+    return last_line.count("{") > last_line.count("}") or s.count("\\(") > s.count("\\)") \
+        or s.count("\\[") > s.count("\\]")
+
+
+def _line_end(text: str, start: int) -> int:
+    end = text.find("\n", start)
+    return len(text) if end < 0 else end
+
+
+def final_answer(response: str, *, cut_off: bool | None = None) -> FinalAnswer | None:
     """The answer a response states last, by this precedence:
 
     1. whichever comes later of the last \\boxed and the last `Answer:` line (a box on that line is
        the line's answer); an unclosed last box, or an unclosed box on the winning line, states
        nothing (truncated), and no earlier answer stands in for it;
     2. else the last "answer is" sentence;
-    3. else a one-line response, read whole (`42`, `so the total is 42`), unless `finished` is
-       False (a `<think>` left open: that line is thinking, not an answer);
+    3. else a one-line response, read whole (`42`, `so the total is 42`);
     4. else None: a multi-line response that never states an answer (typically one cut off).
+
+    cut_off: whether the text stops where the sample was cut off (True: it ran out of tokens; False: the
+    model ended it; None: not known, and a text that `ends_mid_sentence` counts as cut off). An `Answer:`
+    line, an "answer is" sentence or a one-line response that runs to the cut states nothing: the model
+    was still writing it (`Answer: 46` cut there could have gone on to 460). A complete box does not
+    depend on what follows it.
     """
+    cut = ends_mid_sentence(response) if cut_off is None else cut_off
     box = box_contents(response)
     lines = list(ANSWER_LINE.finditer(response))
     line_start = lines[-1].start() if lines else -1
     if box is not None and box[0] > line_start:
         return FinalAnswer(box[1], "box") if box[1] is not None else None
     if lines:
-        text = _rest_of_line(response, lines[-1].end())
+        start = lines[-1].end()
+        end = _line_end(response, start)
+        text = response[start:end].strip()
         if _BOX in text:
             boxed = last_boxed(text)
             return FinalAnswer(boxed, "box") if boxed is not None else None
+        if cut and end == len(response):
+            return None  # the line runs to the cut
         return FinalAnswer(text, "answer_line") if clean_answer(text) else None
     phrases = list(_ANSWER_PHRASE.finditer(response))
     if phrases:
-        text = _rest_of_line(response, phrases[-1].end())
-        end = _SENTENCE_END.search(text)
-        text = text[: end.start()] if end else text
+        start = phrases[-1].end()
+        line = response[start:_line_end(response, start)]
+        sentence_end = _SENTENCE_END.search(line)
+        stop = start + (sentence_end.start() if sentence_end else len(line))
+        rest = response[stop:]
+        if cut and "\n" not in rest and (not rest.strip() or rest == "."):
+            return None  # the sentence runs to the cut (`46.` there could have been 46.5)
+        text = response[start:stop].strip()
         return FinalAnswer(text, "answer_phrase") if clean_answer(text) else None
-    stripped = response.strip()
-    if finished and stripped and "\n" not in stripped:
-        return FinalAnswer(stripped, "whole_response")
+    whole = response.strip()
+    if whole and "\n" not in whole and not cut:
+        return FinalAnswer(whole, "whole_response")
     return None
 
 

@@ -1,18 +1,16 @@
-"""Reward functions by name: built-ins or `package.module:function`."""
+"""Reward functions by name: built-ins or `package.module:function` (called as `contract.call_reward` says)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
 import sys
-from collections.abc import Callable
 
 from runtime.errors import ConfigError
+from runtime.rewards.contract import RewardFn
 from runtime.rewards.dapo import dapo_reward
 from runtime.rewards.deepscaler import deepscaler_reward
 from runtime.rewards.math_reward import math_reward
-
-RewardFn = Callable[..., float]  # fn(response: str, label: str, metadata: dict | None = None) -> float
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "math": math_reward,

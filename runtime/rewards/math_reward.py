@@ -1,7 +1,10 @@
 """`math` reward: the response's final answer graded against the label by math-verify (1.0 / 0.0).
 
 Which text is the final answer: `answers.final_answer` (the later of the last box and the last
-`Answer:` line; an unclosed last box states nothing), after the last `</think>` when there is one.
+`Answer:` line; an unclosed last box states nothing), after the last `</think>` when there is one
+(`answers.answer_region`: thinking that never closed states nothing, and a sample that ran out of
+tokens states an answer only after a `</think>`). A statement cut off by the end of the sample states
+nothing: the finish reason says so when the caller passes it, else a text ending mid-sentence does.
 How it is read: `parse_answer` cleans it (`answers.clean_answer`) and gives it to math-verify as LaTeX,
 the way a box's content is read, because math-verify reads LaTeX only inside delimiters: a bare
 `2^{10}` as plain text is the number 2.
@@ -10,32 +13,18 @@ the way a box's content is read, because math-verify reads LaTeX only inside del
 from __future__ import annotations
 
 import re
-import threading
 
 from math_verify import parse, verify
 
-from runtime.rewards.answers import after_think, clean_answer, final_answer, has_math_delimiters, is_prose, last_boxed
+from runtime.rewards.answers import (CUT_OFF, answer_region, clean_answer, final_answer, has_math_delimiters, is_prose,
+                                     last_boxed)
+from runtime.rewards.timeout import bounded
+from runtime.rewards.verify_timeouts import math_verify_timeout as _math_verify_timeout
 
 FAIL_VALUE = 0.0
-RULE_VERSION = "math-2"  # bump when a change can turn a score; recorded beside every eval (catalog.grader_record)
-
-# math-verify's own timeouts use SIGALRM, which only the main thread may set. They are off unless a
-# process turns them on (the reward worker processes of timeout.py do, as a second bound under the
-# caller's deadline): a direct call is then free of wall-clock effects and scores the same on any host.
-MATH_VERIFY_TIMEOUT_S = 5
-_math_verify_timeout_s: int | None = None
+RULE_VERSION = "math-3"  # bump when a change can turn a score; recorded beside every eval (catalog.grader_record)
 
 _LATEX_MARKUP = re.compile(r"[\\^{}$]")
-
-
-def set_math_verify_timeout(seconds: int | None) -> None:
-    """Turn math-verify's own per-call timeouts on (seconds) or off (None) in this process."""
-    global _math_verify_timeout_s
-    _math_verify_timeout_s = seconds
-
-
-def _math_verify_timeout() -> int | None:
-    return _math_verify_timeout_s if threading.current_thread() is threading.main_thread() else None
 
 
 def _parse_latex(text: str) -> list:
@@ -72,11 +61,13 @@ def answer_equals_label(answer_text: str, label: str) -> bool:
     return answers_match(parse_label(label), parse_answer(answer_text))
 
 
-def extract_answer(response: str) -> list:
-    """Parsed final answer of a response (empty when it states none), by the module docstring."""
-    graded = after_think(response)
-    # thinking left open (cut off): a box or Answer: line in it still states an answer
-    answer = final_answer(graded) if graded is not None else final_answer(response, finished=False)
+def extract_answer(response: str, finish_reason: str | None = None) -> list:
+    """Parsed final answer of a response (empty when it states none), by the module docstring;
+    finish_reason: why the sample ended ("stop", "length", "abort"), None when not known."""
+    graded = answer_region(response, finish_reason)
+    if graded is None:
+        return []
+    answer = final_answer(graded, cut_off=None if finish_reason is None else finish_reason in CUT_OFF)
     if answer is None:
         return []
     if answer.source == "whole_response" and not _LATEX_MARKUP.search(answer.text):
@@ -85,11 +76,21 @@ def extract_answer(response: str) -> list:
     return parse_answer(answer.text)
 
 
-def is_correct(response: str, label: str) -> bool:
-    """Whether the response's final answer equals the label (math-verify). Evaluation uses this,
-    whatever reward trained the model."""
-    return answers_match(parse_label(label), extract_answer(response))
+def grade(response: str, label: str, finish_reason: str | None = None) -> bool:
+    """Whether the response's final answer equals the label (math-verify), here and now, without a time
+    bound (`math_reward` and `is_correct` are bounded)."""
+    return answers_match(parse_label(label), extract_answer(response, finish_reason))
 
 
-def math_reward(response: str, label: str, metadata: dict | None = None) -> float:
-    return 1.0 if is_correct(response, label) else 0.0
+@bounded
+def math_reward(response: str, label: str, metadata: dict | None = None, *, finish_reason: str | None = None) -> float:
+    """1.0 when the final answer equals the label, else 0.0; a direct call returns within
+    `timeout.DIRECT_CALL_TIMEOUT_S` (0.0 when cut off, e.g. on a power tower sympy would evaluate)."""
+    return 1.0 if grade(response, label, finish_reason) else 0.0
+
+
+def is_correct(response: str, label: str, finish_reason: str | None = None) -> bool:
+    """Whether the response's final answer equals the label (math-verify), bounded in time as
+    `math_reward` is (a check that cannot finish is wrong). Evaluation uses this, whatever reward trained
+    the model."""
+    return math_reward(response, label, finish_reason=finish_reason) > 0

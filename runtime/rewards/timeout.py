@@ -10,11 +10,16 @@ One pool per process, created on first use, reused across batches (start-up is a
 the math-verify import, about a second per worker). Workers are fresh interpreters started with
 subprocess, not multiprocessing: nothing is forked from a parent holding torch, Ray or threads, and
 unlike multiprocessing's spawn the parent's __main__ (a user's script, a REPL) is never re-imported.
+
+`bounded` gives the built-in rewards the same bound when they are called directly (not through
+`score_batch`): outside a reward worker such a call is a batch of one item with `DIRECT_CALL_TIMEOUT_S`,
+so no input holds its caller longer; inside a worker (the call `score_batch` made) it runs as it is.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 import os
@@ -29,6 +34,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 
 from runtime.errors import ConfigError
+from runtime.rewards.contract import call_reward, takes_finish_reason
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +42,9 @@ logger = logging.getLogger(__name__)
 # environment problem worth an error, not an endless wait.
 WORKER_START_TIMEOUT_S = 120.0
 _MAX_CONSECUTIVE_START_FAILURES = 3
+# A built-in reward called directly (`bounded`) returns within this long (its failure value if it must be cut off).
+DIRECT_CALL_TIMEOUT_S = 10.0
+_in_worker = False  # set in a reward worker process: the rewards `bounded` run there as they are
 
 
 def reward_fail_value(fn: Callable) -> float:
@@ -49,29 +58,35 @@ def _worker_main(conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # pay the sympy import before the first deadline; math-verify's own alarms are a second bound
     # here (a slow parse gives a wrong answer instead of a killed worker), under the item deadline
-    from runtime.rewards.math_reward import MATH_VERIFY_TIMEOUT_S, set_math_verify_timeout
+    import math_verify  # noqa: F401
+
+    from runtime.rewards.verify_timeouts import MATH_VERIFY_TIMEOUT_S, set_math_verify_timeout
 
     set_math_verify_timeout(MATH_VERIFY_TIMEOUT_S)
+    global _in_worker
+    _in_worker = True
 
     conn.send(("ready", None))
-    loaded: dict[bytes, Callable] = {}
+    loaded: dict[bytes, tuple[Callable, bool]] = {}
     while True:
         try:
-            fn_blob, path, response, label, metadata = conn.recv()
+            fn_blob, path, response, label, metadata, finish_reason = conn.recv()
         except (EOFError, OSError):  # the parent is gone
             return
         if path is not None:
             sys.path[:] = path
-        fn = loaded.get(fn_blob)
-        if fn is None:
+        entry = loaded.get(fn_blob)
+        if entry is None:
             try:
                 fn = pickle.loads(fn_blob)
             except BaseException as e:
                 conn.send(("load_error", f"{type(e).__name__}: {e}"))
                 continue
-            loaded = {fn_blob: fn}
+            entry = (fn, takes_finish_reason(fn))
+            loaded = {fn_blob: entry}
+        fn, takes = entry
         try:
-            conn.send(("ok", float(fn(response, label, metadata))))
+            conn.send(("ok", float(call_reward(fn, response, label, metadata, finish_reason, takes=takes))))
         except BaseException as e:  # SystemExit from user code included: the worker must survive it
             conn.send(("error", f"{type(e).__name__}: {e}"[:500]))
 
@@ -153,10 +168,10 @@ class RewardPool:
             path = tuple(sys.path)
             for worker in self._workers:
                 if worker.ready and worker.item is None and next_item < len(items):
-                    response, label, metadata = items[next_item]
+                    response, label, metadata, finish_reason = items[next_item]
                     sent_path = None if worker.synced_path == path else list(path)
                     try:
-                        worker.conn.send((fn_blob, sent_path, response, label, metadata))
+                        worker.conn.send((fn_blob, sent_path, response, label, metadata, finish_reason))
                     except (pickle.PicklingError, TypeError, AttributeError) as e:
                         results[next_item] = ("error", f"cannot send item to a worker: {e}")
                         done += 1
@@ -241,15 +256,21 @@ def score_batch(
     *,
     fail_value: float | None = None,
     parallel: bool = True,
+    finish_reasons: Sequence[str | None] | None = None,
 ) -> tuple[list[float], int]:
     """Rewards for a batch and the number of items that failed (raised, non-finite, or timed out).
 
-    Failed items get `fail_value`, by default the reward's own (`reward_fail_value`).
-    `parallel=False` runs inline, without a timeout: only for rewards trusted to return promptly.
+    Failed items get `fail_value`, by default the reward's own (`reward_fail_value`). finish_reasons:
+    per response why its sample ended ("stop", "length", "abort"), given to rewards that take it
+    (`contract.call_reward`). `parallel=False` runs inline, without a timeout: only for rewards trusted to
+    return promptly (a built-in still bounds itself, `bounded`).
     """
-    if not len(responses) == len(labels) == (len(metadatas) if metadatas is not None else len(responses)):
-        raise ValueError("responses, labels and metadatas must have the same length")
-    metadatas = metadatas if metadatas is not None else [None] * len(responses)
+    n = len(responses)
+    if not n == len(labels) == (len(metadatas) if metadatas is not None else n) \
+            == (len(finish_reasons) if finish_reasons is not None else n):
+        raise ValueError("responses, labels, metadatas and finish_reasons must have the same length")
+    metadatas = metadatas if metadatas is not None else [None] * n
+    finish_reasons = finish_reasons if finish_reasons is not None else [None] * n
     fallback = reward_fail_value(fn) if fail_value is None else float(fail_value)
     if not responses:
         return [], 0
@@ -269,12 +290,13 @@ def score_batch(
                 f"rollout.reward: reward function {name} cannot be sent to a worker process ({e}); "
                 "define it at module level in an importable module"
             ) from e
-        outcomes = get_pool().run(fn_blob, list(zip(responses, labels, metadatas)), timeout_s)
+        outcomes = get_pool().run(fn_blob, list(zip(responses, labels, metadatas, finish_reasons)), timeout_s)
     else:
         outcomes = []
-        for item in zip(responses, labels, metadatas):
+        takes = takes_finish_reason(fn)
+        for item in zip(responses, labels, metadatas, finish_reasons):
             try:
-                outcomes.append(("ok", float(fn(*item))))
+                outcomes.append(("ok", float(call_reward(fn, *item, takes=takes))))
             except Exception as e:
                 outcomes.append(("error", f"{type(e).__name__}: {e}"))
 
@@ -291,6 +313,23 @@ def score_batch(
             "%d of %d rewards failed and got %g; first: %s", len(failures), len(rewards), fallback, failures[0]
         )
     return rewards, len(failures)
+
+
+def bounded(fn: Callable) -> Callable:
+    """`fn` (a reward at module level) bounded in time for a direct caller: called outside a reward worker
+    it runs in one, as a `score_batch` of one item with `DIRECT_CALL_TIMEOUT_S` (its failure value when it
+    is cut off: a stuck sympy computation can only be stopped by killing its process); called inside a
+    worker (where `score_batch` sent it) it runs as it is, under that call's deadline."""
+
+    @functools.wraps(fn)
+    def call(response, label, metadata=None, *, finish_reason=None):
+        if _in_worker:
+            return fn(response, label, metadata, finish_reason=finish_reason)
+        (value,), _ = score_batch(call, [response], [label], [metadata], DIRECT_CALL_TIMEOUT_S,
+                                  finish_reasons=[finish_reason])
+        return value
+
+    return call
 
 
 @atexit.register

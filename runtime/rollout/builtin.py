@@ -76,10 +76,12 @@ class BuiltinEngine(RolloutEngine):
         compile_decode: bool | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         sync_every: int = 16,
+        gpu_memory_gb: float | None = None,
     ):
         """decode_path: "auto" = the paged decoder (`paged_decode`) where the model family has it, else HF's
         forward; "paged" insists (error if the family lacks it); "hf" = HF's forward with a dynamic cache
-        (the reference). kv_cache_gb: the paged pool's size in GiB; None: `kv_pages.kv_pool_bytes`'s default. cuda_graphs / compile_decode: None = on for CUDA."""
+        (the reference). kv_cache_gb: the paged pool's size in GiB; None: `kv_pages.kv_pool_bytes`'s default. cuda_graphs / compile_decode: None = on for CUDA.
+        gpu_memory_gb: the card the run's plan is for (`cluster.gpu_memory_gb`), named if the device runs out of memory."""
         if max_batch_size < 1:
             raise ConfigError(f"rollout max_batch_size must be >= 1, got {max_batch_size}: fix rollout.max_batch_size")
         if attn_implementation not in _ATTN_IMPLEMENTATIONS:
@@ -119,7 +121,7 @@ class BuiltinEngine(RolloutEngine):
                 from runtime.rollout.paged_decode import PagedDecoder
                 self.decoder = PagedDecoder(self.model, max_rows=self.max_batch_size, kv_cache_gb=kv_cache_gb,
                                             page_size=page_size, cuda_graphs=cuda_graphs, compile=compile_decode,
-                                            sync_every=sync_every)
+                                            sync_every=sync_every, gpu_memory_gb=gpu_memory_gb)
             elif decode_path != "auto":
                 raise ConfigError(f"rollout.decode_path {decode_path!r} asked for, but {model_dir}: {reason}; "
                                   f"set rollout.decode_path: hf")

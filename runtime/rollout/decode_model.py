@@ -5,7 +5,8 @@ forward): q/k/v and gate/up are fused into one buffer each and the HF parameters
 so the engine's `update_weights` (which copies into `model.state_dict()` tensors) updates the
 decoder in place and captured CUDA graphs stay valid. The per-layer pieces (norm + fused QKV +
 q/k-norm + RoPE; o-proj + residual + norm + fused gate/up + SwiGLU + down) go through torch.compile
-on CUDA (dynamic shapes: one compile serves prefill and every decode batch size). GLM4 differs in three
+on CUDA (dynamic shapes: one compile serves prefill and every decode batch size; a failure inside a compiled
+piece is raised as the "compile" feature's, `speed_features`). GLM4 differs in three
 places, each a setting of the same pieces: RoPE on the first `partial_rotary_factor` of each head with
 interleaved pairs, a norm after the attention and after the MLP (before each residual add), and q/k/v
 biases (which Qwen2 has too).
@@ -18,7 +19,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from runtime.devices import is_out_of_memory
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_next, uniform_noise
+from runtime.rollout.speed_features import guarded
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "glm4")
 
@@ -202,6 +205,7 @@ class FusedModel:
         self.inv_freq = inner.rotary_emb.inv_freq.to(self.device, torch.float32)
         self.rope_scale = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
         self.vocab = int(self.lm.shape[0])
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
         self.interleaved = cfg.model_type == "glm4"
         self.layers = []
         with torch.no_grad():
@@ -225,14 +229,18 @@ class FusedModel:
                 _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)
                 uniform_noise(torch.zeros(1, dtype=torch.long, device=self.device),
                               torch.zeros(1, dtype=torch.long, device=self.device), self.vocab)  # counters cached
-                self._pre = torch.compile(self._pre, dynamic=True)
-                self._post = torch.compile(self._post, dynamic=True)
-                self._head = torch.compile(self._head, dynamic=True)
-                self._plain = torch.compile(plain_sample, dynamic=True)
-                self._gumbel = compiled_gumbel_noise()
+                # torch.compile compiles at a piece's first call: what fails there is the compiler's
+                self._pre = guarded("compile", torch.compile(self._pre, dynamic=True))
+                self._post = guarded("compile", torch.compile(self._post, dynamic=True))
+                self._head = guarded("compile", torch.compile(self._head, dynamic=True))
+                self._plain = guarded("compile", torch.compile(plain_sample, dynamic=True))
+                self._gumbel = guarded("compile", compiled_gumbel_noise())
             except Exception as e:  # noqa: BLE001 - no compiler: eager is correct, only slower
+                if is_out_of_memory(e):
+                    raise
                 self.compile_error = f"{type(e).__name__}: {e}"
                 self.compiled = False
+                self._eager_fns()
 
     def _eager_fns(self) -> None:
         """The per-layer pieces with the model's sizes bound (constants to the compiler, not inputs)."""

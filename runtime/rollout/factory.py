@@ -12,4 +12,4 @@ def make_engine(*, cfg: GrpoConfig, model_dir: str, device: str, dtype: str):
     from runtime.rollout.builtin import BuiltinEngine
     return BuiltinEngine(model_dir, device=device, dtype=DTYPES[dtype], max_batch_size=max(cfg.samples_per_rollout, 1),
                          decode_path=cfg.rollout.decode_path, kv_cache_gb=cfg.rollout.kv_cache_gb,
-                         sync_every=cfg.rollout.sync_every)
+                         sync_every=cfg.rollout.sync_every, gpu_memory_gb=cfg.cluster.gpu_memory_gb)

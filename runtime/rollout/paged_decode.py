@@ -29,10 +29,15 @@ responses actually reach, not the longest they could reach.
   FlashAttention-2's varlen kernel on CUDA, SDPA elsewhere.
 * `release()` frees the pool and the captured graphs (the trainer trains meanwhile); the next call
   makes them again.
+* Speed features (`speed_features`): a failure inside the compiler, a graph capture, the Triton or the
+  flash kernel switches that feature off and the call is redone (`steps`). Running out of device memory
+  switches nothing off: it is one `MemoryPlanError` naming the pool, what else was allocated, the card and
+  the settings to change.
 """
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -40,10 +45,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from runtime.devices import is_out_of_memory, out_of_memory_error
+from runtime.errors import MemoryPlanError
 from runtime.rollout.decode_attention import (paged_decode_attention, reference_paged_decode_attention,
                                               split_tokens_for, triton_available)
 from runtime.rollout.decode_model import FusedModel, _cumsum, _flash, _sdpa_prefill
-from runtime.rollout.kv_pages import NULL_PAGE, DEFAULT_PAGE_SIZE, PagePool, kv_pool_bytes, pages_for
+from runtime.rollout.kv_pages import (NULL_PAGE, DEFAULT_PAGE_SIZE, KV_FREE_FRACTION, PagePool, kv_pool_bytes,
+                                      pages_for)
+from runtime.rollout.speed_features import SpeedFeatureFailed, as_feature_failure, guarded
 
 log = logging.getLogger("grpoflow.rollout")
 
@@ -68,10 +77,11 @@ class PagedDecoder(FusedModel):
     def __init__(self, model, *, max_rows: int = 256, kv_cache_gb: float | None = None,
                  page_size: int = DEFAULT_PAGE_SIZE, cuda_graphs: bool | None = None, compile: bool | None = None,
                  sync_every: int = 16, prefill_tokens: int = 16384, attention: str = "auto",
-                 overlap_chunks: bool = True):
+                 overlap_chunks: bool = True, gpu_memory_gb: float | None = None):
         """attention: "auto" (the Triton kernel on CUDA where it applies, else the PyTorch reference),
         "triton" or "reference". overlap_chunks: queue the next decode chunk before reading the last one
-        (the tokens are the same either way; off only to measure what it saves)."""
+        (the tokens are the same either way; off only to measure what it saves). gpu_memory_gb: the card
+        the run's plan is for (`cluster.gpu_memory_gb`), named when the device runs out of memory."""
         super().__init__(model, compile=compile)
         cuda = self.device.type == "cuda"
         self.max_rows = int(max_rows)
@@ -89,6 +99,10 @@ class PagedDecoder(FusedModel):
         self.split_tokens: int | None = None  # the kernel's tokens per split; None: chosen per chunk
         self._chunk_split_tokens = 4096
         self.use_graphs = cuda if cuda_graphs is None else bool(cuda_graphs and cuda)
+        self.gpu_memory_gb = gpu_memory_gb
+        self._paged_attention = guarded("triton", paged_decode_attention)
+        self._flash = guarded("flash", _flash)
+        self._pool_budget = 0  # bytes the pool was last made with (or was being made with)
         self.pool: PagePool | None = None
         self.k_pool = self.v_pool = None
         self.rows = self.prefix_cols = self.own_cols = 0
@@ -104,20 +118,26 @@ class PagedDecoder(FusedModel):
         return 0 if self.k_pool is None else 2 * self.k_pool.numel() * self.k_pool.element_size()
 
     def ensure_pool(self) -> None:
-        """Make the page pool if there is none: `kv_cache_gb` GiB, or (None) its default (`kv_pool_bytes`)."""
-        if self.k_pool is not None:
+        """Make the page pool if there is none: `kv_cache_gb` GiB, or (None) its default (`kv_pool_bytes`).
+        All or nothing: a pool that could not be made whole leaves none behind."""
+        if self.pool is not None:
             return
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
-        pages = kv_pool_bytes(self.kv_cache_gb, self.device.type, free) // self.page_bytes()
+        self._pool_budget = kv_pool_bytes(self.kv_cache_gb, self.device.type, free)
+        pages = self._pool_budget // self.page_bytes()
         if pages < 2:
-            raise MemoryError(f"KV page pool: {kv_pool_bytes(self.kv_cache_gb, self.device.type, free) / 2**30:.3f} GiB "
-                              f"holds no page of {self.page_size} tokens ({self.page_bytes()} bytes); raise "
-                              f"rollout.kv_cache_gb")
+            raise MemoryPlanError(f"KV page pool: {self._pool_budget / 2**30:.3f} GiB holds no page of {self.page_size} "
+                                  f"tokens ({self.page_bytes()} bytes); raise rollout.kv_cache_gb")
         shape = (self.n_layers, int(pages), self.page_size, self.nkv, self.hd)
-        self.k_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.pool = PagePool(int(pages), self.page_size)
         self.graphs.clear()  # they point into the old pool
+        try:
+            k_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        except Exception as e:  # noqa: BLE001 - out of memory is reported with the plan's numbers
+            if is_out_of_memory(e):
+                raise self.out_of_memory(e) from e
+            raise
+        self.k_pool, self.v_pool, self.pool = k_pool, v_pool, PagePool(int(pages), self.page_size)
 
     def release(self) -> None:
         """Drop the page pool and the captured graphs (made again by the next call)."""
@@ -174,7 +194,7 @@ class PagedDecoder(FusedModel):
             self.k_pool[li].view(-1, self.nkv, self.hd).index_copy_(0, write_idx, k)
             self.v_pool[li].view(-1, self.nkv, self.hd).index_copy_(0, write_idx, v)
             if self.use_flash:
-                a = _flash(q, k, v, cu, cu, max(lens), max(lens), True, self.scale)
+                a = self._flash(q, k, v, cu, cu, max(lens), max(lens), True, self.scale)
             else:
                 a = _sdpa_prefill(q, k, v, lens, self.scale)
             h = self._post(h, a.reshape(h.shape[0], -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm)
@@ -197,8 +217,8 @@ class PagedDecoder(FusedModel):
             kc.view(-1, self.nkv, self.hd).index_copy_(0, widx, k)
             vc.view(-1, self.nkv, self.hd).index_copy_(0, widx, v)
             if self.use_triton:
-                a = paged_decode_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols, self.scale,
-                                           split_tokens=self._chunk_split_tokens)
+                a = self._paged_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols, self.scale,
+                                          split_tokens=self._chunk_split_tokens)
             else:
                 a = reference_paged_decode_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols, self.scale)
             h = self._post(h, a.reshape(b, -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm)
@@ -225,11 +245,22 @@ class PagedDecoder(FusedModel):
             self._step(b, sample_fn)
             return
         key = (b, skey, self._chunk_split_tokens if self.use_triton else None)
-        g = self.graphs.get(key)
-        if g is not None:
-            g.replay()
-            return
-        # first step of this shape: run it for real on a side stream (compiles, warms cuBLAS), then capture
+        try:
+            g = self.graphs.get(key)
+            if g is not None:
+                g.replay()
+            else:
+                self.graphs[key] = self._capture(b, sample_fn)
+                self.stats["graphs"] = len(self.graphs)
+        except Exception as e:  # noqa: BLE001 - named the graphs' failure unless it is another's or memory
+            failure = as_feature_failure("cuda_graphs", e)
+            if failure is e:
+                raise
+            raise failure from e
+
+    def _capture(self, b: int, sample_fn: Callable):
+        """The first step of a shape: run for real on a side stream (compiles, warms cuBLAS), then captured
+        into the CUDA graph returned (which later steps replay)."""
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
@@ -239,9 +270,8 @@ class PagedDecoder(FusedModel):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):  # a fresh pool per capture
             self._step(b, sample_fn)
-        self.graphs[key] = g
         self.stats["graph_capture_s"] = self.stats.get("graph_capture_s", 0.0) + time.perf_counter() - t0
-        self.stats["graphs"] = len(self.graphs)
+        return g
 
     # ---- the loop --------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], key_hash: torch.Tensor, sampling, stop_ids: set[int],
@@ -275,10 +305,12 @@ class PagedDecoder(FusedModel):
         length); send it True to stop there (the unfinished come back as "abort"), False to go on. Returns
         what `generate` returns. Where it yields depends only on the requests, the settings and the weights.
 
-        If a speed feature fails at run time (the compiler, graph capture, the Triton or flash kernel),
-        it is switched off, the failure is kept in `stats["fallbacks"]`, and the call is redone up to the
-        check point it had reached (every sample is a pure function of its key, so the redone rounds make
-        what the first made, and the caller is not asked again).
+        If a speed feature fails at run time (the compiler, graph capture, the Triton or flash kernel:
+        `speed_features.SpeedFeatureFailed`), it is switched off, the failure is kept in
+        `stats["fallbacks"]`, and the call is redone up to the check point it had reached (every sample is
+        a pure function of its key, so the redone rounds make what the first made, and the caller is not
+        asked again). Running out of device memory switches nothing off: it is raised as one
+        `MemoryPlanError` with the plan's numbers (`out_of_memory`); any other error as it is.
         """
         answered, stop = 0, False  # check points answered "go on"; whether the caller said stop
         while True:
@@ -294,29 +326,73 @@ class PagedDecoder(FusedModel):
                     done = run.send(stop)
             except StopIteration as end:
                 return end.value
-            except MemoryError:
+            except SpeedFeatureFailed as failed:
+                if not self._switch_off(failed.feature, failed.error):
+                    raise failed.error from None  # nothing left to fall back to
+            except MemoryError:  # the pool's own errors (already with the numbers), the host's
                 raise
-            except Exception as e:  # noqa: BLE001
-                feature = ("compile" if self.compiled else "cuda_graphs" if self.use_graphs
-                           else "triton" if self.use_triton else "flash" if self.use_flash else None)
-                if feature is None:
-                    raise
-                log.warning("paged decode: %s failed (%s: %s); retrying without it", feature, type(e).__name__, e)
-                self.stats.setdefault("fallbacks", []).append(f"{feature}: {type(e).__name__}: {str(e)[:300]}")
-                if feature == "compile":
-                    self.compiled = False
-                    self._eager_fns()
-                elif feature == "cuda_graphs":
-                    self.use_graphs = False
-                elif feature == "triton":
-                    self.use_triton = False
-                else:
-                    self.use_flash = False
-                self.graphs.clear()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+            except Exception as e:
+                if is_out_of_memory(e):
+                    raise self.out_of_memory(e) from e
+                raise
             finally:
                 run.close()  # a call left midway gives its pages back (its own `finally`)
+
+    def _switch_off(self, feature: str, error: BaseException) -> bool:
+        """Switch a failed speed feature off (False: it was off already, nothing to fall back to)."""
+        on = {"compile": self.compiled, "cuda_graphs": self.use_graphs, "triton": self.use_triton,
+              "flash": self.use_flash}[feature]
+        if not on:
+            return False
+        log.warning("paged decode: %s failed (%s: %s); retrying without it", feature, type(error).__name__, error)
+        self.stats.setdefault("fallbacks", []).append(f"{feature}: {type(error).__name__}: {str(error)[:300]}")
+        if feature == "compile":
+            self.compiled = False
+            self._eager_fns()
+        elif feature == "cuda_graphs":
+            self.use_graphs = False
+        elif feature == "triton":
+            self.use_triton = False
+        else:
+            self.use_flash = False
+        self.graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return True
+
+    def out_of_memory(self, error: BaseException) -> MemoryPlanError:
+        """The error to raise for the device running out of memory: one line with the pool, the engine's
+        weights, what else was allocated (a colocated trainer's state left on the GPU, say), the card, and
+        the settings that change them."""
+        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+        dev = self.device
+        error = out_of_memory_error(error) or error  # the allocator's own words, where a compiler wrapped them
+        asked = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", str(error))
+        pool = self.kv_cache_bytes() or self._pool_budget
+        where = "rollout.kv_cache_gb" if self.kv_cache_gb is not None else \
+            f"{KV_FREE_FRACTION:.0%} of the free memory: rollout.kv_cache_gb unset"
+        parts = [f"KV pool {gib(pool)} ({where}{'' if self.k_pool is not None else ', being allocated'})",
+                 f"engine weights {gib(self.weight_bytes)}"]
+        card = []
+        if dev.type == "cuda":
+            try:
+                allocated, reserved = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+                total = torch.cuda.mem_get_info(dev)[1]
+            except Exception:  # noqa: BLE001 - a broken context: the message goes without these numbers
+                pass
+            else:
+                other = max(allocated - self.weight_bytes - self.kv_cache_bytes(), 0)
+                parts += [f"{gib(other)} else allocated on {dev} (e.g. a colocated trainer's state left on the GPU)",
+                          f"{gib(allocated)} allocated and {gib(reserved)} reserved in all"]
+                card.append(f"the device has {gib(total)}")
+        card.append(f"the plan is for a {self.gpu_memory_gb:g} GiB card (cluster.gpu_memory_gb)"
+                    if self.gpu_memory_gb is not None else "cluster.gpu_memory_gb unset (the plan assumes 80 GiB)")
+        return MemoryPlanError(
+            f"rollout engine: out of device memory on {dev}" + (f" (tried to allocate {asked.group(1)})" if asked else "")
+            + f" ({type(error).__name__}): " + "; ".join(parts) + "; " + ", ".join(card)
+            + ". Lower rollout.kv_cache_gb, set cluster.offload_trainer_state: on (the trainer's state off the "
+            "GPU while the engine generates), or set cluster.gpu_memory_gb to this card's size and check the "
+            "plan with grpoflow validate")
 
     @torch.inference_mode()
     def _generate(self, prompts, key_hash, sampling, stop_ids, stop_at, prefixes=None):
@@ -551,7 +627,7 @@ class PagedDecoder(FusedModel):
                                                                                          + self.sync_every, P)
                         if need > pool.free - reserve:
                             if not active and not assign:
-                                raise MemoryError(
+                                raise MemoryPlanError(
                                     f"KV page pool: one sequence of {len(key)} prompt + {made} tokens needs {need} "
                                     f"pages of {P} tokens, the pool has {pool.free} free of {pool.capacity} "
                                     f"({self.kv_cache_bytes() / 2**30:.3f} GiB); raise rollout.kv_cache_gb")
@@ -634,7 +710,7 @@ class PagedDecoder(FusedModel):
                 while sum(growth(s, steps) for s in active) > pool.free:
                     if len(active) == 1:
                         s = active[0]
-                        raise MemoryError(
+                        raise MemoryPlanError(
                             f"KV page pool: one sequence of {len(prompts[row_req[s]])} prompt + "
                             f"{kv_held(s) + steps} tokens needs more than the {pool.capacity} pages of {P} tokens "
                             f"({self.kv_cache_bytes() / 2**30:.3f} GiB); raise rollout.kv_cache_gb")
