@@ -401,6 +401,7 @@ class MegatronTrainer:
         from runtime.trainer import optimizer_checkpoint
         os.makedirs(path, exist_ok=True)
         self.offload.reload()
+        menv.save_results_in_this_process()
         with menv.cuda_to_cpu():
             msd = self.model.sharded_state_dict()
             # one optimizer format for every layout (runtime/trainer/optimizer_checkpoint.py)
