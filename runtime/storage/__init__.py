@@ -32,6 +32,23 @@ def is_remote(uri: str) -> bool:
     return "://" in str(uri) and not str(uri).startswith("file://")
 
 
+def absolute_uri(uri: str) -> str:
+    """``uri`` as it resolves from any working directory: a local path becomes the ``file://`` URI of its
+    absolute path; a remote URI (``s3://``) or a ``file://`` URI is one already."""
+    uri = str(uri)
+    if is_remote(uri) or uri.startswith("file://"):
+        return uri
+    return Path(uri).resolve().as_uri()
+
+
+def path_of(uri: str) -> str:
+    """The local path a ``file://`` URI names (a plain path, or a remote URI, as it is)."""
+    from urllib.request import url2pathname
+
+    uri = str(uri)
+    return url2pathname(urlsplit(uri).path) if uri.startswith("file://") else uri
+
+
 def join(base: str, *parts: str) -> str:
     base = str(base)
     if is_remote(base):
