@@ -246,7 +246,7 @@ def _report_command(args) -> int:
     from runtime.tracking.report import write_report
 
     cfg = frozen_config(RunDir(args.root, args.run_id))  # unknown run id: one line
-    rd = RunDir(args.root, args.run_id, cfg.storage.state_dir)
+    rd = RunDir(args.root, args.run_id, cfg.storage.state_dir).checked()  # the report is written into it
     uri = args.tracking_uri or cfg.tracking.uri
     if uri is None and cfg.tracking.enabled:
         uri = store_uri_for_root(args.root, cfg.storage.state_dir)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import yaml
 
 from runtime import storage
-from runtime.config import DEFAULT_ROOT, GrpoConfig, apply_overrides, config_from_dict, config_with_overrides, dump_config
+from runtime.config import (DEFAULT_ROOT, DuplicateKeyError, GrpoConfig, apply_overrides, config_from_dict,
+                            config_with_overrides, duplicate_key_error, dump_config, load_yaml)
 from runtime.errors import ConfigError
 from runtime.run.directory import RunDir
 from runtime.secrets import mask_tree, masked_fields
@@ -99,7 +100,13 @@ def frozen_config(rd: RunDir, overrides: list[str] | None = None) -> GrpoConfig:
     if not storage.exists(rd.config):
         raise ConfigError(f"unknown run id '{rd.run_id}': no {rd.config} "
                           f"(list runs under {storage.join(rd.root, 'runs')} or check storage.root / --root)")
-    tree = yaml.safe_load(storage.read_text(rd.config))
+    try:
+        tree = load_yaml(storage.read_text(rd.config))
+    except DuplicateKeyError as err:
+        raise duplicate_key_error(rd.config, err) from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{rd.config}: the frozen config of run '{rd.run_id}' is damaged "
+                          f"({' '.join(str(err).split())[:160]})") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{rd.config}: the frozen config of run '{rd.run_id}' is damaged (not a mapping)")
     return config_with_overrides(tree, overrides, rd.config)

@@ -90,7 +90,7 @@ def resume_command(run_id: str, root: str) -> str:
 
 
 def run_status(root: str, run_id: str, *, lease_timeout_s: float | None = None) -> RunStatus:
-    from runtime.config import config_from_dict
+    from runtime.config import config_from_dict, load_yaml
     from runtime.errors import UserError
     from runtime.run.lease import lease_holder
 
@@ -98,7 +98,7 @@ def run_status(root: str, run_id: str, *, lease_timeout_s: float | None = None) 
     holder, stale = lease_holder(rd, lease_timeout_s)
     running = holder is not None and stale is None
     try:
-        tree = yaml.safe_load(storage.read_text(rd.config)) or {}
+        tree = load_yaml(storage.read_text(rd.config)) or {}
         cfg = config_from_dict(tree, rd.config)
     except FileNotFoundError:
         if running:

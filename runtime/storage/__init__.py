@@ -195,6 +195,31 @@ def check_root(root: str, field: str = "storage.root") -> None:
             fs.exists(path)
 
 
+def check_writable(uri: str, field: str = "storage.root", shown: str | None = None) -> None:
+    """Fail early, with one line naming ``field`` and the fix, when a local directory a run writes into (``uri``,
+    or the nearest part of it that exists) cannot be written: a read-only file system, no permission, a path
+    under a file. Probed by making and removing a temp file there; nothing stays. A remote URI is left to
+    the store (:func:`check_root`, :func:`s3_errors`)."""
+    uri = str(uri)
+    if is_remote(uri):
+        return
+    shown = shown or uri
+    probe = Path(path_of(uri)).expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        why = f"{probe} is a file, not a directory"
+    else:
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".grpoflow-write-check-", dir=probe)
+            os.close(fd)
+            os.unlink(tmp)
+            return
+        except OSError as err:
+            why = f"{err.strerror or type(err).__name__}: {probe}"
+    raise ConfigError(f"{field} {shown} cannot be written ({why}); use a directory this user can write for {field}")
+
+
 # ---- a local mirror of remote files -------------------------------------------------------------
 STAGED_SUFFIX = ".staged.json"
 
