@@ -282,9 +282,11 @@ def _resume(args) -> dict | None:
     if finished(cfg, rd):
         # The lease of a writer killed after its last step: taken over and dropped (a live one refuses),
         # and whatever that writer left under a temp name with it.
+        from runtime.run.checkpoint import repair_latest
         from runtime.run.leftovers import remove_temp_leftovers
-        with RunLease(rd):
+        with RunLease(rd.checked()):
             remove_temp_leftovers(rd)
+            repair_latest(rd)  # an unreadable `latest` (said once) names the final checkpoint again
         print(f"run {args.run_id} is already finished ({cfg.train.num_rollout} rollouts); to train further, "
               f"resume it with --set train.num_rollout=N (N > {cfg.train.num_rollout})")
         return None

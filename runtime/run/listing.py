@@ -103,7 +103,9 @@ def run_status(root: str, run_id: str, *, lease_timeout_s: float | None = None) 
     except FileNotFoundError:
         if running:
             return RunStatus(run_id, "-", "running", _holder_text(holder), None, "-", "-")
-        return RunStatus(run_id, "-", "unreadable", "no config.yaml", None, "-", "-")
+        from runtime.run.frozen_config import start_again_command
+        return RunStatus(run_id, "-", "stopped", "before its config was frozen", None, "-",
+                         start_again_command(rd, holder))
     except (UserError, yaml.YAMLError) as err:
         return RunStatus(run_id, "-", "unreadable", " ".join(str(err).split())[:160], None, "-", "-")
     total = cfg.train.num_rollout
