@@ -2,8 +2,11 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# No GPU here: install the CPU torch wheel first, so nothing pulls a multi-GB CUDA build.
-TORCH_CPU := torch==2.13.0
+# torch is installed first, at the version constraints-cpu.txt pins. From the default index (PyPI) that is the
+# CUDA build (about 3 GB with its libraries); for the small CPU build name an index that serves it, e.g.
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+TORCH := $(shell grep '^torch==' constraints-cpu.txt)
 
 .PHONY: setup demo test clean
 
@@ -11,7 +14,7 @@ $(BIN)/grpoflow: pyproject.toml constraints-cpu.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1; then echo "GPU found: install your CUDA torch first (see README)"; \
-	 else $(BIN)/pip install -q $(TORCH_CPU); fi
+	 else $(BIN)/pip install -q '$(TORCH)' $(if $(TORCH_INDEX),--index-url '$(TORCH_INDEX)'); fi
 	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[test]'
 	touch $(BIN)/grpoflow
 

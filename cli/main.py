@@ -133,23 +133,46 @@ def _current_aliases(versions: list[dict], tracking_uri: str | None) -> dict[tup
         return None
 
 
+def as_typed(script: str) -> str:
+    """How to type ``script`` (a command of this installation, e.g. grpoflow, mlflow) so that it runs from
+    the shell that started this process: its bare name when that shell's PATH finds this installation's
+    (the venv activated), else its path — relative when it lies under the working directory, as
+    `.venv/bin/grpoflow` does after `make demo`."""
+    import shlex
+    import shutil
+    from pathlib import Path
+
+    path = Path(sys.executable).parent / script  # the venv's bin/, not resolved past its python symlink
+    if not path.is_file():
+        return script
+    found = shutil.which(script)
+    if found and Path(found).resolve() == path.resolve():
+        return script
+    try:
+        return shlex.quote(str(path.relative_to(Path.cwd())))
+    except ValueError:
+        return shlex.quote(str(path))
+
+
 def next_commands(run_id: str, root: str, tracking_uri: str | None) -> list[str]:
-    """What to type next: the report, the registry, the MLflow UI for this run's store."""
+    """What to type next: the report, the registry, the MLflow UI for this run's store — each runnable
+    as printed from the shell that started this run (:func:`as_typed`)."""
     from runtime.tracking.mlflow_tracker import redact_uri, store_uri_for_root
 
+    grpoflow = as_typed("grpoflow")
     root_arg = "" if root == "./grpoflow-data" else f" --root {root}"
-    lines = [f"grpoflow report {run_id}{root_arg}"]
+    lines = [f"{grpoflow} report {run_id}{root_arg}"]
     if not tracking_uri:
         return lines
     try:
         default_store = tracking_uri == store_uri_for_root(root)
     except Exception:  # noqa: BLE001 - a remote root has no default store without state_dir
         default_store = False
-    lines.append("grpoflow models list" + (root_arg if default_store else f" --tracking-uri {redact_uri(tracking_uri)}"))
+    lines.append(f"{grpoflow} models list" + (root_arg if default_store else f" --tracking-uri {redact_uri(tracking_uri)}"))
     if tracking_uri.startswith(("http://", "https://")):
         lines.append(f"open {redact_uri(tracking_uri)} in a browser (the MLflow server of this run)")
     else:
-        lines.append(f"mlflow ui --backend-store-uri {tracking_uri}")
+        lines.append(f"{as_typed('mlflow')} ui --backend-store-uri {tracking_uri}")
     return lines
 
 
@@ -223,7 +246,7 @@ def _report_command(args) -> int:
     from runtime.tracking.report import write_report
 
     cfg = frozen_config(RunDir(args.root, args.run_id))  # unknown run id: one line
-    rd = RunDir(args.root, args.run_id, cfg.storage.state_dir)
+    rd = RunDir(args.root, args.run_id, cfg.storage.state_dir).checked()  # the report is written into it
     uri = args.tracking_uri or cfg.tracking.uri
     if uri is None and cfg.tracking.enabled:
         uri = store_uri_for_root(args.root, cfg.storage.state_dir)
@@ -259,9 +282,11 @@ def _resume(args) -> dict | None:
     if finished(cfg, rd):
         # The lease of a writer killed after its last step: taken over and dropped (a live one refuses),
         # and whatever that writer left under a temp name with it.
+        from runtime.run.checkpoint import repair_latest
         from runtime.run.leftovers import remove_temp_leftovers
-        with RunLease(rd):
+        with RunLease(rd.checked()):
             remove_temp_leftovers(rd)
+            repair_latest(rd)  # an unreadable `latest` (said once) names the final checkpoint again
         print(f"run {args.run_id} is already finished ({cfg.train.num_rollout} rollouts); to train further, "
               f"resume it with --set train.num_rollout=N (N > {cfg.train.num_rollout})")
         return None

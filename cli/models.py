@@ -117,8 +117,7 @@ def parse_spec(spec: str) -> tuple[str, str | None, int | None]:
 def _load_snippet(source: str) -> str:
     from runtime import storage
 
-    if source.startswith("file://"):
-        source = source[len("file://"):]
+    source = storage.path_of(source)
     if not storage.is_remote(source):
         return (f'from transformers import AutoModelForCausalLM, AutoTokenizer\n'
                 f'model = AutoModelForCausalLM.from_pretrained("{source}")\n'
@@ -209,8 +208,10 @@ def _loadable(export_uri: str | None, source: str) -> str:
     """The local export dir when it is on this machine (a server registers an uploaded copy), else the source."""
     from pathlib import Path
 
-    if export_uri and "://" not in export_uri and Path(export_uri).is_dir():
-        return export_uri
+    from runtime import storage
+
+    if export_uri and not storage.is_remote(export_uri) and Path(storage.path_of(export_uri)).is_dir():
+        return storage.path_of(export_uri)
     return source
 
 

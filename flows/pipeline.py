@@ -7,6 +7,7 @@ from runtime import storage
 from runtime.config import DEFAULT_ROOT, load_config
 from runtime.errors import UserError
 from runtime.grpo.preflight import check_fits, check_trainable
+from runtime.run import checkpoint
 from runtime.run.directory import RunDir
 from runtime.run.frozen_config import config_to_resume, freeze, mark_finished
 from runtime.run.leftovers import remove_temp_leftovers
@@ -47,8 +48,10 @@ def grpo_pipeline(config_path: str | None = None, overrides: list[str] | None = 
     rd = RunDir(root or cfg.storage.root, run_id, cfg.storage.state_dir).checked()  # fails early on an unusable S3 root
     new_run = not storage.exists(rd.path)
     try:
-        with RunLease(rd):  # one writer per run
+        with RunLease(rd, started_with=None if resume else _started_with(config_path, overrides)):  # one writer per run
+            moment("leased")
             remove_temp_leftovers(rd)  # of a writer killed mid-write; nobody else writes while we hold the lease
+            checkpoint.repair_latest(rd)  # an unreadable `latest`, or one naming a damaged checkpoint
             cfg = freeze(cfg, rd)  # with the memory plan's choices: the run uses what was frozen
             moment("frozen")
             fetched = _stage(fetch_task, cfg, rd)
@@ -71,6 +74,14 @@ def grpo_pipeline(config_path: str | None = None, overrides: list[str] | None = 
         raise
     return {"run_id": rd.run_id, "run_dir": rd.path, "fetch": fetched, "convert": converted,
             "prepare": prepared, "train": trained}
+
+
+def _started_with(config_path: str, overrides: list[str] | None) -> dict:
+    """How this run was started, secrets masked: kept in its lease until its config is frozen."""
+    from pathlib import Path
+
+    from runtime.secrets import mask_override
+    return {"config": str(Path(config_path).resolve()), "overrides": [mask_override(o) for o in overrides or []]}
 
 
 def _nothing_trained(rd: RunDir) -> bool:

@@ -453,13 +453,69 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+# ---- YAML: one value per key -----------------------------------------------------------------------
+class DuplicateKeyError(yaml.YAMLError):
+    """A key given twice in one mapping. PyYAML keeps the last value silently: `lr:` twice under `train:`, or
+    two `train:` sections, would run with whichever came last."""
+
+    def __init__(self, key: str, line: int, first_line: int):
+        self.key, self.line, self.first_line = key, line, first_line
+        super().__init__(f"line {line}: {key} is given twice (first on line {first_line})")
+
+
+def _check_unique_keys(node, prefix: str = "", visited: set | None = None) -> None:
+    visited = set() if visited is None else visited
+    if id(node) in visited:  # an alias of a node already checked
+        return
+    visited.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`, then a key of base: an override
+                continue
+            if isinstance(key_node, yaml.ScalarNode):
+                key = (key_node.tag, key_node.value)
+                dotted = f"{prefix}{key_node.value}"
+                if key in first:
+                    raise DuplicateKeyError(dotted, key_node.start_mark.line + 1, first[key])
+                first[key] = key_node.start_mark.line + 1
+                _check_unique_keys(value_node, dotted + ".", visited)
+            else:
+                _check_unique_keys(value_node, prefix, visited)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_unique_keys(item, f"{prefix}{i}.", visited)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (:class:`DuplicateKeyError`). Every
+    config a user or a run wrote (config files, frozen configs, --set values) is read with it."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_unique_keys(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def duplicate_key_error(path: str, err: DuplicateKeyError) -> ConfigError:
+    section = "." not in err.key
+    fix = f"merge the two {err.key}: sections into one" if section else "keep one of them"
+    return ConfigError(f"{path}:{err.line}: {err.key} is given twice (first on line {err.first_line}); {fix}")
+
+
 def apply_overrides(tree: dict, overrides: list[str] | None) -> dict:
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set train.lr=1e-5")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else None
+            value = load_yaml(raw) if raw != "" else None
+        except DuplicateKeyError as err:
+            raise ConfigError(f"--set {key.strip()}: {err.key} is given twice in the value; keep one of them") from None
         except yaml.YAMLError:
             value = raw
         _set_path(tree, key.strip(), value)
@@ -533,9 +589,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> GrpoCon
     if not path.is_file():
         raise ConfigError(f"config file not found: {path} (give the path of a YAML config, e.g. configs/tiny.yaml)")
     try:
-        tree = yaml.safe_load(path.read_text())
+        tree = load_yaml(path.read_text())
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text; give a YAML config file") from None
+    except DuplicateKeyError as err:
+        raise duplicate_key_error(str(path), err) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""

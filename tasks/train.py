@@ -42,7 +42,7 @@ def register_task(cfg: GrpoConfig, rd: RunDir, tracking: LazyTracker, rollout: i
 class _PrefectSteps:
     def __init__(self, cfg: GrpoConfig, rd: RunDir, session: TrainSession, tracking: LazyTracker):
         self.cfg, self.rd, self.session, self.tracking = cfg, rd, session, tracking
-        self.table = RolloutTable()
+        self.table = RolloutTable(total=cfg.train.num_rollout)  # rollout i/N and an ETA
 
     def chunk(self, start: int, end: int) -> dict:
         return train_chunk(self.session, start, end, self.table)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import time
+import uuid
 
 # Before Prefect, the hub libraries or Ray are imported anywhere in the session.
 os.environ["GRPOFLOW_RETRY_DELAY_S"] = "0"
@@ -59,6 +61,7 @@ SLOW_MODULES = {
     "test_tracking", "test_sglang", "test_bench_smoke", "test_custom_rollout_run", "test_convert",
     "test_model_families", "test_kill_anywhere", "test_multinode", "test_bad_inputs", "test_resume_repairs",
     "test_demo", "test_report", "test_runs_listing", "test_trainer_memory", "test_partial_rollout",
+    "test_install",  # resolves the install against the public index (network, ~30 s)
 }
 
 
@@ -74,3 +77,85 @@ def pytest_collection_modifyitems(config, items):
         if item.module.__name__.rpartition(".")[2] in SLOW_MODULES or item.get_closest_marker("prefect") \
                 or item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.slow)
+
+
+# ---- no process outlives the session ------------------------------------------------------------------
+# Every process the session starts carries this marker in its environment (set before any starts): Ray's
+# node processes and workers, Prefect and MLflow servers, spawned trainer ranks, and their orphans too —
+# a process whose parent died (say with its Ray node) is no descendant of pytest any more, but it keeps
+# the marker. At the end the session waits briefly for those already exiting, then fails on any left.
+SESSION_MARKER = "GRPOFLOW_TEST_SESSION"
+LEFTOVER_GRACE_S = 30.0
+
+
+def pytest_configure(config):
+    # here, not at import: a Ray worker importing tests.conftest (a test's custom rollout) keeps its marker
+    os.environ[SESSION_MARKER] = f"{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def _session_processes() -> list:
+    """Processes of this session still running: the marker in their environment, or a descendant of this
+    process (a child forked without exec carries the environment pytest was started with)."""
+    import psutil
+
+    me = os.getpid()
+    needle = f"\0{SESSION_MARKER}={os.environ[SESSION_MARKER]}\0".encode()
+    pids = {p.pid for p in psutil.Process(me).children(recursive=True)}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    if needle in b"\0" + f.read():
+                        pids.add(int(entry.name))
+            except OSError:  # gone, or not ours to read
+                pass
+    # This process's own resource tracker ends when this process does (its pipe closes); nothing else may stay.
+    from multiprocessing import resource_tracker
+    pids -= {me, getattr(resource_tracker._resource_tracker, "_pid", None)}
+    found = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _describe(p) -> str:
+    import psutil
+    try:
+        return f"pid {p.pid} (parent {p.ppid()}, {p.memory_info().rss >> 20} MiB): {' '.join(p.cmdline())[:200]}"
+    except psutil.Error:
+        return f"pid {p.pid} (gone)"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import psutil
+
+    if SESSION_MARKER not in os.environ:
+        return
+    import sys
+    if "runtime.rewards.timeout" in sys.modules:  # this process's reward workers, what its atexit would stop
+        sys.modules["runtime.rewards.timeout"].shutdown_pool()
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    left = _session_processes()
+    while left and time.monotonic() < deadline:  # those already exiting (a server told to stop, Ray's workers)
+        psutil.wait_procs(left, timeout=max(0.1, deadline - time.monotonic()))
+        left = _session_processes()
+    if not left:
+        return
+    lines = [f"{len(left)} process(es) started by this test session outlived it (killed now):"]
+    lines += [f"  {_describe(p)}" for p in sorted(left, key=lambda p: p.pid)]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+    for line in lines:
+        reporter.write_line(line, red=True) if reporter else print(line)
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

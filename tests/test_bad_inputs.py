@@ -75,6 +75,8 @@ def inputs(tmp_path_factory, reference_run) -> dict[str, Path]:
     text("syntax.yaml", "model: {source: builtin://tiny-qwen3\n")
     text("unknown-key.yaml", "train: {learning_rate: 1.0}\n")
     text("misspelled.yaml", "trian: {lr: 1.0}\n")
+    text("key-twice.yaml", "name: twice\ntrain:\n  lr: 1.0e-4\n  seed: 2\n  lr: 5.0e-4\n")
+    text("section-twice.yaml", "train: {lr: 1.0e-4}\nrollout: {temperature: 1.0}\ntrain: {seed: 2}\n")
     f["dir.yaml"] = d / "a-directory"
     f["dir.yaml"].mkdir()
     return f
@@ -121,6 +123,9 @@ CASES = [
     ("empty-file", _run(config="empty.yaml"), 2, "empty.yaml: the file is empty"),
     ("list-top-level", _run(config="list.yaml"), 2, "the top level must be a mapping of sections"),
     ("directory", _run(config="dir.yaml"), 2, "is a directory; give the path of a YAML config file"),
+    ("yaml-key-twice", _run(config="key-twice.yaml"), 2, "key-twice.yaml:5: train.lr is given twice (first on line 3)"),
+    ("yaml-section-twice", _run(config="section-twice.yaml"), 2,
+     "section-twice.yaml:3: train is given twice (first on line 1); merge the two train: sections into one"),
     ("set-syntax", _run("train.lr"), 2, "--set 'train.lr': expected section.key=value"),
     ("set-not-a-section", _run("train.lr.x=1"), 2, "--set train.lr.x: 'lr' is not a section"),
     ("top-p-range", _run("rollout.top_p=1.5"), 2, "--set rollout.top_p=1.5: rollout.top_p: Input should be less than or equal to 1"),
@@ -130,6 +135,13 @@ CASES = [
     ("scheme-foo-data", _run("data.train.source=foo://x/train.jsonl"), 2, "unsupported scheme 'foo://'"),
     ("scheme-ftp-data", _run("data.train.source=ftp://host/train.jsonl"), 2, "unsupported scheme 'ftp://'"),
     ("scheme-gs-root", _run("storage.root=gs://bucket/runs"), 2, "storage.root: unsupported scheme 'gs://'"),
+    # -- a storage root that cannot be written (checked by a probe write, so it holds for root too: chmod
+    # does not stop root, a path under a file and sysfs (read-only in containers) do) --------------------
+    ("root-under-a-file", _run("storage.root={malformed_jsonl}/root"), 2, "malformed.jsonl is a file, not a directory"),
+    ("root-in-sysfs", _run("storage.root=/sys/grpoflow-data"), 2,
+     "storage.root /sys/grpoflow-data cannot be written ("),
+    ("state-dir-under-a-file", _run("storage.state_dir={malformed_jsonl}/state"), 2,
+     "malformed.jsonl/state cannot be written ("),
     ("run-id-escape", _run(run_id="../../escape"), 2, "run id '../../escape': use 1-128 letters"),
     ("run-id-nested", _run(run_id="a/b"), 2, "run id 'a/b'"),
     # -- data (a good local model: the data is checked before the model is fetched) ------------------

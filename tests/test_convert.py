@@ -353,3 +353,13 @@ def test_init_parallel_is_idempotent(converted):
     with cuda_to_cpu():
         t = torch.zeros(2, device="cuda")
     assert t.device.type == "cpu"
+
+
+def test_a_torch_dist_save_leaves_no_process_running(converted):
+    """megatron's writer used to keep a spawned Manager process from the first save to the end of the
+    process; a trainer actor killed with its Ray node left it running, orphaned (issue 32)."""
+    import psutil
+
+    spawned = [p.cmdline() for p in psutil.Process().children(recursive=True)
+               if any("spawn_main" in part for part in p.cmdline())]
+    assert not spawned, spawned

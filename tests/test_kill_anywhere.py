@@ -173,3 +173,33 @@ def test_killed_at_a_moment_then_resumed_ends_as_the_reference(reference, moment
     state = _state(root)
     assert state == reference["state"]
     assert_same_checkpoint(checkpoint_tensors(RunDir(str(root), RUN).checkpoint(4), tmp_path), reference["tensors"])
+
+
+def test_killed_before_its_config_was_frozen_resume_says_how_to_start_it(reference, tmp_path, capsys):
+    """Killed holding the lease, before the config was frozen: there is nothing to resume. `resume` says so in
+    one line with the command that started the run (kept in its lease), changes nothing, and that command,
+    run as printed, takes the dead writer's lease over and ends as the reference."""
+    import shlex
+
+    from tests.test_resume import assert_same_checkpoint, checkpoint_tensors
+    root = reference["root"]
+    _close_stores(root)
+    shutil.rmtree(root)
+    root.mkdir()
+    log = tmp_path / "killed.log"
+    ended = reference["zygote"].run(_run_argv(root), {"GRPOFLOW_TEST_KILL_AT": "leased"}, log)
+    assert ended.get("signal") == signal.SIGKILL, f"never reached: {ended}\n{log.read_text()[-3000:]}"
+    rd = RunDir(str(root), RUN)
+    assert Path(rd.sub("lease.json")).is_file() and not Path(rd.config).exists()
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+    assert main(["resume", RUN, "--root", str(root)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"run '{RUN}' was stopped before its config was frozen" in err, err
+    command = shlex.split(err.split("`")[1])
+    assert command == ["grpoflow", "run", str(Path("configs/tiny.yaml").resolve()), *_run_argv(root)[2:]], command
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+
+    assert main(command[1:]) == 0, capsys.readouterr().err[-3000:]
+    assert _state(root) == reference["state"]
+    assert_same_checkpoint(checkpoint_tensors(rd.checkpoint(4), tmp_path), reference["tensors"])

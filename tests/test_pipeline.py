@@ -61,6 +61,10 @@ def _config(tmp_path: Path, body: str) -> str:
     ("train: {learning_rate: 1}\n", "unknown key 'train.learning_rate'"),
     ("train: {global_batch_size: 32}\n", "golden rule violated"),
     ("eval: {interval: 3}\n", "eval.interval=3 must be a multiple of checkpoint.interval"),
+    # a key given twice: YAML loaders keep the last one silently
+    ("train:\n  lr: 1.0e-5\n  seed: 2\n  lr: 2.0e-5\n", "c.yaml:4: train.lr is given twice (first on line 2); keep one"),
+    ("train: {lr: 1.0e-5}\nmodel: {source: builtin://tiny-qwen3}\ntrain: {seed: 2}\n",
+     "c.yaml:3: train is given twice (first on line 1); merge the two train: sections into one"),
 ])
 def test_validate_rejects_bad_configs(tmp_path, capsys, body, expect):
     code, err = _run(["validate", _config(tmp_path, body)], capsys)
@@ -128,6 +132,19 @@ def test_truncated_safetensors_is_a_clear_error(prefect_harness, tmp_path, capsy
                  "--set", f"storage.root={tmp_path / 'root'}"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "truncated or corrupt" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_frozen_config_with_a_key_given_twice_is_one_line_and_left_as_it_is(capsys, tmp_path):
+    from runtime.config import dump_config, load_config
+    rd = RunDir(str(tmp_path), "dup")
+    text = dump_config(load_config("configs/tiny.yaml")) + "train:\n  lr: 0.1\n"  # edited by hand
+    Path(rd.config).parent.mkdir(parents=True)
+    Path(rd.config).write_text(text)
+    line = text.splitlines().index("train:", text.splitlines().index("train:") + 1) + 1
+    code, err = _run(["resume", "dup", "--root", str(tmp_path)], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"{rd.config}:{line}: train is given twice" in err, err
+    assert Path(rd.config).read_text() == text
 
 
 def test_resume_unknown_run_id(capsys, tmp_path):

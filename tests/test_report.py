@@ -98,7 +98,7 @@ def test_report_of_an_unknown_run_is_one_line(reference_run, capsys):
 
 
 def test_closing_summary_lists_evals_versions_and_next_commands(reference_run, capsys, monkeypatch):
-    from cli.main import _summary
+    from cli.main import _summary, as_typed
     monkeypatch.setenv("COLUMNS", "300")  # the table on one line per row
     result, root = reference_run["result"], reference_run["root"]
     _summary(result, root)
@@ -109,5 +109,6 @@ def test_closing_summary_lists_evals_versions_and_next_commands(reference_run, c
     assert re.search(rf"register\s.*{version['name']} version {version['version']} \(ref/rollout_4\) "
                      rf"aliases: best, latest", out), out
     tail = out.strip().splitlines()[-4:]
-    assert tail == ["next:", f"  grpoflow report ref --root {root}", f"  grpoflow models list --root {root}",
-                    f"  mlflow ui --backend-store-uri {store_uri_for_root(root)}"], tail
+    grpoflow = as_typed("grpoflow")  # how this shell runs them (tests/test_demo.py runs them as printed)
+    assert tail == ["next:", f"  {grpoflow} report ref --root {root}", f"  {grpoflow} models list --root {root}",
+                    f"  {as_typed('mlflow')} ui --backend-store-uri {store_uri_for_root(root)}"], tail

@@ -61,6 +61,19 @@ def test_resume_finishes_what_a_kill_after_the_last_eval_left_undone(prefect_har
     assert "already finished" in capsys.readouterr().out
 
 
+def test_a_garbage_latest_in_a_finished_run_is_said_once_and_repaired(reference_run, tmp_path, capsys, caplog):
+    """`checkpoints/latest` overwritten with garbage after the run finished: `resume` says so once, makes it
+    name the final checkpoint again (as any writer does when it takes the lease) and reports the run finished."""
+    root = _copy_reference(reference_run, tmp_path / "root")
+    rd = RunDir(str(root), "ref")
+    Path(rd.latest).write_bytes(b"\x00{not json")
+    assert main(["resume", "ref", "--root", str(root)]) == 0, capsys.readouterr().err
+    assert "already finished" in capsys.readouterr().out
+    said = [r.getMessage() for r in caplog.records if rd.latest in r.getMessage()]
+    assert len(said) == 1 and "is unreadable" in said[0], said
+    assert json.loads(Path(rd.latest).read_text()) == {"rollout": 4, "dir": "rollout_4"}
+
+
 def test_a_half_made_mlflow_store_is_made_again_without_losing_runs(tmp_path):
     """A store killed mid-creation (tables of the first migrations only) used to fail every later open
     ("table ... already exists"). It holds no runs: it is set aside and made again, atomically."""

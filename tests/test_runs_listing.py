@@ -79,7 +79,9 @@ def test_local_root_one_line_per_run(runs_root, reference_run, capsys):
 
     early = by_id["early"]
     assert (early.state, early.detail, early.checkpoint) == ("stopped", "at stage convert", None)
-    assert by_id["empty"].state == "unreadable" and by_id["empty"].detail == "no config.yaml"
+    empty = by_id["empty"]  # a run directory without its frozen config (nor a lease that says how it started)
+    assert (empty.state, empty.detail) == ("stopped", "before its config was frozen")
+    assert empty.resume == f"grpoflow run CONFIG --run-id empty --set storage.root={runs_root}"
 
     line = next(ln for ln in lines if ln.startswith("mid "))
     assert "stopped (at rollout 2 of 4)" in line and line.endswith(f"grpoflow resume mid --root {runs_root}")

@@ -233,7 +233,7 @@ def test_registration_is_idempotent_and_aliases_move_right(root, capsys):
     assert len(c.search_model_versions("name='tiny-reg'")) == 3
     assert aliases_of(c, "tiny-reg") == {"latest": 3, "best": 2}
     v2 = c.get_model_version("tiny-reg", "2")
-    assert v2.source == infos[1]["export_uri"] and v2.run_id == tracker.run_id
+    assert v2.source == Path(infos[1]["export_uri"]).resolve().as_uri() and v2.run_id == tracker.run_id
     assert v2.tags["grpoflow.checkpoint"] == "reg-1/rollout_4" and v2.tags["grpoflow.config_hash"] == "abc123"
     assert float(v2.tags["grpoflow.metric.eval/arith/avg_at_4"]) == 0.5  # first registration's metrics stay
     # the rule that scored those metrics (evaluation's grader) is on the version

@@ -163,9 +163,10 @@ def save_model_torch_dist(model, out_dir: str | os.PathLike, *,
     atomically; ``extra_json`` files (name -> object) are written into the same directory."""
     from megatron.core import dist_checkpointing
 
-    from runtime.mcore.env import cuda_to_cpu, unwrap_model
+    from runtime.mcore.env import cuda_to_cpu, save_results_in_this_process, unwrap_model
 
     gpt = unwrap_model(model)
+    save_results_in_this_process()
     with atomic_dist_dir(out_dir) as tmp:
         with cuda_to_cpu(), _quiet_checkpoint_warnings():
             dist_checkpointing.save(gpt.sharded_state_dict(), str(tmp))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import queue
 import warnings
 from typing import Any
 
@@ -65,6 +66,19 @@ def _remove_cpu_shims() -> None:
         rng = tensor_parallel.random
         torch.cuda.current_device, torch.cuda.synchronize, rng._get_cuda_rng_state, rng._set_cuda_rng_state = saved
         _state["saved_cuda_fns"] = None
+
+
+def save_results_in_this_process() -> None:
+    """Before a torch_dist save: megatron's writer hands its write results back through a queue it keeps
+    per process, by default a ``multiprocessing`` Manager — a server process, started with spawn on the
+    first save and stopped only by a clean exit — so that an async save's writer process could report.
+    Our saves are synchronous (the writer reports from this process), so a plain queue does the same with
+    no process. That Manager outlived every process killed without its exit handlers: a trainer actor on a
+    removed Ray node left it (and its resource tracker) running, orphaned, ~430 MB each."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:  # not made yet (and the name still exists)
+        filesystem_async._results_queue = queue.Queue()
 
 
 def parallel_device() -> str | None:

@@ -174,16 +174,37 @@ def prune(rd: RunDir, keep_last: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _latest_pointer(rd: RunDir) -> int | None:
+def _pointer(rd: RunDir) -> tuple[int | None, str | None]:
+    """The rollout `latest` names, and what is wrong with the file when it names none (None: no file)."""
     try:
-        return int(storage.read_json(rd.latest)["rollout"])
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        return None
+        return int(storage.read_json(rd.latest)["rollout"]), None
+    except FileNotFoundError:
+        return None, None
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+        return None, f"{type(err).__name__}: {' '.join(str(err).split())[:80]}"
+
+
+def _latest_pointer(rd: RunDir) -> int | None:
+    return _pointer(rd)[0]
+
+
+# Problems already said in this process: a resume reads `latest` several times (is the run finished, where
+# does training start, after a retry), and each problem is said once per run and checkpoint.
+_said: set[tuple[str, str]] = set()
+
+
+def _say_once(where: str, problem: str, message: str) -> None:
+    if (where, problem) not in _said:
+        _said.add((where, problem))
+        log.warning(message)
 
 
 def latest(rd: RunDir) -> Checkpoint | None:
-    """The newest intact checkpoint: `latest` if it verifies, else the newest older one that does."""
-    pointed = _latest_pointer(rd)
+    """The newest intact checkpoint: `latest` if it verifies, else the newest older one that does (an
+    unreadable `latest`: the newest one listed that does). Each problem met is warned about once."""
+    pointed, unreadable = _pointer(rd)
+    if unreadable is not None:
+        _say_once(rd.latest, unreadable, f"{rd.latest} is unreadable ({unreadable}); using the newest intact checkpoint")
     candidates = _listed(rd)
     if pointed is not None:
         candidates = [pointed] + [n for n in candidates if n < pointed]
@@ -192,5 +213,19 @@ def latest(rd: RunDir) -> Checkpoint | None:
         problem = verify(path)
         if problem is None:
             return Checkpoint(rollout=n, uri=path, state=read_state(path), state_dir=rd.state_dir)
-        log.warning("checkpoint %s is unusable (%s); falling back to an older one", path, problem)
+        _say_once(path, problem, f"checkpoint {path} is unusable ({problem}); falling back to an older one")
     return None
+
+
+def repair_latest(rd: RunDir) -> Checkpoint | None:
+    """Point `latest` at the checkpoint a resume uses (:func:`latest`) when it names another one: it was
+    unreadable, or named a damaged checkpoint. Call only while holding the run's lease. A missing `latest` is
+    left missing (a writer killed before moving it: the checkpoint it names is the one to use)."""
+    pointed, unreadable = _pointer(rd)
+    if pointed is None and unreadable is None:
+        return latest(rd)
+    ck = latest(rd)
+    if ck is not None and ck.rollout != pointed:
+        storage.write_json_atomic(rd.latest, {"rollout": ck.rollout, "dir": f"rollout_{ck.rollout}"})
+        log.info("%s names rollout_%d again", rd.latest, ck.rollout)
+    return ck

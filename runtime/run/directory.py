@@ -38,8 +38,12 @@ class RunDir:
 
     def checked(self) -> "RunDir":
         """This run dir, after checking that its root can be used (a remote one: bucket there, credentials
-        accepted, endpoint reachable); raises a one-line StorageError otherwise."""
+        accepted, endpoint reachable; a local one, and the local state dir: writable); raises a one-line
+        StorageError / ConfigError otherwise, before anything is written."""
         storage.check_root(self.root)
+        storage.check_writable(self.path, "storage.root", shown=self.root)
+        if self.state_dir:
+            storage.check_writable(self.state_dir, "storage.state_dir")
         return self
 
     def local(self, uri: str) -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import yaml
 
 from runtime import storage
-from runtime.config import DEFAULT_ROOT, GrpoConfig, apply_overrides, config_from_dict, config_with_overrides, dump_config
+from runtime.config import (DEFAULT_ROOT, DuplicateKeyError, GrpoConfig, apply_overrides, config_from_dict,
+                            config_with_overrides, duplicate_key_error, dump_config, load_yaml)
 from runtime.errors import ConfigError
 from runtime.run.directory import RunDir
 from runtime.secrets import mask_tree, masked_fields
@@ -95,11 +96,47 @@ def freeze(cfg: GrpoConfig, rd: RunDir) -> GrpoConfig:
     return cfg
 
 
+def start_again_command(rd: RunDir, holder: dict | None) -> str:
+    """The command that starts a run stopped before its config was frozen: as its lease (``holder``) recorded
+    it, secrets masked; without that record, with CONFIG for the config it was started from."""
+    import shlex
+
+    started = (holder or {}).get("started_with") or {}
+    argv = ["grpoflow", "run", started.get("config") or "CONFIG", "--run-id", rd.run_id]
+    overrides = list(started.get("overrides") or [])
+    if not started and rd.root != DEFAULT_ROOT:
+        overrides.append(f"storage.root={rd.root}")
+    return shlex.join(argv + sum((["--set", o] for o in overrides), []))
+
+
+def not_frozen_error(rd: RunDir) -> ConfigError:
+    """A run directory without its frozen config: a run starting right now, or one stopped before it froze."""
+    from runtime.run.lease import lease_holder
+    from runtime.secrets import REDACTED
+
+    holder, stale = lease_holder(rd)
+    if holder is not None and stale is None:
+        return ConfigError(f"run '{rd.run_id}' is starting (pid {holder.get('pid')} on {holder.get('host')} holds its "
+                           f"lease; its config is not frozen yet); wait for it, or see `grpoflow runs --root {rd.root}`")
+    command = start_again_command(rd, holder)
+    masked = " (give the masked values again)" if REDACTED in command else ""
+    return ConfigError(f"run '{rd.run_id}' was stopped before its config was frozen (no {rd.config}), so nothing of "
+                       f"it can be resumed; start it again with `{command}`{masked}")
+
+
 def frozen_config(rd: RunDir, overrides: list[str] | None = None) -> GrpoConfig:
     if not storage.exists(rd.config):
+        if storage.exists(rd.path):
+            raise not_frozen_error(rd)
         raise ConfigError(f"unknown run id '{rd.run_id}': no {rd.config} "
                           f"(list runs under {storage.join(rd.root, 'runs')} or check storage.root / --root)")
-    tree = yaml.safe_load(storage.read_text(rd.config))
+    try:
+        tree = load_yaml(storage.read_text(rd.config))
+    except DuplicateKeyError as err:
+        raise duplicate_key_error(rd.config, err) from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{rd.config}: the frozen config of run '{rd.run_id}' is damaged "
+                          f"({' '.join(str(err).split())[:160]})") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{rd.config}: the frozen config of run '{rd.run_id}' is damaged (not a mapping)")
     return config_with_overrides(tree, overrides, rd.config)

@@ -44,8 +44,13 @@ def lease_holder(rd: RunDir, timeout_s: float | None = None) -> tuple[dict | Non
 
 
 class RunLease:
-    def __init__(self, rd: RunDir, *, timeout_s: float | None = None, heartbeat_s: float | None = None):
+    """``started_with`` (a new run's ``{"config": path, "overrides": [...]}``, secrets masked) is kept in the
+    lease: until the run's config is frozen, it is the only record of how the run was started."""
+
+    def __init__(self, rd: RunDir, *, timeout_s: float | None = None, heartbeat_s: float | None = None,
+                 started_with: dict | None = None):
         self.rd = rd
+        self.started_with = started_with
         self.path = rd.sub("lease.json")
         self.timeout_s = float(timeout_s or os.environ.get("GRPOFLOW_LEASE_TIMEOUT_S", 120))
         self.heartbeat_s = float(heartbeat_s or min(10.0, self.timeout_s / 4))
@@ -54,7 +59,8 @@ class RunLease:
         self._thread: threading.Thread | None = None
 
     def _record(self) -> dict:
-        return {"token": self.token, "pid": os.getpid(), "host": socket.gethostname(), "heartbeat": time.time()}
+        record = {"token": self.token, "pid": os.getpid(), "host": socket.gethostname(), "heartbeat": time.time()}
+        return {**record, "started_with": self.started_with} if self.started_with else record
 
     def _holder(self) -> dict | None:
         try:

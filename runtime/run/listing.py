@@ -90,7 +90,7 @@ def resume_command(run_id: str, root: str) -> str:
 
 
 def run_status(root: str, run_id: str, *, lease_timeout_s: float | None = None) -> RunStatus:
-    from runtime.config import config_from_dict
+    from runtime.config import config_from_dict, load_yaml
     from runtime.errors import UserError
     from runtime.run.lease import lease_holder
 
@@ -98,12 +98,14 @@ def run_status(root: str, run_id: str, *, lease_timeout_s: float | None = None) 
     holder, stale = lease_holder(rd, lease_timeout_s)
     running = holder is not None and stale is None
     try:
-        tree = yaml.safe_load(storage.read_text(rd.config)) or {}
+        tree = load_yaml(storage.read_text(rd.config)) or {}
         cfg = config_from_dict(tree, rd.config)
     except FileNotFoundError:
         if running:
             return RunStatus(run_id, "-", "running", _holder_text(holder), None, "-", "-")
-        return RunStatus(run_id, "-", "unreadable", "no config.yaml", None, "-", "-")
+        from runtime.run.frozen_config import start_again_command
+        return RunStatus(run_id, "-", "stopped", "before its config was frozen", None, "-",
+                         start_again_command(rd, holder))
     except (UserError, yaml.YAMLError) as err:
         return RunStatus(run_id, "-", "unreadable", " ".join(str(err).split())[:160], None, "-", "-")
     total = cfg.train.num_rollout

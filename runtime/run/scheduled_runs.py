@@ -87,8 +87,9 @@ def run_state(rd: RunDir) -> str:
 
 
 def _frozen_name(rd: RunDir) -> str | None:
+    from runtime.config import load_yaml
     try:
-        tree = yaml.safe_load(storage.read_text(rd.config)) or {}
+        tree = load_yaml(storage.read_text(rd.config)) or {}
     except (OSError, yaml.YAMLError):
         return None
     return tree.get("name") if isinstance(tree, dict) else None

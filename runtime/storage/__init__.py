@@ -32,6 +32,23 @@ def is_remote(uri: str) -> bool:
     return "://" in str(uri) and not str(uri).startswith("file://")
 
 
+def absolute_uri(uri: str) -> str:
+    """``uri`` as it resolves from any working directory: a local path becomes the ``file://`` URI of its
+    absolute path; a remote URI (``s3://``) or a ``file://`` URI is one already."""
+    uri = str(uri)
+    if is_remote(uri) or uri.startswith("file://"):
+        return uri
+    return Path(uri).resolve().as_uri()
+
+
+def path_of(uri: str) -> str:
+    """The local path a ``file://`` URI names (a plain path, or a remote URI, as it is)."""
+    from urllib.request import url2pathname
+
+    uri = str(uri)
+    return url2pathname(urlsplit(uri).path) if uri.startswith("file://") else uri
+
+
 def join(base: str, *parts: str) -> str:
     base = str(base)
     if is_remote(base):
@@ -176,6 +193,31 @@ def check_root(root: str, field: str = "storage.root") -> None:
                        MaxKeys=1)
         else:
             fs.exists(path)
+
+
+def check_writable(uri: str, field: str = "storage.root", shown: str | None = None) -> None:
+    """Fail early, with one line naming ``field`` and the fix, when a local directory a run writes into (``uri``,
+    or the nearest part of it that exists) cannot be written: a read-only file system, no permission, a path
+    under a file. Probed by making and removing a temp file there; nothing stays. A remote URI is left to
+    the store (:func:`check_root`, :func:`s3_errors`)."""
+    uri = str(uri)
+    if is_remote(uri):
+        return
+    shown = shown or uri
+    probe = Path(path_of(uri)).expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        why = f"{probe} is a file, not a directory"
+    else:
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".grpoflow-write-check-", dir=probe)
+            os.close(fd)
+            os.unlink(tmp)
+            return
+        except OSError as err:
+            why = f"{err.strerror or type(err).__name__}: {probe}"
+    raise ConfigError(f"{field} {shown} cannot be written ({why}); use a directory this user can write for {field}")
 
 
 # ---- a local mirror of remote files -------------------------------------------------------------

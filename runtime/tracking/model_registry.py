@@ -178,11 +178,12 @@ def register_checkpoint(tracker_or_client, *, name: str, export_uri: str, rollou
         mv = find_checkpoint_version(client, name, tag)
         created = mv is None
         if created:
-            source = str(export_uri)
+            source = storage.absolute_uri(str(export_uri))  # resolves from any working directory
             if _is_server(uri) and not storage.is_remote(source) and mlflow_run_id:
-                source = _upload_export(client, mlflow_run_id, source, rollout)
+                source = _upload_export(client, mlflow_run_id, str(export_uri), rollout)
             tags = {CHECKPOINT_TAG: tag, "grpoflow.run_id": run_id, "grpoflow.rollout": str(int(rollout)),
-                    "grpoflow.config_hash": config_hash, EXPORT_URI_TAG: redact_uri(str(export_uri)),
+                    "grpoflow.config_hash": config_hash,
+                    EXPORT_URI_TAG: redact_uri(storage.absolute_uri(str(export_uri))),
                     **{METRIC_TAG + k: repr(v) for k, v in metrics.items()},
                     **{GRADER_TAG + k: str(v) for k, v in (grader or _eval_grader()).items()}}
             pm = metric_key(primary_metric) if primary_metric else None

@@ -32,12 +32,13 @@ class MegatronTrainer:
                             f"(got {type(train).__name__}, {type(algorithm).__name__})")
         if num_threads:
             torch.set_num_threads(num_threads)
+        from runtime.mcore import env as menv  # first: it quiets megatron's import-time TE/Apex warnings
+
         from megatron.core import parallel_state as mpu
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from runtime.mcore import env as menv
         from runtime.mcore.convert import load_torch_dist_into
         from runtime.models import load_hf_config
 
@@ -414,6 +415,7 @@ class MegatronTrainer:
         from runtime.trainer import optimizer_checkpoint
         os.makedirs(path, exist_ok=True)
         self.offload.reload()
+        menv.save_results_in_this_process()
         with menv.cuda_to_cpu():
             msd = self.model.sharded_state_dict()
             # one optimizer format for every layout (runtime/trainer/optimizer_checkpoint.py)
@@ -425,9 +427,10 @@ class MegatronTrainer:
         from megatron.core import dist_checkpointing
 
         from runtime.mcore import env as menv
+        from runtime.mcore.convert import _quiet_checkpoint_warnings
         from runtime.trainer import optimizer_checkpoint
         self.offload.reload()
-        with menv.cuda_to_cpu():
+        with menv.cuda_to_cpu(), _quiet_checkpoint_warnings():
             msd = self.model.sharded_state_dict()
             state = {"model": msd, "optimizer": optimizer_checkpoint.sharded_state_dict(
                 self.optimizer, self.model, msd, is_loading=True), "scheduler": None, "steps_done": None}
