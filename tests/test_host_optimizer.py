@@ -153,6 +153,21 @@ def test_offload_with_the_host_optimizer_drops_only_gradients(tiny):
     assert _max_diff(_live_masters(a), _live_masters(b)) == 0
 
 
+def test_the_plan_counts_what_the_host_optimizer_holds(tiny):
+    """runtime/plan/host_memory.py against the trainer: the parameter tensors it lists are megatron's, and the
+    host holds 12 B (fp32 master, two fp32 moments) per parameter of the rank."""
+    from runtime.models import load_hf_config
+    from runtime.plan.host_memory import param_tensor_numels
+    from runtime.plan.memory import _shape, param_counts
+    hf = load_hf_config(tiny["hf"])
+    tr = _trainer(tiny, optimizer_on_host=True, distributed_optimizer=True)
+    tr.train(_batch(tiny["vocab"]))
+    assert sorted(param_tensor_numels(_shape(hf), 1)) == sorted(p.numel() for p in tr.model.parameters())
+    held = tr.host_optimizer.host_bytes()
+    assert held["masters"] + held["moments"] == 12 * param_counts(hf, 1)[1]
+    assert held["buffers"] > 0 and held["scratch"] > 0
+
+
 def test_optimizer_on_host_refuses_fp32_weights():
     from runtime.errors import ConfigError
     from runtime.config import config_from_dict

@@ -96,6 +96,7 @@ from typing import Any
 
 from runtime.devices import resolve_dtype
 from runtime.placement import layout
+from runtime.plan import host_memory
 from runtime.mcore import fusions as megatron_fusions
 
 GIB = 2**30
@@ -309,7 +310,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     max_tokens: int | None = None, recompute: str = "none", recompute_modules=("layernorm", "mlp"),
                     recompute_num_layers: int | None = None, fusions="auto", chunked_logprobs: str = "auto",
                     core_attention: str = "auto", distributed_optimizer: bool = False,
-                    grad_dtype: str = "float32") -> dict[str, Any]:
+                    grad_dtype: str = "float32", optimizer_on_host: bool = False, host_memory_gb: float | None = None,
+                    trainer_ranks: int = 1, processes: int = 1) -> dict[str, Any]:
     """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
 
     ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
@@ -317,7 +319,10 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     ``max_batch_size``. ``dp`` replicates the trainer and does not change the per-GPU numbers, except with
     ``distributed_optimizer`` (``train.distributed_optimizer``): the fp32 master, Adam's moments and the
     optimizer step's temporaries are then 1/dp per GPU. ``grad_dtype`` (``train.grad_dtype``): the gradient
-    buffer's dtype ("float32", or "bfloat16" = the weights' dtype). ``ref_model``: a reference copy of the weights (``kl_coef > 0``).
+    buffer's dtype ("float32", or "bfloat16" = the weights' dtype). ``optimizer_on_host``
+    (``train.optimizer_on_host``): the fp32 master, Adam's moments and the step in host memory, none of it on the
+    GPU. ``host_memory_gb``: the node's host memory, checked by runtime/plan/host_memory.py for ``trainer_ranks``
+    trainer ranks and ``processes`` processes per node (None: not checked). ``ref_model``: a reference copy of the weights (``kl_coef > 0``).
     ``device``: "cuda" or "cpu" (other attention, logits and engine paths, see the module doc).
     ``engine``: "builtin" or "sglang". ``global_batch_size`` lets the answer name a micro-batch that
     divides the step. ``kv_cache_gb``: the built-in engine's KV pool (GiB); None on CUDA: the plan
@@ -363,11 +368,11 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     opt_params = -(-per_rank // dp) if distributed_optimizer else per_rank
     master = opt_params * 4 if e < 4 else 0                # fp32 master copy, made with the optimizer
     moments = opt_params * 8                               # Adam m, v: made at the first step
-    optimizer = master + moments
+    optimizer = 0 if optimizer_on_host else master + moments  # on the GPU (the host's: runtime/plan/host_memory.py)
     state = grads + optimizer                              # what offload_state moves
     # Adam's step (torch's foreach implementation) holds about one fp32 copy of the parameters it updates in
     # temporaries: measured 2.27 GiB for Qwen3-0.6B's 2.22 GiB (bench/results/memory_check_H100_2026-11-23_24gb.json)
-    opt_step = _OPT_STEP_BYTES_PER_PARAM * opt_params
+    opt_step = 0 if optimizer_on_host else _OPT_STEP_BYTES_PER_PARAM * opt_params
     act_kw = dict(tp=tp, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, device=device,
                   response_len=max_new_tokens, **settings)
     act = activation_terms(hf_config, **act_kw)
@@ -447,6 +452,13 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     trainer_total, rollout_total, at_rollout, at_training, total = totals(activations)
     kv_too_small = decode_path == "paged" and kv_cache < per_sample_kv
     fits = total <= limit and not kv_too_small and not (engine == "sglang" and kv_cache <= 0)
+    host = None
+    if host_memory_gb is not None:
+        host = host_memory.host_terms(m, tp=tp, dp=dp, per_rank=per_rank, opt_params=opt_params, weight_bytes=e,
+                                      grad_bytes=4 if grad_dtype == "float32" else e,
+                                      distributed_optimizer=bool(distributed_optimizer),
+                                      optimizer_on_host=bool(optimizer_on_host), offload=offload,
+                                      trainer_ranks=trainer_ranks, processes=processes, host_memory_gb=host_memory_gb)
     per_rank_step = (global_batch_size // dp) if global_batch_size else None
 
     def total_at(b: int) -> int:
@@ -474,9 +486,11 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                kv_slots=kv_slots, kv_slot_len=seq_len, kv_max_slots=slots_max, kv=kv_info,
                kv_chosen=kv_chosen, kv_cache_gb=kv_cache / GIB if decode_path == "paged" else None,
                kv_released=kv_released, offload=offload, fit_micro_batch=fit_mb,
-               distributed_optimizer=bool(distributed_optimizer), grad_dtype=grad_dtype, **settings)
+               distributed_optimizer=bool(distributed_optimizer), grad_dtype=grad_dtype,
+               optimizer_on_host=bool(optimizer_on_host), host=host, gpu_fits=fits, **settings)
+    out["fits"] = fits and (host is None or host["fits"])
     out["max_tp"] = math.gcd(m["V"], m["nh"], m["ng"], m["f"])
-    out["reason"] = None if fits else _why_not(out)
+    out["reason"] = None if out["fits"] else _why_not(out)
     return out
 
 
@@ -509,6 +523,26 @@ def _distributed_optimizer_hint(est: dict[str, Any]) -> str | None:
 
 
 def _why_not(est: dict[str, Any]) -> str:
+    """Why a plan does not fit: the GPU's reason, the host's, or both."""
+    host = est.get("host")
+    parts = [] if est["gpu_fits"] else [_why_not_gpu(est)]
+    if host is not None and not host["fits"]:
+        parts.append(_why_not_host(est))
+    return "; and ".join(parts)
+
+
+def _why_not_host(est: dict[str, Any]) -> str:
+    host = est["host"]
+    what = {"host": f"the fp32 master + Adam state of {host['ranks']} trainer rank(s) on the host take "
+                    f"{host['optimizer']:.1f} GiB (train.optimizer_on_host)",
+            "offload": f"the pinned buffers of {host['ranks']} trainer rank(s)' state offload take "
+                       f"{host['pinned']:.1f} GiB (cluster.offload_trainer_state)",
+            "none": f"{host['processes_n']} processes take {host['processes']:.1f} GiB"}[host["mode"]]
+    return (f"needs {host['total']:.1f} GiB of host memory per node but the node has {host['host_memory_gb']:g} GiB "
+            f": {what}")
+
+
+def _why_not_gpu(est: dict[str, Any]) -> str:
     gpu = est["gpu_mem_gb"]
     state = est["weights"] + est["grads"] + est["optimizer"]
     grads = "fp32 gradients" if est["grad_dtype"] == "float32" else f"{est['grad_dtype']} gradients"
@@ -528,6 +562,9 @@ def _why_not(est: dict[str, Any]) -> str:
                    else "with one data-parallel rank nothing shards them")
         bf16_grads = ("; train.grad_dtype: bfloat16 halves the gradients" if est["grad_dtype"] == "float32"
                       and est["dtype"] != "float32" else "")
+        if not est["optimizer_on_host"] and est["dtype"] != "float32":
+            bf16_grads += (f"; train.optimizer_on_host: true moves the fp32 master + Adam state "
+                           f"({est['optimizer']:.1f} GiB) to host memory")
         return (f"{head}: try GPUs with more memory: {what} alone take {state:.1f} GiB per GPU at "
                 f"tensor_parallel={est['tp']}, this model's limit, and {sharded} (the trainer has no pipeline "
                 f"parallelism){bf16_grads}")
@@ -554,6 +591,8 @@ def format_estimate(est: dict[str, Any]) -> str:
     shard_note = f", 1/{est['dp']} of them (distributed optimizer)" if est["distributed_optimizer"] else ""
     rows = [("weights", est["weights"], ""), ("gradients", est["grads"], grad_note + state_note),
             ("optimizer", est["optimizer"],
+             "fp32 master + Adam m, v" + shard_note + " on the host (train.optimizer_on_host): see below"
+             if est["optimizer_on_host"] else
              ("fp32 master + Adam m, v" if est["optimizer_master"] else "Adam m, v") + shard_note + state_note),
             ("activations", est["activations"], act_note),
             ("engine weights", est["engine_weights"],
@@ -569,6 +608,8 @@ def format_estimate(est: dict[str, Any]) -> str:
     lines.append(f"  {'total':<15}{est['total']:8.2f} GiB of {est['gpu_mem_gb']:g} GiB{phases}: {verdict}")
     if est.get("assumed"):
         lines.append(f"  assumed: {est['assumed']}")
+    if est.get("host") is not None:
+        lines += host_memory.format_host(est["host"])
     return "\n".join(lines)
 
 
@@ -616,25 +657,31 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         kv_cache_gb=r.kv_cache_gb, offload=offload_enabled(cfg, device), max_tokens=t.max_tokens_per_micro_batch,
         recompute=t.recompute, recompute_modules=tuple(t.recompute_modules), recompute_num_layers=t.recompute_num_layers,
         fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention,
-        distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype)
+        distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype, optimizer_on_host=t.optimizer_on_host,
+        **{k: v for k, v in host_memory.node_layout(cfg).items() if k in ("trainer_ranks", "processes")})
 
 
 def estimate_for_config(cfg, hf_config, *, gpu_mem_gb: float | None = None, device: str | None = None,
-                        **engine_model) -> dict[str, Any]:
-    """:func:`estimate_memory` for a ``GrpoConfig``; ``gpu_mem_gb`` default :func:`target_gpu_memory_gb`.
-    When it does not fit, ``fix`` names the settings that would (:func:`settings_that_fit`) and ``reason``
-    ends with them."""
+                        host_mem_gb: float | None = None, **engine_model) -> dict[str, Any]:
+    """:func:`estimate_memory` for a ``GrpoConfig``; ``gpu_mem_gb`` default :func:`target_gpu_memory_gb`, the
+    host's ``host_mem_gb`` default ``host_memory.target_host_memory_gb``. When it does not fit, ``fix`` names the
+    settings that would (:func:`settings_that_fit`) and ``reason`` ends with them."""
     gpu = target_gpu_memory_gb(cfg, gpu_mem_gb)
-    kw = {**config_kwargs(cfg, device), **engine_model}  # engine_model: e.g. kv_released, to model a measurement
+    host_gb, host_source = host_memory.target_host_memory_gb(cfg, host_mem_gb, gpu)
+    kw = {**config_kwargs(cfg, device), "host_memory_gb": host_gb, **engine_model}  # engine_model: e.g. kv_released
     est = estimate_memory(hf_config, gpu_mem_gb=gpu, **kw)
+    if est["host"] is not None:
+        est["host"]["source"] = host_source
     est["fix"] = None
     if not est["fits"]:
         fix = settings_that_fit(hf_config, gpu, kw)
         if fix is not None:
             est["fix"] = fix
+            host = fix[1]["host"]
             est["reason"] = f"{est['reason']}; fits with " + ", ".join(f"{k}={_show(v)}" for k, v in fix[0].items()) \
                 + f" (peak {fix[1]['total']:.1f} GiB" \
-                + (f", the plan's KV pool {fix[1]['kv_cache']:.2f} GiB" if fix[1]["kv_chosen"] else "") + ")"
+                + (f", the plan's KV pool {fix[1]['kv_cache']:.2f} GiB" if fix[1]["kv_chosen"] else "") \
+                + (f", host {host['total']:.1f} of {host['host_memory_gb']:g} GiB" if host is not None else "") + ")"
     return est
 
 
@@ -651,8 +698,10 @@ def settings_that_fit(hf_config, gpu_mem_gb: float, kw: dict[str, Any]):
     ({config key: value}, estimate), or None. Searched, cheapest first: the distributed optimizer at
     DP > 1 (free: reduce-scatter + all-gather move what the all-reduce did), the trainer's state offloaded
     while generating (free), packed micro-batches by a token budget (faster), selective recompute
-    (norms + MLP, ~1/3 more compute per layer), full recompute (one more forward), a smaller KV pool
-    (a slower rollout); each with the largest token budget that fits."""
+    (norms + MLP, ~1/3 more compute per layer), the optimizer on the host (``train.optimizer_on_host``: the AdamW
+    step on the CPU, seconds per step for billions of parameters; or off, when the host is what does not fit), full
+    recompute (one more forward), bf16 gradients (``train.grad_dtype``: accumulated in bf16), a smaller KV pool (a
+    slower rollout); each with the largest token budget that fits."""
     if kw["device"] != "cuda" or kw["engine"] != "builtin":
         return None
     seq = kw["seq_len"]
@@ -663,13 +712,19 @@ def settings_that_fit(hf_config, gpu_mem_gb: float, kw: dict[str, Any]):
         if r[0] != kw["recompute"] and not (kw["recompute"] == "full" and r[0] == "selective"):
             recomputes.append(r)
     offloads = [kw["offload"]] + ([True] if kw["colocate"] and not kw["offload"] else [])
+    # the optimizer on the host (a slower step, see runtime/trainer/host_optimizer.py), or back on the GPU when
+    # the host is what does not fit
+    hosts = [kw["optimizer_on_host"], not kw["optimizer_on_host"]] if kw["dtype"] != "float32" else [False]
+    # gradients in the weights' bf16 (half the gradient memory; accumulated in bf16)
+    grads = [kw["grad_dtype"]] + (["bfloat16"] if kw["grad_dtype"] == "float32" and kw["dtype"] != "float32" else [])
     dists = [kw["distributed_optimizer"]] + ([True] if kw["dp"] > 1 and not kw["distributed_optimizer"] else [])
     pools: list = [kw["kv_cache_gb"]]
     if kw["kv_cache_gb"] is not None:
         pools += [round(kw["kv_cache_gb"] * f / KV_STEP_GIB) * KV_STEP_GIB for f in (0.75, 0.5, 0.25)]
         pools.append(None)  # what the plan leaves free
     for min_slots in sorted({min(n, kw["rollout_batch"]) for n in (_SEARCH_MIN_KV_SAMPLES, 4, 1)}, reverse=True):
-        found = _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots, dists)
+        found = _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots, dists, hosts,
+                        grads)
         if found is not None:
             return found
     return None
@@ -678,22 +733,28 @@ def settings_that_fit(hf_config, gpu_mem_gb: float, kw: dict[str, Any]):
 _SEARCH_MIN_KV_SAMPLES = 8  # the search prefers pools that hold a group of full-length samples at once
 
 
-def _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots, dists=(False,)):
+def _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots, dists=(False,),
+            hosts=(False,), grads=("float32",)):
     seq = kw["seq_len"]
     best = None
     for pi, pool in enumerate(pools):
-        for ri, (rec, mods) in enumerate(recomputes):
+        for rec, mods, on_host, grad in ((r, m, h, g) for r, m in recomputes for h in hosts for g in grads):
+            # cheapest first: selective recompute < the optimizer on the host < both < full recompute < bf16
+            # gradients (free in time, not in precision)
+            level = {kw["recompute"]: 0, "selective": 1}.get(rec, 4) \
+                + (2 if on_host and not kw["optimizer_on_host"] else 0) + (8 if grad != kw["grad_dtype"] else 0)
             for oi, off in enumerate(offloads):
                 for bi, budget in enumerate(budgets):
                     if budget is not None and budget < seq:
                         continue
                     for di, distributed in enumerate(dists):
                         # least significant: the distributed optimizer is preferred to any other change
-                        cost = (pi, ri, oi, bi, di)
+                        cost = (pi, level, oi, bi, di)
                         if best is not None and cost >= best[0]:
                             continue
                         trial = dict(kw, kv_cache_gb=pool, recompute=rec, recompute_modules=mods, offload=off,
                                      max_tokens=budget, distributed_optimizer=distributed,
+                                     optimizer_on_host=on_host, grad_dtype=grad,
                                      recompute_num_layers=None if rec != "full" else kw["recompute_num_layers"])
                         est = estimate_memory(hf_config, gpu_mem_gb=gpu_mem_gb, **trial)
                         if est["fits"] and (est["kv_slots"] or 0) >= min_slots:
@@ -705,7 +766,8 @@ def _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min
     names = {"distributed_optimizer": "train.distributed_optimizer",
              "kv_cache_gb": "rollout.kv_cache_gb", "recompute": "train.recompute",
              "recompute_modules": "train.recompute_modules", "offload": "cluster.offload_trainer_state",
-             "max_tokens": "train.max_tokens_per_micro_batch", "recompute_num_layers": "train.recompute_num_layers"}
+             "max_tokens": "train.max_tokens_per_micro_batch", "recompute_num_layers": "train.recompute_num_layers",
+             "optimizer_on_host": "train.optimizer_on_host", "grad_dtype": "train.grad_dtype"}
     changed: dict[str, Any] = {}
     for k, name in names.items():
         if trial[k] != kw[k] and not (k == "recompute_modules" and trial["recompute"] != "selective"):
