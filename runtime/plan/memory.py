@@ -55,9 +55,12 @@ On CUDA (what runs on a GPU; ``runtime.mcore.env`` / ``_chunked_logprobs_enabled
 * data-parallel rollout (``cluster.rollout_gpus`` > 1 with the built-in engine): one engine on each rollout
   GPU, each with the whole weights, its own KV pool and the working set of its share of the requests
   (``rollout_engines``: the rows split evenly); the per-GPU numbers are those of a GPU that holds an engine.
-* colocated: the peak is the larger of the rollout phase (trainer weights, its state unless offloaded,
-  engine weights, KV pool, rollout working set) and the training phase (trainer weights and state,
-  engine weights, the pool unless released, activations).
+* colocated: the peak is the largest of the rollout phase (trainer weights, its state unless offloaded,
+  engine weights, KV pool, rollout working set), the training phase (trainer weights and state,
+  engine weights, the pool unless released, activations) and, under tensor parallelism, the weight sync
+  after the update (each TP rank gathers the whole bf16 weights for the engines beside its state).
+* ``train.optimizer_on_host``: no fp32 master, Adam moments or step temporaries on the GPU; the host's side
+  (and every run's host memory per node) is runtime/plan/host_memory.py's.
 * SGLang (``rollout.engine: sglang``): by SGLang's documented ``--mem-fraction-static`` rule its
   weights plus KV pool fill ``mem_fraction × GPU`` minus what other processes hold when it starts
   (the trainer's resident state, when colocated); colocated it runs with ``--enable-memory-saver``
@@ -334,7 +337,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
 
     Returns ``weights``, ``grads``, ``optimizer``, ``activations``, ``kv_cache``, ``engine_weights``,
     ``rollout_activations``, ``overhead``, ``total`` (GiB; ``bytes``: the same, exact), ``at_rollout`` /
-    ``at_training`` (colocated peaks of each phase), ``fits``, ``reason`` (None when it fits),
+    ``at_training`` / ``at_sync`` (colocated peaks of each phase; the weight sync's: a TP rank's gather of the
+    whole weights, ``sync_gather``, beside its state), ``fits``, ``reason`` (None when it fits),
     ``fit_micro_batch``, ``kv_slots`` (full-length samples the pool holds), ``kv_chosen``.
     """
     for name, v in (("tp", tp), ("dp", dp), ("micro_batch_size", micro_batch_size), ("seq_len", seq_len),
@@ -439,15 +443,21 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     kv_slots = kv_cache // per_sample_kv if decode_path == "paged" else (
         min(rows, slots_max) if decode_path == "dynamic" else None)
 
+    # the weight sync after an update: under TP every trainer rank gathers the whole weights for the engines
+    # (runtime/trainer/tp_gather.py), beside its state, before the next rollout offloads it
+    gathered = n_params * e if tp > 1 else 0
+    at_sync = weights + state + gathered + (engine_weights + (0 if kv_released else kv_cache) if colocate else 0) \
+        + overhead
+
     def totals(act_bytes: int) -> tuple[int, int, int, int, int]:
-        trainer_total = weights + state + max(act_bytes, opt_step) + OVERHEAD_BYTES
+        trainer_total = weights + state + max(act_bytes, opt_step, gathered) + OVERHEAD_BYTES
         rollout_total = engine_weights + kv_cache + rollout_activations + OVERHEAD_BYTES
         if not colocate:
             return trainer_total, rollout_total, rollout_total, trainer_total, max(trainer_total, rollout_total)
         at_rollout = weights + (0 if offload else state) + engine_weights + kv_cache + rollout_activations + overhead
         at_training = weights + state + engine_weights + (0 if kv_released else kv_cache) \
             + max(act_bytes, opt_step) + overhead
-        return trainer_total, rollout_total, at_rollout, at_training, max(at_rollout, at_training)
+        return trainer_total, rollout_total, at_rollout, at_training, max(at_rollout, at_training, at_sync)
 
     trainer_total, rollout_total, at_rollout, at_training, total = totals(activations)
     kv_too_small = decode_path == "paged" and kv_cache < per_sample_kv
@@ -470,7 +480,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     exact = dict(weights=weights, grads=grads, optimizer=optimizer, activations=activations, kv_cache=kv_cache,
                  engine_weights=engine_weights, rollout_activations=rollout_activations,
                  overhead=overhead, trainer_total=trainer_total, rollout_total=rollout_total, total=total,
-                 at_rollout=at_rollout, at_training=at_training,
+                 at_rollout=at_rollout, at_training=at_training, at_sync=at_sync, sync_gather=gathered,
                  optimizer_master=master, optimizer_moments=moments,
                  act_layers=act["layers"], act_attention_scores=act["attention_scores"],
                  act_logprob_head=act["logprob_head"])
@@ -604,7 +614,8 @@ def format_estimate(est: dict[str, Any]) -> str:
             f"trainer/rollout, {est['dtype']}, {est['params'] / 1e9:.2f}B params, {est['device']}):")
     lines = [head] + [f"  {name:<15}{gib:8.2f} GiB" + (f"   {note}" if note else "") for name, gib, note in rows]
     verdict = "fits" if est["fits"] else "DOES NOT FIT"
-    phases = (f" (rollout {est['at_rollout']:.2f}, training {est['at_training']:.2f})" if est["colocate"] else "")
+    phases = (f" (rollout {est['at_rollout']:.2f}, training {est['at_training']:.2f}"
+              + (f", weight sync {est['at_sync']:.2f}" if est["sync_gather"] else "") + ")" if est["colocate"] else "")
     lines.append(f"  {'total':<15}{est['total']:8.2f} GiB of {est['gpu_mem_gb']:g} GiB{phases}: {verdict}")
     if est.get("assumed"):
         lines.append(f"  assumed: {est['assumed']}")
