@@ -136,6 +136,7 @@ class HostAdam:
         if self.cuda:
             self.d2h, self.h2d = torch.cuda.Stream(), torch.cuda.Stream()
         self.last: dict[str, float] = {}
+        self._sums: dict[str, float] = {}
 
     # -- the layout: which gradient elements this rank updates, cut into chunks -----------------------------
     def _plan(self) -> list[_Chunk]:
@@ -305,7 +306,17 @@ class HostAdam:
                      "wait_s": wait_s + (t_done - tw), "chunks": n,
                      "d2h_bytes": moved * self.grads_in[0].element_size(),
                      "h2d_bytes": moved * self.weights_out[0].element_size()}
+        for k in ("adam_s", "wait_s"):
+            self._sums[k] = self._sums.get(k, 0.0) + self.last[k]
         return True, norm, None
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Seconds since the last call: the host's AdamW (with the casts around it), and the host waiting on
+        the transfers (what the overlap did not hide)."""
+        out = {"optimizer_host_adam_s": self._sums.get("adam_s", 0.0),
+               "optimizer_transfer_wait_s": self._sums.get("wait_s", 0.0)}
+        self._sums = {}
+        return out
 
     def host_bytes(self) -> dict[str, int]:
         """What this rank holds on the host: masters, Adam's moments, the transfer buffers (pinned on a GPU)."""

@@ -322,6 +322,8 @@ class MegatronTrainer:
         out["train_tokens"] = int(total["_tokens"])
         out["train_time_s"] = time.time() - t0
         out["optimizer_step_s"] = optimizer_s  # within train_time_s; on the host with train.optimizer_on_host
+        if self.host_optimizer is not None:
+            out.update(self.host_optimizer.pop_metrics())
         from runtime.testing.moments import moment
         moment("train-step-done")  # weights updated in memory, nothing saved
         return out
