@@ -314,6 +314,43 @@ class NodeSampler:
             self._stop.wait(self.every_s)
 
 
+class IpcProbe:
+    """A process holding one CUDA tensor (the IPC probe of :func:`driver_forwards_cuda_tensors`)."""
+
+    def __init__(self, device: int):
+        import torch
+        torch.cuda.set_device(device)
+        self.t = None
+
+    def make(self):
+        import torch
+        self.t = torch.arange(1024, dtype=torch.float32, device="cuda")
+        return self.t
+
+    def total(self, t) -> float:
+        return float(t.sum())
+
+
+def driver_forwards_cuda_tensors() -> str | None:
+    """None when a CUDA tensor one spawned process returns can be passed on by this process to another (what the
+    direct weight sync does from a TP trainer in subprocesses to colocated engines in subprocesses), else the
+    error: forwarding memory opened through CUDA IPC may be refused (it is not this process's allocation)."""
+    from runtime.placement.subprocess_group import SubprocessGroup
+    a = b = None
+    try:
+        a = SubprocessGroup("bench.glm9b_host_optimizer:IpcProbe", [{"device": 0}])
+        b = SubprocessGroup("bench.glm9b_host_optimizer:IpcProbe", [{"device": 1}])
+        t = a.call("make")[0]
+        got = b.call("total", t)[0]
+        return None if got == 1023 * 1024 / 2 else f"wrong sum {got}"
+    except Exception as e:  # noqa: BLE001 - the answer is the error
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
+        for g in (a, b):
+            if g is not None:
+                g.kill()
+
+
 def _timed(obj, name: str, phase: str, phases: list) -> None:
     """obj.name, recording (phase, start, end) of each call."""
     fn = getattr(obj, name)
@@ -340,6 +377,14 @@ def sec_stage(S, W: Path, sets: list[str], budget_s: float) -> dict:
     from runtime.run.directory import RunDir
     if not (W / "td").is_dir() or not (W / "hf" / "config.json").is_file():
         raise RuntimeError(f"no model under {W}: run the setup section first (same --work)")
+    res: dict = {"name": "stage", "sets": list(sets)}
+    if S["device"] == "cuda":
+        # colocated engines in processes of their own get the weights the TP trainer's rank 0 returns through
+        # this process; where that cannot work, one engine in this process (beside trainer rank 0) does the rollout
+        res["ipc_forwarding_error"] = driver_forwards_cuda_tensors()
+        if res["ipc_forwarding_error"]:
+            sets = list(sets) + ["cluster.rollout_gpus=1"]
+            print("IPC forwarding refused, one engine:", res["ipc_forwarding_error"], flush=True)
     cfg = bench_config(S, W, sets)
     root = Path(cfg.storage.root)
     shutil.rmtree(root, ignore_errors=True)
@@ -355,14 +400,14 @@ def sec_stage(S, W: Path, sets: list[str], budget_s: float) -> dict:
                        "GLM9B_BENCH_SAMPLE_S": str(S["sample_s"])})
     import partial_rollout
     partial_rollout.force_keyed_lengths(S["schedule"])  # an engine in this process (one GPU, CPU) is forced too
+    threading.Thread(target=_sampler, args=(mem_dir, S["sample_s"]), daemon=True).start()  # an engine in here
     node = NodeSampler(S["sample_s"] * 2).start()
     time.sleep(S["sample_s"] * 3)
     baseline = dict(node.rows[-1]) if node.rows else {}
     phases: list = []
     sess = TrainSession(cfg, rd)
-    res: dict = {"name": "stage", "sets": sets, "plan_kv_cache_gb": cfg.rollout.kv_cache_gb,
-                 "gpu_memory_gb": cfg.cluster.gpu_memory_gb, "host_memory_gb": cfg.cluster.host_memory_gb,
-                 "rollouts": []}
+    res.update(sets=sets, plan_kv_cache_gb=cfg.rollout.kv_cache_gb, gpu_memory_gb=cfg.cluster.gpu_memory_gb,
+               host_memory_gb=cfg.cluster.host_memory_gb, engines=cfg.cluster.rollout_gpus, rollouts=[])
     try:
         t0 = time.time()
         sess.ensure_at(None)  # trainer ranks, engines, the first weight sync
