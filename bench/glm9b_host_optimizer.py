@@ -70,14 +70,14 @@ ENV_LENGTHS, ENV_MEMDIR, ENV_METHODS = "GLM9B_BENCH_KEYED_LENGTHS", "GLM9B_BENCH
 RESUME_LR = 1e-4
 SHAPES = {
     "gpu": dict(device="cuda", dtype="bfloat16", model={}, prompts=16, samples=8, prompt_len=1000,
-                max_prompt_len=1024, rollouts=3, rows=96, resume_layers=4, resume_samples=16,
+                max_prompt_len=1024, rollouts=3, rows=96, resume_layers=4, resume_tp=2, resume_samples=16,
                 resume_prompt=256, resume_response=512, sets=[], sample_s=0.25,
                 schedule={k: rollout_bench.SHAPES["gpu"][k] for k in ("max_new", "median", "sigma", "min_len")}),
     "cpu": dict(device="cpu", dtype="bfloat16",
                 model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, vocab_size=512),
                 prompts=2, samples=4, prompt_len=12, max_prompt_len=16, rollouts=2, rows=16,
-                resume_layers=2, resume_samples=8, resume_prompt=6, resume_response=8, sample_s=0.1,
+                resume_layers=2, resume_tp=1, resume_samples=8, resume_prompt=6, resume_response=8, sample_s=0.1,
                 sets=["train.max_tokens_per_micro_batch=128", "rollout.kv_cache_gb=0.01", "rollout.decode_path=paged"],
                 schedule={k: rollout_bench.SHAPES["cpu"][k] for k in ("max_new", "median", "sigma", "min_len")}),
 }
@@ -394,7 +394,8 @@ def sec_stage(S, W: Path, sets: list[str], budget_s: float) -> dict:
     root = Path(cfg.storage.root)
     shutil.rmtree(root, ignore_errors=True)
     rd = RunDir(str(root), "bench")
-    for link, target in ((rd.hf_model, W / "hf"), (rd.torch_dist, W / "td"), (rd.train_data, W / "data" / "prompts.parquet")):
+    for link, target in ((rd.hf_model, W / "hf"), (rd.torch_dist, W / "td"),
+                         (rd.train_data, W / "data" / "prompts.parquet")):
         Path(link).parent.mkdir(parents=True, exist_ok=True)
         os.symlink(target, link)
     mem_dir = W / "mem"
@@ -456,7 +457,8 @@ def sec_stage(S, W: Path, sets: list[str], budget_s: float) -> dict:
         "optimizer_transfer_wait_s", "weight_sync_s", "train_rollout_logp_absdiff", "response_len_mean",
         "train_tokens", "rollout_tok_s", "train_tok_s")}}
     if res["steady"]["train_time_s"] is not None and res["steady"]["optimizer_step_s"] is not None:
-        res["steady"]["train_without_optimizer_s"] = round(res["steady"]["train_time_s"] - res["steady"]["optimizer_step_s"], 3)
+        st = res["steady"]
+        st["train_without_optimizer_s"] = round(st["train_time_s"] - st["optimizer_step_s"], 3)
     return res
 
 
@@ -511,8 +513,12 @@ def memory_report(S, W: Path, cfg, mem_dir: Path, pids: dict, phases: list, node
     for role in ("trainer", "engine"):
         for i, pid in enumerate(pids.get(role, [])):
             rows = samples.get(pid, [])
-            peak = lambda p: g(max(_in(rows, win[p], lambda r: cuda(r, 0)), default=None))  # noqa: E731
-            median = lambda p, k: g(statistics.median(_in(rows, steady[p], k)) if _in(rows, steady[p], k) else None)  # noqa: E731
+            def peak(p, rows=rows):
+                return g(max(_in(rows, win[p], lambda r: cuda(r, 0)), default=None))
+
+            def median(p, k, rows=rows):
+                vals = _in(rows, steady[p], k)
+                return g(statistics.median(vals)) if vals else None
             procs[f"{role}{i}"] = {
                 "pid": pid, "cuda_peak_by_phase": {p: peak(p) for p in win},
                 "cuda_allocated_median_by_phase": {p: median(p, lambda r: cuda(r, 1)) for p in win},
@@ -608,11 +614,12 @@ def sec_resume(S, W: Path) -> dict:
     os.environ[ENV_METHODS] = "1"
     tree = yaml.safe_load(CONFIG.read_text())
     sets = [f"train.lr={RESUME_LR}", "cluster.backend=local", f"cluster.device={S['device']}",
-            f"cluster.trainer_gpus={2 if S['device'] == 'cuda' else 0}", "cluster.rollout_gpus=0",
+            f"cluster.trainer_gpus={S['resume_tp'] if S['device'] == 'cuda' else 0}", "cluster.rollout_gpus=0",
+            f"train.tensor_parallel={S['resume_tp']}",
             "cluster.host_memory_gb=null", "cluster.gpu_memory_gb=null", f"data.max_prompt_len={S['max_prompt_len']}",
             f"rollout.max_new_tokens={S['schedule']['max_new']}", *S["sets"]]
     batches = [_resume_batch(S, hf_config.vocab_size, s) for s in range(3)]
-    res: dict = {"name": "resume", "layers": S["resume_layers"], "params": params, "lr": RESUME_LR,
+    res: dict = {"name": "resume", "layers": S["resume_layers"], "tp": S["resume_tp"], "params": params, "lr": RESUME_LR,
                  "bound_per_update": 1e-2 * RESUME_LR, "samples_per_update": len(batches[0])}
 
     def trainer(on_host: bool):

@@ -57,8 +57,8 @@ def param_tensor_numels(m: dict[str, Any], tp: int) -> list[int]:
     return [V * h // tp] + layer * L + [h] + ([] if m["tied"] else [V * h // tp])
 
 
-def host_terms(shape: dict[str, Any], *, tp: int, dp: int, per_rank: int, opt_params: int, weight_bytes: int, grad_bytes: int,
-               distributed_optimizer: bool, optimizer_on_host: bool, offload: bool, trainer_ranks: int,
+def host_terms(shape: dict[str, Any], *, tp: int, dp: int, per_rank: int, opt_params: int, weight_bytes: int,
+               grad_bytes: int, distributed_optimizer: bool, optimizer_on_host: bool, offload: bool, trainer_ranks: int,
                processes: int, host_memory_gb: float) -> dict[str, Any]:
     """Host bytes of one node (module doc), by term; ``fits`` against ``host_memory_gb``."""
     if optimizer_on_host:

@@ -325,7 +325,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     buffer's dtype ("float32", or "bfloat16" = the weights' dtype). ``optimizer_on_host``
     (``train.optimizer_on_host``): the fp32 master, Adam's moments and the step in host memory, none of it on the
     GPU. ``host_memory_gb``: the node's host memory, checked by runtime/plan/host_memory.py for ``trainer_ranks``
-    trainer ranks and ``processes`` processes per node (None: not checked). ``ref_model``: a reference copy of the weights (``kl_coef > 0``).
+    trainer ranks and ``processes`` processes per node (None: not checked). ``ref_model``: a reference copy of
+    the weights (``kl_coef > 0``).
     ``device``: "cuda" or "cpu" (other attention, logits and engine paths, see the module doc).
     ``engine``: "builtin" or "sglang". ``global_batch_size`` lets the answer name a micro-batch that
     divides the step. ``kv_cache_gb``: the built-in engine's KV pool (GiB); None on CUDA: the plan
