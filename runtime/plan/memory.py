@@ -679,8 +679,11 @@ def estimate_for_config(cfg, hf_config, *, gpu_mem_gb: float | None = None, devi
     host's ``host_mem_gb`` default ``host_memory.target_host_memory_gb``. When it does not fit, ``fix`` names the
     settings that would (:func:`settings_that_fit`) and ``reason`` ends with them."""
     gpu = target_gpu_memory_gb(cfg, gpu_mem_gb)
-    host_gb, host_source = host_memory.target_host_memory_gb(cfg, host_mem_gb, gpu)
-    kw = {**config_kwargs(cfg, device), "host_memory_gb": host_gb, **engine_model}  # engine_model: e.g. kv_released
+    kw = {**config_kwargs(cfg, device), **engine_model}  # engine_model: e.g. kv_released, to model a measurement
+    host_source = None
+    # on the CPU the per-GPU plan is the host's already: a host of its own only when one is given
+    if kw["device"] == "cuda" or host_mem_gb is not None or cfg.cluster.host_memory_gb is not None:
+        kw["host_memory_gb"], host_source = host_memory.target_host_memory_gb(cfg, host_mem_gb, gpu)
     est = estimate_memory(hf_config, gpu_mem_gb=gpu, **kw)
     if est["host"] is not None:
         est["host"]["source"] = host_source
