@@ -276,3 +276,48 @@ def test_checkpoints_move_between_host_and_device_optimizers_and_dp_sizes(tiny, 
         print(f"{src} resumed as {resaved}: its next update vs the unbroken run's: max |d master| = {diff:.3g}")
         assert diff <= PER_UPDATE, (resaved, diff)
         assert moved_away(_masters(root / resumed_next, root), _masters(root / src, root))
+
+
+def test_megatrons_hybrid_optimizer_keeps_the_fp32_master_beside_the_weights_without_te(tiny, monkeypatch):
+    """Why runtime/trainer/host_optimizer.py exists (megatron-core 0.16.1, no Transformer Engine): the
+    HybridDeviceOptimizer path that keeps the master on the host (the precision-aware optimizer) cannot be
+    configured, and the one that can leaves megatron's fp32 master where the weights are and steps it there."""
+    import contextlib
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from runtime.mcore import env as menv
+    from runtime.models import load_hf_config
+    kw = dict(optimizer="adam", bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
+              optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
+    with pytest.raises(TypeError):  # is_te_min_version() without TE, before optimizer_cpu_offload is looked at
+        OptimizerConfig(use_precision_aware_optimizer=True, **kw)
+    config = OptimizerConfig(**kw)
+    assert not config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    menv.ensure_parallel("cpu")
+    model = menv.build_gpt_model(load_hf_config(tiny["hf"]), dtype=torch.bfloat16, device="cpu")
+
+    class _Stream:  # HybridDeviceOptimizer asks CUDA for streams even for CPU parameters
+        def wait_stream(self, *_):
+            pass
+
+        def record_event(self):
+            return type("Event", (), {"synchronize": lambda self: None})()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    with menv.cuda_to_cpu():
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                      model)
+        opt = get_megatron_optimizer(config, [ddp]).chained_optimizers[0]
+    assert type(opt.optimizer).__name__ == "HybridDeviceOptimizer"
+    masters = [m for group in opt.shard_fp32_from_float16_groups for m in group]
+    weight_device = next(model.parameters()).device
+    # the distributed optimizer made an fp32 master of every weight, on the weights' device ...
+    assert masters and all(m.dtype == torch.float32 and m.device == weight_device for m in masters)
+    # ... and the hybrid optimizer steps those very tensors (on a GPU: a pinned host copy of each, copied back
+    # into it after every step)
+    stepped = [p for group in opt.optimizer.param_groups for p in group["params"]]
+    assert {id(p) for p in stepped} == {id(m) for m in masters}

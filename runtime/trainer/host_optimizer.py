@@ -32,8 +32,8 @@ Transformer Engine no path keeps the fp32 master on the host. With ``use_precisi
 supported path: the distributed optimizer then hands it the bf16 shards and the host makes the fp32 master)
 ``OptimizerConfig.__post_init__`` calls ``is_te_min_version`` before it looks at ``optimizer_cpu_offload``, a
 TypeError without TE (optimizer_config.py:383). Without it, the distributed optimizer makes the fp32 master
-beside the weights on the GPU (distrib_optimizer.py:395 ``shard_model_param.clone().float()``, with fp32
-main grads beside it, :2412 ``.grad = shard_model_grad.float()``), and HybridDeviceOptimizer pins a second fp32
+beside the weights on the GPU (distrib_optimizer.py:399 ``shard_model_param.clone().float()``, with fp32
+main grads beside it, :2419 ``.grad = shard_model_grad.float()``), and HybridDeviceOptimizer pins a second fp32
 copy of it on the host (hybrid_optimizer.py ``_get_sub_optimizer_param_groups``), steps that, and copies it
 back into the GPU master after every step (``param_copy_back_gpu_hook``): Adam's moments leave the GPU, the
 master and an fp32 gradient copy stay. (It also needs CUDA streams to be built: not constructible on CPU.)
