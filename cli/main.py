@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--gpu-mem-gb", type=float, default=None,
                    help="GPU memory of the target machine in GiB (default: cluster.gpu_memory_gb, else 80); "
                         "a config that does not fit is an error (exit 2) naming settings that would")
+    v.add_argument("--host-mem-gb", type=float, default=None,
+                   help="host (CPU) memory of one target node in GiB (default: cluster.host_memory_gb, else 1.6 GiB "
+                        "per GiB of the node's GPU memory)")
     with_overrides(v)
 
     r = sub.add_parser("run", help="run the pipeline (fetch → convert → prepare → train → eval → register)")
@@ -323,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             from runtime.grpo.preflight import check_trainable
             check_trainable(cfg)
             _print_plan(cfg)
-            memory, does_not_fit = memory_report(cfg, args.gpu_mem_gb)
+            memory, does_not_fit = memory_report(cfg, args.gpu_mem_gb, args.host_mem_gb)
             for line in placement + memory:
                 print(line)
             if does_not_fit:

@@ -235,6 +235,12 @@ class TrainSection(Section):
     # exact accumulation over micro-batches) or bfloat16 (the bf16 weights' own dtype: half the gradient
     # memory, accumulated and reduced in bf16). With fp32 weights (the CPU default) gradients are fp32 either way.
     grad_dtype: Literal["float32", "bfloat16"] = "float32"
+    # The fp32 master weights, Adam's moments and the update itself on the host (ZeRO-Offload's split,
+    # runtime/trainer/host_optimizer.py): the GPU keeps the bf16 weights and gradients only (16 of 18 B/param
+    # off it with bf16 gradients). Each step the gradients stream to the host in chunks, AdamW runs there, and
+    # the new bf16 weights stream back, overlapped. Needs bf16 weights (model.dtype). Updates equal the GPU
+    # optimizer's within float rounding; a run may resume with it on or off (one checkpoint format).
+    optimizer_on_host: bool = False
     # -- numerics of the trainer's forward (change results within float noise; the defaults are the fast ones) --
     # chunked output layer for the log-probs (no [tokens x vocab] fp32 logits): auto = at TP 1 on CUDA
     chunked_logprobs: Literal["auto", "on", "off"] = "auto"
@@ -288,6 +294,10 @@ class ClusterSection(Section):
     # The trainer's gradients, fp32 master weights and Adam state go to pinned CPU memory while the engine
     # generates (colocated), and come back for the update. auto: on when colocated on a GPU.
     offload_trainer_state: Literal["auto", "on", "off"] = "auto"
+    # Memory of one node's host (CPU) in GiB, for the plan's host side (train.optimizer_on_host, the pinned
+    # buffers of the state offload, the processes). None: 1.6 GiB per GiB of GPU memory of the node's GPUs
+    # (the H100 machines here: 128 GiB per 80 GiB card).
+    host_memory_gb: float | None = Field(None, gt=0)
 
     @field_validator("offload_trainer_state", mode="before")
     @classmethod
@@ -394,6 +404,11 @@ class GrpoConfig(Section):
             if not self.algorithm.use_tis:
                 raise ValueError("rollout.partial trains tokens made by older weights, which TIS corrects: set "
                                  "algorithm.use_tis: true (algorithm.tis_mode: mask for MIS)")
+        if t.optimizer_on_host and (self.model.dtype == "float32"
+                                    or (self.model.dtype == "auto" and self.cluster.device == "cpu")):
+            raise ValueError("train.optimizer_on_host keeps an fp32 master of bf16 weights on the host, but the "
+                             "weights are fp32 here (their own master); set model.dtype: bfloat16 or "
+                             "train.optimizer_on_host: false")
         if self.algorithm.entropy_coef and t.tensor_parallel > 1:
             raise ValueError("algorithm.entropy_coef > 0 needs train.tensor_parallel=1 (the entropy bonus is not "
                              "computed under tensor parallelism); set one of them back")

@@ -62,6 +62,7 @@ SLOW_MODULES = {
     "test_model_families", "test_kill_anywhere", "test_multinode", "test_bad_inputs", "test_resume_repairs",
     "test_demo", "test_report", "test_runs_listing", "test_trainer_memory", "test_partial_rollout",
     "test_install",  # resolves the install against the public index (network, ~30 s)
+    "test_host_optimizer",
 }
 
 

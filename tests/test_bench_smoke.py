@@ -157,3 +157,31 @@ def test_ray_pipeline_bench_cpu_mode_runs(tmp_path):
     sync = row["sync"]
     assert sync["ray"]["transport"] == "host" and sync["local"]["transport"] == "as_is"  # CPU: no CUDA IPC
     assert sync["ray"]["logprob_gap"]["max"] == sync["local"]["logprob_gap"]["max"] == 0.0  # fp32: exact
+
+
+# ---- bench/glm9b_host_optimizer.py: GLM-Z1-9B with the optimizer on the host (issue 36) ---------------------
+
+def test_glm9b_host_optimizer_bench_cpu_mode_runs(tmp_path):
+    """A tiny GLM4 through every section: the bf16 model built on the device into HF and torch_dist, the real
+    train stage of configs/glm-z1-9b-dapo-2xh100.yaml (TP 2 ranks and 2 engines as processes, the optimizer on
+    the host, the keyed lengths forced in the engine processes, memory sampled in each), and save -> resume ->
+    next update with the optimizer on the host and on the device."""
+    summary = _cpu_bench("glm9b_host_optimizer", tmp_path, timeout=900)
+    sec = summary["sections"]
+    assert {k for k, v in sec.items() if v["status"] == "ok"} == set(sec) == {"setup", "stage", "resume"}
+    assert sec["setup"]["bf16_probe"]["logprob_absdiff_mean"] < 1e-2  # megatron's copy is the HF model
+    st = sec["stage"]
+    assert len(st["rollouts"]) >= 2 and st["steady"]["step_time_s"] > 0
+    for r in st["rollouts"]:
+        assert r["optimizer_step_s"] > 0 and r["optimizer_host_adam_s"] > 0 and r["weight_sync_s"] > 0
+        # each sample stops at its keyed length (or earlier, at a sampled stop token): forced in the engines
+        assert 0 < r["train_tokens"] <= r["scheduled_tokens"] and r["response_len_max"] <= r["scheduled_max"]
+        assert r["train_rollout_logp_absdiff"] < 0.1
+    mem = st["memory"]
+    assert {"trainer0", "trainer1", "engine0", "engine1"} <= set(mem["processes"])
+    assert all(p["rss_hwm"] > 0 for p in mem["processes"].values())
+    assert mem["plan"]["host"]["mode"] == "host" and mem["host_node_peak_used_GiB"] > 0
+    r = sec["resume"]
+    assert r["ok"], r
+    for name in ("resumed_host", "resumed_gpu_optimizer"):
+        assert r[name]["masters_at_load_bitwise"] and r[name]["next_update_max_abs_diff"] <= r["bound_per_update"]

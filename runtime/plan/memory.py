@@ -55,9 +55,12 @@ On CUDA (what runs on a GPU; ``runtime.mcore.env`` / ``_chunked_logprobs_enabled
 * data-parallel rollout (``cluster.rollout_gpus`` > 1 with the built-in engine): one engine on each rollout
   GPU, each with the whole weights, its own KV pool and the working set of its share of the requests
   (``rollout_engines``: the rows split evenly); the per-GPU numbers are those of a GPU that holds an engine.
-* colocated: the peak is the larger of the rollout phase (trainer weights, its state unless offloaded,
-  engine weights, KV pool, rollout working set) and the training phase (trainer weights and state,
-  engine weights, the pool unless released, activations).
+* colocated: the peak is the largest of the rollout phase (trainer weights, its state unless offloaded,
+  engine weights, KV pool, rollout working set), the training phase (trainer weights and state,
+  engine weights, the pool unless released, activations) and, under tensor parallelism, the weight sync
+  after the update (each TP rank gathers the whole bf16 weights for the engines beside its state).
+* ``train.optimizer_on_host``: no fp32 master, Adam moments or step temporaries on the GPU; the host's side
+  (and every run's host memory per node) is runtime/plan/host_memory.py's.
 * SGLang (``rollout.engine: sglang``): by SGLang's documented ``--mem-fraction-static`` rule its
   weights plus KV pool fill ``mem_fraction × GPU`` minus what other processes hold when it starts
   (the trainer's resident state, when colocated); colocated it runs with ``--enable-memory-saver``
@@ -96,6 +99,7 @@ from typing import Any
 
 from runtime.devices import resolve_dtype
 from runtime.placement import layout
+from runtime.plan import host_memory
 from runtime.mcore import fusions as megatron_fusions
 
 GIB = 2**30
@@ -309,7 +313,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     max_tokens: int | None = None, recompute: str = "none", recompute_modules=("layernorm", "mlp"),
                     recompute_num_layers: int | None = None, fusions="auto", chunked_logprobs: str = "auto",
                     core_attention: str = "auto", distributed_optimizer: bool = False,
-                    grad_dtype: str = "float32") -> dict[str, Any]:
+                    grad_dtype: str = "float32", optimizer_on_host: bool = False, host_memory_gb: float | None = None,
+                    trainer_ranks: int = 1, processes: int = 1) -> dict[str, Any]:
     """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
 
     ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
@@ -317,7 +322,11 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     ``max_batch_size``. ``dp`` replicates the trainer and does not change the per-GPU numbers, except with
     ``distributed_optimizer`` (``train.distributed_optimizer``): the fp32 master, Adam's moments and the
     optimizer step's temporaries are then 1/dp per GPU. ``grad_dtype`` (``train.grad_dtype``): the gradient
-    buffer's dtype ("float32", or "bfloat16" = the weights' dtype). ``ref_model``: a reference copy of the weights (``kl_coef > 0``).
+    buffer's dtype ("float32", or "bfloat16" = the weights' dtype). ``optimizer_on_host``
+    (``train.optimizer_on_host``): the fp32 master, Adam's moments and the step in host memory, none of it on the
+    GPU. ``host_memory_gb``: the node's host memory, checked by runtime/plan/host_memory.py for ``trainer_ranks``
+    trainer ranks and ``processes`` processes per node (None: not checked). ``ref_model``: a reference copy of
+    the weights (``kl_coef > 0``).
     ``device``: "cuda" or "cpu" (other attention, logits and engine paths, see the module doc).
     ``engine``: "builtin" or "sglang". ``global_batch_size`` lets the answer name a micro-batch that
     divides the step. ``kv_cache_gb``: the built-in engine's KV pool (GiB); None on CUDA: the plan
@@ -329,7 +338,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
 
     Returns ``weights``, ``grads``, ``optimizer``, ``activations``, ``kv_cache``, ``engine_weights``,
     ``rollout_activations``, ``overhead``, ``total`` (GiB; ``bytes``: the same, exact), ``at_rollout`` /
-    ``at_training`` (colocated peaks of each phase), ``fits``, ``reason`` (None when it fits),
+    ``at_training`` / ``at_sync`` (colocated peaks of each phase; the weight sync's: a TP rank's gather of the
+    whole weights, ``sync_gather``, beside its state), ``fits``, ``reason`` (None when it fits),
     ``fit_micro_batch``, ``kv_slots`` (full-length samples the pool holds), ``kv_chosen``.
     """
     for name, v in (("tp", tp), ("dp", dp), ("micro_batch_size", micro_batch_size), ("seq_len", seq_len),
@@ -363,11 +373,11 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     opt_params = -(-per_rank // dp) if distributed_optimizer else per_rank
     master = opt_params * 4 if e < 4 else 0                # fp32 master copy, made with the optimizer
     moments = opt_params * 8                               # Adam m, v: made at the first step
-    optimizer = master + moments
+    optimizer = 0 if optimizer_on_host else master + moments  # on the GPU (the host's: runtime/plan/host_memory.py)
     state = grads + optimizer                              # what offload_state moves
     # Adam's step (torch's foreach implementation) holds about one fp32 copy of the parameters it updates in
     # temporaries: measured 2.27 GiB for Qwen3-0.6B's 2.22 GiB (bench/results/memory_check_H100_2026-11-23_24gb.json)
-    opt_step = _OPT_STEP_BYTES_PER_PARAM * opt_params
+    opt_step = 0 if optimizer_on_host else _OPT_STEP_BYTES_PER_PARAM * opt_params
     act_kw = dict(tp=tp, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, device=device,
                   response_len=max_new_tokens, **settings)
     act = activation_terms(hf_config, **act_kw)
@@ -434,19 +444,32 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     kv_slots = kv_cache // per_sample_kv if decode_path == "paged" else (
         min(rows, slots_max) if decode_path == "dynamic" else None)
 
+    # the weight sync after an update: under TP every trainer rank gathers the whole weights for the engines
+    # (runtime/trainer/tp_gather.py), beside its state, before the next rollout offloads it
+    gathered = n_params * e if tp > 1 else 0
+    at_sync = weights + state + gathered + (engine_weights + (0 if kv_released else kv_cache) if colocate else 0) \
+        + overhead
+
     def totals(act_bytes: int) -> tuple[int, int, int, int, int]:
-        trainer_total = weights + state + max(act_bytes, opt_step) + OVERHEAD_BYTES
+        trainer_total = weights + state + max(act_bytes, opt_step, gathered) + OVERHEAD_BYTES
         rollout_total = engine_weights + kv_cache + rollout_activations + OVERHEAD_BYTES
         if not colocate:
             return trainer_total, rollout_total, rollout_total, trainer_total, max(trainer_total, rollout_total)
         at_rollout = weights + (0 if offload else state) + engine_weights + kv_cache + rollout_activations + overhead
         at_training = weights + state + engine_weights + (0 if kv_released else kv_cache) \
             + max(act_bytes, opt_step) + overhead
-        return trainer_total, rollout_total, at_rollout, at_training, max(at_rollout, at_training)
+        return trainer_total, rollout_total, at_rollout, at_training, max(at_rollout, at_training, at_sync)
 
     trainer_total, rollout_total, at_rollout, at_training, total = totals(activations)
     kv_too_small = decode_path == "paged" and kv_cache < per_sample_kv
     fits = total <= limit and not kv_too_small and not (engine == "sglang" and kv_cache <= 0)
+    host = None
+    if host_memory_gb is not None:
+        host = host_memory.host_terms(m, tp=tp, dp=dp, per_rank=per_rank, opt_params=opt_params, weight_bytes=e,
+                                      grad_bytes=4 if grad_dtype == "float32" else e,
+                                      distributed_optimizer=bool(distributed_optimizer),
+                                      optimizer_on_host=bool(optimizer_on_host), offload=offload,
+                                      trainer_ranks=trainer_ranks, processes=processes, host_memory_gb=host_memory_gb)
     per_rank_step = (global_batch_size // dp) if global_batch_size else None
 
     def total_at(b: int) -> int:
@@ -458,7 +481,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     exact = dict(weights=weights, grads=grads, optimizer=optimizer, activations=activations, kv_cache=kv_cache,
                  engine_weights=engine_weights, rollout_activations=rollout_activations,
                  overhead=overhead, trainer_total=trainer_total, rollout_total=rollout_total, total=total,
-                 at_rollout=at_rollout, at_training=at_training,
+                 at_rollout=at_rollout, at_training=at_training, at_sync=at_sync, sync_gather=gathered,
                  optimizer_master=master, optimizer_moments=moments,
                  act_layers=act["layers"], act_attention_scores=act["attention_scores"],
                  act_logprob_head=act["logprob_head"])
@@ -474,9 +497,11 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                kv_slots=kv_slots, kv_slot_len=seq_len, kv_max_slots=slots_max, kv=kv_info,
                kv_chosen=kv_chosen, kv_cache_gb=kv_cache / GIB if decode_path == "paged" else None,
                kv_released=kv_released, offload=offload, fit_micro_batch=fit_mb,
-               distributed_optimizer=bool(distributed_optimizer), grad_dtype=grad_dtype, **settings)
+               distributed_optimizer=bool(distributed_optimizer), grad_dtype=grad_dtype,
+               optimizer_on_host=bool(optimizer_on_host), host=host, gpu_fits=fits, **settings)
+    out["fits"] = fits and (host is None or host["fits"])
     out["max_tp"] = math.gcd(m["V"], m["nh"], m["ng"], m["f"])
-    out["reason"] = None if fits else _why_not(out)
+    out["reason"] = None if out["fits"] else _why_not(out)
     return out
 
 
@@ -509,6 +534,26 @@ def _distributed_optimizer_hint(est: dict[str, Any]) -> str | None:
 
 
 def _why_not(est: dict[str, Any]) -> str:
+    """Why a plan does not fit: the GPU's reason, the host's, or both."""
+    host = est.get("host")
+    parts = [] if est["gpu_fits"] else [_why_not_gpu(est)]
+    if host is not None and not host["fits"]:
+        parts.append(_why_not_host(est))
+    return "; and ".join(parts)
+
+
+def _why_not_host(est: dict[str, Any]) -> str:
+    host = est["host"]
+    what = {"host": f"the fp32 master + Adam state of {host['ranks']} trainer rank(s) on the host take "
+                    f"{host['optimizer']:.1f} GiB (train.optimizer_on_host)",
+            "offload": f"the pinned buffers of {host['ranks']} trainer rank(s)' state offload take "
+                       f"{host['pinned']:.1f} GiB (cluster.offload_trainer_state)",
+            "none": f"{host['processes_n']} processes take {host['processes']:.1f} GiB"}[host["mode"]]
+    return (f"needs {host['total']:.1f} GiB of host memory per node but the node has {host['host_memory_gb']:g} GiB "
+            f": {what}")
+
+
+def _why_not_gpu(est: dict[str, Any]) -> str:
     gpu = est["gpu_mem_gb"]
     state = est["weights"] + est["grads"] + est["optimizer"]
     grads = "fp32 gradients" if est["grad_dtype"] == "float32" else f"{est['grad_dtype']} gradients"
@@ -528,6 +573,9 @@ def _why_not(est: dict[str, Any]) -> str:
                    else "with one data-parallel rank nothing shards them")
         bf16_grads = ("; train.grad_dtype: bfloat16 halves the gradients" if est["grad_dtype"] == "float32"
                       and est["dtype"] != "float32" else "")
+        if not est["optimizer_on_host"] and est["dtype"] != "float32":
+            bf16_grads += (f"; train.optimizer_on_host: true moves the fp32 master + Adam state "
+                           f"({est['optimizer']:.1f} GiB) to host memory")
         return (f"{head}: try GPUs with more memory: {what} alone take {state:.1f} GiB per GPU at "
                 f"tensor_parallel={est['tp']}, this model's limit, and {sharded} (the trainer has no pipeline "
                 f"parallelism){bf16_grads}")
@@ -554,6 +602,8 @@ def format_estimate(est: dict[str, Any]) -> str:
     shard_note = f", 1/{est['dp']} of them (distributed optimizer)" if est["distributed_optimizer"] else ""
     rows = [("weights", est["weights"], ""), ("gradients", est["grads"], grad_note + state_note),
             ("optimizer", est["optimizer"],
+             "fp32 master + Adam m, v" + shard_note + " on the host (train.optimizer_on_host): see below"
+             if est["optimizer_on_host"] else
              ("fp32 master + Adam m, v" if est["optimizer_master"] else "Adam m, v") + shard_note + state_note),
             ("activations", est["activations"], act_note),
             ("engine weights", est["engine_weights"],
@@ -565,10 +615,13 @@ def format_estimate(est: dict[str, Any]) -> str:
             f"trainer/rollout, {est['dtype']}, {est['params'] / 1e9:.2f}B params, {est['device']}):")
     lines = [head] + [f"  {name:<15}{gib:8.2f} GiB" + (f"   {note}" if note else "") for name, gib, note in rows]
     verdict = "fits" if est["fits"] else "DOES NOT FIT"
-    phases = (f" (rollout {est['at_rollout']:.2f}, training {est['at_training']:.2f})" if est["colocate"] else "")
+    phases = (f" (rollout {est['at_rollout']:.2f}, training {est['at_training']:.2f}"
+              + (f", weight sync {est['at_sync']:.2f}" if est["sync_gather"] else "") + ")" if est["colocate"] else "")
     lines.append(f"  {'total':<15}{est['total']:8.2f} GiB of {est['gpu_mem_gb']:g} GiB{phases}: {verdict}")
     if est.get("assumed"):
         lines.append(f"  assumed: {est['assumed']}")
+    if est.get("host") is not None:
+        lines += host_memory.format_host(est["host"])
     return "\n".join(lines)
 
 
@@ -616,25 +669,34 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         kv_cache_gb=r.kv_cache_gb, offload=offload_enabled(cfg, device), max_tokens=t.max_tokens_per_micro_batch,
         recompute=t.recompute, recompute_modules=tuple(t.recompute_modules), recompute_num_layers=t.recompute_num_layers,
         fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention,
-        distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype)
+        distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype, optimizer_on_host=t.optimizer_on_host,
+        **{k: v for k, v in host_memory.node_layout(cfg).items() if k in ("trainer_ranks", "processes")})
 
 
 def estimate_for_config(cfg, hf_config, *, gpu_mem_gb: float | None = None, device: str | None = None,
-                        **engine_model) -> dict[str, Any]:
-    """:func:`estimate_memory` for a ``GrpoConfig``; ``gpu_mem_gb`` default :func:`target_gpu_memory_gb`.
-    When it does not fit, ``fix`` names the settings that would (:func:`settings_that_fit`) and ``reason``
-    ends with them."""
+                        host_mem_gb: float | None = None, **engine_model) -> dict[str, Any]:
+    """:func:`estimate_memory` for a ``GrpoConfig``; ``gpu_mem_gb`` default :func:`target_gpu_memory_gb`, the
+    host's ``host_mem_gb`` default ``host_memory.target_host_memory_gb``. When it does not fit, ``fix`` names the
+    settings that would (:func:`settings_that_fit`) and ``reason`` ends with them."""
     gpu = target_gpu_memory_gb(cfg, gpu_mem_gb)
     kw = {**config_kwargs(cfg, device), **engine_model}  # engine_model: e.g. kv_released, to model a measurement
+    host_source = None
+    # on the CPU the per-GPU plan is the host's already: a host of its own only when one is given
+    if kw["device"] == "cuda" or host_mem_gb is not None or cfg.cluster.host_memory_gb is not None:
+        kw["host_memory_gb"], host_source = host_memory.target_host_memory_gb(cfg, host_mem_gb, gpu)
     est = estimate_memory(hf_config, gpu_mem_gb=gpu, **kw)
+    if est["host"] is not None:
+        est["host"]["source"] = host_source
     est["fix"] = None
     if not est["fits"]:
         fix = settings_that_fit(hf_config, gpu, kw)
         if fix is not None:
             est["fix"] = fix
+            host = fix[1]["host"]
             est["reason"] = f"{est['reason']}; fits with " + ", ".join(f"{k}={_show(v)}" for k, v in fix[0].items()) \
                 + f" (peak {fix[1]['total']:.1f} GiB" \
-                + (f", the plan's KV pool {fix[1]['kv_cache']:.2f} GiB" if fix[1]["kv_chosen"] else "") + ")"
+                + (f", the plan's KV pool {fix[1]['kv_cache']:.2f} GiB" if fix[1]["kv_chosen"] else "") \
+                + (f", host {host['total']:.1f} of {host['host_memory_gb']:g} GiB" if host is not None else "") + ")"
     return est
 
 
@@ -651,8 +713,10 @@ def settings_that_fit(hf_config, gpu_mem_gb: float, kw: dict[str, Any]):
     ({config key: value}, estimate), or None. Searched, cheapest first: the distributed optimizer at
     DP > 1 (free: reduce-scatter + all-gather move what the all-reduce did), the trainer's state offloaded
     while generating (free), packed micro-batches by a token budget (faster), selective recompute
-    (norms + MLP, ~1/3 more compute per layer), full recompute (one more forward), a smaller KV pool
-    (a slower rollout); each with the largest token budget that fits."""
+    (norms + MLP, ~1/3 more compute per layer), the optimizer on the host (``train.optimizer_on_host``: the AdamW
+    step on the CPU, seconds per step for billions of parameters; or off, when the host is what does not fit), full
+    recompute (one more forward), bf16 gradients (``train.grad_dtype``: accumulated in bf16), a smaller KV pool (a
+    slower rollout); each with the largest token budget that fits."""
     if kw["device"] != "cuda" or kw["engine"] != "builtin":
         return None
     seq = kw["seq_len"]
@@ -663,13 +727,19 @@ def settings_that_fit(hf_config, gpu_mem_gb: float, kw: dict[str, Any]):
         if r[0] != kw["recompute"] and not (kw["recompute"] == "full" and r[0] == "selective"):
             recomputes.append(r)
     offloads = [kw["offload"]] + ([True] if kw["colocate"] and not kw["offload"] else [])
+    # the optimizer on the host (a slower step, see runtime/trainer/host_optimizer.py), or back on the GPU when
+    # the host is what does not fit
+    hosts = [kw["optimizer_on_host"], not kw["optimizer_on_host"]] if kw["dtype"] != "float32" else [False]
+    # gradients in the weights' bf16 (half the gradient memory; accumulated in bf16)
+    grads = [kw["grad_dtype"]] + (["bfloat16"] if kw["grad_dtype"] == "float32" and kw["dtype"] != "float32" else [])
     dists = [kw["distributed_optimizer"]] + ([True] if kw["dp"] > 1 and not kw["distributed_optimizer"] else [])
     pools: list = [kw["kv_cache_gb"]]
     if kw["kv_cache_gb"] is not None:
         pools += [round(kw["kv_cache_gb"] * f / KV_STEP_GIB) * KV_STEP_GIB for f in (0.75, 0.5, 0.25)]
         pools.append(None)  # what the plan leaves free
     for min_slots in sorted({min(n, kw["rollout_batch"]) for n in (_SEARCH_MIN_KV_SAMPLES, 4, 1)}, reverse=True):
-        found = _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots, dists)
+        found = _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots, dists, hosts,
+                        grads)
         if found is not None:
             return found
     return None
@@ -678,22 +748,28 @@ def settings_that_fit(hf_config, gpu_mem_gb: float, kw: dict[str, Any]):
 _SEARCH_MIN_KV_SAMPLES = 8  # the search prefers pools that hold a group of full-length samples at once
 
 
-def _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots, dists=(False,)):
+def _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots, dists=(False,),
+            hosts=(False,), grads=("float32",)):
     seq = kw["seq_len"]
     best = None
     for pi, pool in enumerate(pools):
-        for ri, (rec, mods) in enumerate(recomputes):
+        for rec, mods, on_host, grad in ((r, m, h, g) for r, m in recomputes for h in hosts for g in grads):
+            # cheapest first: selective recompute < the optimizer on the host < both < full recompute < bf16
+            # gradients (free in time, not in precision)
+            level = {kw["recompute"]: 0, "selective": 1}.get(rec, 4) \
+                + (2 if on_host and not kw["optimizer_on_host"] else 0) + (8 if grad != kw["grad_dtype"] else 0)
             for oi, off in enumerate(offloads):
                 for bi, budget in enumerate(budgets):
                     if budget is not None and budget < seq:
                         continue
                     for di, distributed in enumerate(dists):
                         # least significant: the distributed optimizer is preferred to any other change
-                        cost = (pi, ri, oi, bi, di)
+                        cost = (pi, level, oi, bi, di)
                         if best is not None and cost >= best[0]:
                             continue
                         trial = dict(kw, kv_cache_gb=pool, recompute=rec, recompute_modules=mods, offload=off,
                                      max_tokens=budget, distributed_optimizer=distributed,
+                                     optimizer_on_host=on_host, grad_dtype=grad,
                                      recompute_num_layers=None if rec != "full" else kw["recompute_num_layers"])
                         est = estimate_memory(hf_config, gpu_mem_gb=gpu_mem_gb, **trial)
                         if est["fits"] and (est["kv_slots"] or 0) >= min_slots:
@@ -705,7 +781,8 @@ def _search(hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min
     names = {"distributed_optimizer": "train.distributed_optimizer",
              "kv_cache_gb": "rollout.kv_cache_gb", "recompute": "train.recompute",
              "recompute_modules": "train.recompute_modules", "offload": "cluster.offload_trainer_state",
-             "max_tokens": "train.max_tokens_per_micro_batch", "recompute_num_layers": "train.recompute_num_layers"}
+             "max_tokens": "train.max_tokens_per_micro_batch", "recompute_num_layers": "train.recompute_num_layers",
+             "optimizer_on_host": "train.optimizer_on_host", "grad_dtype": "train.grad_dtype"}
     changed: dict[str, Any] = {}
     for k, name in names.items():
         if trial[k] != kw[k] and not (k == "recompute_modules" and trial["recompute"] != "selective"):

@@ -88,7 +88,7 @@ def _model_config_offline(source: str):
     return model_config_for_plan(source)[0]
 
 
-def memory_plan(cfg: GrpoConfig, gpu_mem_gb: float | None = None):
+def memory_plan(cfg: GrpoConfig, gpu_mem_gb: float | None = None, host_mem_gb: float | None = None):
     """(the estimate, or None without a model config at hand; what was assumed; why there is none)."""
     from runtime.plan.memory import estimate_for_config
     try:
@@ -97,17 +97,18 @@ def memory_plan(cfg: GrpoConfig, gpu_mem_gb: float | None = None):
         hf_config, assumed = None, None
     if hf_config is None:
         return None, None
-    est = estimate_for_config(cfg, hf_config, gpu_mem_gb=gpu_mem_gb)
+    est = estimate_for_config(cfg, hf_config, gpu_mem_gb=gpu_mem_gb, host_mem_gb=host_mem_gb)
     est["assumed"] = assumed
     return est, hf_config
 
 
-def memory_report(cfg: GrpoConfig, gpu_mem_gb: float | None = None) -> tuple[list[str], str | None]:
-    """The per-GPU memory plan (no download) as lines, and None when it fits, else the one-line error
-    naming the settings that would fit. ``gpu_mem_gb``: ``--gpu-mem-gb``, else ``cluster.gpu_memory_gb``,
-    else 80."""
+def memory_report(cfg: GrpoConfig, gpu_mem_gb: float | None = None,
+                  host_mem_gb: float | None = None) -> tuple[list[str], str | None]:
+    """The per-GPU and per-node host memory plan (no download) as lines, and None when it fits, else the one-line
+    error naming the settings that would fit. ``gpu_mem_gb``: ``--gpu-mem-gb``, else ``cluster.gpu_memory_gb``,
+    else 80; ``host_mem_gb``: ``--host-mem-gb``, else ``cluster.host_memory_gb``, else 1.6 x the node's GPU memory."""
     from runtime.plan.memory import format_estimate, plan_choices
-    est, hf_config = memory_plan(cfg, gpu_mem_gb)
+    est, hf_config = memory_plan(cfg, gpu_mem_gb, host_mem_gb)
     if est is None:
         return [f"memory        no estimate: {cfg.model.source} has no config.json at hand "
                 f"(give a local model dir, or fetch it once so the HF cache has it)"], None

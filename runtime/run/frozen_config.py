@@ -22,12 +22,15 @@ FINISHED_MARKER = "finished"  # stages/finished.json: every stage of the run don
 # train.distributed_optimizer), so that a run can resume on another number of GPUs. Its checkpoint loads
 # exactly into the new layout (runtime/trainer/optimizer_checkpoint.py); the updates after it differ from an
 # unbroken run's by the order of the DP reduction, within the float tolerance README.md states.
+# Where the optimizer lives (train.optimizer_on_host) may change too: the same masters and Adam state in the same
+# checkpoint format, stepped on the host or on the GPU (updates equal within float rounding); and the host's memory.
 RESUMABLE_CHANGES = {"train.num_rollout", "eval.interval", "eval.before_train", "tracking.uri",
                      "tracking.enabled", "cluster.address", "cluster.backend", "cluster.num_cpus",
                      "cluster.placement_timeout_s", "checkpoint.keep_last", "storage.state_dir",
                      "rollout.kv_cache_gb", "cluster.gpu_memory_gb", "cluster.offload_trainer_state",
                      "train.recompute", "train.recompute_modules", "train.recompute_num_layers",
-                     "train.data_parallel", "cluster.trainer_gpus", "train.distributed_optimizer"}
+                     "train.data_parallel", "cluster.trainer_gpus", "train.distributed_optimizer",
+                     "train.optimizer_on_host", "cluster.host_memory_gb"}
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

@@ -6,6 +6,7 @@ own slice, so the driver never needs to know the layout.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -60,7 +61,8 @@ class MegatronTrainer:
             load_torch_dist_into(self.ref_model, init_checkpoint)
             self.ref_model.eval().requires_grad_(False)
 
-        with menv.cuda_to_cpu():
+        from runtime.trainer.host_optimizer import masters_on_host
+        with menv.cuda_to_cpu(), (masters_on_host() if train.optimizer_on_host else contextlib.nullcontext()):
             # train.grad_dtype: fp32 gradient buffer (reduced in fp32) or the weights' own dtype;
             # train.distributed_optimizer: master weights + Adam sharded over DP, gradients reduce-scattered
             distributed = bool(train.distributed_optimizer)
@@ -83,6 +85,10 @@ class MegatronTrainer:
             wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")
         self.adapter = None
         self.steps_done = 0
+        self.host_optimizer = None  # train.optimizer_on_host: masters, Adam and the step on the host
+        if train.optimizer_on_host:
+            from runtime.trainer.host_optimizer import HostAdam
+            self.host_optimizer = HostAdam(self.optimizer, self.ddp, device)
         self.offload = StateOffload(self)
 
     def _build_model(self, train: bool):
@@ -257,6 +263,7 @@ class MegatronTrainer:
         per_step = len(batch) // steps
         sums: dict[str, torch.Tensor] = {}
         grad_norms = []
+        optimizer_s = 0.0
         for s, micro_batches in enumerate(slices):
             step_idx = list(range(s * per_step, (s + 1) * per_step))
             step_tokens = sum(sum(batch.loss_masks[i]) for i in step_idx)
@@ -292,8 +299,13 @@ class MegatronTrainer:
                     _accumulate(sums, "_logp_absdiff", ((logp.detach() - mb.rollout_logp).abs() * mb.resp_mask).sum())
                     _accumulate(sums, "_tokens_step0", n_tok)
             finalize_model_grads([self.ddp])
-            with menv.cuda_to_cpu():
-                ok, grad_norm, _ = self.optimizer.step()
+            t_step = time.time()
+            if self.host_optimizer is not None:
+                ok, grad_norm, _ = self.host_optimizer.step()
+            else:
+                with menv.cuda_to_cpu():
+                    ok, grad_norm, _ = self.optimizer.step()
+            optimizer_s += time.time() - t_step
             self.scheduler.step(increment=1)
             self.steps_done += 1
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
@@ -310,6 +322,9 @@ class MegatronTrainer:
         out["lr"] = float(self.optimizer.param_groups[0]["lr"])
         out["train_tokens"] = int(total["_tokens"])
         out["train_time_s"] = time.time() - t0
+        out["optimizer_step_s"] = optimizer_s  # within train_time_s; on the host with train.optimizer_on_host
+        if self.host_optimizer is not None:
+            out.update(self.host_optimizer.pop_metrics())
         from runtime.testing.moments import moment
         moment("train-step-done")  # weights updated in memory, nothing saved
         return out

@@ -195,9 +195,9 @@ class _DistLayout:
                         dist.recv(buf, src=ranks[r], group=self.group)
                         full[s:e].copy_(buf)
                 out[key] = full
-            elif mine is not None:
-                dist.send(self._tensors(name)[src].detach().reshape(-1).float().contiguous(), dst=ranks[owner],
-                          group=self.group)
+            elif mine is not None:  # from the device the weights are on (the state may be on the host)
+                dist.send(self._tensors(name)[src].detach().reshape(-1).float().contiguous().to(p.device),
+                          dst=ranks[owner], group=self.group)
         return out
 
     def _load_request(self) -> dict:

@@ -14,6 +14,10 @@ parameters' ``main_grad`` views into the DDP buffer, the optimizer's param group
 Python object; reloading grows the storage back and copies the bytes in, so nothing is rebuilt and
 the state after a round trip is bitwise the state before. The pinned buffers are allocated once and
 reused (pinning ~9 GiB takes seconds; copying it takes a fraction of one).
+
+With the optimizer on the host (``train.optimizer_on_host``, runtime/trainer/host_optimizer.py) the masters and
+moments never are on the GPU, so only the gradient buffers leave it, and they are dropped rather than copied:
+every step starts by zeroing them, so their bytes are not worth a copy either way (they come back as zeros).
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ class StateOffload:
         for buf in list(getattr(tr.ddp, "buffers", [])) + list(getattr(tr.ddp, "expert_parallel_buffers", [])):
             if getattr(buf, "grad_data", None) is not None:
                 out.append(buf.grad_data)
+        if getattr(tr, "host_optimizer", None) is not None:
+            return out  # the optimizer's state lives on the host already
         opts = getattr(tr.optimizer, "chained_optimizers", None) or [tr.optimizer]
         model_params = {id(p) for p in tr.model.parameters()}
         for opt in opts:
@@ -71,9 +77,14 @@ class StateOffload:
             return {"bytes": 0.0, "seconds": 0.0}
         t0 = time.time()
         storages = self._unique_storages(force)
-        moved = 0
+        moved = dropped = 0
+        drop = getattr(self.trainer, "host_optimizer", None) is not None  # only gradients: zeroed before use
         for pos, st in enumerate(storages):
             n = st.nbytes()
+            if drop:
+                self.buffers[pos] = torch.empty(n, dtype=torch.uint8, device="meta")  # its size only
+                dropped += n
+                continue
             buf = self.buffers.get(pos)
             if buf is None or buf.numel() != n:
                 buf = torch.empty(n, dtype=torch.uint8, pin_memory=on_gpu and torch.cuda.is_available())
@@ -90,7 +101,10 @@ class StateOffload:
             torch.cuda.empty_cache()
         self.storages = [(st, pos) for pos, st in enumerate(storages)]
         self.offloaded = True
-        return {"bytes": float(moved), "seconds": time.time() - t0}
+        out = {"bytes": float(moved), "seconds": time.time() - t0}
+        if drop:
+            out["dropped_bytes"] = float(dropped)
+        return out
 
     def reload(self) -> dict[str, float]:
         if not self.offloaded:
@@ -101,6 +115,9 @@ class StateOffload:
         for st, pos in self.storages:
             buf = self.buffers[pos]
             st.resize_(buf.numel())
+            if buf.is_meta:
+                _bytes_of(st).zero_()
+                continue
             _bytes_of(st).copy_(buf, non_blocking=on_gpu)
             moved += buf.numel()
         if on_gpu:
