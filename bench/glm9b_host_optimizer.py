@@ -19,9 +19,9 @@ and samples memory):
           beside each rank, the plan's KV pool): 16 prompts x 8 samples whose lengths follow the paged-engine
           bench's keyed schedule (rollout_bench.lengths_for_hashes: log-normal, median 1700, a tail to 8192),
           as many rollouts as fit (2 expected; the first one also pays the first step's allocations and graph
-          captures). The weight sync hands the TP trainer's CUDA tensors through this process to engines in
-          processes of their own; a probe checks first that this works, and where it does not, one engine in this
-          process beside trainer rank 0 does the rollout (`ipc_forwarding_error`, `engines` in the result). Per rollout:
+          captures). The weight sync: each engine maps the weights of the TP rank on its GPU by CUDA IPC
+          (runtime/placement/cuda_ipc.py; a tensor received by IPC cannot be sent on, so none passes through this
+          process). Per rollout:
           generate / train / host optimizer step / weight sync seconds, the engine-vs-trainer log-prob gap on
           the sampled tokens; per GPU the trainer's and the engine's allocated peaks by phase against the plan's
           terms and the card's footprint (nvidia-smi); the host's peak (the node, and each process's resident
@@ -319,43 +319,6 @@ class NodeSampler:
             self._stop.wait(self.every_s)
 
 
-class IpcProbe:
-    """A process holding one CUDA tensor (the IPC probe of :func:`driver_forwards_cuda_tensors`)."""
-
-    def __init__(self, device: int):
-        import torch
-        torch.cuda.set_device(device)
-        self.t = None
-
-    def make(self):
-        import torch
-        self.t = torch.arange(1024, dtype=torch.float32, device="cuda")
-        return self.t
-
-    def total(self, t) -> float:
-        return float(t.sum())
-
-
-def driver_forwards_cuda_tensors() -> str | None:
-    """None when a CUDA tensor one spawned process returns can be passed on by this process to another (what the
-    direct weight sync does from a TP trainer in subprocesses to colocated engines in subprocesses), else the
-    error: forwarding memory opened through CUDA IPC may be refused (it is not this process's allocation)."""
-    from runtime.placement.subprocess_group import SubprocessGroup
-    a = b = None
-    try:
-        a = SubprocessGroup("bench.glm9b_host_optimizer:IpcProbe", [{"device": 0}])
-        b = SubprocessGroup("bench.glm9b_host_optimizer:IpcProbe", [{"device": 1}])
-        t = a.call("make")[0]
-        got = b.call("total", t)[0]
-        return None if got == 1023 * 1024 / 2 else f"wrong sum {got}"
-    except Exception as e:  # noqa: BLE001 - the answer is the error
-        return f"{type(e).__name__}: {str(e)[:300]}"
-    finally:
-        for g in (a, b):
-            if g is not None:
-                g.kill()
-
-
 def _timed(obj, name: str, phase: str, phases: list) -> None:
     """obj.name, recording (phase, start, end) of each call."""
     fn = getattr(obj, name)
@@ -383,13 +346,6 @@ def sec_stage(S, W: Path, sets: list[str], budget_s: float) -> dict:
     if not (W / "td").is_dir() or not (W / "hf" / "config.json").is_file():
         raise RuntimeError(f"no model under {W}: run the setup section first (same --work)")
     res: dict = {"name": "stage", "sets": list(sets)}
-    if S["device"] == "cuda":
-        # colocated engines in processes of their own get the weights the TP trainer's rank 0 returns through
-        # this process; where that cannot work, one engine in this process (beside trainer rank 0) does the rollout
-        res["ipc_forwarding_error"] = driver_forwards_cuda_tensors()
-        if res["ipc_forwarding_error"]:
-            sets = list(sets) + ["cluster.rollout_gpus=1"]
-            print("IPC forwarding refused, one engine:", res["ipc_forwarding_error"], flush=True)
     cfg = bench_config(S, W, sets)
     root = Path(cfg.storage.root)
     shutil.rmtree(root, ignore_errors=True)
