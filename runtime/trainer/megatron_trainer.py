@@ -14,6 +14,7 @@ import torch
 
 from runtime.algo import grpo_loss
 from runtime.config import AlgorithmSection, TrainSection
+from runtime.testing.moments import moment
 from runtime.trainer.batch import TrainBatch, by_length, pack, pack_varlen, step_slices, token_budget_micro_batches
 from runtime.trainer.state_offload import StateOffload
 
@@ -290,6 +291,7 @@ class MegatronTrainer:
                 if s == 0:
                     _accumulate(sums, "_logp_absdiff", ((logp.detach() - mb.rollout_logp).abs() * mb.resp_mask).sum())
                     _accumulate(sums, "_tokens_step0", n_tok)
+            moment("train-grads-accumulated")  # every micro-batch's backward done; grads not reduced, not applied
             finalize_model_grads([self.ddp])
             with menv.cuda_to_cpu():
                 ok, grad_norm, _ = self.optimizer.step()
@@ -309,7 +311,6 @@ class MegatronTrainer:
         out["lr"] = float(self.optimizer.param_groups[0]["lr"])
         out["train_tokens"] = int(total["_tokens"])
         out["train_time_s"] = time.time() - t0
-        from runtime.testing.moments import moment
         moment("train-step-done")  # weights updated in memory, nothing saved
         return out
 
