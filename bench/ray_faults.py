@@ -31,7 +31,7 @@ rollout 2: bitwise, else max |delta| per tensor, against the noise floor), the M
 same steps per metric, no duplicates) and the values that do not measure time, the registered versions
 (rollouts, count, sources present), the MLflow run FINISHED, the lease released, no temp names left,
 the Prefect tasks that retried; and nothing of the run left: no process whose environment carries the
-run's marker (GRPOFLOW_BENCH_FAULT_RUN, /proc scanned until none is left or 60 s), and on GPUs
+run's marker (GRPOFLOW_BENCH_FAULT_RUN, /proc scanned until none is left, at most 90 s), and on GPUs
 `nvidia-smi --query-compute-apps` empty.
 
 Shapes (GPU): the random Qwen3-0.6B-shaped model (bf16) of ray_pipeline's setup, the recipe
@@ -42,27 +42,30 @@ of <= 256 tokens. Layouts as ray_pipeline: `colocated` (trainer DP 2, one engine
 IPC), `split` (trainer GPU 0, engine GPU 1, NCCL broadcast). CPU: the tiny model, ray_pipeline's CPU sets.
 
 On nvidia-h100-x2 (carry `.carry`, made here by `python3 bench/gpu_carry.py prepare`; every command begins
-`python3 bench/gpu_carry.py install && export PYTHONPATH=/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 &&`):
+`[ -d /tmp/site/ray ] || python3 bench/gpu_carry.py install; export PYTHONPATH=/tmp/site:$PYTHONPATH
+PYTHONUNBUFFERED=1;`), one call each, timeout_s 600, the next call made at once (the machine keeps /tmp,
+where the setup and the reference live, only 30 s after a call):
 
-    python3 bench/ray_faults.py --layouts colocated --cases unbroken-a,unbroken-b --out $OUT       # call 1
-    python3 bench/ray_faults.py --layouts colocated --cases engine-kill,trainer-kill --out $OUT    # call 2
-    python3 bench/ray_faults.py --layouts colocated --cases driver-kill --out $OUT                 # call 3
-    (the same three with --layouts split), then here:
+    python3 bench/ray_faults.py --layouts colocated --cases unbroken-a,unbroken-b --out $OUT   # 1: ~450 s
+    python3 bench/ray_faults.py --layouts colocated --cases engine-kill --out $OUT             # 2: ~300 s
+    python3 bench/ray_faults.py --layouts colocated --cases trainer-kill --out $OUT            # 3: ~300 s
+    python3 bench/ray_faults.py --layouts colocated --cases driver-kill --out $OUT             # 4: ~380 s
+    (the same four with --layouts split, in a later session), then here:
     python bench/ray_faults.py --merge OUT1 OUT2 ... --results-dir bench/results
 
-Time per call, estimated from results/ray_pipeline_2xH100_2026-11-25.json (not measured at these shapes):
-that recipe-size run (32 x 8, <= 8192 tokens, 2 rollouts) took 338 s, of which ~42 s starting the CLI
-(Prefect, Ray), 12 s converting, ~40 s building the actors, 23 + 9 s writing the two checkpoints (model
-and optimizer, ~8 GB each), ~16 s of engine warm-up and ~25 s of trainer compilation in rollout 0, 75 + 59 s
-generating. At 8 x 8 x <= 2048 the generation is ~10 s a rollout, so an unbroken run is ~170-220 s; a
-fault adds the 10 s retry delay, the rebuild (~40 s) and rollout 1 again with its warm-up (~50 s): ~280-
-320 s; driver-kill adds a resume's start and rebuild: ~350 s. Call 1 ~450 s with the setup and the
-carry's install. A call whose machine is fresh runs unbroken-a first when it asks for a fault case (the
-reference lives in --work, /tmp/ray_faults_work, kept only while the machine stays warm, 30 s after a
-call): then call 2 would be ~600 s, too long; give it one fault case (`--cases engine-kill`, then
-`--cases trainer-kill`). Before each case the bench checks the time left under --deadline (default 560 s)
-against this call's measured unbroken wall time and skips (SKIPPED, with why) a case that would not
-fit. Results: OUT/results.jsonl (a line per case as it ends) and OUT/ray_faults.json.
+Times estimated from results/ray_pipeline_2xH100_2026-11-25.json, not measured at these shapes: that
+recipe-size run (32 x 8, <= 8192 tokens, 2 rollouts) took 338 s: ~42 s starting the CLI (Prefect, Ray),
+12 s converting, ~40 s building the actors, 23 + 9 s writing the two checkpoints (model and optimizer,
+~8 GB each), ~16 s of engine warm-up and ~25 s of trainer compilation in rollout 0, 75 + 59 s generating.
+At 8 x 8 x <= 2048 a rollout generates in ~10 s, so an unbroken run is ~170-220 s; a fault adds the 10 s
+retry delay, the rebuild (~40 s) and rollout 1 again with its warm-up (~50 s); driver-kill waits for what
+outlives the driver (<= 90 s) and adds a resume's start and rebuild. One layout: ~24 min of device time
+with the machine's start, so one layout a session (colocated first). A call that finds no reference from
+this machine in --work (/tmp/ray_faults_work) runs unbroken-a first (~200 s more); before each case the
+bench checks the time left under --deadline (560 s) against this call's measured unbroken time and skips
+(SKIPPED, with the reason) a case that would not fit: driver-kill may not fit beside a fresh reference, so
+on a fresh machine run `--cases unbroken-a` and chain driver-kill right after it. Results:
+OUT/results.jsonl (a line per case as it ends) and OUT/ray_faults.json.
 
 Nondeterminism on the GPU path (summary field `nondeterminism`, filled from a GPU run, never invented):
 where unbroken-b differs from unbroken-a the path is not run-to-run deterministic, and a recovered
@@ -91,6 +94,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -124,7 +128,7 @@ FAULT_SETS = {"gpu": ["rollout.rollout_batch_size=8", "rollout.n_samples_per_pro
                       "rollout.max_new_tokens=2048", *rp.GPU_SETS],
               "cpu": list(rp.CPU_SETS)}
 TIMING_KEYS = ("_s", "_tok_s", "time", "seconds")  # metrics that measure time: not compared between runs
-GONE_WAIT_S = 60.0
+GONE_WAIT_S = 90.0
 
 
 def shapes(cpu: bool) -> dict:
@@ -176,13 +180,20 @@ def marked(mark: str) -> list[dict]:
     return out
 
 
+def _ray_process(p: dict) -> bool:
+    # Ray's workers, its binaries and scripts wherever Ray is installed (site-packages here, /tmp/site on the GPU machine)
+    return p["cmd"].startswith("ray::") or re.search(r"/ray/(core|autoscaler|dashboard|_private)/", p["cmd"]) is not None
+
+
 def wait_gone(mark: str, timeout_s: float = GONE_WAIT_S, settle_s: float = 30.0) -> tuple[list[dict], float]:
     """Wait until no process of the run is left (each dies of its own: Ray's fate-sharing, an actor's owner
-    gone), or the same ones have stayed for settle_s (orphans that will not go); returns what is left and
-    how long it took."""
+    gone), or until only processes other than Ray's are left and the same ones have stayed for settle_s
+    (orphans that will not go; Ray's agents get the whole timeout_s: under load they took over 30 s to
+    follow a killed driver); returns what is left and how long it took."""
     t0 = time.monotonic()
     left, since = marked(mark), time.monotonic()
-    while left and time.monotonic() - t0 < timeout_s and time.monotonic() - since < settle_s:
+    while left and time.monotonic() - t0 < timeout_s and (any(map(_ray_process, left))
+                                                          or time.monotonic() - since < settle_s):
         time.sleep(0.2)
         now = marked(mark)
         if {p["pid"] for p in now} != {p["pid"] for p in left}:
@@ -360,6 +371,11 @@ def run_case(S, W: Path, layout: str, case: str, limit_s: float, sets: list[str]
         res["log_tail"] = c.tail("resume.log" if case == "driver-kill" and "resume" in res else "run.log")
         raise CaseFailed(f"{case}: the run did not finish (exit {res.get('resume', res['run'])['rc']})", res)
     res["facts"] = run_facts(c.root, f"bench-{layout}", Path(c.env["PREFECT_HOME"]))
+    # the fault struck where meant: the chunk of rollout 1 retried (an actor killed) or left running (the driver)
+    facts = res["facts"]
+    res["interrupted_tasks"] = sorted(set(facts["retried_tasks"]) | {t["task"] for t in facts["prefect_tasks"]
+                                                                     if t["state"] == "Running"})
+    res["struck_where_meant"] = None if not fault else res["interrupted_tasks"] == ["train-chunk-1-2"]
     res["rebuild_logged"] = any("rebuilding from the latest checkpoint" in c.tail(log, 10**9)
                                 for log in ("run.log", "resume.log"))
     res["root"] = str(c.root)
@@ -582,7 +598,8 @@ def summarize(res: dict, env: dict | None) -> dict:
             vs = r.get("vs_reference") or {}
             ck = vs.get("checkpoint") or {}
             row[case] = {"status": "ok", "wall_s": r["wall_s"], "gpus": r.get("gpus"),
-                         "retried_tasks": r["facts"]["retried_tasks"], "rebuild_logged": r["rebuild_logged"],
+                         "interrupted_tasks": r["interrupted_tasks"], "struck_where_meant": r["struck_where_meant"],
+                         "rebuild_logged": r["rebuild_logged"],
                          "left_behind": len(r["left_behind"]), "gpu_apps_after": r["gpu_apps_after"],
                          **({"bitwise": ck.get("bitwise"), "max_abs_delta": ck.get("max_abs_delta"),
                              "tensors_differ": ck.get("differ_count"),
@@ -618,7 +635,7 @@ def print_table(summary: dict) -> None:
                    f"({r.get('tensors_differ')} tensors)")
             print(f"  {case:13s} {r['wall_s']:7.1f} s  final ckpt: {cmp}; points same {r.get('same_metric_points', '-')}; "
                   f"registry same {r.get('same_registry', '-')}; ended clean {r.get('ended_clean', '-')}; "
-                  f"retried {r['retried_tasks']}; left {r['left_behind']}; gpu apps {r['gpu_apps_after']}")
+                  f"interrupted {r['interrupted_tasks']}; left {r['left_behind']}; gpu apps {r['gpu_apps_after']}")
             if r.get("metric_values_differ"):
                 print(f"  {'':13s} metric values differ: {r['metric_values_differ']}")
             if r.get("left_after_driver_kill"):
