@@ -117,6 +117,27 @@ def test_a_chunk_queued_before_the_last_is_read_changes_no_token(model_dir, hf):
     assert ahead.decoder.pool.used == 0 and int(ahead.decoder.table.abs().sum()) == 0
 
 
+def test_each_decode_chunk_is_a_moment_named_by_its_place_in_the_call(model_dir, tmp_path, monkeypatch):
+    """`decode-chunk-<k>` is reached once a generate call's k-th decode chunk is read
+    (runtime/testing/moments.py); `decode-chunk-2#2` is the second call in a process to reach its 2nd chunk.
+    The fault bench (bench/ray_faults.py) pauses an engine there, mid-rollout, and kills it."""
+    from collections import Counter
+
+    from runtime.testing import moments
+    monkeypatch.setattr(moments, "_hits", Counter())  # hits of earlier tests in this process
+    root, snaps = tmp_path / "root", tmp_path / "snaps"
+    root.mkdir()
+    monkeypatch.setenv("GRPOFLOW_TEST_SNAPSHOT_AT", "decode-chunk-2#2,decode-chunk-5,decode-chunk-6")
+    monkeypatch.setenv("GRPOFLOW_TEST_SNAPSHOT_ROOT", str(root))
+    monkeypatch.setenv("GRPOFLOW_TEST_SNAPSHOT_DIR", str(snaps))
+    eng = _paged(model_dir, rows=13, sync_every=4)
+    sp = SamplingParams(max_new_tokens=20)  # no stop: 19 steps after the prefill's token, in 5 chunks of <= 4
+    eng.generate(_requests(), sp)
+    assert sorted(p.name for p in snaps.iterdir()) == ["decode-chunk-5"]
+    eng.generate(_requests(), sp)
+    assert sorted(p.name for p in snaps.iterdir()) == ["decode-chunk-2#2", "decode-chunk-5"]
+
+
 def test_preempted_sequences_continue_with_the_same_tokens(model_dir, hf):
     reqs = _requests()
     sp = SamplingParams(max_new_tokens=20)

@@ -53,6 +53,7 @@ from runtime.rollout.decode_model import FusedModel, _cumsum, _flash, _sdpa_pref
 from runtime.rollout.kv_pages import (NULL_PAGE, DEFAULT_PAGE_SIZE, KV_FREE_FRACTION, PagePool, kv_pool_bytes,
                                       pages_for)
 from runtime.rollout.speed_features import SpeedFeatureFailed, as_feature_failure, guarded
+from runtime.testing.moments import moment
 
 log = logging.getLogger("grpoflow.rollout")
 
@@ -527,6 +528,7 @@ class PagedDecoder(FusedModel):
         S = self.sync_every
         cuda = dev.type == "cuda"
         last_read = time.perf_counter()  # when the host last had a chunk's tokens
+        chunks_read = 0
 
         def launch(active: list[int], b: int, steps: int, ahead: int) -> _Chunk:
             """Queue `steps` decode steps over rows [0, b) and the copy of their tokens to the host; nothing
@@ -557,7 +559,7 @@ class PagedDecoder(FusedModel):
 
         def read(chunk: _Chunk) -> None:
             """Wait for a chunk's tokens and hand them to their requests; rows that finished go idle."""
-            nonlocal last_read
+            nonlocal last_read, chunks_read
             if chunk.event is not None:
                 chunk.event.synchronize()
             toks, lps = chunk.tok.tolist(), chunk.lp.tolist()
@@ -570,6 +572,8 @@ class PagedDecoder(FusedModel):
                                    chunk.bucket, chunk.steps, round(1e3 * dt / chunk.steps, 3), chunk.pages_used))
             # a row vacated after this chunk was queued made its tokens for nobody
             vacate([s for s, r in chunk.rows if row_req[s] == r and take(r, toks[s], lps[s])])
+            chunks_read += 1
+            moment("decode-chunk", chunks_read)  # mid-generation: rows live and holding pages, maybe a chunk queued
 
         def follow(chunk: _Chunk) -> _Chunk | None:
             """The chunk after `chunk`, queued before `chunk` is read, so the device does not wait for the host:

@@ -12,7 +12,11 @@
   ``<dir>/<label>.reached`` (this process's pid and Ray node id) and wait until ``<dir>/<label>.go``
   exists — a test does something to the cluster at exactly that point (removes this node), then lets go.
 
-A pure test/debug switch: it never changes results, and an unarmed moment costs one dict lookup.
+A moment reached many times within one call (a decode chunk) passes its place there as ``index``; it is
+then named ``<name>-<index>`` (``decode-chunk-8``: the 8th decode chunk of a generate call), the name made
+only when armed. ``decode-chunk-8#3`` is then the 3rd call in this process to reach its 8th chunk.
+
+A pure test/debug switch: it never changes results, and an unarmed moment costs three environment lookups.
 """
 from __future__ import annotations
 
@@ -24,12 +28,14 @@ from collections import Counter
 _hits: Counter = Counter()
 
 
-def moment(name: str) -> None:
+def moment(name: str, index: int | None = None) -> None:
     kill_at = os.environ.get("GRPOFLOW_TEST_KILL_AT")
     snap_at = os.environ.get("GRPOFLOW_TEST_SNAPSHOT_AT")
     pause_at = os.environ.get("GRPOFLOW_TEST_PAUSE_AT")
     if not kill_at and not snap_at and not pause_at:
         return
+    if index is not None:
+        name = f"{name}-{index}"
     _hits[name] += 1
     if pause_at and pause_at in (name if _hits[name] == 1 else None, f"{name}#{_hits[name]}"):
         _pause(pause_at)

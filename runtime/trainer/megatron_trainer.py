@@ -15,6 +15,7 @@ import torch
 
 from runtime.algo import grpo_loss
 from runtime.config import AlgorithmSection, TrainSection
+from runtime.testing.moments import moment
 from runtime.trainer.batch import TrainBatch, by_length, pack, pack_varlen, step_slices, token_budget_micro_batches
 from runtime.trainer.state_offload import StateOffload
 
@@ -298,6 +299,7 @@ class MegatronTrainer:
                 if s == 0:
                     _accumulate(sums, "_logp_absdiff", ((logp.detach() - mb.rollout_logp).abs() * mb.resp_mask).sum())
                     _accumulate(sums, "_tokens_step0", n_tok)
+            moment("train-grads-accumulated")  # every micro-batch's backward done; grads not reduced, not applied
             finalize_model_grads([self.ddp])
             t_step = time.time()
             if self.host_optimizer is not None:
@@ -325,7 +327,6 @@ class MegatronTrainer:
         out["optimizer_step_s"] = optimizer_s  # within train_time_s; on the host with train.optimizer_on_host
         if self.host_optimizer is not None:
             out.update(self.host_optimizer.pop_metrics())
-        from runtime.testing.moments import moment
         moment("train-step-done")  # weights updated in memory, nothing saved
         return out
 

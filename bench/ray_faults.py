@@ -1,0 +1,733 @@
+"""A GPU actor dies mid-run under Ray, and the run ends as if nothing happened (issue 37): fault and resume
+of `grpoflow run` (Prefect + Ray + MLflow) per layout, each recovered run compared with an unbroken one.
+
+    python bench/ray_faults.py --cpu                        # the wiring on CPU: Ray on CPU, gloo (by hand, 7 min here)
+    python bench/ray_faults.py --layouts colocated --cases unbroken-a,unbroken-b --out $OUT   # a GPU call
+    python bench/ray_faults.py --merge OUT1 OUT2 ... --results-dir bench/results           # one JSON of the calls
+
+Cases, each a `python -m cli.main run` of its own (its own storage root, Prefect API database, Ray cluster
+and MLflow store), 2 chunks of 1 rollout with an eval and a registered version after each:
+- `unbroken-a`, `unbroken-b`: the same config twice. a is the reference every other case is compared with;
+  b against a is the noise floor of this path (on CPU: bitwise).
+- `engine-kill`: the Ray actor holding an engine SIGKILLed mid-rollout, in rollout 1 (chunk 2): every
+  process of the run sees GRPOFLOW_TEST_PAUSE_AT=decode-chunk-K#3 (runtime/testing/moments.py): the engine
+  that reaches the K-th decode chunk of its third generate call (rollout 0, the eval after it, rollout 1)
+  writes `<label>.reached` with its pid and waits; the bench checks that the pid carries this run's
+  marker, `os.kill(pid, SIGKILL)`, then lets the others go. The chunk task meets ActorDiedError, retries,
+  and rebuilds the actors from checkpoints/latest (tasks/common.py, runtime/grpo/session.py).
+- `trainer-kill`: the same at `train-grads-accumulated#2`: a trainer rank in rollout 1's update, every
+  micro-batch's backward done, its gradients neither reduced over the DP group nor applied (with DP 2 the
+  other rank then meets a dead peer in the reduction: NCCL on GPUs, gloo on CPU).
+- `driver-kill`: the `grpoflow run` process itself SIGKILLed (its pid only, not its group) at the engine's
+  moment, mid-chunk; what outlives it is recorded (and then killed by pid), then
+  `python -m cli.main resume RUN_ID --root ROOT` finishes the run.
+On CPU (2 cores under other work) every recovered run ended bitwise-equal to unbroken-a, with its metric
+points, versions and lease (README's section). Ray workers sit in process groups of their own (checked:
+pgid = pid; gcs_server and the raylet share the driver's), so GRPOFLOW_TEST_KILL_AT's killpg would end
+just the worker too; the pause file keeps the kill in the bench, by pid, after the event.
+
+Each recovered run against unbroken-a: the final checkpoint (every model and optimizer tensor of
+rollout 2: bitwise, else max |delta| per tensor, against the noise floor), the MLflow metric points (the
+same steps per metric, no duplicates) and the values that do not measure time, the registered versions
+(rollouts, count, sources present), the MLflow run FINISHED, the lease released, no temp names left,
+the Prefect tasks that retried; and nothing of the run left: no process whose environment carries the
+run's marker (GRPOFLOW_BENCH_FAULT_RUN, /proc scanned until none is left, at most 90 s), and on GPUs
+`nvidia-smi --query-compute-apps` empty.
+
+Shapes (GPU): the random Qwen3-0.6B-shaped model (bf16) of ray_pipeline's setup, the recipe
+(configs/qwen3-0.6b-dapo.yaml: dynamic sampling with 1.5x over-sampling, TIS, packed micro-batches) at
+8 prompts x 8 samples, 256-token prompts, <= 2048 new tokens, each sample stopped at the keyed schedule
+scaled to that cap (log-normal, median 425, sigma 0.8: bench/keyed_lengths), eval 8 prompts x 2 samples
+of <= 256 tokens. Layouts as ray_pipeline: `colocated` (trainer DP 2, one engine per GPU sharing it, CUDA
+IPC), `split` (trainer GPU 0, engine GPU 1, NCCL broadcast). CPU: the tiny model, ray_pipeline's CPU sets.
+
+On nvidia-h100-x2 (carry `.carry`, made here by `python3 bench/gpu_carry.py prepare`; every command begins
+`[ -d /tmp/site/ray ] || python3 bench/gpu_carry.py install; export PYTHONPATH=/tmp/site:$PYTHONPATH
+PYTHONUNBUFFERED=1;`), one call each, timeout_s 600, the next call made at once (the machine keeps /tmp,
+where the setup and the reference live, only 30 s after a call):
+
+    python3 bench/ray_faults.py --layouts colocated --cases unbroken-a,unbroken-b --out $OUT   # 1: ~450 s
+    python3 bench/ray_faults.py --layouts colocated --cases engine-kill --out $OUT             # 2: ~300 s
+    python3 bench/ray_faults.py --layouts colocated --cases trainer-kill --out $OUT            # 3: ~300 s
+    python3 bench/ray_faults.py --layouts colocated --cases driver-kill --out $OUT             # 4: ~380 s
+    (the same four with --layouts split, in a later session), then here:
+    python bench/ray_faults.py --merge OUT1 OUT2 ... --results-dir bench/results
+
+Times estimated from results/ray_pipeline_2xH100_2026-11-25.json, not measured at these shapes: that
+recipe-size run (32 x 8, <= 8192 tokens, 2 rollouts) took 338 s: ~42 s starting the CLI (Prefect, Ray),
+12 s converting, ~40 s building the actors, 23 + 9 s writing the two checkpoints (model and optimizer,
+~8 GB each), ~16 s of engine warm-up and ~25 s of trainer compilation in rollout 0, 75 + 59 s generating.
+At 8 x 8 x <= 2048 a rollout generates in ~10 s, so an unbroken run is ~170-220 s; a fault adds the 10 s
+retry delay, the rebuild (~40 s) and rollout 1 again with its warm-up (~50 s); driver-kill waits for what
+outlives the driver (<= 90 s) and adds a resume's start and rebuild. One layout: ~24 min of device time
+with the machine's start, so one layout a session (colocated first). A call that finds no reference from
+this machine in --work (/tmp/ray_faults_work) runs unbroken-a first (~200 s more); before each case the
+bench checks the time left under --deadline (560 s) against this call's measured unbroken time and skips
+(SKIPPED, with the reason) a case that would not fit: driver-kill may not fit beside a fresh reference, so
+on a fresh machine run `--cases unbroken-a` and chain driver-kill right after it. Results:
+OUT/results.jsonl (a line per case as it ends) and OUT/ray_faults.json.
+
+Nondeterminism on the GPU path (summary field `nondeterminism`, filled from a GPU run, never invented):
+where unbroken-b differs from unbroken-a the path is not run-to-run deterministic, and a recovered
+run can only be compared against that floor. Candidates, by where they sit: the trainer's packed
+attention backward (FlashAttention-2 varlen as torch ships it, `aten._flash_attention_backward`:
+dQ accumulated with atomic adds across key blocks), the embedding's backward (`embedding_dense_backward`
+on CUDA: atomic adds), Inductor-generated kernels with atomic reductions (the compiled RoPE / SwiGLU /
+norm fusions), NCCL's reductions over DP 2 (a fixed order for a fixed topology and algorithm); the engine's
+split-KV decode attention (runtime/rollout/decode_attention.py: the split count is chosen per chunk from the
+active rows and the longest context, the partial results combined in a fixed order), its cuBLAS GEMMs
+at the bucket's row count, CUDA graphs and the compiled sampler. The engine samples by keyed Gumbel-max,
+so a logit that moves by one ulp at a near-tie changes a token, and every update after it.
+
+Issue 37 item 2 (a deterministic switch, if it costs <= 10 % of a step) is not built: no measurement
+says which of these kernels moves the weights. What would be measured: (1) the trainer alone, one update
+twice from the same checkpoint on the same recorded batch: grads and weights bitwise or not; then with
+`torch.use_deterministic_algorithms(True)` and `CUBLAS_WORKSPACE_CONFIG=:4096:8` in the trainer's
+process (a deterministic FA2 backward, a sorted embedding backward), the same pair plus the step time
+against the default; (2) the engine alone, one rollout's requests twice: tokens and log-probs bitwise or
+not, and which rows first differ; (3) if both halves are bitwise alone but unbroken-b differs, the
+weight path. The switch becomes a config setting (`train.deterministic`, say) only with (1)'s cost.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+for p in (ROOT, BENCH):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import gpu_grpo  # noqa: E402  (results.jsonl, summaries)
+import ray_pipeline as rp  # noqa: E402  (the setup, the layouts' configs, the keyed-length hook, read-backs)
+
+RUN = "fault"
+MARK = "GRPOFLOW_BENCH_FAULT_RUN"  # every process of a bench run inherits it: what is left is found by it
+CASES = ("unbroken-a", "unbroken-b", "engine-kill", "trainer-kill", "driver-kill")
+FAULTS = {  # case: (whose moment, the moment, who is killed)
+    "engine-kill": ("engine", "decode-chunk-{k}#3", "paused"),
+    "trainer-kill": ("trainer", "train-grads-accumulated#2", "paused"),
+    "driver-kill": ("engine", "decode-chunk-{k}#3", "driver"),
+}
+# how long a case takes against an unbroken run of the same call (for skipping what cannot fit)
+COST = {"unbroken-a": 1.0, "unbroken-b": 1.0, "engine-kill": 1.6, "trainer-kill": 1.6, "driver-kill": 1.9}
+FAULT_SETS = {"gpu": ["rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=8", "train.global_batch_size=64",
+                      "rollout.max_new_tokens=2048", *rp.GPU_SETS],
+              "cpu": list(rp.CPU_SETS)}
+TIMING_KEYS = ("_s", "_tok_s", "time", "seconds")  # metrics that measure time: not compared between runs
+GONE_WAIT_S = 90.0
+
+
+def shapes(cpu: bool) -> dict:
+    S = rp.shapes(cpu)
+    if not cpu:  # the keyed schedule scaled to a 2048-token cap; shorter prompts and eval
+        S.update(max_new=2048, median=round(1700 * 2048 / 8192), prompt_len=256, eval_max_new=256)
+    # the engine's moment: the K-th decode chunk (of sync_every=16 steps) of rollout 1; the eval before it
+    # must reach it too (GPU: the random model rarely stops before 256 tokens; CPU: its 16-token eval is one chunk)
+    S["decode_chunk"] = 1 if cpu else 8
+    return S
+
+
+def fault_config(S, W: Path, layout: str) -> Path:
+    import yaml
+
+    from runtime.config import apply_overrides, config_from_dict
+    tree = rp.layout_tree(S, W, layout)
+    tree["name"] = f"faults-{layout}"
+    tree = apply_overrides(tree, FAULT_SETS["cpu" if S["cpu"] else "gpu"])
+    config_from_dict(tree, f"faults-{layout}.yaml")
+    path = W / f"faults-{layout}.yaml"
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return path
+
+
+def sec_setup(S, W: Path) -> dict:
+    r = rp.sec_setup(S, W)
+    r["configs"] = [str(fault_config(S, W, lay)) for lay in rp.LAYOUTS]
+    return r
+
+
+# -- processes of a run ------------------------------------------------------------------------------------
+def marked(mark: str) -> list[dict]:
+    """Live processes whose environment carries this run's marker (zombies excluded: they hold nothing)."""
+    want = f"{MARK}={mark}".encode()
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            if want not in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                continue
+            state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if state != "Z":
+            out.append({"pid": int(pid), "ppid": int(ppid), "cmd": cmd[:160]})
+    return out
+
+
+def _ray_process(p: dict) -> bool:
+    # Ray's workers, its binaries and scripts wherever Ray is installed (site-packages here, /tmp/site on the GPU machine)
+    return p["cmd"].startswith("ray::") or re.search(r"/ray/(core|autoscaler|dashboard|_private)/", p["cmd"]) is not None
+
+
+def wait_gone(mark: str, timeout_s: float = GONE_WAIT_S, settle_s: float = 30.0) -> tuple[list[dict], float]:
+    """Wait until no process of the run is left (each dies of its own: Ray's fate-sharing, an actor's owner
+    gone), or until only processes other than Ray's are left and the same ones have stayed for settle_s
+    (orphans that will not go; Ray's agents get the whole timeout_s: under load they took over 30 s to
+    follow a killed driver); returns what is left and how long it took."""
+    t0 = time.monotonic()
+    left, since = marked(mark), time.monotonic()
+    while left and time.monotonic() - t0 < timeout_s and (any(map(_ray_process, left))
+                                                          or time.monotonic() - since < settle_s):
+        time.sleep(0.2)
+        now = marked(mark)
+        if {p["pid"] for p in now} != {p["pid"] for p in left}:
+            since = time.monotonic()
+        left = now
+    return left, round(time.monotonic() - t0, 1)
+
+
+def kill_pids(procs: list[dict]) -> list[int]:
+    killed = []
+    for p in procs:
+        try:
+            os.kill(p["pid"], signal.SIGKILL)
+            killed.append(p["pid"])
+        except OSError:
+            pass
+    return killed
+
+
+_PROBE = ("import json, torch; n = torch.cuda.device_count(); print(json.dumps({'uuids': [str(torch.cuda."
+          "get_device_properties(i).uuid) for i in range(n)], 'used_GiB': [round((lambda f, t: (t - f) / 2**30)("
+          "*torch.cuda.mem_get_info(i)), 2) for i in range(n)]}))")
+
+
+def _probe() -> dict | None:
+    """The GPUs as a fresh process sees them (without nvidia-smi): this process makes no CUDA context."""
+    r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True)
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
+def gpu_ids() -> list[str]:
+    """This machine's GPUs by UUID, found without a CUDA context in this process, so that `gpu_apps` lists
+    only what the runs left; ["cpu"] without GPUs."""
+    if shutil.which("nvidia-smi") is not None:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True, text=True)
+        return [line.strip() for line in r.stdout.splitlines() if line.strip()] or ["cpu"]
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
+        return ["cpu"]
+    probe = _probe()
+    return (probe or {}).get("uuids") or ["cpu"]
+
+
+def gpu_apps() -> list[str] | None:
+    """What holds GPU memory after a run: nvidia-smi's compute apps (expected: none); without nvidia-smi,
+    the memory in use per GPU as a fresh process sees it (its own context included, ~0.5 GiB); None on CPU."""
+    if gpu_ids() == ["cpu"]:
+        return None
+    if shutil.which("nvidia-smi") is None:
+        probe = _probe() or {}
+        return [f"GPU {i}: {u} GiB in use, seen by a fresh process" for i, u in enumerate(probe.get("used_GiB", []))]
+    r = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"],
+                       capture_output=True, text=True)
+    return [line.strip() for line in r.stdout.splitlines() if line.strip()]
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, deadline: float) -> dict:
+    while not path.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the run ended (exit {proc.returncode}) before reaching {path.name}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} not reached in time")
+        time.sleep(0.1)  # waiting for the paused process's file, not for time to pass
+    return json.loads(path.read_text())
+
+
+class CaseRun:
+    """One case's processes: the environment they share, its logs, its time limit."""
+
+    def __init__(self, S, W: Path, layout: str, case: str, limit_s: float, sets: list[str]):
+        self.S, self.layout, self.case, self.sets = S, layout, case, sets
+        self.dir = W / "faults" / layout / case
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True)
+        self.root = self.dir / "root"
+        self.pauses = self.dir / "pauses"
+        self.pauses.mkdir()
+        self.mark = f"{layout}-{case}-{uuid.uuid4().hex[:8]}"
+        self.cfg = W / f"faults-{layout}.yaml"
+        self.deadline = time.monotonic() + limit_s
+        env = rp.hook_env(S)
+        env.update({MARK: self.mark, "PREFECT_HOME": str(self.dir / "prefect"), "PYTHONUNBUFFERED": "1"})
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        for k in ("GRPOFLOW_TEST_KILL_AT", "GRPOFLOW_TEST_SNAPSHOT_AT", "GRPOFLOW_TEST_PAUSE_AT"):
+            env.pop(k, None)
+        self.env = env
+
+    def start(self, argv: list[str], log: str, extra_env: dict | None = None) -> subprocess.Popen:
+        # a session of its own: a time-out ends the whole tree, never the bench
+        return subprocess.Popen([sys.executable, "-m", "cli.main", *argv], cwd=ROOT, env={**self.env, **(extra_env or {})},
+                                stdout=(self.dir / log).open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, proc: subprocess.Popen) -> int | str:
+        try:
+            return proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.end_all(proc)
+            return "timeout"
+
+    def end_all(self, proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.wait()
+        kill_pids(marked(self.mark))
+
+    def run_argv(self) -> list[str]:
+        return ["run", str(self.cfg), "--run-id", RUN,
+                *sum((["--set", x] for x in [f"storage.root={self.root}", *self.sets]), [])]
+
+    def tail(self, log: str, n: int = 3000) -> str:
+        p = self.dir / log
+        return p.read_text(errors="replace")[-n:] if p.exists() else ""
+
+
+class CaseFailed(RuntimeError):
+    """A case that did not end as it should, with what it had found so far."""
+
+    def __init__(self, message: str, partial: dict):
+        super().__init__(message)
+        self.partial = partial
+
+
+def run_case(S, W: Path, layout: str, case: str, limit_s: float, sets: list[str]) -> dict:
+    c = CaseRun(S, W, layout, case, limit_s, sets)
+    res: dict = {"name": f"{layout}:{case}", "layout": layout, "case": case, "limit_s": round(limit_s), "sets": sets}
+    t0 = time.monotonic()
+    fault = FAULTS.get(case)
+    extra = {}
+    if fault:
+        label = fault[1].format(k=S["decode_chunk"])
+        extra = {"GRPOFLOW_TEST_PAUSE_AT": label, "GRPOFLOW_TEST_PAUSE_DIR": str(c.pauses)}
+        res["fault"] = {"moment": label, "in": fault[0], "killed": fault[2]}
+    proc = c.start(c.run_argv(), "run.log", extra)
+    if fault:
+        try:
+            reached = wait_for_file(c.pauses / f"{label}.reached", proc, c.deadline)
+        except (RuntimeError, TimeoutError) as e:
+            c.end_all(proc)
+            raise CaseFailed(f"{e}\n{c.tail('run.log')}", res) from None
+        f = res["fault"]
+        f["reached_at_s"] = round(time.monotonic() - t0, 1)
+        f["paused_pid"], f["paused_node"] = reached["pid"], reached.get("node_id")
+        victim = proc.pid if fault[2] == "driver" else reached["pid"]
+        if not any(p["pid"] == victim for p in marked(c.mark)):
+            c.end_all(proc)
+            raise CaseFailed(f"pid {victim} does not carry this run's marker: not killed", res)
+        os.kill(victim, signal.SIGKILL)
+        f["victim_pid"] = victim
+        (c.pauses / f"{label}.go").touch()  # the other paused processes (a second engine or rank) go on
+    rc = c.wait(proc)
+    res["run"] = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1)}
+    if case == "driver-kill" and rc != "timeout":
+        left, took = wait_gone(c.mark)
+        # what outlives the driver, and whether it holds GPU memory; then gone, so the resume starts clean
+        res["after_driver_kill"] = {"waited_s": took, "left": left, "gpu_apps": gpu_apps(),
+                                    "killed_by_bench": kill_pids(left)}
+        t1 = time.monotonic()
+        resumed = c.start(["resume", RUN, "--root", str(c.root)], "resume.log")
+        res["resume"] = {"rc": c.wait(resumed), "wall_s": round(time.monotonic() - t1, 1)}
+        ok = res["resume"]["rc"] == 0
+    else:
+        ok = rc == 0
+    res["wall_s"] = round(time.monotonic() - t0, 1)
+    left, took = wait_gone(c.mark)
+    res["left_behind"] = left
+    res["left_gone_after_s"] = took
+    kill_pids(left)
+    res["gpu_apps_after"] = gpu_apps()
+    if not ok:
+        res["log_tail"] = c.tail("resume.log" if case == "driver-kill" and "resume" in res else "run.log")
+        raise CaseFailed(f"{case}: the run did not finish (exit {res.get('resume', res['run'])['rc']})", res)
+    res["facts"] = run_facts(c.root, f"bench-{layout}", Path(c.env["PREFECT_HOME"]))
+    # the fault struck where meant: the chunk of rollout 1 retried (an actor killed) or left running (the driver)
+    facts = res["facts"]
+    res["interrupted_tasks"] = sorted(set(facts["retried_tasks"]) | {t["task"] for t in facts["prefect_tasks"]
+                                                                     if t["state"] == "Running"})
+    res["struck_where_meant"] = None if not fault else res["interrupted_tasks"] == ["train-chunk-1-2"]
+    res["rebuild_logged"] = any("rebuilding from the latest checkpoint" in c.tail(log, 10**9)
+                                for log in ("run.log", "resume.log"))
+    res["root"] = str(c.root)
+    return res
+
+
+# -- what a finished run left ------------------------------------------------------------------------------
+def run_facts(root: Path, model: str, prefect_home: Path) -> dict:
+    from mlflow.tracking import MlflowClient
+
+    from runtime.run import checkpoint
+    from runtime.run.directory import RunDir
+    from runtime.run.leftovers import temp_leftovers
+    rd = RunDir(str(root), RUN)
+    final = checkpoint.latest(rd)
+    doc = json.loads(Path(rd.sub("tracking.json")).read_text())
+    client = MlflowClient(doc["tracking_uri"], registry_uri=doc["tracking_uri"])
+    run = client.get_run(doc["mlflow_run_id"])
+    history = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
+               for k in run.data.metrics}
+    versions = []
+    for v in client.search_model_versions(f"name = '{model}'"):
+        src = v.source[len("file://"):] if v.source.startswith("file://") else v.source
+        versions.append({"version": int(v.version), "rollout": int(v.tags.get("grpoflow.rollout", -1)),
+                         "source": os.path.relpath(src, root), "source_exists": Path(src).exists()})
+    versions.sort(key=lambda v: v["version"])
+    try:
+        best = int(client.get_registered_model(model).aliases["best"])
+    except Exception:  # noqa: BLE001 - no alias: recorded as None
+        best = None
+    tasks = task_runs(prefect_home)
+    return {"final_rollout": final.rollout if final else None, "final_checkpoint": final.path if final else None,
+            "lease_held": Path(rd.sub("lease.json")).exists(),
+            "temp_leftovers": [str(p) for p in temp_leftovers(rd)],
+            "mlflow_status": run.info.status, "mlflow_runs": len(client.search_runs([run.info.experiment_id])),
+            "metric_points": {k: [s for s, _ in h] for k, h in sorted(history.items())},
+            "metric_values": {k: [v for _, v in h] for k, h in sorted(history.items())},
+            "registry": versions,
+            "best_rollout": next((v["rollout"] for v in versions if v["version"] == best), None),
+            "rollouts": rp.rollout_rows(Path(rd.path)),
+            "prefect_tasks": tasks,
+            "retried_tasks": sorted(t["task"] for t in tasks if (t["run_count"] or 0) > 1)}
+
+
+def task_runs(prefect_home: Path) -> list[dict]:
+    db = prefect_home / "prefect.db"
+    if not db.exists():
+        return []
+    with sqlite3.connect(db) as con:
+        rows = con.execute("SELECT name, state_name, run_count FROM task_run ORDER BY start_time").fetchall()
+    return [{"task": n, "state": s, "run_count": rc} for n, s, rc in rows]
+
+
+def checkpoint_tensors(path: str | Path) -> dict:
+    """Every tensor of a torch_dist checkpoint (model and optimizer), read without megatron, in memory."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    except ImportError:  # another torch: through a file, as torch's own converter does
+        import tempfile
+
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        with tempfile.TemporaryDirectory() as d:
+            dcp_to_torch_save(str(Path(path) / "model"), f"{d}/all.pt")
+            state = torch.load(f"{d}/all.pt", weights_only=False)
+    else:
+        state: dict = {}
+        _load_state_dict(state, storage_reader=FileSystemReader(str(Path(path) / "model")),
+                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return {k: v for k, v in state.items() if torch.is_tensor(v)}
+
+
+def compare_tensors(a: dict, b: dict) -> dict:
+    """Bitwise equal, or max |a - b| per tensor: totals for the model's weights and the optimizer's state."""
+    import torch
+    out = {"same_keys": a.keys() == b.keys(), "tensors": len(a), "bitwise_equal": 0, "differ": []}
+    groups = {"model": 0.0, "optimizer": 0.0}
+    for k in sorted(a.keys() & b.keys()):
+        x, y = a[k], b[k]
+        if x.shape == y.shape and torch.equal(x, y):
+            out["bitwise_equal"] += 1
+            continue
+        d = float((x.double() - y.double()).abs().max()) if x.shape == y.shape else float("inf")
+        scale = float(y.double().abs().max()) if y.numel() else 0.0
+        out["differ"].append({"tensor": k, "max_abs_delta": d, "ref_max_abs": scale})
+        g = "optimizer" if "optimizer" in k else "model"
+        groups[g] = max(groups[g], d)
+    out["bitwise"] = out["same_keys"] and not out["differ"]
+    out["max_abs_delta"] = groups
+    out["differ_count"] = len(out["differ"])
+    out["differ"] = sorted(out["differ"], key=lambda r: -r["max_abs_delta"])[:8]  # the worst, not all
+    return out
+
+
+def _measures_time(metric: str) -> bool:
+    return any(metric.endswith(t) or t in metric for t in TIMING_KEYS)
+
+
+def compare_facts(f: dict, ref: dict) -> dict:
+    values = [k for k in ref["metric_values"] if not _measures_time(k)
+              and f["metric_values"].get(k) != ref["metric_values"][k]]
+    return {"same_metric_points": f["metric_points"] == ref["metric_points"],
+            "metric_values_differ": values,
+            "same_registry": [(v["rollout"], v["source"]) for v in f["registry"]]
+            == [(v["rollout"], v["source"]) for v in ref["registry"]] and all(v["source_exists"] for v in f["registry"]),
+            "same_best": f["best_rollout"] == ref["best_rollout"],
+            "same_samples": [(r.get("response_len_mean"), r.get("reward_mean")) for r in f["rollouts"]]
+            == [(r.get("response_len_mean"), r.get("reward_mean")) for r in ref["rollouts"]],
+            "ended_clean": f["final_rollout"] == ref["final_rollout"] and not f["lease_held"]
+            and not f["temp_leftovers"] and f["mlflow_status"] == "FINISHED" and f["mlflow_runs"] == 1}
+
+
+# -- the reference (unbroken-a) and the cases --------------------------------------------------------------
+class References:
+    """unbroken-a per layout: its facts and final tensors, from this call or from an earlier call on this
+    same machine (its work folder kept while the machine stays warm)."""
+
+    def __init__(self, W: Path, sets: list[str]):
+        self.W, self.sets = W, sets
+        self._tensors: dict[str, dict] = {}
+
+    def path(self, layout: str) -> Path:
+        return self.W / "faults" / layout / "reference.json"
+
+    def get(self, layout: str) -> dict | None:
+        p = self.path(layout)
+        if not p.exists():
+            return None
+        ref = json.loads(p.read_text())
+        if ref.get("gpus") != gpu_ids() or ref.get("sets") != self.sets or not Path(ref["facts"]["final_checkpoint"]).exists():
+            return None
+        return ref
+
+    def put(self, layout: str, res: dict) -> None:
+        self.path(layout).write_text(json.dumps({"gpus": res["gpus"], "sets": self.sets, "facts": res["facts"],
+                                                 "wall_s": res["wall_s"]}))
+        self._tensors.pop(layout, None)
+
+    def tensors(self, layout: str) -> dict:
+        if layout not in self._tensors:
+            self._tensors[layout] = checkpoint_tensors(self.get(layout)["facts"]["final_checkpoint"])
+        return self._tensors[layout]
+
+
+def sec_case(S, W: Path, layout: str, case: str, refs: References, limit_s: float, keep_roots: bool) -> dict:
+    res = run_case(S, W, layout, case, limit_s, refs.sets)
+    res["gpus"] = gpu_ids()
+    if case == "unbroken-a":
+        refs.put(layout, res)
+        res["vs_reference"] = None
+        return res
+    ref = refs.get(layout)
+    t0 = time.time()
+    res["vs_reference"] = {**compare_facts(res["facts"], ref["facts"]),
+                           "checkpoint": compare_tensors(checkpoint_tensors(res["facts"]["final_checkpoint"]),
+                                                         refs.tensors(layout))}
+    res["compare_s"] = round(time.time() - t0, 1)
+    if not keep_roots:  # ~8 GB of checkpoints a run on GPUs: the reference's stays
+        shutil.rmtree(Path(res["root"]), ignore_errors=True)
+    return res
+
+
+def record(out: Path, name: str, fn) -> dict:
+    """Run one case, append its result line to OUT/results.jsonl as soon as it ends (a call cut at its limit
+    keeps the cases before), print one line of it."""
+    t0 = time.time()
+    try:
+        r = {**fn(), "status": "ok"}
+    except CaseFailed as e:
+        r = {**e.partial, "status": "FAILED", "error": str(e)[:2000]}
+    except Exception as e:  # noqa: BLE001 - one case's failure is recorded, the next still runs
+        traceback.print_exc()
+        r = {"name": name, "status": "FAILED", "error": f"{type(e).__name__}: {e}"[:2000]}
+    r["section_s"] = round(time.time() - t0, 1)
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(r, default=str) + "\n")
+    print("RESULT", name, r["status"], r["section_s"], "s", r.get("error", "")[:300], flush=True)
+    return r
+
+
+# -- summary -----------------------------------------------------------------------------------------------
+def _candidate(kernel: str, where: str, why: str, switch: str) -> dict:
+    return {"kernel": kernel, "where": where, "why": why, "switch_to_try": switch,
+            # from a GPU run, never estimated: the weights' max |delta| it causes, the switch's step-time cost
+            "varies_run_to_run": None, "max_abs_delta_final_weights": None, "switch_step_cost_pct": None}
+
+
+CANDIDATES = [
+    _candidate("FlashAttention-2 varlen backward (aten._flash_attention_backward)", "trainer, packed attention",
+               "dQ accumulated with atomic adds across key blocks",
+               "torch.use_deterministic_algorithms(True) (whether torch's FA2 backward honours it: to check)"),
+    _candidate("embedding_dense_backward", "trainer, input embedding", "atomic adds on CUDA",
+               "torch.use_deterministic_algorithms(True) (a sorted backward)"),
+    _candidate("Inductor kernels (RoPE / SwiGLU / norm fusions)", "trainer", "atomic reductions where Inductor splits one",
+               "torch.use_deterministic_algorithms(True) / train.fusions none"),
+    _candidate("cuBLAS GEMMs", "trainer and engine", "split-K and workspace choices across streams",
+               "CUBLAS_WORKSPACE_CONFIG=:4096:8"),
+    _candidate("NCCL all-reduce / reduce-scatter", "trainer, DP 2 (colocated)",
+               "the reduction order is fixed for a fixed topology and algorithm", "NCCL_ALGO fixed"),
+    _candidate("split-KV paged decode attention (runtime/rollout/decode_attention.py)", "engine",
+               "split count chosen per chunk from the active rows and the longest context; partials combined in a "
+               "fixed order", "rollout.decode_attention split fixed (no such setting yet)"),
+]
+
+
+def summarize(res: dict, env: dict | None) -> dict:
+    out = {"benchmark": "ray_faults", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "device": (env or {}).get("gpu", "cpu"), "env": env, "sections": res, "layouts": {}}
+    for lay in rp.LAYOUTS:
+        row = {}
+        for case in CASES:
+            r = res.get(f"{lay}:{case}")
+            if not r:
+                continue
+            if r.get("status") != "ok":
+                row[case] = {"status": r.get("status"), "error": str(r.get("error", ""))[:300]}
+                continue
+            vs = r.get("vs_reference") or {}
+            ck = vs.get("checkpoint") or {}
+            row[case] = {"status": "ok", "wall_s": r["wall_s"], "gpus": r.get("gpus"),
+                         "interrupted_tasks": r["interrupted_tasks"], "struck_where_meant": r["struck_where_meant"],
+                         "rebuild_logged": r["rebuild_logged"],
+                         "left_behind": len(r["left_behind"]), "gpu_apps_after": r["gpu_apps_after"],
+                         **({"bitwise": ck.get("bitwise"), "max_abs_delta": ck.get("max_abs_delta"),
+                             "tensors_differ": ck.get("differ_count"),
+                             **{k: v for k, v in vs.items() if k != "checkpoint"}} if vs else {})}
+            if "after_driver_kill" in r:
+                row[case]["left_after_driver_kill"] = r["after_driver_kill"]["left"]
+        floor = row.get("unbroken-b") or {}
+        if floor.get("status") == "ok":
+            row["noise_floor"] = {"bitwise": floor.get("bitwise"), "max_abs_delta": floor.get("max_abs_delta"),
+                                  "same_machine_as_reference": True}
+        out["layouts"][lay] = row
+    out["nondeterminism"] = {"noise_floor": {lay: row.get("noise_floor") for lay, row in out["layouts"].items()},
+                             "candidates": CANDIDATES}
+    return out
+
+
+def print_table(summary: dict) -> None:
+    print(f"ray_faults on {summary['device']}")
+    for lay, row in summary["layouts"].items():
+        if not row:
+            continue
+        print(f"[{lay}]")
+        for case in CASES:
+            r = row.get(case)
+            if not r:
+                continue
+            if r["status"] != "ok":
+                print(f"  {case:13s} {r['status']}: {r.get('error', '')[:200]}")
+                continue
+            d = r.get("max_abs_delta") or {}
+            cmp = ("reference" if r.get("bitwise") is None else
+                   "bitwise" if r["bitwise"] else f"max|d| model {d.get('model'):.3g} optimizer {d.get('optimizer'):.3g} "
+                   f"({r.get('tensors_differ')} tensors)")
+            print(f"  {case:13s} {r['wall_s']:7.1f} s  final ckpt: {cmp}; points same {r.get('same_metric_points', '-')}; "
+                  f"registry same {r.get('same_registry', '-')}; ended clean {r.get('ended_clean', '-')}; "
+                  f"interrupted {r['interrupted_tasks']}; left {r['left_behind']}; gpu apps {r['gpu_apps_after']}")
+            if r.get("metric_values_differ"):
+                print(f"  {'':13s} metric values differ: {r['metric_values_differ']}")
+            if r.get("left_after_driver_kill"):
+                print(f"  {'':13s} outlived the driver: {r['left_after_driver_kill']}")
+
+
+# -- driver ------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="tiny shapes, Ray on CPU: the wiring")
+    ap.add_argument("--layouts", default=None, help=f"comma list of {tuple(rp.LAYOUTS)} (CPU: colocated)")
+    ap.add_argument("--cases", default=None, help=f"comma list of {CASES} (CPU: unbroken-a,engine-kill,driver-kill)")
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/ray_faults_out")
+    ap.add_argument("--results-dir", default=None)
+    ap.add_argument("--deadline", type=float, default=None, help="seconds for this call (GPU 560, CPU 1800)")
+    ap.add_argument("--set", action="append", default=[], help="an override for every run of this call")
+    ap.add_argument("--keep-roots", action="store_true", help="keep every case's storage root (GPU: ~16 GB each)")
+    ap.add_argument("--merge", nargs="+", default=None, help="OUT dirs of earlier calls: one summary of all")
+    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)  # setup, in a process of its own
+    a = ap.parse_args(argv)
+    t_start = time.monotonic()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.merge:
+        res, env = {}, None
+        for d in a.merge:  # a name met again (each call's own unbroken-a) is kept under name@folder
+            for name, r in gpu_grpo.read_results(Path(d)).items():
+                res[name if name not in res else f"{name}@{Path(d).name}"] = r
+            p = Path(d) / "ray_faults.json"
+            if p.exists():
+                env = env or json.loads(p.read_text()).get("env")
+        summary = summarize(res, env)
+        gpu_grpo.save_summary(summary, out, "ray_faults", a.results_dir, cpu=False)
+        print_table(summary)
+        return 0
+    S = shapes(a.cpu)
+    deadline = a.deadline or (1800.0 if a.cpu else 560.0)
+    W = Path(a.work or ("/tmp/ray_faults_work" + ("_cpu" if a.cpu else "")))
+    W.mkdir(parents=True, exist_ok=True)
+    gpu_grpo.prepare_env()
+    layouts = (a.layouts or "colocated").split(",")
+    cases = (a.cases or ("unbroken-a,engine-kill,driver-kill" if a.cpu else ",".join(CASES))).split(",")
+    unknown = [x for x in layouts if x not in rp.LAYOUTS] + [x for x in cases if x not in CASES]
+    if unknown:
+        ap.error(f"unknown layout or case: {unknown}")
+    if a.section == "setup":
+        r = gpu_grpo.run_section("setup", S, W, out, fn=lambda S, W: {**sec_setup(S, W), "gpus": gpu_ids()})
+        return 0 if r["status"] == "ok" else 1
+    (out / "results.jsonl").unlink(missing_ok=True)
+    if not (all((W / f"faults-{lay}.yaml").exists() for lay in layouts) and (W / "hf").exists()):
+        # in a process of its own: the model is made on the GPU, and this process must hold no CUDA context
+        gpu_grpo.run_sections_in_processes(Path(__file__), ["setup"], W, out, 300, {"setup": 300},
+                                           extra_args=("--cpu",) if a.cpu else ())
+        if gpu_grpo.read_results(out).get("setup", {}).get("status") != "ok":
+            print((out / "log.txt").read_text()[-3000:])
+            return 1
+    refs = References(W, a.set)
+    walls = []  # this call's unbroken runs: what the next case is measured against
+    for lay in layouts:
+        todo = list(cases)
+        if refs.get(lay) is None and "unbroken-a" not in todo:
+            todo.insert(0, "unbroken-a")  # a fault case needs the reference of this machine
+        elif refs.get(lay) is not None:
+            walls.append(refs.get(lay)["wall_s"])
+            if "unbroken-a" in todo and len(todo) > 1:
+                todo.remove("unbroken-a")  # kept from an earlier call on this machine
+        for case in todo:
+            left = deadline - (time.monotonic() - t_start)
+            need = (max(walls) * COST[case]) if walls else 0.0
+            if left < max(need, 30.0):
+                rec = {"name": f"{lay}:{case}", "status": "SKIPPED",
+                       "error": f"needs ~{need:.0f} s (unbroken {max(walls or [0]):.0f} s x {COST[case]}), {left:.0f} s left"}
+                with open(out / "results.jsonl", "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                print("SKIPPED", rec, flush=True)
+                continue
+            if case != "unbroken-a" and refs.get(lay) is None:
+                with open(out / "results.jsonl", "a") as f:
+                    f.write(json.dumps({"name": f"{lay}:{case}", "status": "FAILED", "error": "no reference run"}) + "\n")
+                continue
+            print(f"=== {lay}:{case} ({left:.0f} s left)", flush=True)
+            r = record(out, f"{lay}:{case}", lambda lay=lay, case=case, left=left:
+                       sec_case(S, W, lay, case, refs, left, a.keep_roots))
+            if r["status"] == "ok" and case.startswith("unbroken"):
+                walls.append(r["wall_s"])
+    summary = summarize(gpu_grpo.read_results(out), gpu_grpo.env_info(S["model"]))
+    summary["total_s"] = round(time.monotonic() - t_start, 1)
+    gpu_grpo.save_summary(summary, out, "ray_faults", a.results_dir, a.cpu)
+    print_table(summary)
+    return gpu_grpo.exit_code(summary, a.cpu)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
