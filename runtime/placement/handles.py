@@ -75,6 +75,15 @@ class TrainerHandle:
         return self.group.call("hf_weights", to_cpu)[0]
 
     @forwards
+    def engine_weights(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
+        return self.group.call("engine_weights", to_cpu)[0]
+
+    @forwards
+    def shared_base(self) -> dict[str, torch.Tensor]:
+        """The trainer's frozen base tensors themselves: only for an engine in the same process (LocalGroup)."""
+        return self.group.call("shared_base")[0]
+
+    @forwards
     def weight_sync_address(self) -> tuple[str, int]:
         return self.group.call("weight_sync_address")[0]
 

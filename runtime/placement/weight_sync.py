@@ -96,7 +96,8 @@ def as_metadata(items: Iterable) -> Metadata:
 class TrainerToEngine:
     """The weight path from a trainer group to an engine group, for one build of the actors.
 
-    `direct`: rank 0 hands the HF-named tensors over as a call result (in-process, CUDA IPC between
+    What goes is the trainer's `engine_weights`: the HF-named weights, or with LoRA the adapters only.
+    `direct`: rank 0 hands the tensors over as a call result (in-process, CUDA IPC between
     local processes, or Ray's object store, for which they go to CPU first). `broadcast`: trainer
     rank 0 and every engine rank join a group of their own and the tensors go over it.
     """
@@ -130,4 +131,4 @@ class TrainerToEngine:
             finally:
                 sending.get()  # keeps the trainer's replies in step, also after an engine error
         else:
-            self.engine.update_weights(self.trainer.hf_weights(self.tensors_on_cpu), version)
+            self.engine.update_weights(self.trainer.engine_weights(self.tensors_on_cpu), version)
