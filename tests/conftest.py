@@ -59,6 +59,7 @@ SLOW_MODULES = {
     "test_tracking", "test_sglang", "test_bench_smoke", "test_custom_rollout_run", "test_convert",
     "test_model_families", "test_kill_anywhere", "test_multinode", "test_bad_inputs", "test_resume_repairs",
     "test_demo", "test_report", "test_runs_listing", "test_trainer_memory", "test_partial_rollout", "test_lora",
+    "test_lora_engine",
 }
 
 
