@@ -156,12 +156,20 @@ def test_recomputed_layers_reach_their_adapters(tiny, trained):
 
 def test_tensor_parallel_2_trains_as_one_rank(tiny, trained):
     """TP 2 in two processes (gloo): column-parallel B split on its rows, row-parallel A on its columns; the
-    loss, grad norm, gathered adapters (dropout masks included) match one rank's."""
+    loss, grad norm, gathered adapters (dropout masks included) match one rank's. The engine, in another
+    process with a base of its own, receives the adapters alone over the weight-sync broadcast."""
     from runtime.placement.cluster import Cluster
+    from runtime.placement.groups import LocalGroup
+    from runtime.placement.handles import EngineHandle
+    from runtime.placement.weight_sync import TrainerToEngine
+    from runtime.rollout.builtin import BuiltinEngine
+    from runtime.trainer.batch import TrainBatch
     cfg = _cfg({"dropout": 0.3}, tensor_parallel=2)
     hf, td = tiny
-    group = Cluster(cfg).trainer(in_subprocesses=True, hf_dir=hf, init_checkpoint=td, train=cfg.train,
-                                 algorithm=cfg.algorithm, temperature=1.0).group
+    trainer = Cluster(cfg).trainer(in_subprocesses=True, hf_dir=hf, init_checkpoint=td, train=cfg.train,
+                                   algorithm=cfg.algorithm, temperature=1.0)
+    group = trainer.group
+    engine = BuiltinEngine(hf, lora=cfg.train.lora)
     try:
         for b, ref in zip(trained["batches"][:2], trained["metrics"]):
             for m in group.call("train", b):
@@ -169,8 +177,19 @@ def test_tensor_parallel_2_trains_as_one_rank(tiny, trained):
                     assert m[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-8), key
                 assert m["kl"] == pytest.approx(ref["kl"], abs=1e-6)  # k3 of log-ratios ~1e-3: float noise ~1e-8
         adapters = {k: v.clone() for k, v in group.call("engine_weights")[0].items()}
+        sync = TrainerToEngine(trainer, EngineHandle(LocalGroup([engine])), "broadcast", tensors_on_cpu=True,
+                               group_name="lora_bcast")
+        assert [n for n, _, _ in sync.metadata] == list(adapters)  # the adapters, nothing of the base
+        sync.push(version=3)
+        b = trained["batches"][0]
+        one = TrainBatch(b.tokens[:1], b.prompt_lens[:1], [0.0], b.loss_masks[:1], b.rollout_logprobs[:1])
+        want = trainer.compute_logprobs(one)[0]
+        p = b.prompt_lens[0]
+        got = engine.logprobs_of(b.tokens[0][:p], b.tokens[0][p:])
+        assert engine.weight_version == 3 and max(abs(x - y) for x, y in zip(got, want)) <= 1e-4
     finally:
         group.kill()
+        engine.shutdown()
     ref = trained["saved_adapters"]
     assert adapters.keys() == ref.keys()
     assert max(float((adapters[k] - ref[k]).abs().max()) for k in ref) < 1e-4
