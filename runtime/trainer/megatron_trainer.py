@@ -388,7 +388,7 @@ class MegatronTrainer:
 
     def shared_base(self) -> dict[str, torch.Tensor]:
         """The frozen base's own tensors (TP 1, LoRA on), for an engine in this process to decode with
-        instead of a copy (runtime/rollout/shared_base.py)."""
+        instead of a copy (runtime/rollout/decode_model.py:FusedModel)."""
         from runtime.trainer import lora
         if self.lora is None or self.tp_size != 1:
             raise RuntimeError("the base is shared only with LoRA on at tensor_parallel 1")
@@ -462,7 +462,6 @@ class MegatronTrainer:
                                                  loaded["optimizer"])
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.steps_done = int(loaded["steps_done"])
-
 
     def _model_sharded_state_dict(self) -> dict:
         """What a checkpoint holds of the model: every weight, or with LoRA the adapters only."""
