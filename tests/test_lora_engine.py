@@ -79,13 +79,13 @@ def test_shared_and_own_base_engines_sample_the_trainers_policy(models, family):
         assert all(t.data_ptr() in trainer_ptrs for t in used)
         assert all(p.device.type == "meta" for p in shared.model.parameters())
         # the sync copies the adapters into the rank-sized buffers, in place (captured graphs stay valid)
-        buffers = {k: v.data_ptr() for k, v in dec.adapters.b.items()}
+        buffers = {k: [t.data_ptr() for t in v] for k, v in dec.adapters.b.items()}
         adapters = tr.engine_weights()
         assert adapters and all(".lora_" in k for k in adapters)
         for e in (shared, own):
             e.update_weights(adapters, version=1)
-        assert {k: v.data_ptr() for k, v in dec.adapters.b.items()} == buffers
-        assert all(dec.adapters.b[t].abs().sum() > 0 for t in dec.adapters.targets)
+        assert {k: [t.data_ptr() for t in v] for k, v in dec.adapters.b.items()} == buffers
+        assert all(b.abs().sum() > 0 for t in dec.adapters.targets for b in dec.adapters.b[t])
 
         requests = _requests(shared)
         on_shared, on_own = shared.generate(requests, SAMPLING), own.generate(requests, SAMPLING)
@@ -122,13 +122,13 @@ def test_an_update_that_does_not_fit_the_buffers_is_refused(models):
     engine = BuiltinEngine(hf, lora=LoraSection(**LORA))
     try:
         a = engine.decoder.adapters
-        good = {"decoder.layers.0.self_attention.linear_qkv.lora_A": torch.ones(4, a.a["linear_qkv"].shape[2])}
+        good = {"decoder.layers.0.self_attention.linear_qkv.lora_A": torch.ones(4, a.a["linear_qkv"][0].shape[1])}
         with pytest.raises(ValueError, match="rank <= 4"):
             engine.update_weights({k: torch.ones(8, v.shape[1]) for k, v in good.items()}, 1)
         with pytest.raises(ValueError, match="LoRA engine takes the trainer's adapters only"):
             engine.update_weights({**good, "model.norm.weight": torch.ones(1)}, 1)
-        assert a.a["linear_qkv"].abs().sum() == 0 and engine.weight_version == 0  # nothing was copied
+        assert sum(x.abs().sum() for x in a.a["linear_qkv"]) == 0 and engine.weight_version == 0  # nothing copied
         engine.update_weights({k: v[:2] for k, v in good.items()}, 2)  # a smaller rank fills the first rows
-        assert a.a["linear_qkv"][0, :2].eq(1).all() and a.a["linear_qkv"][0, 2:].eq(0).all()
+        assert a.a["linear_qkv"][0][:2].eq(1).all() and a.a["linear_qkv"][0][2:].eq(0).all()
     finally:
         engine.shutdown()

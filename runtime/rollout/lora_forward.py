@@ -4,9 +4,9 @@ The engine never merges an adapter into its bf16 weights (``W + BA`` then ``- BA
 back in bf16). Each adapted projection adds ``scale * (x A^T) B^T`` to its output in the decoder's own
 forward (runtime/rollout/decode_model.py), the order the trainer computes it in. The buffers are
 allocated once, at the configured rank, when the engine is built: every layer's A [rank, in] and
-B [out, rank] are views into one stacked tensor per projection, zero until the first sync (zero B is the
-trainer's initial adapter). A sync copies the trainer's adapters into them in place, so CUDA graphs
-captured over them stay valid: no re-capture after an update.
+B [out, rank], zero until the first sync (zero B is the trainer's initial adapter). A sync copies the trainer's adapters into them in place, so CUDA graphs
+captured over them stay valid: no re-capture after an update. (One tensor per layer and projection, not views
+into one stack: the compiled pieces see every layer's adapter as they see its weights.)
 
 Wire format (``MegatronTrainer.engine_weights``): the trainer's whole adapters by megatron name,
 ``decoder.layers.<i>.self_attention.linear_qkv.lora_A`` etc. B of the fused qkv comes in megatron's
@@ -30,7 +30,7 @@ def is_adapter_name(name: str) -> bool:
 
 
 class EngineAdapters:
-    """Every layer's adapters at a fixed rank, in stacked buffers ([layers, rank, in] and [layers, out, rank])."""
+    """Every layer's adapters at a fixed rank: ``a[target][layer]`` [rank, in], ``b[target][layer]`` [out, rank]."""
 
     def __init__(self, lora, *, n_layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
                  device, dtype, qkv_grouped: bool):
@@ -41,12 +41,12 @@ class EngineAdapters:
         q, kv = heads * head_dim, kv_heads * head_dim
         shapes = {"linear_qkv": (hidden, q + 2 * kv), "linear_proj": (q, hidden),
                   "linear_fc1": (hidden, 2 * ffn), "linear_fc2": (ffn, hidden)}
-        self.a: dict[str, torch.Tensor] = {}
-        self.b: dict[str, torch.Tensor] = {}
+        self.a: dict[str, list[torch.Tensor]] = {}
+        self.b: dict[str, list[torch.Tensor]] = {}
         for t in self.targets:
             fan_in, fan_out = shapes[t]
-            self.a[t] = torch.zeros(n_layers, self.rank, fan_in, device=device, dtype=dtype)
-            self.b[t] = torch.zeros(n_layers, fan_out, self.rank, device=device, dtype=dtype)
+            self.a[t] = [torch.zeros(self.rank, fan_in, device=device, dtype=dtype) for _ in range(n_layers)]
+            self.b[t] = [torch.zeros(fan_out, self.rank, device=device, dtype=dtype) for _ in range(n_layers)]
         self.n_layers = n_layers
 
     def pair(self, layer: int, target: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -56,7 +56,7 @@ class EngineAdapters:
         return self.a[target][layer], self.b[target][layer]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.a, self.b) for t in d.values())
+        return sum(t.numel() * t.element_size() for d in (self.a, self.b) for ts in d.values() for t in ts)
 
     @torch.no_grad()
     def load(self, named: dict[str, torch.Tensor]) -> None:
