@@ -22,6 +22,8 @@ Trainer (``runtime.trainer.megatron_trainer``), both devices:
   layer's worth in every case (the recomputed layer).
 * ``cluster.offload_trainer_state``: gradients, fp32 master and Adam moments are off the GPU during the
   rollout phase (``runtime/trainer/state_offload.py``).
+* ``train.lora``: the base frozen (its weights only), gradients / master / Adam for the adapters, the adapters'
+  activations, and the engine's base not counted when it shares the trainer's (``runtime/plan/lora_memory.py``).
 * the engine's KV pool is ``rollout.kv_cache_gb`` GiB (the paged engine); unset on a GPU, the plan chooses the largest
   pool, in quarter GiB, that leaves ``KV_MARGIN_FRACTION`` of the GPU free in both phases, and the run
   writes it into its frozen config. The pool counts in the training phase unless the engine gives it
