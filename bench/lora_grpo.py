@@ -65,7 +65,7 @@ CPU_SETS = ["data.max_prompt_len=24", "rollout.max_new_tokens=40", "rollout.roll
             "rollout.n_samples_per_prompt=2", "train.global_batch_size=4", "train.max_tokens_per_micro_batch=128",
             "model.dtype=float32", "rollout.kv_cache_gb=0.01", "train.lora.rank=4"]
 SECTIONS = ("setup", "stage")
-SECTION_MAX_S = {"setup": 200, "stage": 570}
+SECTION_MAX_S = {"setup": 240, "stage": 540}
 
 
 def schedule(cpu: bool, mode: dict) -> dict:
@@ -432,7 +432,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/lora_grpo_out")
     ap.add_argument("--results-dir", default=None)
-    ap.add_argument("--deadline", type=float, default=570.0)
+    ap.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole run (one device call < 600)")
     a = ap.parse_args(argv)
     mode = MODES[a.model]
     S = schedule(a.cpu, mode)
