@@ -37,7 +37,9 @@ def build(cfg_dict: dict, device: str, dtype) -> torch.nn.Module:
     cfg = Glm4Config(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "torch_dtype")})
     with torch.device("meta"):
         model = Glm4ForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    # cast while on the meta device, then allocate: straight into `dtype` (allocating first would make the
+    # 9B model in fp32, 37.6 GB, before the cast)
+    model = model.to(dtype).to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -198,6 +198,28 @@ class AlgorithmSection(Section):
         return self
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# train.lr when LoRA is on and the config sets none: about 10x the full-parameter rate of the recipes
+# (1e-6), where LoRA's best rate sits (docs/lora.md)
+LORA_DEFAULT_LR = 1e-5
+
+
+class LoraSection(Section):
+    """`train.lora`: low-rank adapters on the megatron model's linears; the base stays frozen (docs/lora.md)."""
+
+    enabled: bool = False
+    rank: int = Field(32, gt=0, description="r of each adapter pair (A: r x in, B: out x r)")
+    alpha: float = Field(32.0, gt=0, description="the adapter's output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="on the adapter's input, in the training forward only")
+    # megatron's names: attention qkv (fused q/k/v), attention output, MLP in (fused gate/up), MLP out
+    target_modules: list[Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]] = Field(
+        default_factory=lambda: list(LORA_TARGETS), min_length=1)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 class TrainSection(Section):
     num_rollout: int = Field(6, gt=0)
     global_batch_size: int = Field(64, gt=0, description="samples per optimizer step")
@@ -253,6 +275,7 @@ class TrainSection(Section):
     # flash-attn-4 package's CuTe kernels (pip install 'grpoflow[fa4]'; about 2x FA2's forward + backward on the
     # H100, so the trainer's packed step is faster). CPU: block-causal SDPA either way.
     packed_attention: Literal["flash2", "fa4"] = "flash2"
+    lora: LoraSection = LoraSection()
 
 
 class EvalSection(Section):
@@ -352,6 +375,21 @@ class GrpoConfig(Section):
         a = self.algorithm
         if a.loss_agg == "seq_mean_token_sum_norm" and a.loss_norm_tokens is None:
             a.loss_norm_tokens = self.rollout.max_new_tokens  # Dr.GRPO's constant: the longest a response can be
+        return self
+
+    @model_validator(mode="after")
+    def _lora_checks(self) -> "GrpoConfig":
+        lora, t = self.train.lora, self.train
+        if not lora.enabled:
+            return self
+        if self.rollout.engine == "sglang":
+            raise ValueError("train.lora is not wired to SGLang's adapters yet; use rollout.engine: builtin "
+                             "(or set train.lora.enabled: false)")
+        if self.rollout.decode_path == "hf":
+            raise ValueError("train.lora applies the adapters in the built-in engine's paged decoder; set "
+                             "rollout.decode_path: auto (or paged)")
+        if "lr" not in t.model_fields_set:
+            t.lr = LORA_DEFAULT_LR
         return self
 
     @model_validator(mode="after")

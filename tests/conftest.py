@@ -60,7 +60,8 @@ SLOW_MODULES = {
     "test_learning", "test_resume", "test_pipeline", "test_deployments", "test_s3", "test_parallel",
     "test_tracking", "test_sglang", "test_bench_smoke", "test_custom_rollout_run", "test_convert",
     "test_model_families", "test_kill_anywhere", "test_multinode", "test_bad_inputs", "test_resume_repairs",
-    "test_demo", "test_report", "test_runs_listing", "test_trainer_memory", "test_partial_rollout",
+    "test_demo", "test_report", "test_runs_listing", "test_trainer_memory", "test_partial_rollout", "test_lora",
+    "test_lora_engine",
     "test_install",  # resolves the install against the public index (network, ~30 s)
     "test_host_optimizer",
 }

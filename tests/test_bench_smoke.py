@@ -105,6 +105,23 @@ def test_partial_rollout_bench_sizes_the_24gb_plan_from_its_config(tmp_path):
     assert cfg.cluster.backend == "local" and cfg.cluster.gpu_memory_gb == 24
 
 
+def test_lora_bench_cpu_mode_runs(tmp_path):
+    """bench/lora_grpo.py on a 2-layer GLM4: the base built by megatron and saved as torch_dist (no HF weights),
+    the train stage with LoRA and the engine on the trainer's base, rollouts at the keyed lengths."""
+    summary = _cpu_bench("lora_grpo", tmp_path)
+    sec = summary["sections"]
+    assert {k for k, v in sec.items() if v["status"] == "ok"} == {"setup", "stage"}
+    assert sec["setup"]["model_type"] == "glm4" and sec["setup"]["base"]["torch_dist_GiB"] >= 0
+    st = sec["stage"]
+    assert st["build"]["shares_base"] is True and st["lora"]["enabled"] and len(st["rollouts"]) >= 2
+    assert st["build"]["trainer"]["grads"] == st["build"]["trainer"]["adapters"]  # fp32 adapters: grads as large
+    for r in st["rollouts"]:
+        assert r["logp_gap"]["max"] < 1e-4 and r["adapter_sync_bytes"] == st["build"]["adapter_buffers"] > 0
+        assert r["step_time_s"] > 0 and r["train_tokens"] > 0
+    assert [t["term"] for t in st["compare"]["terms"]][:3] == ["weights", "gradients", "optimizer"]
+    assert st["compare"]["terms"][0]["ratio"] == 1.0  # the frozen base + adapters, as planned
+
+
 # ---- bench/memory_check.py: the memory estimate against what is allocated -------------------------------
 
 def test_memory_check_cpu_mode_runs(tmp_path):

@@ -13,6 +13,11 @@ where the reference put it, the MLflow run FINISHED, no lease and no temp leftov
 
 The killed runs are forked from one warm process (tests/cli_zygote.py) and talk to the session's
 Prefect server; every run uses the same root path, so the paths recorded inside the store match.
+
+LoRA (train.lora) has a reference run of its own and a few moments where its state differs: an update of
+adapters that start from keyed initial values, a checkpoint of adapters being written, its two exports
+(the PEFT adapter, then the merged model), the registry version, and an update after resuming from an
+adapter checkpoint.
 """
 from __future__ import annotations
 
@@ -68,6 +73,16 @@ MOMENTS = [
 ]
 
 
+LORA_SETS = ["train.lora.enabled=true", "train.lora.rank=4", "train.lora.alpha=8", "train.lr=1e-2"]
+LORA_MOMENTS = [
+    ("train-step-done#2", "tracking-store-ready"),          # rollout 1's adapters updated, not saved
+    ("checkpoint-model-written#1", "tracking-store-ready"),  # adapters + optimizer written, no manifest
+    ("adapter-exported#1", "mlflow-metrics-logged#1"),      # PEFT adapter published, merged export not
+    ("registry-version-created#1", "mlflow-metrics-logged#1"),
+    ("train-step-done#1", "registry-aliases-moved#1"),      # an update after resuming from rollout 2's adapters
+]
+
+
 class Zygote:
     def __init__(self, env: dict):
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_zygote"], stdin=subprocess.PIPE,
@@ -91,7 +106,7 @@ class Zygote:
         self.proc.wait(timeout=60)
 
 
-def _state(root: Path) -> dict:
+def _state(root: Path, lora: bool = False) -> dict:
     """What a finished run must look like, read from its root (the checkpoint tensors aside)."""
     from mlflow.tracking import MlflowClient
     rd = RunDir(str(root), RUN)
@@ -99,8 +114,9 @@ def _state(root: Path) -> dict:
     client = MlflowClient(doc["tracking_uri"], registry_uri=doc["tracking_uri"])
     run = client.get_run(doc["mlflow_run_id"])
     points = {k: sorted(m.step for m in client.get_metric_history(run.info.run_id, k)) for k in run.data.metrics}
-    versions = sorted((int(v.tags["grpoflow.rollout"]), int(v.version)) for v in client.search_model_versions("name = 'tiny'")
-                      if v.tags.get("grpoflow.run_id") == RUN)
+    found = [v for v in client.search_model_versions("name = 'tiny'") if v.tags.get("grpoflow.run_id") == RUN]
+    versions = sorted((int(v.tags["grpoflow.rollout"]), int(v.version)) for v in found)
+    assert {v.tags.get("grpoflow.weights") for v in found} == {"lora-merged" if lora else "full"}
     best = int(client.get_registered_model("tiny").aliases["best"])
     return {"status": run.info.status, "points": points, "rollouts_registered": [r for r, _ in versions],
             "best_rollout": dict((v, r) for r, v in versions)[best],
@@ -111,10 +127,18 @@ def _state(root: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(prefect_harness, tmp_path_factory):
+def zygote(prefect_harness):
+    import prefect.settings
+    zygote_env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                      PREFECT_API_URL=prefect.settings.PREFECT_API_URL.value())
+    z = Zygote(zygote_env)
+    yield z
+    z.close()
+
+
+def _reference(base: Path, sets: list[str], zygote: Zygote, lora: bool = False) -> dict:
     """The uninterrupted run, with a copy of its root at every boundary; returns its final facts."""
     from tests.test_resume import checkpoint_tensors
-    base = tmp_path_factory.mktemp("kill-anywhere")
     root, snaps = base / "root", base / "snapshots"
     root.mkdir()
     env = {"GRPOFLOW_TEST_SNAPSHOT_AT": ",".join(BOUNDARIES), "GRPOFLOW_TEST_SNAPSHOT_ROOT": str(root),
@@ -122,21 +146,30 @@ def reference(prefect_harness, tmp_path_factory):
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        assert main(_run_argv(root)) == 0
+        assert main(_run_argv(root, sets)) == 0
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     assert sorted(p.name for p in snaps.iterdir()) == sorted(BOUNDARIES)
     rd = RunDir(str(root), RUN)
-    state = _state(root)
+    state = _state(root, lora)
     assert state["rollouts_registered"] == [2, 4] and state["status"] == "FINISHED"
     tensors = checkpoint_tensors(rd.checkpoint(4), base)
-    import prefect.settings
-    zygote_env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                      PREFECT_API_URL=prefect.settings.PREFECT_API_URL.value())
-    zygote = Zygote(zygote_env)
-    yield {"root": root, "snaps": snaps, "state": state, "tensors": tensors, "zygote": zygote, "base": base}
-    zygote.close()
+    return {"root": root, "snaps": snaps, "state": state, "tensors": tensors, "zygote": zygote, "base": base,
+            "sets": sets, "lora": lora}
+
+
+@pytest.fixture(scope="module")
+def reference(zygote, tmp_path_factory):
+    return _reference(tmp_path_factory.mktemp("kill-anywhere"), SETS, zygote)
+
+
+@pytest.fixture(scope="module")
+def lora_reference(zygote, tmp_path_factory):
+    ref = _reference(tmp_path_factory.mktemp("kill-anywhere-lora"), SETS + LORA_SETS, zygote, lora=True)
+    # a LoRA checkpoint holds the adapters and their optimizer state, not the base
+    assert ref["tensors"] and all(".lora_" in k for k in ref["tensors"])
+    return ref
 
 
 def _close_stores(root: Path) -> None:
@@ -150,12 +183,21 @@ def _close_stores(root: Path) -> None:
                 engine.dispose()
 
 
-def _run_argv(root: Path) -> list[str]:
-    return ["run", "configs/tiny.yaml", "--run-id", RUN, *sum((["--set", s] for s in SETS + [f"storage.root={root}"]), [])]
+def _run_argv(root: Path, sets: list[str] = SETS) -> list[str]:
+    return ["run", "configs/tiny.yaml", "--run-id", RUN, *sum((["--set", s] for s in sets + [f"storage.root={root}"]), [])]
 
 
 @pytest.mark.parametrize("moment, start", MOMENTS, ids=[f"{m}@{s or 'empty'}" for m, s in MOMENTS])
 def test_killed_at_a_moment_then_resumed_ends_as_the_reference(reference, moment, start, tmp_path, capsys):
+    _kill_and_resume(reference, moment, start, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("moment, start", LORA_MOMENTS, ids=[f"{m}@{s}" for m, s in LORA_MOMENTS])
+def test_lora_killed_at_a_moment_then_resumed_ends_as_the_reference(lora_reference, moment, start, tmp_path, capsys):
+    _kill_and_resume(lora_reference, moment, start, tmp_path, capsys)
+
+
+def _kill_and_resume(reference: dict, moment: str, start: str | None, tmp_path: Path, capsys) -> None:
     from tests.test_resume import assert_same_checkpoint, checkpoint_tensors
     root = reference["root"]
     _close_stores(root)
@@ -164,13 +206,13 @@ def test_killed_at_a_moment_then_resumed_ends_as_the_reference(reference, moment
         root.mkdir()
     else:
         shutil.copytree(reference["snaps"] / start, root)
-    argv = _run_argv(root) if start is None else ["resume", RUN, "--root", str(root)]
+    argv = _run_argv(root, reference["sets"]) if start is None else ["resume", RUN, "--root", str(root)]
     log = tmp_path / "killed.log"
     ended = reference["zygote"].run(argv, {"GRPOFLOW_TEST_KILL_AT": moment}, log)
     assert ended.get("signal") == signal.SIGKILL, f"moment {moment} was never reached: {ended}\n{log.read_text()[-3000:]}"
 
     assert main(["resume", RUN, "--root", str(root)]) == 0, capsys.readouterr().err[-3000:]
-    state = _state(root)
+    state = _state(root, reference["lora"])
     assert state == reference["state"]
     assert_same_checkpoint(checkpoint_tensors(RunDir(str(root), RUN).checkpoint(4), tmp_path), reference["tensors"])
 

@@ -20,6 +20,7 @@ CASES = [
     (["rollout.reward=no_such_module_xyz:fn"], "rollout.reward"),
     (["rollout.custom_rollout=no_such_module_xyz:fn"], "rollout.custom_rollout"),
     ([f"rollout.custom_rollout={__name__}:NOT_A_FUNCTION"], "rollout.custom_rollout"),
+    (["train.lora.enabled=true", "rollout.engine=sglang"], "train.lora"),  # SGLang's adapters: not wired yet
 ]
 
 

@@ -32,4 +32,5 @@ def register_eval_point(cfg: GrpoConfig, rd: RunDir, tracker, rollout: int, resu
     return register_checkpoint(
         tracker, name=cfg.tracking.registered_model or cfg.name, export_uri=export["path"], rollout=rollout,
         run_id=rd.run_id, metrics=metrics, config_hash=inputs_hash(cfg.model_dump(mode="json")),
-        primary_metric=f"eval/{first}/avg@{cfg.eval.n_samples_per_prompt}")
+        primary_metric=f"eval/{first}/avg@{cfg.eval.n_samples_per_prompt}",
+        weights=export.get("weights", "full"), adapter_uri=export.get("adapter"))

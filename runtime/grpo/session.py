@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 from runtime.config import GrpoConfig
 from runtime.grpo.collect import Collector, sampling_params
 from runtime.grpo.rollout_batch import advantages, rollout_metrics, to_train_batch
+from runtime.placement import layout
 from runtime.placement.cluster import Cluster
 from runtime.placement.handles import EngineHandle, TrainerHandle
 from runtime.placement.weight_sync import TrainerToEngine
@@ -59,7 +60,9 @@ class TrainSession:
         self.trainer = self.cluster.trainer(
             hf_dir=self.rd.local(self.rd.hf_model), init_checkpoint=self.rd.local(self.rd.torch_dist),
             train=c.train, algorithm=c.algorithm, temperature=c.rollout.temperature)
-        self.engine = self.cluster.engine(self.rd.local(self.rd.hf_model))
+        # LoRA with trainer and engine in this process: one copy of the base, the trainer's (runtime/placement/layout.py)
+        shared = self.trainer.shared_base() if layout.shares_base(c) else None
+        self.engine = self.cluster.engine(self.rd.local(self.rd.hf_model), shared_base=shared)
         self.collector = Collector(c, self.engine, self.dataset, self.tokenizer, self.reward_fn, self.custom_rollout)
         self.at = None
         self.builds += 1

@@ -167,14 +167,17 @@ class Cluster:
         handle.ping()  # surface construction errors here, not at the first rollout
         return handle
 
-    def engine(self, model_dir: str) -> EngineHandle:
-        """The rollout engine(s): one, or one built-in engine per rollout GPU behind one handle."""
+    def engine(self, model_dir: str, shared_base: dict | None = None) -> EngineHandle:
+        """The rollout engine(s): one, or one built-in engine per rollout GPU behind one handle. shared_base
+        (`layout.shares_base`): the in-process trainer's base tensors, which the one engine decodes with."""
         from runtime.rollout.factory import make_engine
         devices = self.engine_devices
         kwargs = dict(cfg=self.cfg, model_dir=model_dir, dtype=self.dtype)
         if self.backend == "local" and len(devices) == 1:
             make_current(devices[0])
-            return EngineHandle(LocalGroup([make_engine(device=devices[0], **kwargs)]))
+            return EngineHandle(LocalGroup([make_engine(device=devices[0], shared_base=shared_base, **kwargs)]))
+        if shared_base is not None:
+            raise ValueError("a shared base goes to one engine in this process only")
         if self.backend == "local":  # one process per engine, each on its GPU (they generate at once)
             threads = max(1, (os.cpu_count() or 1) // len(devices)) if self.device != "cuda" else self._threads()
             handle = EngineHandle(SubprocessGroup("runtime.placement.cluster:_EngineHost",

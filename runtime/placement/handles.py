@@ -76,12 +76,21 @@ class TrainerHandle:
 
     @forwards
     def share_weights(self) -> list:
-        """Every rank's whole model as CUDA IPC handles (cuda_ipc.SharedTensors), in rank order."""
+        """Every rank's copy of `engine_weights` as CUDA IPC handles (cuda_ipc.SharedTensors), in rank order."""
         return self.group.call("share_weights")
 
     @forwards
     def release_shared_weights(self) -> None:
         self.group.call("release_shared_weights")
+
+    @forwards
+    def engine_weights(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
+        return self.group.call("engine_weights", to_cpu)[0]
+
+    @forwards
+    def shared_base(self) -> dict[str, torch.Tensor]:
+        """The trainer's frozen base tensors themselves: only for an engine in the same process (LocalGroup)."""
+        return self.group.call("shared_base")[0]
 
     @forwards
     def weight_sync_address(self) -> tuple[str, int]:

@@ -61,6 +61,15 @@ def direct_transport(cfg: GrpoConfig, device: str) -> str:
     return "host" if c.backend == "ray" else "as_is"
 
 
+def shares_base(cfg: GrpoConfig) -> bool:
+    """Whether the built-in engine decodes with the trainer's own base tensors instead of a copy: LoRA (the base
+    is frozen), one trainer rank in this process (local backend, TP 1, DP 1, direct weight sync) and one engine
+    colocated with it. Elsewhere the engine loads its own base and receives the adapters only."""
+    c = cfg.cluster
+    return (cfg.train.lora.enabled and c.backend == "local" and c.colocate and trainer_world_size(cfg) == 1
+            and weight_sync_mode(cfg) == "direct" and cfg.rollout.engine == "builtin" and rollout_engines(cfg) == 1)
+
+
 def check_layout(cfg: GrpoConfig, hf_config=None, gpus_available: int | None = None) -> None:
     """Raise ConfigError when the parallel layout cannot run: model shapes vs TP, rollout GPUs vs
     engines, and (when known) the GPUs of this host or cluster."""

@@ -102,9 +102,10 @@ DirectTransport = Literal["as_is", "cuda_ipc", "host"]
 class TrainerToEngine:
     """The weight path from a trainer group to an engine group, for one build of the actors.
 
-    `direct`: the HF-named tensors are handed over by call (`transport`: as they are, by CUDA IPC handle,
-    or through host memory). `broadcast`: trainer rank 0 and every engine rank join a group of their own
-    and the tensors go over it.
+    What goes is the trainer's `engine_weights`: the HF-named weights, or with LoRA the adapters only.
+    `direct`: they are handed over by call (`transport`: as they are, by CUDA IPC handle, or through host
+    memory). `broadcast`: trainer rank 0 and every engine rank join a group of their own and the tensors go
+    over it.
     """
 
     def __init__(self, trainer: TrainerHandle, engine: EngineHandle, mode: str, transport: DirectTransport,
@@ -143,4 +144,4 @@ class TrainerToEngine:
             finally:
                 self.trainer.release_shared_weights()
         else:
-            self.engine.update_weights(self.trainer.hf_weights(self.transport == "host"), version)
+            self.engine.update_weights(self.trainer.engine_weights(self.transport == "host"), version)

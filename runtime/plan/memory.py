@@ -22,6 +22,8 @@ Trainer (``runtime.trainer.megatron_trainer``), both devices:
   layer's worth in every case (the recomputed layer).
 * ``cluster.offload_trainer_state``: gradients, fp32 master and Adam moments are off the GPU during the
   rollout phase (``runtime/trainer/state_offload.py``).
+* ``train.lora``: the base frozen (its weights only), gradients / master / Adam for the adapters, the adapters'
+  activations, and the engine's base not counted when it shares the trainer's (``runtime/plan/lora_memory.py``).
 * the engine's KV pool is ``rollout.kv_cache_gb`` GiB (the paged engine); unset on a GPU, the plan chooses the largest
   pool, in quarter GiB, that leaves ``KV_MARGIN_FRACTION`` of the GPU free in both phases, and the run
   writes it into its frozen config. The pool counts in the training phase unless the engine gives it
@@ -101,6 +103,7 @@ from runtime.devices import resolve_dtype
 from runtime.placement import layout
 from runtime.plan import host_memory
 from runtime.mcore import fusions as megatron_fusions
+from runtime.plan import lora_memory
 
 GIB = 2**30
 # CUDA context, cuBLAS workspaces, allocator slack (one process). Measured on the H100 (2026-11-25, colocated,
@@ -222,13 +225,14 @@ def activation_terms(hf_config, *, tp: int, micro_batch_size: int, seq_len: int,
                      device: str = "cuda", response_len: int | None = None, max_tokens: int | None = None,
                      recompute: str = "none", recompute_modules=("layernorm", "mlp"),
                      recompute_num_layers: int | None = None, fusions="auto", chunked_logprobs: str = "auto",
-                     core_attention: str = "auto") -> dict[str, int]:
+                     core_attention: str = "auto", frozen_head: bool = False) -> dict[str, int]:
     """Peak activation bytes of one training micro-batch on one tensor-parallel rank, by part:
     ``layers`` (saved by the decoder layers, plus the backward's working set), ``attention_scores``
     (unfused attention only), ``logprob_head`` (output layer and log-probs), and ``total``.
     ``response_len``: response tokens per sample (default: all of ``seq_len``). ``max_tokens``: packed
     micro-batches of at most that many tokens (the worst case: the budget full) instead of
-    ``micro_batch_size`` samples of ``seq_len``. ``recompute*``: ``train.recompute`` and its modules/layers."""
+    ``micro_batch_size`` samples of ``seq_len``. ``recompute*``: ``train.recompute`` and its modules/layers.
+    ``frozen_head``: the output layer is frozen (LoRA): the chunked head keeps no weight-gradient accumulator."""
     m = _shape(hf_config)
     e = _dtype_bytes(dtype)
     V, h, L, nh = m["V"], m["h"], m["L"], m["nh"]
@@ -264,7 +268,7 @@ def activation_terms(hf_config, *, tp: int, micro_batch_size: int, seq_len: int,
         backward = 0
     if _chunked_logprobs(device, tp, chunked_logprobs):
         head = (resp_tokens * h * e + tokens * h * e        # saved response rows, the final norm's input
-                + V * h * (4 + e + 4)                       # fp32 weight-grad accumulator, dz^T h and its fp32 cast
+                + (0 if frozen_head else V * h * (4 + e + 4))  # fp32 weight-grad accumulator, dz^T h, its fp32 cast
                 + _LOGPROB_CHUNK * V * e)                   # one chunk's logits gradient
     else:
         head = tokens * (V // tp) * (_LOGIT_BYTES_SINGLE if (micro_batch_size == 1 or packed) else _LOGIT_BYTES)
@@ -314,7 +318,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     recompute_num_layers: int | None = None, fusions="auto", chunked_logprobs: str = "auto",
                     core_attention: str = "auto", distributed_optimizer: bool = False,
                     grad_dtype: str = "float32", optimizer_on_host: bool = False, host_memory_gb: float | None = None,
-                    trainer_ranks: int = 1, processes: int = 1) -> dict[str, Any]:
+                    trainer_ranks: int = 1, processes: int = 1, lora: dict | None = None,
+                    shared_base: bool = False) -> dict[str, Any]:
     """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
 
     ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
@@ -334,7 +339,9 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     state leave the GPU while the engine generates. ``kv_released``: the engine gives the pool back
     during training (default: :func:`engine_releases_kv`). The trainer's settings (``max_tokens`` for
     packed micro-batches, ``recompute*``, ``fusions``, ``chunked_logprobs``, ``core_attention``) as in
-    :func:`activation_terms`.
+    :func:`activation_terms`. ``lora`` (:func:`runtime.plan.lora_memory.config_lora`): the base frozen, gradients and
+    optimizer state for the adapters only, no reference copy; ``shared_base``: the engine decodes with the
+    trainer's base (``layout.shares_base``), so the base is counted once (runtime/plan/lora_memory.py).
 
     Returns ``weights``, ``grads``, ``optimizer``, ``activations``, ``kv_cache``, ``engine_weights``,
     ``rollout_activations``, ``overhead``, ``total`` (GiB; ``bytes``: the same, exact), ``at_rollout`` /
@@ -367,10 +374,13 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
 
     if grad_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"grad_dtype must be float32 or bfloat16, not {grad_dtype!r}")
-    weights = per_rank * e + (per_rank * e if ref_model else 0)
-    grads = per_rank * (4 if grad_dtype == "float32" else e)  # DDP grad buffer: fp32, or the weights' dtype
+    adapters, adapters_rank = lora_memory.adapter_params(m, lora, tp) if lora else (0, 0)
+    # with LoRA the base is frozen (no reference copy: adapters off) and only the adapters are trained
+    weights = per_rank * e + adapters_rank * e + (per_rank * e if ref_model and not lora else 0)
+    trained = adapters_rank if lora else per_rank
+    grads = trained * (4 if grad_dtype == "float32" else e)  # DDP grad buffer: fp32, or the weights' dtype
     # the parameters whose optimizer state this rank holds: all of its TP shard, or 1/dp of it (distributed)
-    opt_params = -(-per_rank // dp) if distributed_optimizer else per_rank
+    opt_params = -(-trained // dp) if distributed_optimizer else trained
     master = opt_params * 4 if e < 4 else 0                # fp32 master copy, made with the optimizer
     moments = opt_params * 8                               # Adam m, v: made at the first step
     optimizer = 0 if optimizer_on_host else master + moments  # on the GPU (the host's: runtime/plan/host_memory.py)
@@ -379,9 +389,16 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     # temporaries: measured 2.27 GiB for Qwen3-0.6B's 2.22 GiB (bench/results/memory_check_H100_2026-11-23_24gb.json)
     opt_step = 0 if optimizer_on_host else _OPT_STEP_BYTES_PER_PARAM * opt_params
     act_kw = dict(tp=tp, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, device=device,
-                  response_len=max_new_tokens, **settings)
+                  response_len=max_new_tokens, frozen_head=bool(lora), **settings)
     act = activation_terms(hf_config, **act_kw)
-    activations = act["total"]
+    lora_act = 0
+    if lora:
+        full = min(recompute_num_layers or m["L"], m["L"]) if recompute == "full" else 0
+        lora_act = lora_memory.activation_extra(
+            m, lora, tp=tp, tokens=max_tokens or micro_batch_size * seq_len, e=e,
+            kept_layers=m["L"] - full + (1 if full else 0),
+            recompute_modules=tuple(recompute_modules) if recompute == "selective" else ())
+    activations = act["total"] + lora_act
 
     rows = math.ceil(rollout_batch / rollout_engines)
     slots_max = max_slots if max_slots is not None else rows
@@ -403,7 +420,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
         kv_info = {"mem_fraction": sglang_mem_fraction, "static": static}
         kv_released = True                                 # --enable-memory-saver, colocated
     else:
-        engine_weights = n_params * e
+        # the engine's own base (none when it shares the trainer's), and the adapters' buffers, whole
+        engine_weights = (0 if shared_base and lora else n_params * e) + adapters * e
         fast = device == "cuda" and fast_decode_reason(hf_config) is None
         decode_path = "paged" if fast else "dynamic"
         if fast:
@@ -473,7 +491,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     per_rank_step = (global_batch_size // dp) if global_batch_size else None
 
     def total_at(b: int) -> int:
-        return totals(activation_bytes(hf_config, **{**act_kw, "micro_batch_size": b}))[4]
+        return totals(activation_bytes(hf_config, **{**act_kw, "micro_batch_size": b}) + lora_act)[4]
 
     fit_mb = 0
     if max_tokens is None and not kv_too_small:
@@ -484,7 +502,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                  at_rollout=at_rollout, at_training=at_training, at_sync=at_sync, sync_gather=gathered,
                  optimizer_master=master, optimizer_moments=moments,
                  act_layers=act["layers"], act_attention_scores=act["attention_scores"],
-                 act_logprob_head=act["logprob_head"])
+                 act_logprob_head=act["logprob_head"], act_lora=lora_act, adapter_weights=adapters_rank * e)
     out: dict[str, Any] = {k: v / GIB for k, v in exact.items()}
     out.update(fits=fits, bytes=exact, params=n_params, params_per_gpu=per_rank, gpu_mem_gb=gpu_mem_gb,
                tp=tp, dp=dp, colocate=colocate, dtype=str(dtype).removeprefix("torch."), rollout_rows=rows,
@@ -498,7 +516,9 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                kv_chosen=kv_chosen, kv_cache_gb=kv_cache / GIB if decode_path == "paged" else None,
                kv_released=kv_released, offload=offload, fit_micro_batch=fit_mb,
                distributed_optimizer=bool(distributed_optimizer), grad_dtype=grad_dtype,
-               optimizer_on_host=bool(optimizer_on_host), host=host, gpu_fits=fits, **settings)
+               optimizer_on_host=bool(optimizer_on_host), host=host, gpu_fits=fits,
+               lora=None if not lora else {**lora, "params": adapters, "params_per_gpu": adapters_rank},
+               shared_base=bool(shared_base and lora), **settings)
     out["fits"] = fits and (host is None or host["fits"])
     out["max_tp"] = math.gcd(m["V"], m["nh"], m["ng"], m["f"])
     out["reason"] = None if out["fits"] else _why_not(out)
@@ -600,15 +620,26 @@ def format_estimate(est: dict[str, Any]) -> str:
     state_note = "; off the GPU while the engine generates" if est["offload"] else ""
     grad_note = "fp32" if est["grad_dtype"] == "float32" else est["dtype"]
     shard_note = f", 1/{est['dp']} of them (distributed optimizer)" if est["distributed_optimizer"] else ""
-    rows = [("weights", est["weights"], ""), ("gradients", est["grads"], grad_note + state_note),
+    lora = est.get("lora")
+    weights_note = engine_note = owner = ""
+    if lora:
+        adapters = est["adapter_weights"]
+        weights_note = (f"frozen base {est['weights'] - adapters:.2f} + adapters {adapters * 1024:.0f} MiB "
+                        f"(LoRA rank {lora['rank']} on {', '.join(lora['targets'])}: "
+                        f"{lora['params_per_gpu'] / 1e6:.1f}M params)")
+        owner = "the adapters' "
+        act_note += f"; adapters {est['act_lora']:.2f}"
+        engine_note = ("the adapters' buffers only: the engine decodes with the trainer's base (one copy)"
+                       if est["shared_base"] else "its own base + the adapters' buffers")
+    rows = [("weights", est["weights"], weights_note), ("gradients", est["grads"], owner + grad_note + state_note),
             ("optimizer", est["optimizer"],
-             "fp32 master + Adam m, v" + shard_note + " on the host (train.optimizer_on_host): see below"
+             owner + "fp32 master + Adam m, v" + shard_note + " on the host (train.optimizer_on_host): see below"
              if est["optimizer_on_host"] else
-             ("fp32 master + Adam m, v" if est["optimizer_master"] else "Adam m, v") + shard_note + state_note),
+             owner + ("fp32 master + Adam m, v" if est["optimizer_master"] else "Adam m, v") + shard_note + state_note),
             ("activations", est["activations"], act_note),
             ("engine weights", est["engine_weights"],
              f"one built-in engine on each of {est['rollout_engines']} rollout GPUs, {est['rollout_rows']} rows of "
-             f"the first rollout each" if est["rollout_engines"] > 1 else ""),
+             f"the first rollout each" if est["rollout_engines"] > 1 else engine_note),
             ("KV cache", est["kv_cache"], kv_note), ("rollout extra", est["rollout_activations"], ""),
             ("overhead", est["overhead"], "CUDA context, allocator slack")]
     head = (f"memory per GPU (tp={est['tp']}, dp={est['dp']}, {'colocated' if est['colocate'] else 'separate'} "
@@ -670,6 +701,7 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         recompute=t.recompute, recompute_modules=tuple(t.recompute_modules), recompute_num_layers=t.recompute_num_layers,
         fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention,
         distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype, optimizer_on_host=t.optimizer_on_host,
+        lora=lora_memory.config_lora(cfg), shared_base=layout.shares_base(cfg),
         **{k: v for k, v in host_memory.node_layout(cfg).items() if k in ("trainer_ranks", "processes")})
 
 
@@ -690,6 +722,8 @@ def estimate_for_config(cfg, hf_config, *, gpu_mem_gb: float | None = None, devi
     est["fix"] = None
     if not est["fits"]:
         fix = settings_that_fit(hf_config, gpu, kw)
+        if fix is None and est.get("lora") and kw["device"] == "cuda" and kw["engine"] == "builtin":
+            est["reason"] = _lora_need(hf_config, kw, est)
         if fix is not None:
             est["fix"] = fix
             host = fix[1]["host"]
@@ -698,6 +732,22 @@ def estimate_for_config(cfg, hf_config, *, gpu_mem_gb: float | None = None, devi
                 + (f", the plan's KV pool {fix[1]['kv_cache']:.2f} GiB" if fix[1]["kv_chosen"] else "") \
                 + (f", host {host['total']:.1f} of {host['host_memory_gb']:g} GiB" if host is not None else "") + ")"
     return est
+
+
+def _lora_need(hf_config, kw: dict[str, Any], est: dict[str, Any]) -> str:
+    """Why a LoRA run does not fit, with what it would need: the least memory this batch can take (every layer
+    recomputed, one longest sample per micro-batch, the smallest KV pool that holds one sample)."""
+    per_sample = est["kv"]["per_sample"] / GIB
+    pool = math.ceil(per_sample / KV_STEP_GIB) * KV_STEP_GIB
+    least = estimate_memory(hf_config, gpu_mem_gb=1e9, **dict(
+        kw, recompute="full", recompute_num_layers=None, max_tokens=kw["seq_len"], kv_cache_gb=pool,
+        offload=kw["colocate"]))
+    base = est["weights"] - est["adapter_weights"]
+    return (f"needs {est['total']:.1f} GiB per GPU but the GPU has {est['gpu_mem_gb']:g} GiB: LoRA keeps the "
+            f"frozen {est['dtype']} base ({base:.1f} GiB) once, and with every layer recomputed, one "
+            f"{kw['seq_len']}-token sample per micro-batch and a KV pool of one sample ({pool:g} GiB) this batch "
+            f"still needs {least['total']:.1f} GiB; use a bigger GPU or shorter samples (rollout.max_new_tokens; "
+            f"a quantized base is not supported)")
 
 
 def _show(v) -> str:

@@ -43,7 +43,18 @@ def plan_lines(cfg: GrpoConfig) -> list[str]:
         + f" colocate={cfg.cluster.colocate} engine={r.engine}",
         f"storage       {cfg.storage.root}/runs/<run_id>/",
     ]
+    if t.lora.enabled:
+        lines.insert(7, lora_line(cfg))
     return lines
+
+
+def lora_line(cfg: GrpoConfig) -> str:
+    from runtime.placement.layout import shares_base
+    lo, t = cfg.train.lora, cfg.train
+    where = ("the engine decodes with the trainer's base (one copy)" if shares_base(cfg)
+             else "the engine holds its own base and receives the adapters only")
+    return (f"lora          rank {lo.rank}, alpha {lo.alpha:g} (scale {lo.scale:g}), dropout {lo.dropout:g} on "
+            f"{', '.join(lo.target_modules)}; lr {t.lr:g}; base frozen, {where}")
 
 
 KNOWN_CONFIGS = Path(__file__).resolve().parents[1] / "models" / "known_configs"

@@ -77,11 +77,17 @@ class BuiltinEngine(RolloutEngine):
         page_size: int = DEFAULT_PAGE_SIZE,
         sync_every: int = 16,
         gpu_memory_gb: float | None = None,
+        lora=None,
+        shared_base: dict[str, torch.Tensor] | None = None,
     ):
         """decode_path: "auto" = the paged decoder (`paged_decode`) where the model family has it, else HF's
         forward; "paged" insists (error if the family lacks it); "hf" = HF's forward with a dynamic cache
         (the reference). kv_cache_gb: the paged pool's size in GiB; None: `kv_pages.kv_pool_bytes`'s default. cuda_graphs / compile_decode: None = on for CUDA.
-        gpu_memory_gb: the card the run's plan is for (`cluster.gpu_memory_gb`), named if the device runs out of memory."""
+        gpu_memory_gb: the card the run's plan is for (`cluster.gpu_memory_gb`), named if the device runs out of memory.
+        lora (``train.lora``): the paged decoder applies the adapters in its forward, from buffers of the
+        configured rank that weight updates copy into (runtime/rollout/lora_forward.py). shared_base: the
+        trainer's frozen base tensors (LoRA, trainer and engine in this process at TP 1): decoded from as they
+        are, no weights are loaded from `model_dir` (its config, tokenizer and generation config are read)."""
         if max_batch_size < 1:
             raise ConfigError(f"rollout max_batch_size must be >= 1, got {max_batch_size}: fix rollout.max_batch_size")
         if attn_implementation not in _ATTN_IMPLEMENTATIONS:
@@ -95,8 +101,13 @@ class BuiltinEngine(RolloutEngine):
         self.dtype = dtype
         self.max_batch_size = int(max_batch_size)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
-        self.model.to(self.device).eval()
+        self.lora, self.shares_base = lora, shared_base is not None
+        if shared_base is not None:
+            self.model = _skeleton(model_dir, dtype, attn_implementation)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                              attn_implementation=attn_implementation)
+            self.model.to(self.device).eval()
         self.eos_token_ids = _as_id_set(self.tokenizer.eos_token_id) | _as_id_set(
             getattr(self.model.generation_config, "eos_token_id", None)
         )
@@ -113,15 +124,22 @@ class BuiltinEngine(RolloutEngine):
         self._closed = False
         self._call: _GenerationCall | None = None
         self.decoder = None  # PagedDecoder; None: HF's forward (`_generate_batch`)
+        if (lora is not None or shared_base is not None) and decode_path == "hf":
+            raise ConfigError("train.lora is applied by the paged decoder: set rollout.decode_path: auto (or paged)")
         if decode_path != "hf":
-            from runtime.rollout.decode_model import unsupported_reason
+            from runtime.rollout.decode_model import unsupported_config_reason, unsupported_reason
 
-            reason = unsupported_reason(self.model)
+            reason = unsupported_config_reason(self.model.config) if shared_base is not None \
+                else unsupported_reason(self.model)
             if reason is None:
                 from runtime.rollout.paged_decode import PagedDecoder
                 self.decoder = PagedDecoder(self.model, max_rows=self.max_batch_size, kv_cache_gb=kv_cache_gb,
                                             page_size=page_size, cuda_graphs=cuda_graphs, compile=compile_decode,
-                                            sync_every=sync_every, gpu_memory_gb=gpu_memory_gb)
+                                            sync_every=sync_every, gpu_memory_gb=gpu_memory_gb, lora=lora,
+                                            shared_base=shared_base)
+            elif lora is not None or shared_base is not None:
+                raise ConfigError(f"train.lora needs the built-in engine's paged decoder, which {model_dir} lacks: "
+                                  f"{reason}")
             elif decode_path != "auto":
                 raise ConfigError(f"rollout.decode_path {decode_path!r} asked for, but {model_dir}: {reason}; "
                                   f"set rollout.decode_path: hf")
@@ -215,8 +233,12 @@ class BuiltinEngine(RolloutEngine):
                             text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason=finish)
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Copy HF-named tensors into the model in place (dtype/device converted); all-or-nothing checks first."""
+        """Copy HF-named tensors into the model in place (dtype/device converted); all-or-nothing checks first.
+        With LoRA: the trainer's adapters (``MegatronTrainer.engine_weights``), copied into the decoder's buffers."""
         self._check_open()
+        if self.lora is not None:
+            self._update_adapters(named_tensors, version)
+            return
         state = self.model.state_dict()  # tensors share storage with the parameters
         unknown = sorted(name for name in named_tensors if name not in state)
         if unknown:
@@ -255,6 +277,9 @@ class BuiltinEngine(RolloutEngine):
         from runtime.placement import weight_sync
         self._check_open()
         metadata = weight_sync.as_metadata(metadata)
+        if self.lora is not None:  # the adapters: received whole, then copied into the decoder's buffers
+            self._update_adapters(weight_sync.receive(self._sync_group, metadata, self.device), version)
+            return
         state = self.model.state_dict()
         got = weight_sync.receive(self._sync_group, metadata, self.device, into=state)
         unknown = sorted(name for name in got if name not in state)
@@ -264,6 +289,15 @@ class BuiltinEngine(RolloutEngine):
             for name, tensor in got.items():
                 if tensor.data_ptr() != state[name].data_ptr():
                     state[name].copy_(tensor)
+        self._weight_version = int(version)
+
+    def _update_adapters(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        from runtime.rollout.lora_forward import is_adapter_name
+        others = sorted(n for n in named_tensors if not is_adapter_name(n))
+        if others:
+            raise ValueError(f"update_weights: a LoRA engine takes the trainer's adapters only; got {len(others)} "
+                             f"other tensor(s), e.g. {others[:3]}")
+        self.decoder.adapters.load(named_tensors)
         self._weight_version = int(version)
 
     def health(self) -> dict:
@@ -276,6 +310,8 @@ class BuiltinEngine(RolloutEngine):
             "dtype": str(self.dtype).removeprefix("torch."),
             "max_batch_size": self.max_batch_size,
             "decode_path": self.decode_path,
+            "lora_rank": None if self.lora is None else self.lora.rank,
+            "shares_base": self.shares_base,
         }
 
     def shutdown(self) -> None:
@@ -329,7 +365,10 @@ class BuiltinEngine(RolloutEngine):
             return []
         ids = torch.tensor([list(prompt_ids) + list(response_ids)], dtype=torch.long, device=self.device)
         self._check_token_range(ids)
-        logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        if self.lora is not None or self.shares_base:  # the decoder's own forward holds the adapters (and the base)
+            logits = self.decoder.sequence_logits(ids[0]).float()
+        else:
+            logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
         scale = temperature if temperature > 0 else 1.0
         predicting = logits[len(prompt_ids) - 1 : -1] / scale  # position t predicts token t + 1
         logprobs = torch.log_softmax(predicting, dim=-1)
@@ -451,3 +490,18 @@ class BuiltinEngine(RolloutEngine):
             ).logits[:, -1, :]
             next_position = next_position + 1
             decode_position = decode_position + 1
+
+
+def _skeleton(model_dir: str, dtype: torch.dtype, attn_implementation: str):
+    """The HF model of `model_dir` without weights (meta device): config, sizes and generation config, for an
+    engine that decodes with a base it does not own."""
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # no generation_config.json: the one made from config.json stays
+        pass
+    return model.eval()

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from runtime.devices import is_out_of_memory
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_next, uniform_noise
 from runtime.rollout.speed_features import guarded
+from runtime.rollout.lora_forward import EngineAdapters, add_lora
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "glm4")
 
@@ -81,13 +82,20 @@ def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 
 def _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, nkv: int, hd: int,
-              interleaved: bool = False):
-    """[T, H] -> q [T, nh, hd], k, v [T, nkv, hd] (RoPE applied)."""
+              interleaved: bool = False, grouped: bool = False, qkv_a=None, qkv_lb=None, lscale: float = 1.0):
+    """[T, H] -> q [T, nh, hd], k, v [T, nkv, hd] (RoPE applied). ``grouped``: the fused qkv's rows are megatron's
+    per-group order ([the group's q heads, its k, its v] per key-value group; a base shared with the trainer),
+    else HF's (all q, all k, all v). ``qkv_a``/``qkv_lb``: a LoRA adapter on the projection (runtime/rollout/lora_forward.py)."""
     x = _rms(h, ln_w, eps)
-    qkv = F.linear(x, qkv_w, qkv_b)
-    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-    q = q.reshape(-1, nh, hd)
-    k = k.reshape(-1, nkv, hd)
+    qkv = add_lora(F.linear(x, qkv_w, qkv_b), x, qkv_a, qkv_lb, lscale)
+    if grouped:  # a reshape of the projection's output: q heads come out in HF's order (group-major)
+        per = nh // nkv
+        g = qkv.view(-1, nkv, per + 2, hd)
+        q, k, v = g[:, :, :per].reshape(-1, nh, hd), g[:, :, per], g[:, :, per + 1]
+    else:
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = q.reshape(-1, nh, hd)
+        k = k.reshape(-1, nkv, hd)
     if qn_w is not None:
         q = _rms(q, qn_w, eps)
         k = _rms(k, kn_w, eps)
@@ -95,14 +103,18 @@ def _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, 
     return rope(q, cos, sin), rope(k, cos, sin), v.reshape(-1, nkv, hd).contiguous()
 
 
-def _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps: float, ffn: int):
+def _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps: float, ffn: int,
+               o_a=None, o_lb=None, gu_a=None, gu_lb=None, dn_a=None, dn_lb=None, lscale: float = 1.0):
     """o-proj, residual, norm, SwiGLU MLP, residual; `pa_w` / `pm_w` (GLM4): norms of the attention's and
-    the MLP's output before each residual add (None: none)."""
-    a = F.linear(attn, o_w, o_b)
+    the MLP's output before each residual add (None: none); `*_a`/`*_lb`: LoRA adapters of the o, gate/up
+    and down projections (None: none)."""
+    a = add_lora(F.linear(attn, o_w, o_b), attn, o_a, o_lb, lscale)
     h = h + (a if pa_w is None else _rms(a, pa_w, eps))
-    gu = F.linear(_rms(h, ln_w, eps), gu_w)
+    x = _rms(h, ln_w, eps)
+    gu = add_lora(F.linear(x, gu_w), x, gu_a, gu_lb, lscale)
     g, u = gu.split([ffn, ffn], dim=-1)
-    m = F.linear(F.silu(g) * u, down_w)
+    act = F.silu(g) * u
+    m = add_lora(F.linear(act, down_w), act, dn_a, dn_lb, lscale)
     return h + (m if pm_w is None else _rms(m, pm_w, eps))
 
 
@@ -161,6 +173,8 @@ class _Layer:
     down_w: torch.Tensor
     pa: torch.Tensor | None = None  # GLM4's norm after the attention
     pm: torch.Tensor | None = None  # and after the MLP
+    pre_lora: tuple = (None, None)  # LoRA (A, B) of the qkv projection
+    post_lora: tuple = (None,) * 6  # of the o, gate/up and down projections
 
 
 def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -180,15 +194,25 @@ def _round_up(x: int, m: int) -> int:
 
 
 class FusedModel:
-    """The model's sizes and fused weights, and the (optionally compiled) forward pieces over them."""
+    """The model's sizes and fused weights, and the (optionally compiled) forward pieces over them.
 
-    def __init__(self, model, *, compile: bool | None = None):
-        reason = unsupported_reason(model)
+    ``shared_base`` (LoRA, the trainer in this process at TP 1): the trainer's frozen megatron tensors by
+    state-dict name, used as they are (``model`` is then only the HF skeleton, on the meta device: config and
+    sizes). Their fused qkv is megatron's per-group row order, and the forward splits the projection's output
+    per group (``grouped``) instead of reordering the weight: a [q; k; v] copy would be a second copy of those
+    weights, and HF-order views of the grouped rows do not exist (a group's q rows are not contiguous with the
+    next group's). fc1 is cat(gate, up), the engine's gate/up order already. An engine with a base of its own
+    keeps HF's order: its HF modules (``logprobs_of`` on the HF path, ``update_weights`` by HF name) are views
+    of row ranges of its fused buffers, which only that order allows.
+    ``lora`` (``train.lora``): the adapters' buffers (runtime/rollout/lora_forward.py), added in the forward."""
+
+    def __init__(self, model, *, compile: bool | None = None, lora=None, shared_base: dict | None = None):
+        reason = unsupported_config_reason(model.config) if shared_base is not None else unsupported_reason(model)
         if reason:
             raise ValueError(f"fast decode path: {reason}")
         self.model = model
         cfg = model.config
-        p = next(model.parameters())
+        p = shared_base["embedding.word_embeddings.weight"] if shared_base is not None else next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         cuda = self.device.type == "cuda"
         self.nh, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -199,28 +223,30 @@ class FusedModel:
         self.n_layers = cfg.num_hidden_layers
         self.compiled = cuda if compile is None else bool(compile)
         inner = model.model
-        self.embed = inner.embed_tokens.weight
-        self.norm = inner.norm.weight
-        self.lm = model.get_output_embeddings().weight
-        self.inv_freq = inner.rotary_emb.inv_freq.to(self.device, torch.float32)
-        self.rope_scale = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
-        self.vocab = int(self.lm.shape[0])
+        # the skeleton of a shared base is on the meta device: its RoPE tables are made again on the host
+        rotary = inner.rotary_emb if shared_base is None else type(inner.rotary_emb)(cfg)
+        self.inv_freq = rotary.inv_freq.to(self.device, torch.float32)
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        # the engine's own weights, or (a shared base) the trainer's it decodes with: named when memory runs out
         self.weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
         self.interleaved = cfg.model_type == "glm4"
-        self.layers = []
-        with torch.no_grad():
-            for layer in inner.layers:
-                a, m = layer.self_attn, layer.mlp
-                qkv_b = _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
-                gate_up = m.gate_up_proj.weight if hasattr(m, "gate_up_proj") else \
-                    _fuse([m.gate_proj.weight, m.up_proj.weight])
-                self.layers.append(_Layer(
-                    ln1=layer.input_layernorm.weight, qkv_w=_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                    qkv_b=qkv_b, qn=getattr(getattr(a, "q_norm", None), "weight", None),
-                    kn=getattr(getattr(a, "k_norm", None), "weight", None), o_w=a.o_proj.weight, o_b=a.o_proj.bias,
-                    ln2=layer.post_attention_layernorm.weight, gu_w=gate_up, down_w=m.down_proj.weight,
-                    pa=getattr(getattr(layer, "post_self_attn_layernorm", None), "weight", None),
-                    pm=getattr(getattr(layer, "post_mlp_layernorm", None), "weight", None)))
+        self.qkv_grouped = shared_base is not None
+        if shared_base is not None:
+            self._bind_shared(shared_base, cfg)
+        else:
+            self._bind_hf(model)
+        self.vocab = int(self.lm.shape[0])
+        self.adapters: EngineAdapters | None = None
+        self.lora_scale = 1.0
+        if lora is not None:
+            self.adapters = EngineAdapters(lora, n_layers=self.n_layers, hidden=cfg.hidden_size, heads=self.nh,
+                                           kv_heads=self.nkv, head_dim=self.hd, ffn=self.ffn, device=self.device,
+                                           dtype=self.dtype, qkv_grouped=self.qkv_grouped)
+            self.lora_scale = self.adapters.scale
+            for i, w in enumerate(self.layers):
+                ad = self.adapters
+                w.pre_lora = ad.pair(i, "linear_qkv")
+                w.post_lora = (*ad.pair(i, "linear_proj"), *ad.pair(i, "linear_fc1"), *ad.pair(i, "linear_fc2"))
         self._eager_fns()
         self.compile_error: str | None = None
         if self.compiled:
@@ -242,15 +268,64 @@ class FusedModel:
                 self.compiled = False
                 self._eager_fns()
 
+    def _bind_hf(self, model) -> None:
+        """The HF model's weights: q/k/v and gate/up fused (its parameters re-pointed into the fused buffers)."""
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.lm = model.get_output_embeddings().weight
+        self.layers = []
+        with torch.no_grad():
+            for layer in inner.layers:
+                a, m = layer.self_attn, layer.mlp
+                qkv_b = _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+                gate_up = m.gate_up_proj.weight if hasattr(m, "gate_up_proj") else \
+                    _fuse([m.gate_proj.weight, m.up_proj.weight])
+                self.layers.append(_Layer(
+                    ln1=layer.input_layernorm.weight, qkv_w=_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                    qkv_b=qkv_b, qn=getattr(getattr(a, "q_norm", None), "weight", None),
+                    kn=getattr(getattr(a, "k_norm", None), "weight", None), o_w=a.o_proj.weight, o_b=a.o_proj.bias,
+                    ln2=layer.post_attention_layernorm.weight, gu_w=gate_up, down_w=m.down_proj.weight,
+                    pa=getattr(getattr(layer, "post_self_attn_layernorm", None), "weight", None),
+                    pm=getattr(getattr(layer, "post_mlp_layernorm", None), "weight", None)))
+
+    def _bind_shared(self, base: dict, cfg) -> None:
+        """The trainer's megatron tensors (local-spec names), used as they are."""
+        from runtime.models.base import normalize_mcore_state_dict
+        sd = normalize_mcore_state_dict(base)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise ValueError(f"shared base: the trainer's model has no {name!r}")
+            return sd[name]
+
+        self.embed = take("embedding.word_embeddings.weight")
+        self.norm = take("decoder.final_layernorm.weight")
+        self.lm = self.embed if cfg.tie_word_embeddings else take("output_layer.weight")
+        self.layers = []
+        for i in range(self.n_layers):
+            p = f"decoder.layers.{i}."
+            self.layers.append(_Layer(
+                ln1=take(p + "input_layernorm.weight"), qkv_w=take(p + "self_attention.linear_qkv.weight"),
+                qkv_b=sd.get(p + "self_attention.linear_qkv.bias"), qn=sd.get(p + "self_attention.q_layernorm.weight"),
+                kn=sd.get(p + "self_attention.k_layernorm.weight"), o_w=take(p + "self_attention.linear_proj.weight"),
+                o_b=None, ln2=take(p + "pre_mlp_layernorm.weight"), gu_w=take(p + "mlp.linear_fc1.weight"),
+                down_w=take(p + "mlp.linear_fc2.weight"), pa=sd.get(p + "post_self_attn_layernorm.weight"),
+                pm=sd.get(p + "post_mlp_layernorm.weight")))
+
     def _eager_fns(self) -> None:
         """The per-layer pieces with the model's sizes bound (constants to the compiler, not inputs)."""
         nh, nkv, hd, ffn, eps, interleaved = self.nh, self.nkv, self.hd, self.ffn, self.eps, self.interleaved
+        grouped, lscale = self.qkv_grouped, self.lora_scale
 
-        def pre(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin):
-            return _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps, nh, nkv, hd, interleaved)
+        def pre(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, qkv_a=None, qkv_lb=None):
+            return _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps, nh, nkv, hd, interleaved, grouped,
+                             qkv_a, qkv_lb, lscale)
 
-        def post(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w):
-            return _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps, ffn)
+        def post(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, o_a=None, o_lb=None, gu_a=None, gu_lb=None,
+                 dn_a=None, dn_lb=None):
+            return _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps, ffn, o_a, o_lb, gu_a, gu_lb,
+                              dn_a, dn_lb, lscale)
 
         def head(h, norm_w, lm_w):
             return _logits(h, norm_w, lm_w, eps)
@@ -260,6 +335,19 @@ class FusedModel:
 
     def rope_tables(self, pos: torch.Tensor):
         return _cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype, self.interleaved)
+
+    @torch.inference_mode()
+    def sequence_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [T, vocab] of one sequence (positions from 0) by this forward, adapters included: the
+        engine's teacher-forced log-probs where HF's forward would miss them (LoRA, a shared base)."""
+        cos, sin = self.rope_tables(torch.arange(ids.shape[0], device=self.device))
+        h = F.embedding(ids, self.embed)
+        for w in self.layers:
+            q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, *w.pre_lora)
+            a = _sdpa_prefill(q, k, v, [ids.shape[0]], self.scale)
+            h = self._post(h, a.reshape(h.shape[0], -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm,
+                           *w.post_lora)
+        return self._head(h, self.norm, self.lm)
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.n_layers * self.nkv * self.hd * torch.finfo(self.dtype).bits // 8

@@ -78,12 +78,15 @@ class PagedDecoder(FusedModel):
     def __init__(self, model, *, max_rows: int = 256, kv_cache_gb: float | None = None,
                  page_size: int = DEFAULT_PAGE_SIZE, cuda_graphs: bool | None = None, compile: bool | None = None,
                  sync_every: int = 16, prefill_tokens: int = 16384, attention: str = "auto",
-                 overlap_chunks: bool = True, gpu_memory_gb: float | None = None):
+                 overlap_chunks: bool = True, gpu_memory_gb: float | None = None, lora=None,
+                 shared_base: dict | None = None):
         """attention: "auto" (the Triton kernel on CUDA where it applies, else the PyTorch reference),
         "triton" or "reference". overlap_chunks: queue the next decode chunk before reading the last one
         (the tokens are the same either way; off only to measure what it saves). gpu_memory_gb: the card
-        the run's plan is for (`cluster.gpu_memory_gb`), named when the device runs out of memory."""
-        super().__init__(model, compile=compile)
+        the run's plan is for (`cluster.gpu_memory_gb`), named when the device runs out of memory. lora,
+        shared_base: `FusedModel`'s (the adapters' buffers are static: the captured graphs read them as they
+        are updated)."""
+        super().__init__(model, compile=compile, lora=lora, shared_base=shared_base)
         cuda = self.device.type == "cuda"
         self.max_rows = int(max_rows)
         self.kv_cache_gb = kv_cache_gb
@@ -191,14 +194,15 @@ class PagedDecoder(FusedModel):
         cos, sin = self.rope_tables(pos)
         h = F.embedding(ids, self.embed)
         for li, w in enumerate(self.layers):
-            q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin)
+            q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, *w.pre_lora)
             self.k_pool[li].view(-1, self.nkv, self.hd).index_copy_(0, write_idx, k)
             self.v_pool[li].view(-1, self.nkv, self.hd).index_copy_(0, write_idx, v)
             if self.use_flash:
                 a = self._flash(q, k, v, cu, cu, max(lens), max(lens), True, self.scale)
             else:
                 a = _sdpa_prefill(q, k, v, lens, self.scale)
-            h = self._post(h, a.reshape(h.shape[0], -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm)
+            h = self._post(h, a.reshape(h.shape[0], -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm,
+                           *w.post_lora)
         return h.index_select(0, torch.tensor(want, dtype=torch.long, device=dev))
 
     def _step(self, b: int, sample_fn: Callable) -> None:
@@ -213,7 +217,7 @@ class PagedDecoder(FusedModel):
         cos, sin = self.rope_tables(pos)
         h = F.embedding(tok, self.embed)
         for li, w in enumerate(self.layers):
-            q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin)
+            q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, *w.pre_lora)
             kc, vc = self.k_pool[li], self.v_pool[li]
             kc.view(-1, self.nkv, self.hd).index_copy_(0, widx, k)
             vc.view(-1, self.nkv, self.hd).index_copy_(0, widx, v)
@@ -222,7 +226,7 @@ class PagedDecoder(FusedModel):
                                           split_tokens=self._chunk_split_tokens)
             else:
                 a = reference_paged_decode_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols, self.scale)
-            h = self._post(h, a.reshape(b, -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm)
+            h = self._post(h, a.reshape(b, -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm, *w.post_lora)
         logits = self._head(h, self.norm, self.lm)
         t, lp = sample_fn(logits, self.key_hash[:b], self.spos[:b])
         self.out_tok[:b].index_copy_(1, self.chunk_i, t[:, None])

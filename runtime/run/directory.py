@@ -95,6 +95,10 @@ class RunDir:
     def export(self, rollout: int) -> str:
         return self.sub("exports", f"rollout_{rollout}", "hf")
 
+    def export_adapter(self, rollout: int) -> str:
+        """The LoRA adapter alone, in PEFT's layout (a LoRA run's export beside the merged ``hf``)."""
+        return self.sub("exports", f"rollout_{rollout}", "adapter")
+
     def eval_result(self, rollout: int) -> str:
         return self.sub("eval", f"rollout_{rollout}.json")
 

@@ -32,6 +32,8 @@ PRIMARY_METRIC_TAG = "grpoflow.primary_metric"
 PRIMARY_VALUE_TAG = "grpoflow.primary_value"
 METRIC_TAG = "grpoflow.metric."
 EXPORT_URI_TAG = "grpoflow.export_uri"
+WEIGHTS_TAG = "grpoflow.weights"  # full | lora-merged
+ADAPTER_URI_TAG = "grpoflow.adapter_uri"  # a LoRA run's adapter alone (PEFT layout)
 GRADER_TAG = "grpoflow.grader."  # + grader, rule_version, math_verify_version: the rule behind the metrics
 EXPORT_MARKER = "grpoflow_export.json"  # written last: an export dir with it is complete
 LATEST, BEST = "latest", "best"
@@ -157,13 +159,16 @@ def _move_aliases(client, name: str, mv) -> list[str]:
 def register_checkpoint(tracker_or_client, *, name: str, export_uri: str, rollout: int, run_id: str,
                         mlflow_run_id: str | None = None, metrics: dict[str, float] | None = None,
                         config_hash: str = "", primary_metric: str | None = None,
-                        grader: dict[str, str | None] | None = None) -> dict[str, Any] | None:
+                        grader: dict[str, str | None] | None = None, weights: str = "full",
+                        adapter_uri: str | None = None) -> dict[str, Any] | None:
     """Register the HF export of checkpoint ``rollout`` of grpoflow run ``run_id`` as a version of ``name``.
 
     Idempotent (same checkpoint -> same version). ``metrics`` (e.g. ``{"eval/aime/avg@4": 0.3}``) are
     stored as version tags; ``primary_metric`` names the one that decides ``best`` (higher is better;
     a version without it never becomes best). ``grader`` (default: evaluation's, ``grader_record("math")``)
-    is tagged ``grpoflow.grader.*`` so a registered number can be traced to the rule that scored it. Returns ``{name, version, source, export_uri,
+    is tagged ``grpoflow.grader.*`` so a registered number can be traced to the rule that scored it. ``weights``
+    (tag ``grpoflow.weights``): "full", or "lora-merged" for a LoRA run's export (the base with the adapters
+    merged in), whose PEFT adapter alone is at ``adapter_uri`` (tag ``grpoflow.adapter_uri``). Returns ``{name, version, source, export_uri,
     checkpoint, created, aliases, mlflow_run_id}``, or None when tracking is disabled.
     """
     client, uri, tracker_run = _resolve(tracker_or_client)
@@ -185,15 +190,19 @@ def register_checkpoint(tracker_or_client, *, name: str, export_uri: str, rollou
                     "grpoflow.config_hash": config_hash,
                     EXPORT_URI_TAG: redact_uri(storage.absolute_uri(str(export_uri))),
                     **{METRIC_TAG + k: repr(v) for k, v in metrics.items()},
-                    **{GRADER_TAG + k: str(v) for k, v in (grader or _eval_grader()).items()}}
+                    **{GRADER_TAG + k: str(v) for k, v in (grader or _eval_grader()).items()},
+                    WEIGHTS_TAG: weights, **({ADAPTER_URI_TAG: redact_uri(str(adapter_uri))} if adapter_uri else {})}
             pm = metric_key(primary_metric) if primary_metric else None
             if pm is not None and pm in metrics:
                 tags[PRIMARY_METRIC_TAG] = pm
                 tags[PRIMARY_VALUE_TAG] = repr(metrics[pm])
             elif pm is not None:
                 log.warning("primary metric %s is not among the metrics of %s; best stays where it is", pm, tag)
+            what = ("" if weights == "full" else
+                    f"; LoRA adapters merged into the base (the adapter alone, PEFT layout: {redact_uri(str(adapter_uri))})"
+                    if adapter_uri else f"; {weights}")
             mv = client.create_model_version(name, source=source, run_id=mlflow_run_id, tags=tags,
-                                             description=f"grpoflow run {run_id}, after {int(rollout)} rollouts")
+                                             description=f"grpoflow run {run_id}, after {int(rollout)} rollouts{what}")
             moment("registry-version-created")  # best alias not yet moved
         aliases = _move_aliases(client, name, mv)
         moment("registry-aliases-moved")
@@ -213,7 +222,9 @@ def export_complete(out_dir: str) -> bool:
 
 
 def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: str | os.PathLike,
-                              out_dir: str | os.PathLike, *, dtype=None, provenance: dict | None = None) -> dict[str, Any]:
+                              out_dir: str | os.PathLike, *, dtype=None, provenance: dict | None = None,
+                              base_dir: str | os.PathLike | None = None,
+                              adapter_dir: str | None = None) -> dict[str, Any]:
     """Export a trainer checkpoint's ``model/`` dir (a torch_dist save of ``{"model": ..., "optimizer":
     ..., "scheduler": ..., "steps_done": ...}``) to an HF model dir, loading only the model part.
 
@@ -221,6 +232,10 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
     (scheduler, steps_done, optimizer param groups) comes back beside the weights and a strict load
     fails, so the model is loaded here under its ``"model"`` key. Weights, shards, side files
     (config, tokenizer) are written by runtime.mcore.convert's helpers. ``out_dir`` may be remote.
+
+    A LoRA checkpoint (``lora.json`` beside its adapters): the base comes from ``base_dir`` (the run's converted
+    model), the adapters are merged into it in fp32 (runtime/tracking/lora_export.py), and with ``adapter_dir``
+    the adapter alone is written there in PEFT's layout as well (first, so a complete HF export implies it).
     """
     import torch
     from megatron.core import dist_checkpointing
@@ -238,20 +253,36 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
     adapter = get_adapter(hf_config)
     _require_single_process("export_trainer_checkpoint")
     ensure_parallel("cpu")
-    model = build_gpt_model(hf_config, dtype=torch.float32, device="cpu", init_weights=False)
-    with cuda_to_cpu(), _quiet_checkpoint_warnings():
-        try:
-            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
-        except CheckpointingException as e:
-            raise ModelError(f"{ckpt} does not match the model built from {hf_config_dir}/config.json "
-                             f"({str(e)[:200]})") from None
-    model.load_state_dict(loaded["model"], strict=True)
-    del loaded
     dtype = dtype or _config_dtype(hf_config)
-    hf_state = {k: v.detach().to(dtype).contiguous() for k, v in adapter.to_hf(model.state_dict(), hf_config).items()}
-    del model
+    from runtime.trainer.lora import read_description
+    lora = read_description(str(ckpt))
+    extra: dict[str, Any] = {}
+    if lora is not None:
+        from runtime.tracking import lora_export
+        if base_dir is None:
+            raise ModelError(f"{ckpt} holds LoRA adapters: its export needs the base (the run's model/torch_dist)")
+        merged, adapters = lora_export.load_merged(ckpt, base_dir, hf_config, lora)
+        hf_state = {k: v.to(dtype).contiguous() for k, v in adapter.to_hf(merged, hf_config).items()}
+        del merged
+        extra["weights"] = "lora-merged"  # the base with the adapters merged in
+        extra["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
+        if adapter_dir is not None:
+            extra["adapter"] = lora_export.export_adapter(adapters, hf_config, lora, adapter_dir,
+                                                          base_model=str(hf_config_dir))["path"]
+    else:
+        model = build_gpt_model(hf_config, dtype=torch.float32, device="cpu", init_weights=False)
+        with cuda_to_cpu(), _quiet_checkpoint_warnings():
+            try:
+                loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
+            except CheckpointingException as e:
+                raise ModelError(f"{ckpt} does not match the model built from {hf_config_dir}/config.json "
+                                 f"({str(e)[:200]})") from None
+        model.load_state_dict(loaded["model"], strict=True)
+        del loaded
+        hf_state = {k: v.detach().to(dtype).contiguous() for k, v in adapter.to_hf(model.state_dict(), hf_config).items()}
+        del model
     marker = {"source": str(ckpt), "model_type": hf_config.model_type, "dtype": str(dtype).removeprefix("torch."),
-              "n_tensors": len(hf_state), "created": time.time(), **(provenance or {})}
+              "n_tensors": len(hf_state), "created": time.time(), **extra, **(provenance or {})}
 
     def write(tmp: Path) -> list[str]:
         files = save_hf_state_dict(hf_state, tmp)
@@ -273,8 +304,8 @@ def export_checkpoint(rd: RunDir, rollout: int, hf_dir: str | None = None, *, dt
     """HF export of ``checkpoints/rollout_<N>`` into ``exports/rollout_<N>/hf`` (skipped when complete).
     ``hf_dir``: where config and tokenizer come from (default: the run's fetched model)."""
     out = rd.export(rollout)
-    if export_complete(out):
-        return {"path": out, "skipped": True}
+    if export_complete(out):  # what it is (full or LoRA merged, the adapter's path) is in its marker
+        return {**storage.read_json(storage.join(out, EXPORT_MARKER)), "path": out, "skipped": True}
     from runtime.run.checkpoint import stage
 
     ckpt = rd.checkpoint(rollout)
@@ -283,9 +314,14 @@ def export_checkpoint(rd: RunDir, rollout: int, hf_dir: str | None = None, *, dt
                          f"it was pruned (raise checkpoint.keep_last) or never finished")
     # On a remote run dir: local copies (the checkpoint's is usually still staged from its save).
     local = Path(stage(ckpt, rd.state_dir))
+    from runtime.trainer.lora import read_description
+    lora = {}
+    if read_description(str(local / "model")) is not None:
+        # a LoRA checkpoint: its base is the converted model; the adapter alone goes beside the merged export
+        lora = {"base_dir": rd.local(rd.torch_dist), "adapter_dir": rd.export_adapter(rollout)}
     return export_trainer_checkpoint(local / "model", rd.local(hf_dir or rd.hf_model), out, dtype=dtype,
                                      provenance={"run_id": rd.run_id, "rollout": int(rollout),
-                                                 "source": storage.join(ckpt, "model")})
+                                                 "source": storage.join(ckpt, "model")}, **lora)
 
 
 __all__ = [

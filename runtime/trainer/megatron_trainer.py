@@ -56,8 +56,12 @@ class MegatronTrainer:
         self.params_dtype = _dtype(dtype)
         self.model = self._build_model(train=True)
         load_torch_dist_into(self.model, init_checkpoint)
-        self.ref_model = None
-        if algorithm.kl_coef > 0:
+        self.lora = train.lora if train.lora.enabled else None  # the base frozen, adapters trained
+        if self.lora is not None:
+            from runtime.trainer import lora
+            lora.attach(self.model, self.lora, seed=train.seed)
+        self.ref_model = None  # with LoRA the reference is the base with the adapters off: no second model
+        if algorithm.kl_coef > 0 and self.lora is None:
             self.ref_model = self._build_model(train=False)
             load_torch_dist_into(self.ref_model, init_checkpoint)
             self.ref_model.eval().requires_grad_(False)
@@ -229,9 +233,14 @@ class MegatronTrainer:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, which: str = "policy") -> list[list[float]]:
-        """Log-probs of every sample's response tokens (all samples, on every rank)."""
+        """Log-probs of every sample's response tokens (all samples, on every rank); "ref": the reference
+        model's (with LoRA: the base, adapters off)."""
+        if which == "ref" and self.lora is not None:
+            from runtime.trainer import lora
+            with lora.adapters_off(self.model):
+                return self.compute_logprobs(batch)
         model = self.model if which == "policy" else self.ref_model
-        model.eval()
+        model.eval()  # no dropout in any log-prob forward
         out: list[list[float]] = [[] for _ in range(len(batch))]
         for idx in self._micro_batches(list(range(len(batch))), batch):  # micro-batches of like lengths
             mb = self._pack(batch, idx)
@@ -257,7 +266,7 @@ class MegatronTrainer:
         # ones (detached in the loss), so the extra forward pass is only needed for several steps.
         if steps > 1 and batch.old_logprobs is None:
             batch.old_logprobs = self.compute_logprobs(batch)
-        ref_logprobs = self.compute_logprobs(batch, "ref") if self.ref_model is not None else None
+        ref_logprobs = self.compute_logprobs(batch, "ref") if self.algo.kl_coef > 0 else None
         self.model.train()
         slices = step_slices(len(batch), steps, self.dp_size, self.dp_rank, self.train_cfg.micro_batch_size,
                              lengths=[len(t) for t in batch.tokens], max_tokens=self.train_cfg.max_tokens_per_micro_batch)
@@ -271,8 +280,11 @@ class MegatronTrainer:
             normalizer = float(step_tokens if a.loss_agg == "token_mean" else len(step_idx))
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-            for idx in micro_batches:
+            for m, idx in enumerate(micro_batches):
                 mb = self._pack(batch, idx)
+                if self.lora is not None and self.lora.dropout > 0:
+                    from runtime.trainer import lora
+                    lora.set_dropout_key(self.model, (self.train_cfg.seed, self.steps_done, self.dp_rank, m))
                 logp, entropy = self._token_logprobs(self.model, mb, with_entropy=True,
                                                      entropy_grad=a.entropy_coef > 0)
                 ref = None
@@ -360,10 +372,11 @@ class MegatronTrainer:
         return self.adapter.to_hf(full_state_dict(self.model, self.hf_config), self.hf_config, include_tied_lm_head=True)
 
     def share_weights(self):
-        """This rank's whole model in HF names as CUDA IPC handles (runtime/placement/cuda_ipc.py), for the
-        engine on this rank's GPU in another process; the tensors stay alive until `release_shared_weights`."""
+        """This rank's copy of :meth:`engine_weights` (the whole model in HF names, or with LoRA the adapters) as
+        CUDA IPC handles (runtime/placement/cuda_ipc.py), for the engine on this rank's GPU in another process;
+        the tensors stay alive until `release_shared_weights`."""
         from runtime.placement import cuda_ipc
-        self._shared_weights = {k: v.detach() for k, v in self._full_hf_weights().items()}
+        self._shared_weights = {k: v.detach() for k, v in self._engine_weights_here().items()}
         return cuda_ipc.share(self._shared_weights)
 
     def release_shared_weights(self) -> None:
@@ -393,16 +406,39 @@ class MegatronTrainer:
         self._sync_group = weight_sync.init_group(host, port, 0, world_size, group_name=group_name,
                                                   backend=weight_sync.backend_for(self.device))
 
+    def engine_weights(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
+        """What the rollout engine takes after an update: :meth:`hf_weights`, or with LoRA the adapters only
+        (whole, by their megatron names ``...linear_qkv.lora_A``; runtime/rollout/lora_forward.py). On rank 0."""
+        weights = self._engine_weights_here()
+        if self.rank != 0:
+            return {}
+        return {k: v.detach().to("cpu") if to_cpu else v.detach() for k, v in weights.items()}
+
+    def _engine_weights_here(self) -> dict[str, torch.Tensor]:
+        """This rank's copy of what the engine takes (every rank joins the TP gather)."""
+        if self.lora is None:
+            return self._full_hf_weights()
+        from runtime.trainer import lora
+        return lora.adapter_tensors(self.model)
+
+    def shared_base(self) -> dict[str, torch.Tensor]:
+        """The frozen base's own tensors (TP 1, LoRA on), for an engine in this process to decode with
+        instead of a copy (runtime/rollout/decode_model.py:FusedModel)."""
+        from runtime.trainer import lora
+        if self.lora is None or self.tp_size != 1:
+            raise RuntimeError("the base is shared only with LoRA on at tensor_parallel 1")
+        return lora.base_tensors(self.model)
+
     def weights_metadata(self) -> list:
         """(name, dtype, shape) of the tensors `broadcast_weights` sends, in order (rank 0; [] elsewhere)."""
         from runtime.placement import weight_sync
-        return weight_sync.metadata_of(self.hf_weights(to_cpu=False))  # every rank joins the TP gather
+        return weight_sync.metadata_of(self.engine_weights(to_cpu=False))  # every rank joins the TP gather
 
     def broadcast_weights(self) -> dict[str, float]:
-        """Every rank gathers its TP shards; rank 0 broadcasts the HF-named tensors to the engines."""
+        """Every rank gathers its TP shards; rank 0 broadcasts :meth:`engine_weights` to the engines."""
         from runtime.placement import weight_sync
         t0 = time.time()
-        hf = self.hf_weights(to_cpu=False)
+        hf = self.engine_weights(to_cpu=False)
         if self.rank != 0:
             return {}
         sent = weight_sync.send(self._sync_group, hf, self._device_obj())
@@ -433,11 +469,14 @@ class MegatronTrainer:
         self.offload.reload()
         menv.save_results_in_this_process()
         with menv.cuda_to_cpu():
-            msd = self.model.sharded_state_dict()
+            msd = self._model_sharded_state_dict()
             # one optimizer format for every layout (runtime/trainer/optimizer_checkpoint.py)
             state = {"model": msd, "optimizer": optimizer_checkpoint.sharded_state_dict(self.optimizer, self.model, msd),
                      "scheduler": self.scheduler.state_dict(), "steps_done": self.steps_done}
             dist_checkpointing.save(state, path)
+        if self.lora is not None and self.rank == 0:  # adapters only: the base is the run's converted model
+            from runtime.trainer import lora
+            lora.write_description(path, self.lora)
 
     def load(self, path: str) -> None:
         from megatron.core import dist_checkpointing
@@ -447,15 +486,26 @@ class MegatronTrainer:
         from runtime.trainer import optimizer_checkpoint
         self.offload.reload()
         with menv.cuda_to_cpu(), _quiet_checkpoint_warnings():
-            msd = self.model.sharded_state_dict()
+            msd = self._model_sharded_state_dict()
             state = {"model": msd, "optimizer": optimizer_checkpoint.sharded_state_dict(
                 self.optimizer, self.model, msd, is_loading=True), "scheduler": None, "steps_done": None}
             loaded = dist_checkpointing.load(state, path)
-            self.model.load_state_dict(loaded["model"])
-            optimizer_checkpoint.load_state_dict(self.optimizer, self.model, self.model.sharded_state_dict(),
+            if self.lora is None:
+                self.model.load_state_dict(loaded["model"])
+            else:
+                from runtime.trainer import lora
+                lora.load_adapters(self.model, loaded["model"])
+            optimizer_checkpoint.load_state_dict(self.optimizer, self.model, self._model_sharded_state_dict(),
                                                  loaded["optimizer"])
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.steps_done = int(loaded["steps_done"])
+
+    def _model_sharded_state_dict(self) -> dict:
+        """What a checkpoint holds of the model: every weight, or with LoRA the adapters only."""
+        if self.lora is None:
+            return self.model.sharded_state_dict()
+        from runtime.trainer import lora
+        return lora.sharded_state_dict(self.model)
 
 
 def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:

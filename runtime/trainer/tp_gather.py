@@ -22,8 +22,8 @@ def gather_full(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
             continue
         parts = [torch.empty_like(t) for _ in range(tp)]
         torch.distributed.all_gather(parts, t.contiguous(), group=group)
-        if name.endswith("mlp.linear_fc1.weight") and model.config.gated_linear_unit:
-            # Each rank holds [gate_shard; up_shard]: regroup into [gate; up].
+        if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.lora_B")) and model.config.gated_linear_unit:
+            # Each rank holds [gate_shard; up_shard] (the weight's rows, and its LoRA B's): regroup into [gate; up].
             halves = [torch.chunk(x, 2, dim=0) for x in parts]
             out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
         else:
