@@ -388,6 +388,9 @@ class GrpoConfig(Section):
         if self.rollout.decode_path == "hf":
             raise ValueError("train.lora applies the adapters in the built-in engine's paged decoder; set "
                              "rollout.decode_path: auto (or paged)")
+        if t.optimizer_on_host:  # the host step is built and tested for a whole model's state, not adapters'
+            raise ValueError("train.lora trains megabytes of adapters, whose optimizer state stays on the GPU; set "
+                             "train.optimizer_on_host: false")
         if "lr" not in t.model_fields_set:
             t.lr = LORA_DEFAULT_LR
         return self

@@ -177,7 +177,7 @@ def test_tensor_parallel_2_trains_as_one_rank(tiny, trained):
                     assert m[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-8), key
                 assert m["kl"] == pytest.approx(ref["kl"], abs=1e-6)  # k3 of log-ratios ~1e-3: float noise ~1e-8
         adapters = {k: v.clone() for k, v in group.call("engine_weights")[0].items()}
-        sync = TrainerToEngine(trainer, EngineHandle(LocalGroup([engine])), "broadcast", tensors_on_cpu=True,
+        sync = TrainerToEngine(trainer, EngineHandle(LocalGroup([engine])), "broadcast", transport="host",
                                group_name="lora_bcast")
         assert [n for n, _, _ in sync.metadata] == list(adapters)  # the adapters, nothing of the base
         sync.push(version=3)

@@ -21,6 +21,7 @@ CASES = [
     (["rollout.custom_rollout=no_such_module_xyz:fn"], "rollout.custom_rollout"),
     ([f"rollout.custom_rollout={__name__}:NOT_A_FUNCTION"], "rollout.custom_rollout"),
     (["train.lora.enabled=true", "rollout.engine=sglang"], "train.lora"),  # SGLang's adapters: not wired yet
+    (["train.lora.enabled=true", "train.optimizer_on_host=true"], "train.optimizer_on_host: false"),  # adapters: on the GPU
 ]
 
 

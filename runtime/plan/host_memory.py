@@ -59,8 +59,10 @@ def param_tensor_numels(m: dict[str, Any], tp: int) -> list[int]:
 
 def host_terms(shape: dict[str, Any], *, tp: int, dp: int, per_rank: int, opt_params: int, weight_bytes: int,
                grad_bytes: int, distributed_optimizer: bool, optimizer_on_host: bool, offload: bool, trainer_ranks: int,
-               processes: int, host_memory_gb: float) -> dict[str, Any]:
-    """Host bytes of one node (module doc), by term; ``fits`` against ``host_memory_gb``."""
+               processes: int, host_memory_gb: float, trainable_numels: list[int] | None = None) -> dict[str, Any]:
+    """Host bytes of one node (module doc), by term; ``fits`` against ``host_memory_gb``. ``trainable_numels``:
+    the elements of each trained tensor of a rank when not every parameter is trained (LoRA's adapters: the
+    frozen base has no gradients, master or moments to offload); ``per_rank`` then counts them too."""
     if optimizer_on_host:
         optimizer = 12 * opt_params
         pinned = RING * CHUNK_ELEMS * (grad_bytes + weight_bytes)
@@ -76,7 +78,7 @@ def host_terms(shape: dict[str, Any], *, tp: int, dp: int, per_rank: int, opt_pa
             master = 4 if weight_bytes < 4 else 0
             pinned = _pinned(per_rank * grad_bytes) + sum(
                 (_pinned(master * share(n)) if master else 0) + 2 * _pinned(4 * share(n))
-                for n in param_tensor_numels(shape, tp))
+                for n in (param_tensor_numels(shape, tp) if trainable_numels is None else trainable_numels))
     per_rank_bytes = optimizer + pinned + scratch
     ranks = min(trainer_ranks, NODE_GPUS)
     exact = {"optimizer": ranks * optimizer, "pinned": ranks * (pinned + scratch),

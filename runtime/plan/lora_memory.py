@@ -36,6 +36,16 @@ def adapter_params(m: dict[str, Any], lora: dict[str, Any], tp: int = 1) -> tupl
     return m["L"] * total, m["L"] * rank
 
 
+def adapter_tensor_numels(m: dict[str, Any], lora: dict[str, Any], tp: int = 1) -> list[int]:
+    """Elements of each adapter tensor (A, then B, per target linear and layer) one tensor-parallel rank holds:
+    what the trainer's state offload and the optimizer hold per tensor."""
+    r, out = lora["rank"], []
+    for target, (fan_in, fan_out) in _dims(m).items():
+        if target in lora["targets"]:
+            out += [r * fan_in, fan_out // tp * r] if target in _COLUMN else [r * (fan_in // tp), fan_out * r]
+    return out * m["L"]
+
+
 def activation_extra(m: dict[str, Any], lora: dict[str, Any], *, tp: int, tokens: int, e: int,
                      kept_layers: int, recompute_modules: tuple[str, ...] = ()) -> int:
     """Bytes the adapters add to one micro-batch's saved activations: per token and adapted linear its

@@ -483,11 +483,12 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     fits = total <= limit and not kv_too_small and not (engine == "sglang" and kv_cache <= 0)
     host = None
     if host_memory_gb is not None:
-        host = host_memory.host_terms(m, tp=tp, dp=dp, per_rank=per_rank, opt_params=opt_params, weight_bytes=e,
+        host = host_memory.host_terms(m, tp=tp, dp=dp, per_rank=trained, opt_params=opt_params, weight_bytes=e,
                                       grad_bytes=4 if grad_dtype == "float32" else e,
                                       distributed_optimizer=bool(distributed_optimizer),
                                       optimizer_on_host=bool(optimizer_on_host), offload=offload,
-                                      trainer_ranks=trainer_ranks, processes=processes, host_memory_gb=host_memory_gb)
+                                      trainer_ranks=trainer_ranks, processes=processes, host_memory_gb=host_memory_gb,
+                                      trainable_numels=lora_memory.adapter_tensor_numels(m, lora, tp) if lora else None)
     per_rank_step = (global_batch_size // dp) if global_batch_size else None
 
     def total_at(b: int) -> int:
@@ -779,7 +780,9 @@ def settings_that_fit(hf_config, gpu_mem_gb: float, kw: dict[str, Any]):
     offloads = [kw["offload"]] + ([True] if kw["colocate"] and not kw["offload"] else [])
     # the optimizer on the host (a slower step, see runtime/trainer/host_optimizer.py), or back on the GPU when
     # the host is what does not fit
-    hosts = [kw["optimizer_on_host"], not kw["optimizer_on_host"]] if kw["dtype"] != "float32" else [False]
+    # the host (LoRA's adapters: megabytes of state, kept on the GPU, config.py)
+    hosts = [kw["optimizer_on_host"], not kw["optimizer_on_host"]] if kw["dtype"] != "float32" and not kw.get("lora") \
+        else [False]
     # gradients in the weights' bf16 (half the gradient memory; accumulated in bf16)
     grads = [kw["grad_dtype"]] + (["bfloat16"] if kw["grad_dtype"] == "float32" and kw["dtype"] != "float32" else [])
     dists = [kw["distributed_optimizer"]] + ([True] if kw["dp"] > 1 and not kw["distributed_optimizer"] else [])
