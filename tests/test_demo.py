@@ -2,9 +2,9 @@
 without the venv on PATH (make runs `.venv/bin/grpoflow`; nothing activates the venv), writing to the
 config's relative storage root, ./grpoflow-data.
 
-- Its live table counts rollout i/100 with the elapsed time and an ETA at the pace so far.
-- The reward it shows climbs from its starting level to a mean >= 0.35 over the last 5 rollouts (seeds 1-3
-  measured 0.75-0.86).
+- Its live table counts rollout i/N with the elapsed time and an ETA at the pace so far.
+- The reward it shows climbs from its starting level to a mean >= 0.35 over the last 5 rollouts (seed 1, the
+  config's, measured ~0.9 since the grader reads a sample cut at max_new_tokens as stating nothing).
 - The commands it prints at the end run, as printed, from that same shell: the report, the registry
   listing and the MLflow UI (which must answer on its port).
 - Every registered version's source, as MLflow serves it, opens from another working directory.
@@ -93,16 +93,19 @@ def test_make_demo_learns_shows_progress_and_its_next_commands_run_as_printed(pr
     assert code == 0, err[-3000:]
     lines = out.splitlines()
 
-    # the live table: rollout i/100, elapsed, ETA = rollouts left at the pace so far
+    # the live table: rollout i/N, elapsed, ETA = rollouts left at the pace so far
+    from runtime.config import load_config
+    demo = load_config(REPO / "configs" / "demo.yaml")
+    n = demo.train.num_rollout
     head = next(line for line in lines if line.split()[:3] == ["rollout", "elapsed", "eta"])
     reward_col = head.split().index("reward")
     rows = [(m, line.split()) for line in lines if (m := ROW.match(line))]
-    assert [(int(m[1]), int(m[2])) for m, _ in rows] == [(i, 100) for i in range(1, 101)], out[-3000:]
+    assert [(int(m[1]), int(m[2])) for m, _ in rows] == [(i, n) for i in range(1, n + 1)], out[-3000:]
     elapsed = [_seconds(m[3]) for m, _ in rows]
     eta = [_seconds(m[4]) for m, _ in rows]
     assert elapsed == sorted(elapsed) and eta[0] > 0 and eta[-1] == 0, (elapsed, eta)
     for i, (e, left) in enumerate(zip(elapsed, eta), start=1):  # clocks round to the second
-        assert abs(left - (100 - i) * e / i) <= 0.5 * (100 - i) / i + 1, (i, e, left)
+        assert abs(left - (n - i) * e / i) <= 0.5 * (n - i) / i + 1, (i, e, left)
 
     # it learns, as the table shows it
     rewards = [float(cells[reward_col]) for _, cells in rows]
@@ -124,7 +127,7 @@ def test_make_demo_learns_shows_progress_and_its_next_commands_run_as_printed(pr
     client = make_client(store_uri_for_root(str(user_dir / "grpoflow-data")))
     monkeypatch.chdir(tmp_path)
     versions = client.search_model_versions("name = 'demo'")
-    assert sorted(int(v.tags["grpoflow.rollout"]) for v in versions) == [25, 50, 75, 100]
+    assert sorted(int(v.tags["grpoflow.rollout"]) for v in versions) == [p for p in demo.eval_points() if p]
     for v in versions:
         source = client.get_model_version("demo", v.version).source
         assert source.startswith("file:///"), source
