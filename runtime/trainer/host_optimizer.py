@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
+from runtime.trainer.optimizer_checkpoint import inner_optimizer
+
 # Elements per transfer chunk: a power of two, so the pinned buffers (the caching host allocator rounds each
 # allocation up to a power of two) waste nothing; 32 Mi elements = 64 MiB of bf16.
 CHUNK_ELEMS = 1 << 25
@@ -91,22 +93,13 @@ class _Chunk:
     pieces: list[_Piece] = field(default_factory=list)
 
 
-def _inner(optimizer):
-    chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is None:
-        return optimizer
-    if len(chained) != 1:
-        raise NotImplementedError(f"one optimizer per model expected, got {len(chained)} (expert parallelism?)")
-    return chained[0]
-
-
 class HostAdam:
     """The host half of the trainer's optimizer (module doc). ``optimizer``: what ``get_megatron_optimizer``
     returned for ``ddp`` (built under :func:`masters_on_host`); ``device``: the trainer's device."""
 
     def __init__(self, optimizer, ddp, device: str, chunk_elems: int = CHUNK_ELEMS, ring: int = RING):
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-        self.opt = _inner(optimizer)
+        self.opt = inner_optimizer(optimizer)
         self.ddp = ddp
         self.cuda = str(device).startswith("cuda")
         self.distributed = isinstance(self.opt, DistributedOptimizer)

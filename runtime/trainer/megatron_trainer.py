@@ -357,11 +357,14 @@ class MegatronTrainer:
     def hf_weights(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
         """Full (TP-gathered) weights in Hugging Face names for the rollout engine: on rank 0; the
         other ranks take part in the gather and return {}."""
-        hf = self._full_hf_weights()
+        return self._from_rank0(self._full_hf_weights(), to_cpu)
+
+    def _from_rank0(self, weights: dict[str, torch.Tensor], to_cpu: bool) -> dict[str, torch.Tensor]:
+        """Rank 0's tensors ({} elsewhere), on the host when asked: in-process engines take them where they are,
+        Ray's object store needs them on the CPU."""
         if self.rank != 0:
             return {}
-        # In-process engines and CUDA IPC take the tensors where they are; Ray's object store needs them on CPU.
-        return {k: v.detach().to("cpu") if to_cpu else v.detach() for k, v in hf.items()}
+        return {k: v.detach().to("cpu") if to_cpu else v.detach() for k, v in weights.items()}
 
     def _full_hf_weights(self) -> dict[str, torch.Tensor]:
         """This rank's copy of the whole model in HF names (every rank takes part in the TP gather)."""
@@ -409,10 +412,7 @@ class MegatronTrainer:
     def engine_weights(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
         """What the rollout engine takes after an update: :meth:`hf_weights`, or with LoRA the adapters only
         (whole, by their megatron names ``...linear_qkv.lora_A``; runtime/rollout/lora_forward.py). On rank 0."""
-        weights = self._engine_weights_here()
-        if self.rank != 0:
-            return {}
-        return {k: v.detach().to("cpu") if to_cpu else v.detach() for k, v in weights.items()}
+        return self._from_rank0(self._engine_weights_here(), to_cpu)
 
     def _engine_weights_here(self) -> dict[str, torch.Tensor]:
         """This rank's copy of what the engine takes (every rank joins the TP gather)."""

@@ -35,7 +35,7 @@ import torch.distributed as dist
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _inner(optimizer):
+def inner_optimizer(optimizer):
     """The one megatron optimizer inside the trainer's ChainedOptimizer."""
     chained = getattr(optimizer, "chained_optimizers", None)
     if chained is None:
@@ -47,14 +47,14 @@ def _inner(optimizer):
 
 def is_distributed(optimizer) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    return isinstance(_inner(optimizer), DistributedOptimizer)
+    return isinstance(inner_optimizer(optimizer), DistributedOptimizer)
 
 
 def sharded_state_dict(optimizer, model, model_sharded_state_dict, is_loading: bool = False) -> dict:
     """The optimizer's sharded state dict for ``dist_checkpointing.save``/``load`` (format: module doc)."""
     if not is_distributed(optimizer):
         return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading)
-    return _DistLayout(_inner(optimizer), model, model_sharded_state_dict).state_dict(is_loading)
+    return _DistLayout(inner_optimizer(optimizer), model, model_sharded_state_dict).state_dict(is_loading)
 
 
 def load_state_dict(optimizer, model, model_sharded_state_dict, loaded: dict) -> None:
@@ -62,7 +62,7 @@ def load_state_dict(optimizer, model, model_sharded_state_dict, loaded: dict) ->
     if not is_distributed(optimizer):
         optimizer.load_state_dict(loaded)
         return
-    _DistLayout(_inner(optimizer), model, model_sharded_state_dict).load(loaded)
+    _DistLayout(inner_optimizer(optimizer), model, model_sharded_state_dict).load(loaded)
 
 
 class _DistLayout:
