@@ -138,8 +138,10 @@ def zygote(prefect_harness):
 
 def _reference(base: Path, sets: list[str], zygote: Zygote, lora: bool = False) -> dict:
     """The uninterrupted run, with a copy of its root at every boundary; returns its final facts."""
+    from runtime.testing import moments
     from tests.test_resume import checkpoint_tensors
     root, snaps = base / "root", base / "snapshots"
+    moments._hits.clear()  # moments are counted per process: the other reference ran in this one too
     root.mkdir()
     env = {"GRPOFLOW_TEST_SNAPSHOT_AT": ",".join(BOUNDARIES), "GRPOFLOW_TEST_SNAPSHOT_ROOT": str(root),
            "GRPOFLOW_TEST_SNAPSHOT_DIR": str(snaps)}
