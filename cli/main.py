@@ -21,6 +21,14 @@ def _prefect_env() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _start_prefect_api() -> None:
+    """The run's own Prefect server when none is configured: it ends with the run, even a killed one."""
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+    from cli.prefect_api import ensure_api
+    ensure_api(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+
+
 class _HideUserErrors(logging.Filter):
     """Prefect logs every failed task with its traceback; a user mistake is printed once, as one line."""
 
@@ -294,6 +302,7 @@ def _resume(args) -> dict | None:
               f"resume it with --set train.num_rollout=N (N > {cfg.train.num_rollout})")
         return None
     print(f"resuming run {args.run_id}")
+    _start_prefect_api()
     from flows.pipeline import grpo_pipeline
     from runtime.secrets import hold
     return grpo_pipeline(overrides=hold(args.overrides), run_id=args.run_id, root=root, resume=True)
@@ -355,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             run_id = check_run_id(args.run_id) if args.run_id is not None else default_run_id(cfg)
             print(f"run id: {run_id}")
             _print_plan(cfg)
+            _start_prefect_api()
             from flows.pipeline import grpo_pipeline
             from runtime.secrets import hold
             result = grpo_pipeline(config_path=args.config, overrides=hold(args.overrides), run_id=run_id)

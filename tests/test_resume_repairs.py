@@ -167,3 +167,38 @@ def test_a_lost_cluster_ends_in_one_line_with_the_lease_released_and_no_orphan(t
     child = int(proc.stdout.split()[0])
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)
+
+
+def test_a_run_killed_outright_leaves_no_prefect_server_behind(tmp_path):
+    """No Prefect API configured: `grpoflow run` starts a server of its own. SIGKILL of the run alone (not
+    its process group: the OOM killer's way) ends that server too — Prefect's own ephemeral server stayed,
+    holding its port, for good."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    pauses, root = tmp_path / "pauses", tmp_path / "root"
+    pauses.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
+    env.update(PYTHONPATH=os.getcwd(), PREFECT_HOME=str(tmp_path / "prefect"),
+               GRPOFLOW_TEST_PAUSE_AT="fetch-datasets-done", GRPOFLOW_TEST_PAUSE_DIR=str(pauses))
+    argv = ["run", "configs/tiny.yaml", "--run-id", "k", "--set", "train.num_rollout=2", "--set", "eval.interval=2",
+            "--set", f"storage.root={root}"]
+    log = (tmp_path / "run.log").open("w")
+    run = subprocess.Popen([sys.executable, "-m", "cli.main", *argv], env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 300
+        while not (pauses / "fetch-datasets-done.reached").exists():
+            assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.1)  # waiting for the run's event, bounded by the deadline
+        kids = psutil.Process(run.pid).children(recursive=True)  # the Prefect server: nothing else runs yet
+        assert kids
+        run.kill()
+        run.wait()
+        _, alive = psutil.wait_procs(kids, timeout=60)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
