@@ -19,6 +19,11 @@ _retrying = dict(retries=RETRIES, retry_delay_seconds=retry_delay_s(), retry_con
                  cache_policy=NO_CACHE)
 
 
+@task(name="start-session", **_retrying)
+def start_session(cfg: GrpoConfig, rd: RunDir) -> TrainSession:
+    return TrainSession(cfg, rd)  # a Ray cluster that times out starting up is tried again
+
+
 @task(name="train-chunk", task_run_name="train-chunk-{start}-{end}", **_retrying)
 def train_chunk(session: TrainSession, start: int, end: int, table: RolloutTable) -> dict:
     return session.run_chunk(start, end, on_rollout=table.row)
@@ -63,7 +68,7 @@ class _PrefectSteps:
 def train_stage(cfg: GrpoConfig, rd: RunDir, converted: dict, prepared: dict) -> dict:
     check_trainable(cfg)
     tracking = LazyTracker(cfg, rd)
-    session = TrainSession(cfg, rd)
+    session = start_session(cfg, rd)
     try:
         result = train_stage_loop(cfg, _PrefectSteps(cfg, rd, session, tracking))
     finally:

@@ -252,3 +252,32 @@ def test_mlflow_outage_during_registration_is_retried_then_named(prefect_harness
     assert code == 3 and dead in err[-1] and "after retries" in err[-1], err
     after = {p: p.stat().st_size for p in Path(rd.checkpoints).rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_a_ray_cluster_that_will_not_start_is_retried_then_named(prefect_harness, reference_run, tmp_path, capsys,
+                                                                monkeypatch):
+    """Ray failing to start its local cluster (under load its processes time out, said as a bare Exception):
+    the train task retries, then one line that says to resume later; the checkpoints are untouched. The
+    failure is injected: a real start-up timeout cannot be provoked on purpose."""
+    import ray
+
+    from tasks.common import RETRIES
+    starts = []
+
+    def init(**kw):
+        starts.append(kw)
+        raise Exception("The current node timed out during startup. This could happen because some of the Ray "
+                        "processes failed to startup.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # the session's cluster aside
+    monkeypatch.setattr(ray, "init", init)
+    root = _copy_reference(reference_run, tmp_path / "root")
+    rd = RunDir(str(root), "ref")
+    before = {p: p.stat().st_size for p in Path(rd.checkpoints).rglob("*") if p.is_file()}
+    code = main(["resume", "ref", "--root", str(root), "--set", "train.num_rollout=6", "--set", "cluster.backend=ray"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 3, err
+    assert err[-1].startswith("error: could not start a local Ray cluster: The current node timed out during startup")
+    assert "resume the run later" in err[-1] and not any("Traceback" in line for line in err), err
+    assert len(starts) == 1 + RETRIES
+    assert {p: p.stat().st_size for p in Path(rd.checkpoints).rglob("*") if p.is_file()} == before

@@ -11,7 +11,7 @@ from typing import Any
 from runtime.placement import layout
 from runtime.config import GrpoConfig
 from runtime.devices import make_current, resolve_device, resolve_dtype
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, TransientError
 from runtime.placement.cluster_watch import ClusterWatch, check_reachable
 from runtime.placement.groups import LocalGroup, RayGroup
 from runtime.rollout.base import RolloutEngine
@@ -91,7 +91,14 @@ class Cluster:
                     kw["_temp_dir"] = os.environ["GRPOFLOW_RAY_TEMP_DIR"]
                 if os.environ.get("GRPOFLOW_RAY_OBJECT_STORE_MB"):
                     kw["object_store_memory"] = int(os.environ["GRPOFLOW_RAY_OBJECT_STORE_MB"]) * 2**20
-            ray.init(**kw)
+            try:
+                ray.init(**kw)
+            except (ConnectionError, TimeoutError):
+                raise
+            except Exception as err:  # noqa: BLE001 - Ray says "timed out during startup" as a bare Exception
+                first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+                where = f"connect to the Ray cluster at {c.address}" if c.address else "start a local Ray cluster"
+                raise TransientError(f"could not {where}: {first}") from err
             self._ray_started_here = True
         self._watch = ClusterWatch.of_current_cluster()  # the whole cluster lost: one line, lease released
         layout.check_gpus(self.cfg, int(ray.cluster_resources().get("GPU", 0)), where="the Ray cluster")
