@@ -342,18 +342,12 @@ def sec_stage(S, W: Path, sets: list[str], budget_s: float) -> dict:
     t_start = time.time()
     from runtime.grpo.session import TrainSession
     from runtime.rollout.base import SampleRequest, SamplingParams
-    from runtime.run.directory import RunDir
     if not (W / "td").is_dir() or not (W / "hf" / "config.json").is_file():
         raise RuntimeError(f"no model under {W}: run the setup section first (same --work)")
     res: dict = {"name": "stage", "sets": list(sets)}
     cfg = bench_config(S, W, sets)
     root = Path(cfg.storage.root)
-    shutil.rmtree(root, ignore_errors=True)
-    rd = RunDir(str(root), "bench")
-    for link, target in ((rd.hf_model, W / "hf"), (rd.torch_dist, W / "td"),
-                         (rd.train_data, W / "data" / "prompts.parquet")):
-        Path(link).parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(target, link)
+    rd = gpu_grpo.run_dir_over(root, "bench", (W / "hf", W / "td", W / "data" / "prompts.parquet"))
     mem_dir = W / "mem"
     shutil.rmtree(mem_dir, ignore_errors=True)
     mem_dir.mkdir(parents=True)

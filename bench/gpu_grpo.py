@@ -450,20 +450,27 @@ def stage_config(S, W: Path) -> dict:
     }
 
 
+def run_dir_over(root: Path, run_id: str, inputs: tuple[Path, Path, Path]):
+    """A fresh run directory whose model (HF, torch_dist) and train data are links to what setup built:
+    the train stage then skips fetch, convert and prepare."""
+    from runtime.run.directory import RunDir
+    shutil.rmtree(root, ignore_errors=True)
+    rd = RunDir(str(root), run_id)
+    for link, target in zip((rd.hf_model, rd.torch_dist, rd.train_data), inputs):
+        Path(link).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(target, link)
+    return rd
+
+
 def sec_stage(S, W: Path) -> dict:
     """(c) the real train stage (TrainSession.run_chunk), backend local: what a user's step costs."""
     torch = _torch()
     from runtime.config import config_from_dict
     from runtime.grpo.session import TrainSession
-    from runtime.run.directory import RunDir
 
     res: dict = {"name": "stage"}
     cfg = config_from_dict(stage_config(S, W), "bench")
-    shutil.rmtree(W / "root", ignore_errors=True)
-    rd = RunDir(str(W / "root"), "bench")
-    for link, target in ((rd.hf_model, W / "hf"), (rd.torch_dist, W / "td"), (rd.train_data, W / "data" / "train.parquet")):
-        Path(link).parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(target, link)
+    rd = run_dir_over(W / "root", "bench", (W / "hf", W / "td", W / "data" / "train.parquet"))
     reset_peak(S)
     t0 = time.time()
     sess = TrainSession(cfg, rd)

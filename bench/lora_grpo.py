@@ -212,7 +212,6 @@ def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: 
     from runtime.grpo.session import TrainSession
     from runtime.plan.memory import estimate_for_config
     from runtime.rollout.base import SampleRequest, SamplingParams
-    from runtime.run.directory import RunDir
     cuda = S["device"] == "cuda"
     P = Phases(cuda)
     context = None
@@ -225,11 +224,7 @@ def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: 
     hf_config = hf_config_read(W)
     est = estimate_for_config(cfg, hf_config, gpu_mem_gb=card_gib(cfg) if cuda else 80.0, device=S["device"])
     root = Path(cfg.storage.root)
-    shutil.rmtree(root, ignore_errors=True)
-    rd = RunDir(str(root), "bench")
-    for link, target in ((rd.hf_model, W / "hf"), (rd.torch_dist, W / "td"), (rd.train_data, W / "data" / "prompts.parquet")):
-        Path(link).parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(target, link)
+    rd = gpu_grpo.run_dir_over(root, "bench", (W / "hf", W / "td", W / "data" / "prompts.parquet"))
     calls = force_keyed_lengths(S)
     res: dict = {"name": "stage", "config": mode["config"], "sets": sets, "lora": cfg.train.lora.model_dump(),
                  "samples_per_rollout": cfg.samples_per_rollout, "kv_cache_gb": cfg.rollout.kv_cache_gb,

@@ -27,7 +27,6 @@ import argparse
 import datetime
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -150,15 +149,10 @@ def sec_replay(S, W: Path, layout: str) -> dict:
 def _stage(S, W: Path, name: str, cluster: dict, train: dict | None = None) -> dict:
     from runtime.config import config_from_dict
     from runtime.grpo.session import TrainSession
-    from runtime.run.directory import RunDir
 
     cfg = config_from_dict(_cfg(S, W, train, **cluster), "bench")
     root = W / f"root_{name}"
-    shutil.rmtree(root, ignore_errors=True)
-    rd = RunDir(str(root), "bench")
-    for link, target in ((rd.hf_model, W / "hf"), (rd.torch_dist, W / "td"), (rd.train_data, W / "data" / "train.parquet")):
-        Path(link).parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(target, link)
+    rd = g.run_dir_over(root, "bench", (W / "hf", W / "td", W / "data" / "train.parquet"))
     t0 = time.time()
     sess = TrainSession(cfg, rd)
     rows = []

@@ -40,7 +40,6 @@ import argparse
 import datetime
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -181,14 +180,9 @@ def run_mode(S, W: Path, partial: bool, sets: list[str], budget_s: float, first:
     t_start = time.time()
     from runtime.grpo.session import TrainSession
     from runtime.rollout.base import SampleRequest, SamplingParams
-    from runtime.run.directory import RunDir
     cfg, plan = bench_config(S, W, partial, sets, config)
     root = Path(cfg.storage.root)
-    shutil.rmtree(root, ignore_errors=True)
-    rd = RunDir(str(root), "bench")
-    for link, target in ((rd.hf_model, W / "hf"), (rd.torch_dist, W / "td"), (rd.train_data, W / "data" / "prompts.parquet")):
-        Path(link).parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(target, link)
+    rd = gpu_grpo.run_dir_over(root, "bench", (W / "hf", W / "td", W / "data" / "prompts.parquet"))
     calls = force_keyed_lengths(S)
     sess = TrainSession(cfg, rd)
     sess.ensure_at(None)

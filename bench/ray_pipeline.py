@@ -266,15 +266,11 @@ def local_session(S, W: Path, layout: str, sets: list[str] = ()):
     from runtime.run.directory import RunDir
     cfg, ray_rd = local_config(S, W, layout, sets)
     root = Path(cfg.storage.root)
-    shutil.rmtree(root, ignore_errors=True)
-    rd = RunDir(str(root), "local")
     src = RunDir(str(W / f"root-{layout}"), f"bench-{layout}")
     inputs = (src.hf_model, src.torch_dist, src.train_data)
     if not all(Path(p).exists() for p in inputs):  # no Ray run on this machine: convert and prepare here
         inputs = standalone_inputs(S, W)
-    for link, target in zip((rd.hf_model, rd.torch_dist, rd.train_data), inputs):
-        Path(link).parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(target, link)
+    rd = gpu_grpo.run_dir_over(root, "local", inputs)
     return TrainSession(cfg, rd)
 
 

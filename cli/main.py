@@ -168,7 +168,8 @@ def as_typed(script: str) -> str:
 def next_commands(run_id: str, root: str, tracking_uri: str | None) -> list[str]:
     """What to type next: the report, the registry, the MLflow UI for this run's store — each runnable
     as printed from the shell that started this run (:func:`as_typed`)."""
-    from runtime.tracking.mlflow_tracker import redact_uri, store_uri_for_root
+    from runtime.secrets import redact_uri
+    from runtime.tracking.mlflow_tracker import store_uri_for_root
 
     grpoflow = as_typed("grpoflow")
     root_arg = "" if root == "./grpoflow-data" else f" --root {root}"

@@ -72,7 +72,8 @@ def models_list(tracking_uri: str | None = None, root: str = DEFAULT_ROOT) -> in
     from rich.table import Table
 
     from runtime.tracking.model_registry import aliases_of, all_versions
-    from runtime.tracking.mlflow_tracker import make_client, mlflow_errors, redact_uri
+    from runtime.secrets import redact_uri
+    from runtime.tracking.mlflow_tracker import make_client, mlflow_errors
 
     uri = _uri(tracking_uri, root)
     console = _console()
@@ -136,7 +137,8 @@ def models_show(spec: str, tracking_uri: str | None = None, root: str = DEFAULT_
     from rich.table import Table
 
     from runtime.tracking.model_registry import aliases_of
-    from runtime.tracking.mlflow_tracker import make_client, mlflow_errors, redact_uri
+    from runtime.secrets import redact_uri
+    from runtime.tracking.mlflow_tracker import make_client, mlflow_errors
 
     name, alias, version = parse_spec(spec)
     uri = _uri(tracking_uri, root)

@@ -20,7 +20,8 @@ from runtime.grpo.evaluation import save_eval
 from runtime.tracking.model_registry import aliases_of, register_checkpoint, should_move_best
 from runtime.placement.ports import free_port
 from runtime.run.directory import RunDir
-from runtime.tracking.mlflow_tracker import Tracker, flatten_params, redact_uri, sqlite_uri
+from runtime.secrets import redact_uri
+from runtime.tracking.mlflow_tracker import Tracker, flatten_params, sqlite_uri
 
 pytest.importorskip("mlflow")
 

@@ -278,8 +278,8 @@ def prepare_dataset(source_file_uri: str, out_parquet_uri: str, *, fmt: str = "a
     if apply_chat_template and tokenizer is None:
         raise ValueError("apply_chat_template=True needs a tokenizer")
     if apply_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"the model's tokenizer has no chat template; set data.apply_chat_template=false "
-                          f"(prompts are then used as written) or use a model with one")
+        raise ConfigError("the model's tokenizer has no chat template; set data.apply_chat_template=false "
+                          "(prompts are then used as written) or use a model with one")
     checked = check_dataset(path, fmt=fmt, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
                             system_prompt=system_prompt, field=field)
     fmt, input_key, label_key, rows = checked["format"], checked["input_key"], checked["label_key"], checked["rows"]

@@ -21,13 +21,13 @@ import os
 import re
 import tempfile
 import time
-import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from runtime import storage
 from runtime.errors import ConfigError, TransientError
 from runtime.run.directory import RunDir
+from runtime.secrets import is_secret_key, redact_uri, redact_value
 from runtime.testing.moments import moment
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,7 +46,6 @@ _METRIC_BATCH = 1000
 _TRANSIENT_CODES = {"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED",
                     "ABORTED", "CANCELLED", "UNAVAILABLE"}
 
-from runtime.secrets import REDACTED, is_secret_key, redact_uri, redact_value as _redact_value  # noqa: E402,F401
 
 
 def flatten_params(tree: dict, prefix: str = "") -> dict[str, str]:
@@ -60,7 +59,7 @@ def flatten_params(tree: dict, prefix: str = "") -> dict[str, str]:
         if isinstance(v, dict):
             out.update(flatten_params(v, key + "."))
             continue
-        v = _redact_value(v)
+        v = redact_value(v)
         text = "None" if v is None else (str(v) if not isinstance(v, (list, tuple)) else repr(list(v)))
         if len(text) > MAX_PARAM_LEN:
             text = text[:MAX_PARAM_LEN - 3] + "..."
@@ -428,5 +427,5 @@ class Tracker:
 
 __all__ = [
     "Tracker", "ensure_store", "default_tracking_uri", "store_uri_for_root", "sqlite_uri", "sqlite_path", "make_client",
-    "flatten_params", "is_secret_key", "redact_uri", "metric_key", "mlflow_errors", "is_transient",
+    "flatten_params", "metric_key", "mlflow_errors", "is_transient",
 ]

@@ -23,7 +23,8 @@ from runtime import storage
 from runtime.errors import ModelError
 from runtime.run.directory import RunDir
 from runtime.testing.moments import moment
-from runtime.tracking.mlflow_tracker import metric_key, mlflow_errors, redact_uri
+from runtime.secrets import redact_uri
+from runtime.tracking.mlflow_tracker import metric_key, mlflow_errors
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,8 @@ class ReportData:
 def _client_and_run(cfg: "GrpoConfig", rd: RunDir, tracker_or_uri) -> tuple[Any, str, str]:
     """(MlflowClient, tracking URI, MLflow run id) of the run, from a Tracker or a tracking URI
     (None: the run's default store)."""
-    from runtime.tracking.mlflow_tracker import RUN_TAG, default_tracking_uri, make_client, redact_uri
+    from runtime.secrets import redact_uri
+    from runtime.tracking.mlflow_tracker import RUN_TAG, default_tracking_uri, make_client
 
     if hasattr(tracker_or_uri, "run_id") and hasattr(tracker_or_uri, "client"):
         t = tracker_or_uri
@@ -125,7 +126,8 @@ def collect(cfg: "GrpoConfig", rd: RunDir, tracker_or_uri=None) -> ReportData:
 
 
 def _collect(cfg: "GrpoConfig", rd: RunDir, client, uri: str, mlflow_run_id: str) -> ReportData:
-    from runtime.tracking.mlflow_tracker import mlflow_errors, redact_uri
+    from runtime.secrets import redact_uri
+    from runtime.tracking.mlflow_tracker import mlflow_errors
 
     with mlflow_errors(uri, f"read run {rd.run_id} for its report"):
         metrics = metric_series(client, mlflow_run_id)
