@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from runtime.config import GrpoConfig
+from runtime.plan.summary import counted
 
 
 class StageSteps(Protocol):
@@ -42,7 +43,7 @@ def train_stage_loop(cfg: GrpoConfig, steps: StageSteps) -> dict[str, Any]:
 
     trained = [c for c in chunks if not c["skipped"]]
     last = [m for c in chunks for m in c["metrics"]][-1:] or [{}]
-    summary = (f"{cfg.train.num_rollout} rollouts in {len(chunks)} chunks ({len(chunks) - len(trained)} skipped); "
+    summary = (f"{counted(cfg.train.num_rollout, 'rollout')} in {counted(len(chunks), 'chunk')} ({len(chunks) - len(trained)} skipped); "
                f"final reward_mean {last[0].get('reward_mean', float('nan')):.3f}")
     return {"status": "done" if trained else "skipped (done before)", "summary": summary, "chunks": chunks,
             "evals": evals, "versions": versions}

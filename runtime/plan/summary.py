@@ -17,6 +17,10 @@ def _short(points: list[int]) -> str:
     return f"[{points[0]}, {points[1]}, {points[2]}, …, {points[-1]}] ({len(points)} evals)"
 
 
+def counted(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def plan_lines(cfg: GrpoConfig) -> list[str]:
     r, t, c, e = cfg.rollout, cfg.train, cfg.checkpoint, cfg.eval
     samples = cfg.samples_per_rollout
@@ -24,8 +28,8 @@ def plan_lines(cfg: GrpoConfig) -> list[str]:
     evals = cfg.eval_points()
     lines = [
         f"config        {cfg.name}",
-        "stages        fetch → convert → prepare → train ({} chunks) → evaluate ({}×) → register".format(
-            len(chunks), len(evals) * len(cfg.data.eval) if cfg.data.eval else 0),
+        "stages        fetch → convert → prepare → train ({}) → evaluate ({}×) → register".format(
+            counted(len(chunks), "chunk"), len(evals) * len(cfg.data.eval) if cfg.data.eval else 0),
         f"model         {cfg.model.source}",
         f"train data    {cfg.data.train.source}",
         "eval data     " + (", ".join(f"{k}={v.source}" for k, v in cfg.data.eval.items()) or "none"),
@@ -36,7 +40,7 @@ def plan_lines(cfg: GrpoConfig) -> list[str]:
         f"(micro_batch_size {t.micro_batch_size}, DP {t.data_parallel}, TP {t.tensor_parallel})",
         f"total         {t.num_rollout} rollouts × {samples} samples = {t.num_rollout * samples} samples, "
         f"{t.num_rollout * t.num_steps_per_rollout} optimizer steps",
-        f"chunking      {len(chunks)} chunks of {c.interval} rollouts (one checkpoint each, keep last {c.keep_last})",
+        f"chunking      {counted(len(chunks), 'chunk')} of {counted(c.interval, 'rollout')} (one checkpoint each, keep last {c.keep_last})",
         f"eval          after rollouts {_short(evals)}, {e.n_samples_per_prompt} samples/prompt, pass@{e.pass_k}",
         f"cluster       backend={cfg.cluster.backend}"
         + (f" address={cfg.cluster.address}" if cfg.cluster.address else "")
