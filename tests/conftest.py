@@ -44,6 +44,17 @@ def reference_run(prefect_harness, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """The tiny Qwen3 (seed 3) as HF and as megatron torch_dist: (hf_dir, torch_dist_dir), built once."""
+    from runtime.mcore.convert import hf_to_torch_dist
+    from runtime.models.tiny import build_tiny_qwen3
+    root = tmp_path_factory.mktemp("tiny-checkpoint")
+    hf = build_tiny_qwen3(root / "hf", seed=3)["path"]
+    hf_to_torch_dist(hf, str(root / "td"))
+    return str(hf), str(root / "td")
+
+
+@pytest.fixture(scope="session")
 def ray_session(tmp_path_factory):
     """One local Ray cluster for the whole session; grpoflow's Cluster reuses it and leaves it running."""
     import ray

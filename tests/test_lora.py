@@ -15,31 +15,21 @@ from tests.test_parallel import recorded_batch
 LORA = {"enabled": True, "rank": 4, "alpha": 8.0}
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from runtime.mcore.convert import hf_to_torch_dist
-    from runtime.models.tiny import build_tiny_qwen3
-    root = tmp_path_factory.mktemp("lora")
-    hf = build_tiny_qwen3(root / "hf", seed=3)["path"]
-    hf_to_torch_dist(hf, str(root / "td"))
-    return str(hf), str(root / "td")
-
-
 def _cfg(lora: dict | None = None, **train) -> GrpoConfig:
     return GrpoConfig.model_validate({
         "cluster": {"backend": "local"}, "algorithm": {"kl_coef": 0.1, "use_tis": True},
         "train": {"micro_batch_size": 8, "lr": 1e-2, "lora": {**LORA, **(lora or {})}, **train}})
 
 
-def _trainer(tiny, cfg: GrpoConfig):
+def _trainer(tiny_checkpoint, cfg: GrpoConfig):
     from runtime.trainer.megatron_trainer import MegatronTrainer
-    hf, td = tiny
+    hf, td = tiny_checkpoint
     return MegatronTrainer(hf_dir=hf, init_checkpoint=td, train=cfg.train, algorithm=cfg.algorithm, temperature=1.0)
 
 
-def _batch(tiny, seed: int = 0, n: int = 32):
+def _batch(tiny_checkpoint, seed: int = 0, n: int = 32):
     from runtime.models import load_hf_config
-    return recorded_batch(load_hf_config(tiny[0]).vocab_size, n=n, seed=seed)
+    return recorded_batch(load_hf_config(tiny_checkpoint[0]).vocab_size, n=n, seed=seed)
 
 
 def _maxdiff(a: list[list[float]], b: list[list[float]]) -> float:
@@ -51,11 +41,11 @@ def _adapters(trainer) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def trained(tiny, tmp_path_factory):
+def trained(tiny_checkpoint, tmp_path_factory):
     """A LoRA trainer (KL on, dropout 0.3): its state before, two updates, a checkpoint, a third update."""
     from runtime.trainer import lora
-    tr = _trainer(tiny, _cfg({"dropout": 0.3}))
-    batches = [_batch(tiny, s) for s in range(3)]
+    tr = _trainer(tiny_checkpoint, _cfg({"dropout": 0.3}))
+    batches = [_batch(tiny_checkpoint, s) for s in range(3)]
     base = {k: v.clone() for k, v in lora.base_tensors(tr.model).items()}
     out = {"trainer": tr, "batches": batches, "base": base,
            "ref0": tr.compute_logprobs(batches[0], "ref"), "policy0": tr.compute_logprobs(batches[0])}
@@ -120,7 +110,7 @@ def test_dropout_acts_in_the_training_forward_only(trained):
     assert not torch.equal(drawn, mods[0]._lora_delta(x))
 
 
-def test_checkpoint_holds_the_adapters_and_resumes_bitwise(trained, tiny, tmp_path):
+def test_checkpoint_holds_the_adapters_and_resumes_bitwise(trained, tiny_checkpoint, tmp_path):
     from tests.test_parallel import _checkpoint_tensors
     ckpt = trained["ckpt"]
     tensors = _checkpoint_tensors(ckpt, tmp_path)
@@ -135,7 +125,7 @@ def test_checkpoint_holds_the_adapters_and_resumes_bitwise(trained, tiny, tmp_pa
     base = sum(v.numel() * v.element_size() for v in trained["base"].values())
     assert size < base / 2, (size, base)
     # a fresh trainer loads it and makes the third update bitwise as the unbroken one did
-    resumed = _trainer(tiny, _cfg({"dropout": 0.3}))
+    resumed = _trainer(tiny_checkpoint, _cfg({"dropout": 0.3}))
     resumed.load(ckpt)
     assert all(torch.equal(resumed.engine_weights()[k], v) for k, v in trained["saved_adapters"].items())
     resumed.train(trained["batches"][2])
@@ -143,10 +133,10 @@ def test_checkpoint_holds_the_adapters_and_resumes_bitwise(trained, tiny, tmp_pa
     assert all(torch.equal(after[k], v) for k, v in trained["adapters3"].items())
 
 
-def test_recomputed_layers_reach_their_adapters(tiny, trained):
+def test_recomputed_layers_reach_their_adapters(tiny_checkpoint, trained):
     """Full recompute checkpoints every layer over its input, which nothing upstream (frozen) makes require
     grad: the adapters still get the gradients of the plain forward."""
-    tr = _trainer(tiny, _cfg({"dropout": 0.3}, recompute="full"))
+    tr = _trainer(tiny_checkpoint, _cfg({"dropout": 0.3}, recompute="full"))
     for b in trained["batches"][:2]:
         m = tr.train(b)
     assert m["grad_norm"] == pytest.approx(trained["metrics"][1]["grad_norm"], rel=1e-5)
@@ -154,7 +144,7 @@ def test_recomputed_layers_reach_their_adapters(tiny, trained):
     assert all(g.abs().sum() > 0 for g in grads.values()) and len(grads) == 16
 
 
-def test_tensor_parallel_2_trains_as_one_rank(tiny, trained):
+def test_tensor_parallel_2_trains_as_one_rank(tiny_checkpoint, trained):
     """TP 2 in two processes (gloo): column-parallel B split on its rows, row-parallel A on its columns; the
     loss, grad norm, gathered adapters (dropout masks included) match one rank's. The engine, in another
     process with a base of its own, receives the adapters alone over the weight-sync broadcast."""
@@ -165,7 +155,7 @@ def test_tensor_parallel_2_trains_as_one_rank(tiny, trained):
     from runtime.rollout.builtin import BuiltinEngine
     from runtime.trainer.batch import TrainBatch
     cfg = _cfg({"dropout": 0.3}, tensor_parallel=2)
-    hf, td = tiny
+    hf, td = tiny_checkpoint
     trainer = Cluster(cfg).trainer(in_subprocesses=True, hf_dir=hf, init_checkpoint=td, train=cfg.train,
                                    algorithm=cfg.algorithm, temperature=1.0)
     group = trainer.group
@@ -197,7 +187,7 @@ def test_tensor_parallel_2_trains_as_one_rank(tiny, trained):
     assert max(float((adapters[k] - ref[k]).abs().max()) for k in ref) <= 2 * 0.01 * 1e-2
 
 
-def test_export_merged_and_peft_adapter_match_the_trainer(trained, tiny, tmp_path):
+def test_export_merged_and_peft_adapter_match_the_trainer(trained, tiny_checkpoint, tmp_path):
     """The checkpoint's two exports: the merged HF model (fp32 merge on the host), and the adapter alone in
     PEFT's layout, which `peft` loads onto the HF base; both give the trainer's logits."""
     import json
@@ -207,7 +197,7 @@ def test_export_merged_and_peft_adapter_match_the_trainer(trained, tiny, tmp_pat
 
     from runtime.mcore.convert import mcore_logits, probe_batch
     from runtime.tracking.model_registry import export_trainer_checkpoint
-    hf, td = tiny
+    hf, td = tiny_checkpoint
     out, adapter_dir = tmp_path / "hf", str(tmp_path / "adapter")
     info = export_trainer_checkpoint(trained["ckpt"], hf, out, base_dir=td, adapter_dir=adapter_dir)
     assert info["weights"] == "lora-merged" and info["adapter"] == adapter_dir
@@ -215,7 +205,7 @@ def test_export_merged_and_peft_adapter_match_the_trainer(trained, tiny, tmp_pat
     assert config["r"] == 4 and config["lora_alpha"] == 8.0
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
-    tr = _trainer(tiny, _cfg({"dropout": 0.3}))
+    tr = _trainer(tiny_checkpoint, _cfg({"dropout": 0.3}))
     tr.load(trained["ckpt"])
     tr.model.eval()
     ids = probe_batch(tr.hf_config.vocab_size, (2, 24))
@@ -231,14 +221,14 @@ def test_export_merged_and_peft_adapter_match_the_trainer(trained, tiny, tmp_pat
     assert (peft_logits - ours).abs().max() < 1e-4
 
 
-def test_adapter_gradients_are_the_full_gradients_projected(tiny):
+def test_adapter_gradients_are_the_full_gradients_projected(tiny_checkpoint):
     """Exact math: at the first step (B = 0: the policy is the base) each linear's LoRA gradients are the
     full-parameter run's weight gradient G seen through the adapter: dB = scale G A^T, dA = scale B^T G = 0."""
-    batch = _batch(tiny, seed=5)
+    batch = _batch(tiny_checkpoint, seed=5)
     def cfg(lora: dict) -> GrpoConfig:
         return GrpoConfig.model_validate({"algorithm": {"kl_coef": 0.0, "use_tis": True},
                                           "train": {"micro_batch_size": 8, "lr": 1e-2, "lora": lora}})
-    lora_tr, full_tr = _trainer(tiny, cfg(LORA)), _trainer(tiny, cfg({}))
+    lora_tr, full_tr = _trainer(tiny_checkpoint, cfg(LORA)), _trainer(tiny_checkpoint, cfg({}))
     a = {k: v.clone() for k, v in lora_tr.engine_weights().items() if k.endswith("lora_A")}
     m_lora, m_full = lora_tr.train(batch), full_tr.train(batch)
     assert m_lora["loss"] == pytest.approx(m_full["loss"], rel=1e-6)

@@ -12,16 +12,6 @@ from runtime.config import GrpoConfig
 from runtime.trainer.batch import TrainBatch
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    from runtime.mcore.convert import hf_to_torch_dist
-    from runtime.models.tiny import build_tiny_qwen3
-    root = tmp_path_factory.mktemp("parallel")
-    hf = build_tiny_qwen3(root / "hf", seed=3)["path"]
-    hf_to_torch_dist(hf, str(root / "td"))
-    return str(hf), str(root / "td")
-
-
 def recorded_batch(vocab: int, n: int = 64, seed: int = 0) -> TrainBatch:
     g = torch.Generator().manual_seed(seed)
     tokens, prompt_lens, masks, rlp = [], [], [], []
