@@ -59,6 +59,16 @@ def _quiet_prefect_user_errors() -> None:
             logger.addFilter(_HideUserErrors())
 
 
+def _positive_gib(text: str) -> float:
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = float("nan")
+    if not gib > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of GiB")
+    return gib
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpoflow", description="GRPO post-training as a resumable Prefect pipeline")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -71,10 +81,10 @@ def _parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="check a config and print the plan")
     v.add_argument("config")
-    v.add_argument("--gpu-mem-gb", type=float, default=None,
+    v.add_argument("--gpu-mem-gb", type=_positive_gib, default=None,
                    help="GPU memory of the target machine in GiB (default: cluster.gpu_memory_gb, else 80); "
                         "a config that does not fit is an error (exit 2) naming settings that would")
-    v.add_argument("--host-mem-gb", type=float, default=None,
+    v.add_argument("--host-mem-gb", type=_positive_gib, default=None,
                    help="host (CPU) memory of one target node in GiB (default: cluster.host_memory_gb, else 1.6 GiB "
                         "per GiB of the node's GPU memory)")
     with_overrides(v)

@@ -120,3 +120,13 @@ def test_host_memory_default_scales_with_the_node_gpus():
     assert host_memory.node_layout(cfg) == {"trainer_ranks": 2, "processes": 6, "gpus": 2}
     local = load_config(ROOT / TWO_H100, ["cluster.backend=local"])
     assert host_memory.node_layout(local)["processes"] == 5  # 2 trainer ranks + 2 engines + the driver
+
+
+@pytest.mark.parametrize("flag, value", [("--gpu-mem-gb", "-5"), ("--gpu-mem-gb", "0"), ("--host-mem-gb", "0"),
+                                         ("--host-mem-gb", "nan")])
+def test_a_memory_size_that_is_not_positive_is_refused(capsys, flag, value):
+    """A plan made for -5 GiB printed 'of -8 GiB' and refused for the wrong reason; the flag itself is the error."""
+    with pytest.raises(SystemExit) as ended:
+        main(["validate", "configs/qwen3-0.6b-dapo.yaml", flag, value])
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"{flag}: '{value}' is not a positive number of GiB")

@@ -570,8 +570,8 @@ def _why_not_host(est: dict[str, Any]) -> str:
             "offload": f"the pinned buffers of {host['ranks']} trainer rank(s)' state offload take "
                        f"{host['pinned']:.1f} GiB (cluster.offload_trainer_state)",
             "none": f"{host['processes_n']} processes take {host['processes']:.1f} GiB"}[host["mode"]]
-    return (f"needs {host['total']:.1f} GiB of host memory per node but the node has {host['host_memory_gb']:g} GiB "
-            f": {what}")
+    return (f"needs {host['total']:.1f} GiB of host memory per node but the node has {host['host_memory_gb']:g} GiB: "
+            f"{what}")
 
 
 def _why_not_gpu(est: dict[str, Any]) -> str:
