@@ -19,6 +19,8 @@ def _prefect_env() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
+    # the Hub client's per-retry warnings: an unreachable Hub ends in the fetch stage's own one line
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
 
 
 def _start_prefect_api() -> None:

@@ -6,7 +6,7 @@ from prefect import flow
 from runtime import storage
 from runtime.config import DEFAULT_ROOT, load_config
 from runtime.errors import UserError
-from runtime.grpo.preflight import check_fits, check_trainable
+from runtime.grpo.preflight import check_fits, check_this_machine, check_trainable
 from runtime.run import checkpoint
 from runtime.run.directory import RunDir
 from runtime.run.frozen_config import config_to_resume, freeze, mark_finished
@@ -45,6 +45,7 @@ def grpo_pipeline(config_path: str | None = None, overrides: list[str] | None = 
         cfg = load_config(config_path, overrides)
     check_trainable(cfg)  # cheap checks before anything is fetched or a GPU is taken
     check_fits(cfg)
+    check_this_machine(cfg)
     rd = RunDir(root or cfg.storage.root, run_id, cfg.storage.state_dir).checked()  # fails early on an unusable S3 root
     new_run = not storage.exists(rd.path)
     try:

@@ -130,6 +130,8 @@ CASES = [
     ("set-not-a-section", _run("train.lr.x=1"), 2, "--set train.lr.x: 'lr' is not a section"),
     ("top-p-range", _run("rollout.top_p=1.5"), 2, "--set rollout.top_p=1.5: rollout.top_p: Input should be less than or equal to 1"),
     ("unknown-backend", _run("cluster.backend=slurm"), 2, "cluster.backend: Input should be 'ray' or 'local'"),
+    ("host-optimizer-fp32", _run("train.optimizer_on_host=true"), 2,
+     "train.optimizer_on_host keeps an fp32 master of half-precision weights on the host, but model.dtype: auto"),
     ("unknown-format", _run("data.train.format=xml"), 2, "data.train.format: Input should be"),
     ("scheme-gs-model", _run("model.source=gs://bucket/qwen"), 2, "unsupported scheme 'gs://'"),
     ("scheme-foo-data", _run("data.train.source=foo://x/train.jsonl"), 2, "unsupported scheme 'foo://'"),

@@ -1,6 +1,7 @@
 """Checks of a config that need more than its own fields (user code to import), run by `grpoflow
 validate` and again before the train stage builds anything: whatever the train stage would refuse,
-validate refuses first."""
+validate refuses first — except what "auto" resolves to on the machine a run starts on (check_this_machine),
+checked by the run before it writes anything."""
 from __future__ import annotations
 
 from runtime.config import GrpoConfig
@@ -13,6 +14,18 @@ def check_trainable(cfg: GrpoConfig) -> None:
     if cfg.rollout.custom_rollout:
         from runtime.rollout.custom import load_custom_rollout
         load_custom_rollout(cfg.rollout.custom_rollout)
+
+
+def check_this_machine(cfg: GrpoConfig) -> None:
+    """Raise ConfigError (one line) for what "auto" settings resolve to on the machine the run starts on
+    (validate checks a config for any machine, so these are not its checks)."""
+    from runtime.devices import resolve_device, resolve_dtype
+    from runtime.errors import ConfigError
+    device = resolve_device(cfg)
+    if cfg.train.optimizer_on_host and resolve_dtype(cfg, device) == "float32":
+        raise ConfigError(f"train.optimizer_on_host keeps an fp32 master of half-precision weights on the host, "
+                          f"but model.dtype: {cfg.model.dtype} means float32 weights here (device {device}), which "
+                          f"are their own master; set model.dtype: bfloat16 or train.optimizer_on_host: false")
 
 
 def check_fits(cfg: GrpoConfig) -> None:
