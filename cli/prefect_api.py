@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from runtime.errors import TransientError
+from runtime.errors import TransientError, UserError
 
 
 def ensure_api(startup_timeout_s: float) -> str | None:
@@ -26,8 +26,11 @@ def ensure_api(startup_timeout_s: float) -> str | None:
     prefect.toml); point Prefect at it and return its URL."""
     import prefect.context
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return None  # a server of the user's, or Prefect's own error that there is none
+    if PREFECT_API_URL.value():
+        _check_answers(PREFECT_API_URL.value())
+        return None
+    if not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return None  # Prefect's own error: no API and none to start
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen(128)
@@ -40,6 +43,19 @@ def ensure_api(startup_timeout_s: float) -> str | None:
     os.environ["PREFECT_API_URL"] = url
     prefect.context.refresh_global_settings_context()
     return url
+
+
+def _check_answers(url: str) -> None:
+    """A configured server that does not answer: one line, before the run takes its lease."""
+    from prefect.client.orchestration import get_client
+
+    from runtime.secrets import redact_uri
+    with get_client(sync_client=True) as client:
+        problem = client.api_healthcheck()
+    if problem is not None:
+        raise UserError(f"the Prefect API at {redact_uri(url)} does not answer ({type(problem).__name__}); start "
+                        f"that server, fix PREFECT_API_URL, or unset it (the run then starts a Prefect server of "
+                        f"its own)")
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:

@@ -194,6 +194,26 @@ def test_bad_input_is_one_line_and_changes_nothing(prefect_harness, inputs, root
     assert _tree(root) == before
 
 
+@pytest.mark.parametrize("command", ["run", "resume"])
+def test_a_prefect_api_that_does_not_answer_is_one_line(prefect_harness, inputs, root, capsys, command):
+    """PREFECT_API_URL set to a server that is down: one line saying so (it was Prefect's traceback, exit 1)."""
+    import socket
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}/api"
+    before = _tree(root)
+    argv = _run()(inputs, root) if command == "run" else ["resume", "ref", "--root", str(root), "--set",
+                                                           "train.num_rollout=6"]
+    with temporary_settings(updates={PREFECT_API_URL: dead}):
+        code = main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: the Prefect API at {dead} does not answer"), lines
+    assert _tree(root) == before
+
+
 def test_resume_hint_names_the_root_it_was_given(prefect_harness, inputs, root, capsys):
     """`run` with another config on an existing run id: the hint to resume it carries --root."""
     before = _tree(root)
