@@ -12,8 +12,7 @@ from datetime import datetime, timezone
 
 from runtime.config import DEFAULT_ROOT
 from runtime.errors import UserError
-
-METRIC_TAG = "grpoflow.metric."
+from runtime.tracking.model_registry import ADAPTER_URI_TAG, EXPORT_URI_TAG, METRIC_TAG, PRIMARY_METRIC_TAG
 
 
 def _uri(tracking_uri: str | None, root: str) -> str:
@@ -177,9 +176,13 @@ def models_show(spec: str, tracking_uri: str | None = None, root: str = DEFAULT_
     created = datetime.fromtimestamp(mv.creation_timestamp / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     console.print(f"[bold]{name}[/bold] version {mv.version}" + (f"  (aliases: {', '.join(mine)})" if mine else ""))
     console.print(f"source:        {mv.source}", markup=False, highlight=False)
-    export_uri = mv.tags.get("grpoflow.export_uri")
+    export_uri = mv.tags.get(EXPORT_URI_TAG)
     if export_uri and export_uri != mv.source:
         console.print(f"export:        {export_uri}", markup=False, highlight=False)
+    adapter_uri = mv.tags.get(ADAPTER_URI_TAG)
+    if adapter_uri:
+        console.print(f"adapter:       {adapter_uri}  (the LoRA adapter alone, PEFT layout)", markup=False,
+                      highlight=False)
     console.print(f"grpoflow run:  {mv.tags.get('grpoflow.run_id', '?')}  rollout {mv.tags.get('grpoflow.rollout', '?')}",
                   markup=False, highlight=False)
     console.print(f"mlflow run:    {mv.run_id or '-'}", markup=False, highlight=False)
@@ -189,7 +192,7 @@ def models_show(spec: str, tracking_uri: str | None = None, root: str = DEFAULT_
         table = Table(title="metrics")
         table.add_column("metric", overflow="fold")
         table.add_column("value", justify="right")
-        primary = mv.tags.get("grpoflow.primary_metric")
+        primary = mv.tags.get(PRIMARY_METRIC_TAG)
         for k, v in metrics.items():
             table.add_row(_short_metric(k) + ("  (primary)" if k == primary else ""), f"{v:.6g}")
         console.print(table)
@@ -203,6 +206,12 @@ def models_show(spec: str, tracking_uri: str | None = None, root: str = DEFAULT_
         console.print(table)
     console.print("load it with:")
     console.print(_load_snippet(_loadable(export_uri, mv.source)), markup=False, highlight=False)
+    adapter_dir = _loadable(adapter_uri, "") if adapter_uri else ""
+    if adapter_dir:
+        console.print("or the adapter alone, on the base its adapter_config.json names:", markup=False, highlight=False)
+        console.print(f'from peft import AutoPeftModelForCausalLM\n'
+                      f'model = AutoPeftModelForCausalLM.from_pretrained("{adapter_dir}")', markup=False,
+                      highlight=False)
     return 0
 
 

@@ -199,6 +199,29 @@ def test_lora_killed_at_a_moment_then_resumed_ends_as_the_reference(lora_referen
     _kill_and_resume(lora_reference, moment, start, tmp_path, capsys)
 
 
+def test_a_lora_version_shows_its_adapter_and_both_printed_loaders_run(lora_reference, capsys):
+    """`grpoflow models show` of a LoRA run's version names the adapter by an absolute URI, and the two loaders
+    it prints (the merged model with transformers; the adapter alone with peft, on the base its
+    adapter_config.json names) run as printed and give the same logits."""
+    import torch
+    assert main(["models", "show", "tiny@best", "--root", str(lora_reference["root"])]) == 0
+    out = capsys.readouterr().out
+    adapter = next(line for line in out.splitlines() if line.startswith("adapter:"))
+    assert adapter.split()[1].startswith("file:///")
+    merged_code, peft_code = out.split("load it with:\n", 1)[1].split("or the adapter alone, on the base its "
+                                                                       "adapter_config.json names:\n")
+    merged, adapted = {}, {}
+    exec(merged_code, merged)  # noqa: S102 - the code the CLI tells a user to run
+    exec(peft_code, adapted)  # noqa: S102
+    ids = torch.tensor([[3, 17, 42, 5, 9, 11]])
+    with torch.no_grad():
+        a, b = merged["model"](ids).logits, adapted["model"](ids).logits
+        with adapted["model"].disable_adapter():
+            base = adapted["model"](ids).logits
+    assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+    assert (a - base).abs().max() > 1e-3  # the adapters trained: the check compares something
+
+
 def _kill_and_resume(reference: dict, moment: str, start: str | None, tmp_path: Path, capsys) -> None:
     from tests.test_resume import assert_same_checkpoint, checkpoint_tensors
     root = reference["root"]

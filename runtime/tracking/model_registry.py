@@ -192,7 +192,7 @@ def register_checkpoint(tracker_or_client, *, name: str, export_uri: str, rollou
                     EXPORT_URI_TAG: redact_uri(storage.absolute_uri(str(export_uri))),
                     **{METRIC_TAG + k: repr(v) for k, v in metrics.items()},
                     **{GRADER_TAG + k: str(v) for k, v in (grader or _eval_grader()).items()},
-                    WEIGHTS_TAG: weights, **({ADAPTER_URI_TAG: redact_uri(str(adapter_uri))} if adapter_uri else {})}
+                    WEIGHTS_TAG: weights, **({ADAPTER_URI_TAG: redact_uri(storage.absolute_uri(str(adapter_uri)))} if adapter_uri else {})}
             pm = metric_key(primary_metric) if primary_metric else None
             if pm is not None and pm in metrics:
                 tags[PRIMARY_METRIC_TAG] = pm
@@ -200,7 +200,7 @@ def register_checkpoint(tracker_or_client, *, name: str, export_uri: str, rollou
             elif pm is not None:
                 log.warning("primary metric %s is not among the metrics of %s; best stays where it is", pm, tag)
             what = ("" if weights == "full" else
-                    f"; LoRA adapters merged into the base (the adapter alone, PEFT layout: {redact_uri(str(adapter_uri))})"
+                    f"; LoRA adapters merged into the base (the adapter alone, PEFT layout: {redact_uri(storage.absolute_uri(str(adapter_uri)))})"
                     if adapter_uri else f"; {weights}")
             mv = client.create_model_version(name, source=source, run_id=mlflow_run_id, tags=tags,
                                              description=f"grpoflow run {run_id}, after {int(rollout)} rollouts{what}")
