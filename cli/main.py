@@ -240,7 +240,7 @@ def _summary(result: dict, root: str, report: str | None = None) -> None:
     print(f"converted checkpoint: {result['convert']['torch_dist']}")
     print(f"train data:           {result['prepare']['train']['path']}")
     for name, res in result["prepare"]["eval"].items():
-        print(f"eval data ({name}): {res['path']}")
+        print(f"{f'eval data ({name}):':<22}{res['path']}")
     if train.get("checkpoint"):
         print(f"final checkpoint:     {train['checkpoint']}")
     if report:
