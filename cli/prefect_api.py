@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from runtime.errors import TransientError, UserError
+from runtime.errors import UserError
 
 
 def ensure_api(startup_timeout_s: float) -> str | None:
@@ -71,7 +71,7 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
             time.sleep(0.1)  # polling a server that is starting up; the deadline bounds it
     _stop(proc)
     why = (proc.stderr.read().decode(errors="replace").strip().splitlines() or ["no output"])[-1]
-    raise TransientError(f"the run's Prefect API server did not start within {timeout_s:g} s ({why}); "
+    raise UserError(f"the run's Prefect API server did not start within {timeout_s:g} s ({why}); "
                          f"raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS or set PREFECT_API_URL to a "
                          f"running Prefect server")
 
