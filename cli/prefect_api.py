@@ -36,7 +36,7 @@ def ensure_api(startup_timeout_s: float) -> str | None:
         sock.listen(128)
         proc = subprocess.Popen([sys.executable, "-m", "cli.prefect_api", str(sock.fileno()), str(os.getpid())],
                                 pass_fds=(sock.fileno(),), start_new_session=True, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, env={**os.environ, "PREFECT_UI_ENABLED": "0"})
+                                env={**os.environ, "PREFECT_UI_ENABLED": "0"})  # its errors: on the run's stderr
         url = f"http://127.0.0.1:{sock.getsockname()[1]}/api"
     atexit.register(_stop, proc)
     _wait_healthy(proc, url, startup_timeout_s)
@@ -69,11 +69,12 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
             except httpx.TransportError:
                 pass
             time.sleep(0.1)  # polling a server that is starting up; the deadline bounds it
+    exited = proc.poll()
     _stop(proc)
-    why = (proc.stderr.read().decode(errors="replace").strip().splitlines() or ["no output"])[-1]
-    raise UserError(f"the run's Prefect API server did not start within {timeout_s:g} s ({why}); "
-                         f"raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS or set PREFECT_API_URL to a "
-                         f"running Prefect server")
+    why = f"it exited with code {exited}" if exited is not None else f"no answer within {timeout_s:g} s"
+    raise UserError(f"the run's Prefect API server did not start ({why}); raise "
+                    f"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS or set PREFECT_API_URL to a running Prefect "
+                    f"server")
 
 
 def _stop(proc: subprocess.Popen) -> None:
