@@ -669,7 +669,7 @@ def partial_collector(eng):
                             "algorithm": {"use_tis": True},
                             "train": {"seed": PARTIAL_SEED, "global_batch_size": 4, "micro_batch_size": 4}})
     rows = [{"prompt": f"{10 + i} {20 + i} {30 + i}", "label": "1", "metadata": {}} for i in range(8)]
-    return Collector(cfg, eng, PromptDataset(rows, shuffle=False), IdTokenizer(), reward_fn=None), cfg
+    return InlineScoring(cfg, eng, PromptDataset(rows, shuffle=False), IdTokenizer(), reward_fn=None), cfg
 
 
 def control(eng, path: str, body: dict) -> None:

@@ -137,11 +137,6 @@ def memory_report(cfg: GrpoConfig, gpu_mem_gb: float | None = None,
     return lines, None
 
 
-def memory_lines(cfg: GrpoConfig, gpu_mem_gb: float | None = None) -> list[str]:
-    """:func:`memory_report`'s lines."""
-    return memory_report(cfg, gpu_mem_gb)[0]
-
-
 def layout_lines(cfg: GrpoConfig) -> list[str]:
     """Where trainer ranks and the engine go; raises ConfigError when the layout cannot run here
     (model shapes when the config.json is at hand; this machine's GPUs under cluster.backend=local)."""

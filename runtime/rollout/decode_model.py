@@ -188,10 +188,6 @@ def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return fused
 
 
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 
 class FusedModel:
     """The model's sizes and fused weights, and the (optionally compiled) forward pieces over them.
