@@ -36,12 +36,16 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+BENCH = Path(__file__).resolve().parent
+for p in (ROOT, BENCH):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from gpu_grpo import _torch, kv_bytes_per_token, peak_gib, read_results, reset_peak, sync  # noqa: E402
+import gpu_grpo  # noqa: E402  (the section runner)
 
 SHAPES = {
     "gpu": dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=3072, vocab=151936, dtype="bfloat16",
@@ -58,26 +62,6 @@ SECTION_MAX_S = {"paged": 200, "capped": 150, "kernels": 90, "sweep": 300}
 # the fixed-slot decoder on this schedule (H100, same KV GiB, CUDA graphs), before it was deleted
 FIXED_SLOT_TOK_S = {"file": "bench/results/rollout_bench_H100_2026-11-23_run2.json", "tok_s": 6808, "new_tokens": 809287}
 SEED = 18
-
-
-def _torch():
-    import torch
-    return torch
-
-
-def sync(S) -> None:
-    if S["device"] == "cuda":
-        _torch().cuda.synchronize()
-
-
-def peak_gib(S) -> float:
-    torch = _torch()
-    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if S["device"] == "cuda" else 0.0
-
-
-def reset_peak(S) -> None:
-    if S["device"] == "cuda":
-        _torch().cuda.reset_peak_memory_stats()
 
 
 # ---- the workload -------------------------------------------------------------------------------------------
@@ -113,10 +97,6 @@ def requests(S, n_prompts: int, samples: int, prompt_len: int, rollout: int, see
     from runtime.rollout.base import SampleRequest
     ids = prompts_of(S, n_prompts, prompt_len, seed)
     return [SampleRequest(prompt_ids=ids[p], key=(7, rollout, p, j)) for p in range(n_prompts) for j in range(samples)]
-
-
-def kv_bytes_per_token(S) -> int:
-    return S["layers"] * 2 * S["kv_heads"] * S["head_dim"] * (2 if S["dtype"] == "bfloat16" else 4)
 
 
 def weight_bytes(S) -> int:
@@ -661,33 +641,6 @@ def print_table(summary: dict) -> None:
 
 # ---- driver -----------------------------------------------------------------------------------------------------
 
-def run_section(name: str, S: dict, W: Path, out: Path) -> dict:
-    t0 = time.time()
-    try:
-        r = FUNCS[name](S, W)
-        r["status"] = "ok"
-    except Exception as e:  # noqa: BLE001 - one section's failure is recorded, the rest still run
-        traceback.print_exc()
-        r = {"name": name, "status": "FAILED", "error": f"{type(e).__name__}: {e}"[:2000]}
-    r["section_s"] = round(time.time() - t0, 1)
-    with open(out / "results.jsonl", "a") as f:
-        f.write(json.dumps(r, default=str) + "\n")
-    print("RESULT", json.dumps(r, default=str)[:3000], flush=True)
-    return r
-
-
-def read_results(out: Path) -> dict:
-    res = {}
-    if (out / "results.jsonl").exists():
-        for line in open(out / "results.jsonl"):
-            try:
-                r = json.loads(line)
-                res[r["name"]] = r
-            except Exception:  # noqa: BLE001
-                pass
-    return res
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (CI smoke)")
@@ -715,13 +668,13 @@ def main(argv=None) -> int:
         _torch().set_num_threads(1)
     os.environ["ROLLOUT_BENCH_OUT"] = str(out)
     if a.section:
-        return 0 if run_section(a.section, S, W, out)["status"] == "ok" else 1
+        return 0 if gpu_grpo.run_section(a.section, S, W, out, fn=FUNCS[a.section])["status"] == "ok" else 1
     t_start = time.time()
     (out / "results.jsonl").unlink(missing_ok=True)
     sections = [x for x in a.sections.split(",") if x]
     if a.cpu:
         for name in sections:
-            run_section(name, S, W, out)
+            gpu_grpo.run_section(name, S, W, out, fn=FUNCS[name])
     else:
         for name in sections:
             left = a.deadline - (time.time() - t_start)
