@@ -32,14 +32,17 @@ def _start_prefect_api() -> None:
 
 
 class _HideUserErrors(logging.Filter):
-    """Prefect logs every failed task with its traceback; a user mistake is printed once, as one line."""
+    """Prefect logs every failed task with its traceback; a user mistake (or a Ctrl-C) is printed once, as one
+    line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from runtime.errors import UserError
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, UserError):
+        if isinstance(exc, (UserError, KeyboardInterrupt)):
             return False
         msg = record.getMessage() if record.levelno >= logging.ERROR else ""
+        if "aborted by an interrupt signal" in msg:
+            return False
         return not any(f"exception {cls.__name__}" in msg or f"{cls.__name__}(" in msg for cls in _user_error_types())
 
 
@@ -337,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging(args.log_level)
     from runtime.errors import TransientError, UserError
+    from runtime.run.directory import resume_command
 
+    resume_with = None  # how to continue the run this command works on, once it has an id
     try:
         if args.cmd == "validate":
             from runtime.config import load_config
@@ -376,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.overrides)
             run_id = check_run_id(args.run_id) if args.run_id is not None else default_run_id(cfg)
             print(f"run id: {run_id}")
+            resume_with = resume_command(run_id, cfg.storage.root)
             _print_plan(cfg)
             _start_prefect_api()
             from flows.pipeline import grpo_pipeline
@@ -384,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             from runtime.run.directory import RunDir
             root, rd = cfg.storage.root, RunDir(cfg.storage.root, run_id, cfg.storage.state_dir)
         elif args.cmd == "resume":
+            resume_with = resume_command(args.run_id, args.root or DEFAULT_ROOT)
             result = _resume(args)
             if result is None:
                 return 0
@@ -398,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
+    except KeyboardInterrupt:
+        # every write that matters is atomic and the lease is released on the way out
+        print("error: interrupted" + (f"; nothing is lost: continue with `{resume_with}`" if resume_with else ""),
+              file=sys.stderr)
+        return 130
     except TransientError as err:
         # still failing after the task's retries: nothing is lost, `grpoflow resume` continues later
         print(f"error: {' '.join(str(err).split())} (still failing after retries; resume the run later)",

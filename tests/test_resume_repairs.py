@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sqlite3
 from pathlib import Path
 
@@ -169,10 +170,12 @@ def test_a_lost_cluster_ends_in_one_line_with_the_lease_released_and_no_orphan(t
         os.kill(child, 0)
 
 
-def test_a_run_killed_outright_leaves_no_prefect_server_behind(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["sigkill", "ctrl-c"])
+def test_a_run_stopped_outright_leaves_no_prefect_server_behind(tmp_path, sig):
     """No Prefect API configured: `grpoflow run` starts a server of its own. SIGKILL of the run alone (not
     its process group: the OOM killer's way) ends that server too — Prefect's own ephemeral server stayed,
-    holding its port, for good."""
+    holding its port, for good. A Ctrl-C (SIGINT to the run; the server has a session of its own) ends in
+    one line that says how to continue, exit 130, the lease released."""
     import subprocess
     import sys
     import time
@@ -185,20 +188,27 @@ def test_a_run_killed_outright_leaves_no_prefect_server_behind(tmp_path):
                GRPOFLOW_TEST_PAUSE_AT="fetch-datasets-done", GRPOFLOW_TEST_PAUSE_DIR=str(pauses))
     argv = ["run", "configs/tiny.yaml", "--run-id", "k", "--set", "train.num_rollout=2", "--set", "eval.interval=2",
             "--set", f"storage.root={root}"]
-    log = (tmp_path / "run.log").open("w")
-    run = subprocess.Popen([sys.executable, "-m", "cli.main", *argv], env=env, stdout=log, stderr=log)
+    out, err = (tmp_path / "out.log").open("w"), (tmp_path / "err.log").open("w")
+    # SIGINT as a terminal delivers it, even where this test runs with it ignored (a background job)
+    run = subprocess.Popen([sys.executable, "-m", "cli.main", *argv], env=env, stdout=out, stderr=err,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 300
         while not (pauses / "fetch-datasets-done.reached").exists():
-            assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+            assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "err.log").read_text()[-3000:]
             time.sleep(0.1)  # waiting for the run's event, bounded by the deadline
         kids = psutil.Process(run.pid).children(recursive=True)  # the Prefect server: nothing else runs yet
         assert kids
-        run.kill()
-        run.wait()
+        run.send_signal(sig)
+        code = run.wait(timeout=120)
         _, alive = psutil.wait_procs(kids, timeout=60)
         assert not alive, [p.cmdline() for p in alive]
     finally:
         if run.poll() is None:
             run.kill()
             run.wait()
+    if sig == signal.SIGINT:
+        lines = (tmp_path / "err.log").read_text().strip().splitlines()
+        assert code == 130 and lines == [f"error: interrupted; nothing is lost: continue with "
+                                         f"`grpoflow resume k --root {root}`"], lines
+        assert not Path(RunDir(str(root), "k").sub("lease.json")).exists()

@@ -23,6 +23,11 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+def resume_command(run_id: str, root: str) -> str:
+    """The command that continues run `run_id` under storage root `root`."""
+    return f"grpoflow resume {run_id} --root {root}"
+
+
 @dataclass(frozen=True)
 class RunDir:
     root: str  # storage.root

@@ -16,7 +16,7 @@ import uuid
 
 from runtime import forced_exit, storage
 from runtime.errors import UserError
-from runtime.run.directory import RunDir
+from runtime.run.directory import RunDir, resume_command
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class RunLease:
         self._thread.start()
         # A forced exit (the Ray cluster lost) still releases the lease and says how to continue.
         self._exit_hook = forced_exit.on_forced_exit(self.release)
-        forced_exit.resume_hint.append(f"resume it with `grpoflow resume {self.rd.run_id} --root {self.rd.root}`")
+        forced_exit.resume_hint.append(f"resume it with `{resume_command(self.rd.run_id, self.rd.root)}`")
         return self
 
     def _beat(self) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import yaml
 
 from runtime import storage
-from runtime.run.directory import RunDir
+from runtime.run.directory import RunDir, resume_command
 
 DATA_STAGES = ("fetch", "convert", "prepare")
 
@@ -85,10 +85,6 @@ def best_eval(evals: dict[int, dict], first_set: str | None, n_samples: int) -> 
     return f"{first_set} {key} {value:.3f} at {rollout}"
 
 
-def resume_command(run_id: str, root: str) -> str:
-    return f"grpoflow resume {run_id} --root {root}"
-
-
 def run_status(root: str, run_id: str, *, lease_timeout_s: float | None = None) -> RunStatus:
     from runtime.config import config_from_dict, load_yaml
     from runtime.errors import UserError
@@ -145,4 +141,4 @@ def format_runs(runs: list[RunStatus]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head] + rows]
 
 
-__all__ = ["RunStatus", "run_ids", "run_status", "list_runs", "format_runs", "best_eval", "resume_command"]
+__all__ = ["RunStatus", "run_ids", "run_status", "list_runs", "format_runs", "best_eval"]
