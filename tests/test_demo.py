@@ -18,11 +18,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.waiting import wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\s*(\d+)/(\d+)\s+(\d+(?::\d\d)+)\s+(\d+(?::\d\d)+)\s")
@@ -58,17 +58,7 @@ def _serves_as_printed(line: str, env: dict[str, str], log: Path) -> None:
         proc = subprocess.Popen(["/bin/sh", "-c", f"exec {line}"], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, f"`{line}` exited {proc.returncode}:\n{log.read_text()[-2000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"`{line}` never answered on port {port}:\n{log.read_text()[-2000:]}"
-            time.sleep(0.2)
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, timeout_s=180, log=log)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

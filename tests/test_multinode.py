@@ -17,15 +17,15 @@ subprocess with its own Prefect server, so that "no orphan" covers that server t
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.waiting import wait_reached
 
 from runtime.run import checkpoint
 from runtime.run.directory import RunDir
@@ -92,15 +92,6 @@ class RayNodes:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-def _wait_for_file(path: Path, proc_alive, timeout_s: float = 900) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert proc_alive(), f"the run ended before reaching {path.name}"
-        assert time.monotonic() < deadline, f"{path.name} never reached"
-        time.sleep(0.1)
-    return json.loads(path.read_text())
-
-
 def _argv(root: str, state_dir: Path, address: str) -> list[str]:
     sets = REFERENCE_OVERRIDES + [f"storage.root={root}", f"storage.state_dir={state_dir}", "cluster.backend=ray",
                                   f"cluster.address={address}"]
@@ -133,7 +124,7 @@ def test_node_removed_mid_chunk_then_bitwise_equal(s3, zygote, reference_final, 
     try:
         zygote.start(_argv(root, tmp_path / "state", nodes.address), {}, tmp_path / "run.log")
         label = pause_at.replace("/", "_").replace(":", "_")
-        reached = _wait_for_file(pauses / f"{label}.reached", lambda: True)
+        reached = wait_reached(pauses / f"{label}.reached")
         assert reached["node_id"], reached  # inside a Ray actor on a worker node
         nodes.replace(reached["node_id"])  # the node with the paused actor dies; a new one joins
         (pauses / f"{label}.go").touch()
@@ -159,7 +150,7 @@ def test_whole_cluster_lost_then_resumed_on_a_new_cluster(s3, zygote, reference_
                             stdout=(tmp_path / "stdout.log").open("w"), stderr=err_log.open("w"), env=env,
                             start_new_session=True)
     try:
-        _wait_for_file(pauses / "checkpoint-latest-moved#1.reached", lambda: proc.poll() is None)
+        wait_reached(pauses / "checkpoint-latest-moved#1.reached", proc)
         nodes.shutdown()  # every node, the head included: the cluster is gone
         (pauses / "checkpoint-latest-moved#1.go").touch()
         code = proc.wait(timeout=600)

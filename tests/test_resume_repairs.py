@@ -178,9 +178,10 @@ def test_a_run_stopped_outright_leaves_no_prefect_server_behind(tmp_path, sig):
     one line that says how to continue, exit 130, the lease released."""
     import subprocess
     import sys
-    import time
 
     import psutil
+
+    from tests.waiting import wait_reached
     pauses, root = tmp_path / "pauses", tmp_path / "root"
     pauses.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
@@ -193,10 +194,7 @@ def test_a_run_stopped_outright_leaves_no_prefect_server_behind(tmp_path, sig):
     run = subprocess.Popen([sys.executable, "-m", "cli.main", *argv], env=env, stdout=out, stderr=err,
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        deadline = time.monotonic() + 300
-        while not (pauses / "fetch-datasets-done.reached").exists():
-            assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "err.log").read_text()[-3000:]
-            time.sleep(0.1)  # waiting for the run's event, bounded by the deadline
+        wait_reached(pauses / "fetch-datasets-done.reached", run, timeout_s=300, log=tmp_path / "err.log")
         kids = psutil.Process(run.pid).children(recursive=True)  # the Prefect server: nothing else runs yet
         assert kids
         run.send_signal(sig)

@@ -9,10 +9,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.waiting import wait_healthy
 
 from runtime.config import GrpoConfig
 from runtime.errors import TransientError, UserError
@@ -290,17 +291,7 @@ def test_tracker_and_registry_through_a_real_mlflow_server(tmp_path, capsys):
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "wb"), start_new_session=True,
         env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no job-runner processes
     try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
-            assert time.time() < deadline, "mlflow server did not answer /health in 90 s"
-            time.sleep(0.3)
+        wait_healthy(f"{uri}/health", proc, timeout_s=90, log=tmp_path / "server.log")
 
         root = tmp_path / "data"
         cfg = make_cfg(root, tracking={"uri": uri, "experiment": "served"})
