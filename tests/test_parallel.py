@@ -134,6 +134,9 @@ def test_local_backend_tp2_processes_and_broadcast_weight_sync(tiny_checkpoint, 
         one = TrainBatch([sample], [p], [0.0], [[1] * (len(sample) - p)], [[0.0] * (len(sample) - p)])
         trainer_lp = trainer.compute_logprobs(one)[0]
         assert max(abs(a - b) for a, b in zip(engine_lp, trainer_lp)) <= 1e-4
+        # ending an in-process engine shuts it down: its memory and its side of the group go with it
+        sync.engine.kill()
+        assert not engine.health()["ok"] and not engine.weight_sync_ready()
     finally:
         group.kill()
 

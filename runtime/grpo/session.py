@@ -72,7 +72,7 @@ class TrainSession:
                                        group_name=f"grpoflow_weights_{self.builds}")
 
     def close_actors(self) -> None:
-        for handle in (self.trainer, self.engine):
+        for handle in (self.engine, self.trainer):  # the engine first: it leaves the weight-sync group rank 0 hosts
             if handle is not None:
                 handle.kill()
         self.trainer = self.engine = None

@@ -61,6 +61,10 @@ class LocalGroup:
         return len(self.members)
 
     def kill(self) -> None:
+        # in this process nothing ends with the member: its GPU memory and process groups stay until shut down
+        for m in self.members:
+            if hasattr(m, "shutdown"):
+                m.shutdown()
         self.members = []
 
 

@@ -319,6 +319,11 @@ class BuiltinEngine(RolloutEngine):
             return
         self._abandon_generation()
         self._closed = True
+        if getattr(self, "_sync_group", None) is not None:
+            # before the trainer's side goes: NCCL's watchdog polls the store rank 0 hosts, and warns each second
+            from runtime.placement import weight_sync
+            weight_sync.destroy_group(self._sync_group)
+            self._sync_group = None
         if self.decoder is not None:
             self.decoder.release()
             self.decoder = None
