@@ -263,10 +263,15 @@ class BuiltinEngine(RolloutEngine):
     def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, group_name: str) -> None:
         from runtime.placement import weight_sync
         self._check_open()
-        if getattr(self, "_sync_group", None) is not None:
-            weight_sync.destroy_group(self._sync_group)
+        self._leave_weight_sync()
         self._sync_group = weight_sync.init_group(host, port, rank_offset, world_size, group_name=group_name,
                                                   backend=weight_sync.backend_for(self.device.type))
+
+    def _leave_weight_sync(self) -> None:
+        from runtime.placement import weight_sync
+        if getattr(self, "_sync_group", None) is not None:
+            weight_sync.destroy_group(self._sync_group)
+            self._sync_group = None
 
     def weight_sync_ready(self) -> bool:
         return getattr(self, "_sync_group", None) is not None
@@ -319,11 +324,8 @@ class BuiltinEngine(RolloutEngine):
             return
         self._abandon_generation()
         self._closed = True
-        if getattr(self, "_sync_group", None) is not None:
-            # before the trainer's side goes: NCCL's watchdog polls the store rank 0 hosts, and warns each second
-            from runtime.placement import weight_sync
-            weight_sync.destroy_group(self._sync_group)
-            self._sync_group = None
+        # before the trainer's side goes: NCCL's watchdog polls the store rank 0 hosts, and warns each second
+        self._leave_weight_sync()
         if self.decoder is not None:
             self.decoder.release()
             self.decoder = None

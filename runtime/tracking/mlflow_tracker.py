@@ -47,7 +47,6 @@ _TRANSIENT_CODES = {"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_
                     "ABORTED", "CANCELLED", "UNAVAILABLE"}
 
 
-
 def flatten_params(tree: dict, prefix: str = "") -> dict[str, str]:
     """``{"train": {"lr": 1e-3}}`` -> ``{"train.lr": "0.001"}``; secret keys dropped, secret values
     (passwords in URIs, ``--api-key X`` in arg lists) redacted; values cut to MLflow's limit."""

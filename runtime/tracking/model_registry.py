@@ -184,15 +184,17 @@ def register_checkpoint(tracker_or_client, *, name: str, export_uri: str, rollou
         mv = find_checkpoint_version(client, name, tag)
         created = mv is None
         if created:
-            source = storage.absolute_uri(str(export_uri))  # resolves from any working directory
+            export = storage.absolute_uri(str(export_uri))  # resolves from any working directory
+            adapter = redact_uri(storage.absolute_uri(str(adapter_uri))) if adapter_uri else None
+            source = export
             if _is_server(uri) and not storage.is_remote(source) and mlflow_run_id:
                 source = _upload_export(client, mlflow_run_id, str(export_uri), rollout)
             tags = {CHECKPOINT_TAG: tag, "grpoflow.run_id": run_id, "grpoflow.rollout": str(int(rollout)),
                     "grpoflow.config_hash": config_hash,
-                    EXPORT_URI_TAG: redact_uri(storage.absolute_uri(str(export_uri))),
+                    EXPORT_URI_TAG: redact_uri(export),
                     **{METRIC_TAG + k: repr(v) for k, v in metrics.items()},
                     **{GRADER_TAG + k: str(v) for k, v in (grader or _eval_grader()).items()},
-                    WEIGHTS_TAG: weights, **({ADAPTER_URI_TAG: redact_uri(storage.absolute_uri(str(adapter_uri)))} if adapter_uri else {})}
+                    WEIGHTS_TAG: weights, **({ADAPTER_URI_TAG: adapter} if adapter else {})}
             pm = metric_key(primary_metric) if primary_metric else None
             if pm is not None and pm in metrics:
                 tags[PRIMARY_METRIC_TAG] = pm
@@ -200,8 +202,8 @@ def register_checkpoint(tracker_or_client, *, name: str, export_uri: str, rollou
             elif pm is not None:
                 log.warning("primary metric %s is not among the metrics of %s; best stays where it is", pm, tag)
             what = ("" if weights == "full" else
-                    f"; LoRA adapters merged into the base (the adapter alone, PEFT layout: {redact_uri(storage.absolute_uri(str(adapter_uri)))})"
-                    if adapter_uri else f"; {weights}")
+                    f"; LoRA adapters merged into the base (the adapter alone, PEFT layout: {adapter})"
+                    if adapter else f"; {weights}")
             mv = client.create_model_version(name, source=source, run_id=mlflow_run_id, tags=tags,
                                              description=f"grpoflow run {run_id}, after {int(rollout)} rollouts{what}")
             moment("registry-version-created")  # best alias not yet moved
