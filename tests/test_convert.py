@@ -341,18 +341,37 @@ def test_export_of_a_missing_checkpoint(tied, work):
         torch_dist_to_hf(tied[0], tied[0], work / "out_not_ckpt")
 
 
-def test_init_parallel_is_idempotent(converted):
+def test_a_conversion_leaves_the_parallel_state_as_it_found_it(converted, tied, work, monkeypatch):
+    """A conversion in the driver left its CPU state and shims up, and the GPU trainer built there next ran
+    on them (found on 2 x H200: the paged engine's compile and CUDA graphs failed on a "cpu" current device).
+    None before: none after. A CPU state (a CPU trainer in this process): used and left up. A GPU state:
+    the conversion runs in a spawned process (faked here: the state says cuda, and this process's loader
+    is broken, which the child does not see)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from runtime.mcore.env import cuda_to_cpu, init_parallel
+    from runtime.mcore import convert, env
+    from runtime.mcore.convert import hf_to_torch_dist, torch_dist_to_hf
+    env.destroy_parallel()
+    real_current_device = torch.cuda.current_device
+    hf_to_torch_dist(tied[0], work / "td_again", tolerance=TOL)
+    assert not dist.is_initialized() and torch.cuda.current_device is real_current_device
 
-    init_parallel()  # already up from the conversions: must not raise
-    assert dist.get_world_size() == 1 and mpu.get_tensor_model_parallel_world_size() == 1
-    assert torch.cuda.current_device() == "cpu"  # the CPU shim
-    with cuda_to_cpu():
-        t = torch.zeros(2, device="cuda")
-    assert t.device.type == "cpu"
+    env.init_parallel()
+    env.init_parallel()  # idempotent
+    torch_dist_to_hf(converted["tied"][1], tied[0], work / "hf_beside_a_cpu_state")
+    assert env.parallel_device() == "cpu" and mpu.get_tensor_model_parallel_world_size() == 1
+    assert torch.cuda.current_device() == "cpu"  # the CPU shim, still up for the CPU trainer
+    with env.cuda_to_cpu():
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+    with pytest.raises(RuntimeError, match="parallel state is for cpu, not cuda"):
+        env.init_parallel(device="cuda")
+
+    monkeypatch.setitem(env._state, "device", "cuda")
+    monkeypatch.setattr(convert, "load_torch_dist_into", lambda *a, **k: 1 / 0)
+    report = torch_dist_to_hf(converted["tied"][1], tied[0], work / "hf_beside_a_gpu_state")
+    assert (work / "hf_beside_a_gpu_state" / "config.json").is_file() and report["seconds"] >= 0
+    assert env._state["device"] == "cuda" and dist.is_initialized()  # this process's state untouched
 
 
 def test_a_torch_dist_save_leaves_no_process_running(converted):

@@ -22,6 +22,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from runtime.errors import ModelError
+from runtime.mcore.cpu_job import cpu_job
 from runtime.models import get_adapter, load_hf_config
 from runtime.storage import atomic_dir, write_json_atomic
 
@@ -237,6 +238,7 @@ def hf_logits(hf_dir: str | os.PathLike, input_ids: torch.Tensor) -> torch.Tenso
 
 
 # ---- the two conversions --------------------------------------------------------------------------
+@cpu_job
 def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tolerance: float = 1e-4,
                      probe_seed: int = 0, probe_shape: tuple[int, int] = (2, 32)) -> dict[str, Any]:
     """Convert a local HF model dir to a megatron torch_dist checkpoint (fp32, TP=1) in ``out_dir``.
@@ -245,7 +247,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     |logit diff| above ``tolerance`` raises ModelError and nothing is written. ``out_dir`` also gets
     ``parity.json``; the same report is returned.
     """
-    from runtime.mcore.env import build_gpt_model, ensure_parallel
+    from runtime.mcore.env import build_gpt_model
 
     t0 = time.time()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
@@ -256,7 +258,6 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     del hf_state
 
     _require_single_process("hf_to_torch_dist")
-    ensure_parallel("cpu")
     model = build_gpt_model(hf_config, dtype=torch.float32, device="cpu", init_weights=False)
     _load_mapped_weights(model, mcore_state, hf_dir)
     del mcore_state
@@ -293,6 +294,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     return report
 
 
+@cpu_job
 def torch_dist_to_hf(torch_dist_dir: str | os.PathLike, hf_config_dir: str | os.PathLike,
                      out_dir: str | os.PathLike, *, dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Export a torch_dist checkpoint to an HF model dir (atomically).
@@ -301,7 +303,7 @@ def torch_dist_to_hf(torch_dist_dir: str | os.PathLike, hf_config_dir: str | os.
     tokenizer files are copied. Weights are written in ``dtype`` (default: the config's dtype, so a
     bf16 model exports as bf16); tied embeddings write no ``lm_head.weight``, as ``save_pretrained``.
     """
-    from runtime.mcore.env import build_gpt_model, ensure_parallel
+    from runtime.mcore.env import build_gpt_model
 
     t0 = time.time()
     torch_dist_dir, hf_config_dir, out_dir = Path(torch_dist_dir), Path(hf_config_dir), Path(out_dir)
@@ -310,7 +312,6 @@ def torch_dist_to_hf(torch_dist_dir: str | os.PathLike, hf_config_dir: str | os.
     _check_torch_dist_dir(torch_dist_dir)
 
     _require_single_process("torch_dist_to_hf")
-    ensure_parallel("cpu")
     model = build_gpt_model(hf_config, dtype=torch.float32, device="cpu", init_weights=False)
     load_torch_dist_into(model, torch_dist_dir)
     dtype = dtype or _config_dtype(hf_config)

@@ -103,7 +103,9 @@ def init_parallel(rank: int = 0, world_size: int = 1, tp: int = 1, master_addr: 
                 f"{dist.get_world_size()}, not rank {rank} of {world_size}")
         if _state["device"] is None:  # initialised by someone else (torchrun, a test harness)
             _state["device"] = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        device = _state["device"]
+        if _state["device"] != device:  # a model built for one device on the other's state runs wrong, silently
+            raise RuntimeError(f"init_parallel: this process's parallel state is for {_state['device']}, not "
+                               f"{device} (a CPU job left it up? see runtime/mcore/cpu_job.py)")
     else:
         if master_port is None:
             if os.environ.get("MASTER_PORT"):

@@ -15,9 +15,11 @@ import torch
 
 from runtime import storage
 from runtime.errors import ModelError
+from runtime.mcore.cpu_job import cpu_job
 from runtime.testing.moments import moment
 
 
+@cpu_job
 def load_merged(ckpt_model_dir: str | Path, base_dir: str | Path, hf_config, lora) -> tuple[dict, dict]:
     """(whole megatron weights with the adapters merged in, fp32; the adapters) of a LoRA checkpoint whose
     base is the torch_dist checkpoint ``base_dir``."""
@@ -25,10 +27,9 @@ def load_merged(ckpt_model_dir: str | Path, base_dir: str | Path, hf_config, lor
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     from runtime.mcore.convert import _quiet_checkpoint_warnings, load_torch_dist_into
-    from runtime.mcore.env import build_gpt_model, cuda_to_cpu, ensure_parallel
+    from runtime.mcore.env import build_gpt_model, cuda_to_cpu
     from runtime.trainer import lora as lora_model
 
-    ensure_parallel("cpu")
     model = build_gpt_model(hf_config, dtype=torch.float32, device="cpu", init_weights=False)
     load_torch_dist_into(model, base_dir)
     lora_model.attach(model, lora, seed=0)  # the initial values are replaced by the checkpoint's

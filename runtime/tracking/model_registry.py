@@ -21,6 +21,7 @@ from typing import Any
 
 from runtime import storage
 from runtime.errors import ModelError
+from runtime.mcore.cpu_job import cpu_job
 from runtime.run.directory import RunDir
 from runtime.testing.moments import moment
 from runtime.secrets import redact_uri
@@ -224,6 +225,7 @@ def export_complete(out_dir: str) -> bool:
     return storage.exists(storage.join(out_dir, EXPORT_MARKER)) and storage.exists(storage.join(out_dir, "config.json"))
 
 
+@cpu_job
 def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: str | os.PathLike,
                               out_dir: str | os.PathLike, *, dtype=None, provenance: dict | None = None,
                               base_dir: str | os.PathLike | None = None,
@@ -246,7 +248,7 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
 
     from runtime.mcore.convert import (HF_SIDE_FILES, _check_torch_dist_dir, _config_dtype, _quiet_checkpoint_warnings,
                           _require_single_process, save_hf_state_dict)
-    from runtime.mcore.env import build_gpt_model, cuda_to_cpu, ensure_parallel
+    from runtime.mcore.env import build_gpt_model, cuda_to_cpu
     from runtime.models import get_adapter, load_hf_config
 
     t0 = time.time()
@@ -255,7 +257,6 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
     hf_config = load_hf_config(hf_config_dir)
     adapter = get_adapter(hf_config)
     _require_single_process("export_trainer_checkpoint")
-    ensure_parallel("cpu")
     dtype = dtype or _config_dtype(hf_config)
     from runtime.trainer.lora import read_description
     lora = read_description(str(ckpt))
