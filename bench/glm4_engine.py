@@ -144,7 +144,8 @@ def main() -> int:
     # ---- the plan's engine terms ----
     hf_cfg = Glm4Config(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "torch_dtype")})
     est = estimate_memory(hf_cfg, micro_batch_size=1, seq_len=S["prompt_len"] + S["max_new"],
-                          rollout_batch=len(rreqs), max_new_tokens=S["max_new"], dtype="bfloat16" if cuda else "float32",
+                          rollout_batch=len(rreqs), samples_per_prompt=S["samples"], max_new_tokens=S["max_new"],
+                          dtype="bfloat16" if cuda else "float32",
                           device="cuda" if cuda else "cpu", kv_cache_gb=kv_gib, gpu_mem_gb=141.0, tp=2)
     res["plan_vs_measured_GiB"] = {
         "engine_weights": {"plan": round(est["engine_weights"], 2), "measured": round(weights / GIB, 2)},

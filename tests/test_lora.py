@@ -102,12 +102,13 @@ def test_dropout_acts_in_the_training_forward_only(trained):
         for m in mods:
             m.lora_dropout = 0.3
     x = torch.randn(5, 1, mods[0].lora_A.shape[1])
+    out = torch.zeros(5, 1, mods[0].lora_B.shape[0])
     mods[0].train()
     lora.set_dropout_key(tr.model, (1, 2, 3, 4))
-    drawn = mods[0]._lora_delta(x)
-    assert torch.equal(drawn, mods[0]._lora_delta(x))  # keyed: a recomputed forward draws the same mask
+    drawn = mods[0]._add_lora(out, x)
+    assert torch.equal(drawn, mods[0]._add_lora(out, x))  # keyed: a recomputed forward draws the same mask
     mods[0].eval()
-    assert not torch.equal(drawn, mods[0]._lora_delta(x))
+    assert not torch.equal(drawn, mods[0]._add_lora(out, x))
 
 
 def test_checkpoint_holds_the_adapters_and_resumes_bitwise(trained, tiny_checkpoint, tmp_path):

@@ -59,7 +59,12 @@ def test_lora_terms_against_their_arithmetic():
     assert full["bytes"]["engine_weights"] == 2 * n and full["bytes"]["grads"] == 4 * n
     # the frozen output layer: the chunked head keeps no fp32 [vocab, hidden] weight-gradient accumulator
     assert full["bytes"]["act_logprob_head"] - b["act_logprob_head"] == 151552 * h * 10
-    assert b["act_lora"] == 40 * 4096 * 4 * r * 2 + 4096 * h * 2  # each linear's [tokens, r] hidden + the embedding grad
+    # each linear's [tokens, r] hidden, one [tokens, ffn] at a time (fc2's input gradient through A beside the base's;
+    # fc1's addmm result beside its output) and the embedding's gradient
+    assert b["act_lora"] == 40 * 4096 * 4 * r * 2 + 4096 * (f + h) * 2
+    # dropout: each linear's dropped input and mask saved; the mask's draw (fp32 + bool, 5 bytes) over fc2's input
+    dropped = _estimate(glm, lora={**lora, "dropout": 0.1}, shared_base=True)["bytes"]["act_lora"]
+    assert dropped == 40 * 4096 * (4 * r * 2 + 2 * 2 * (h + q + h + f)) + 4096 * (5 * f + 2 * h)
     # tensor parallelism 2: column-parallel B and row-parallel A are halved
     tp2 = _estimate(glm, lora=lora, tp=2)
     assert tp2["lora"]["params_per_gpu"] == L * r * ((h + (q + 2 * kv) // 2) + (q // 2 + h) + (h + f) + (f // 2 + h))
@@ -83,7 +88,7 @@ def test_the_32gb_config_fits_and_24gb_says_what_it_would_need(capsys):
     assert main(["validate", str(LORA_32GB), "--gpu-mem-gb", "24"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "LoRA keeps the frozen bfloat16 base (17.5 GiB) once" in err
-    assert "still needs 24.6 GiB" in err and "a quantized base is not supported" in err
+    assert "still needs 24.8 GiB" in err and "a quantized base is not supported" in err
 
 
 def test_qwen3_lora_plan_is_below_the_full_parameter_one():

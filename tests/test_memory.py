@@ -167,6 +167,28 @@ def test_kv_term_equals_the_engines_pool():
     assert est["kv_slots"] == 0 and not est["fits"] and "does not hold one 100-token sample" in est["reason"]
 
 
+def test_the_paged_prefill_holds_one_prompt_per_group():
+    """The paged decoder prefills a group's prompt once for all its samples: the plan's prefill counts the groups
+    among the rows run at once, not the rows. Rows that come back with tokens (partial rollout's continued samples,
+    a pool that may preempt) are prefilled one by one and fill the budget."""
+    from runtime.plan.memory import estimate_memory
+
+    glm = _glm_z1_9b()
+    per_token = 2 * (3 * 4096 + 2 * 32 * 128 + 2 * 2 * 128 + 3 * 13696)  # the MLP's moment of a prefill, bf16
+
+    def prefill(rows: int, samples_per_prompt: int, kv_cache_gb: float = 40.0, **kw) -> int:
+        est = estimate_memory(glm, micro_batch_size=1, seq_len=9216, max_new_tokens=8192, rollout_batch=rows,
+                              samples_per_prompt=samples_per_prompt, kv_cache_gb=kv_cache_gb, **kw)
+        assert est["bytes"]["rollout_activations"] > rows * 151552 * 18  # the prefill, not the sampler
+        return est["bytes"]["rollout_activations"]
+
+    # 8 prompts of 1024 tokens: 8 or 4 samples each, the same prompts prefilled (a pack may start inside a group: 9)
+    assert prefill(64, 8) == prefill(32, 4) == 9 * 1024 * per_token
+    assert prefill(64, 1) == 16384 * per_token  # a prompt per row: the budget
+    # 40 GiB holds the 64 rows at full length; 8 GiB (22 samples) may preempt: the budget and one prompt
+    assert prefill(64, 8, partial=True) == prefill(64, 8, kv_cache_gb=8.0) == (16384 + 1024) * per_token
+
+
 def test_offload_and_release_move_the_phases():
     """Offload takes the trainer's state out of the rollout phase; an engine that releases its pool takes
     the pool out of the training phase; the plan's pool is the largest that leaves the margin free."""

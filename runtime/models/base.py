@@ -87,6 +87,31 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_groups: int, dim: int):
             v.reshape(num_groups * dim, *rest).contiguous())
 
 
+def add_lora_up(out: torch.Tensor, hidden: torch.Tensor, b: torch.Tensor, scale: float, *,
+                in_place: bool = False) -> torch.Tensor:
+    """``out + scale * hidden B^T``: a LoRA adapter's up-projection (B [out, rank], ``hidden`` [..., rank]) added
+    to its linear's output ``out`` [..., out], the one place the trainer (runtime/trainer/lora.py) and the engine
+    (runtime/rollout/lora_forward.py) compute it, so both round the same sum the same way.
+
+    One GEMM accumulating into ``out`` (``addmm``, leading dimensions flattened): it rounds once, and neither it
+    nor its backward makes a [tokens, out] tensor besides its result (a matmul, a scaling and an add would make
+    two in the forward and the scaled gradient in the backward; addmm's backward scales the [tokens, rank] and
+    [out, rank] products and hands ``out`` the gradient as it is). ``in_place`` (no autograd; ``out`` a fresh
+    tensor nobody else holds): the sum is written into ``out``, which must be contiguous, and ``out`` returned."""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    if in_place:
+        _add_lora_up_(out, rows, b, scale)
+        return out
+    return torch.addmm(out.reshape(-1, out.shape[-1]), rows, b.t(), alpha=scale).view(out.shape)
+
+
+@torch.library.custom_op("grpoflow::add_lora_up_", mutates_args=("out",))
+def _add_lora_up_(out: torch.Tensor, rows: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+    # an op of its own so that torch.compile keeps it in place: a plain addmm_ on an intermediate of a compiled
+    # graph becomes an addmm whose result sits beside its input
+    out.view(-1, out.shape[-1]).addmm_(rows, b.t(), alpha=scale)
+
+
 class _Take:
     """Reads tensors from an HF state dict, remembering which were used, so that leftovers (weights
     the mapping would silently drop) are reported instead of lost."""

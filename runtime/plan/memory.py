@@ -50,8 +50,11 @@ On CUDA (what runs on a GPU; ``runtime.mcore.env`` / ``_chunked_logprobs_enabled
   (20 bytes per logit, as on CPU).
 * the built-in engine (``runtime.rollout.builtin``) takes the fast path when the model family has it
   (``unsupported_config_reason``): the HF weights (not TP-split), the KV pool above, and beyond it a
-  packed prefill of up to 16,384 prompt tokens and the sampler's per-row vocab-sized temporaries (rows:
-  at most ``max_batch_size`` = samples per rollout). A family without
+  packed prefill and the sampler's per-row vocab-sized temporaries (rows: at most ``max_batch_size`` =
+  samples per rollout). The prefill holds one prompt per group of samples among the rows admitted together,
+  up to 16,384 tokens; rows that come back with tokens (partial rollout's continued samples, the preempted rows
+  of a pool that holds fewer full-length samples than rows) are prefilled one by one with their tokens and
+  fill those 16,384, by up to one prompt more. A family without
   the fast path decodes with HF's dynamic cache: every row of a batch (up to ``max_batch_size``) at full
   length for one generate call, one layer's concatenation copy and the sampler's temporaries.
 * data-parallel rollout (``cluster.rollout_gpus`` > 1 with the built-in engine): one engine on each rollout
@@ -319,7 +322,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     core_attention: str = "auto", distributed_optimizer: bool = False,
                     grad_dtype: str = "float32", optimizer_on_host: bool = False, host_memory_gb: float | None = None,
                     trainer_ranks: int = 1, processes: int = 1, lora: dict | None = None,
-                    shared_base: bool = False) -> dict[str, Any]:
+                    shared_base: bool = False, samples_per_prompt: int = 1, partial: bool = False) -> dict[str, Any]:
     """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
 
     ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
@@ -342,6 +345,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     :func:`activation_terms`. ``lora`` (:func:`runtime.plan.lora_memory.config_lora`): the base frozen, gradients and
     optimizer state for the adapters only, no reference copy; ``shared_base``: the engine decodes with the
     trainer's base (``layout.shares_base``), so the base is counted once (runtime/plan/lora_memory.py).
+    ``samples_per_prompt``: the rows of a group, which share one prompt prefill in the paged engine; ``partial``
+    (``rollout.partial``): continued samples come back with their tokens and are prefilled one by one.
 
     Returns ``weights``, ``grads``, ``optimizer``, ``activations``, ``kv_cache``, ``engine_weights``,
     ``rollout_activations``, ``overhead``, ``total`` (GiB; ``bytes``: the same, exact), ``at_rollout`` /
@@ -427,28 +432,53 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
         if fast:
             # the paged engine (runtime/rollout/kv_pages.py) takes kv_cache_gb GiB as its pool and admits
             # up to max_batch_size rows
+            live = min(rows, slots_max)
 
-            def extra(live: int) -> int:
-                # one after the other: a packed prefill of the admitted rows' prompts (at most _PREFILL_TOKENS; a
-                # layer's q/k/v and attention output are still held while its MLP runs), then the sampler over
-                # the admitted rows' first logits or, at each decode step, over the live rows (the larger).
-                # Measured on the H100 at the recipe's 80 GiB and 24 GiB configs: 0.576 GiB with prefills only,
-                # 0.639 GiB with the decode (planned 0.563 and 0.652)
-                prefill = min(_PREFILL_TOKENS, live * max(prompt, 1)) * e * (
-                    3 * m["h"] + 2 * m["nh"] * m["d"] + 2 * m["ng"] * m["d"] + 3 * m["f"])
+            def extra(per_row: bool) -> int:
+                # one after the other: a packed prefill (a layer's q/k/v and attention output are still held while its
+                # MLP runs), then the sampler over the admitted rows' first logits or, at each decode step, over the
+                # live rows (the larger). What one prefill packs (runtime/rollout/paged_decode.py, the admission):
+                # fresh rows share their group's prompt, prefilled once, so a pack holds the prompts of the groups
+                # among the rows admitted - consecutive requests, a group's samples together: `live` of them meet at
+                # most ceil((live - 1) / samples_per_prompt) + 1 groups - up to the budget of _PREFILL_TOKENS (the
+                # first sequence goes in whole). A row that comes back with tokens (``per_row``: a partial rollout's
+                # continued sample, or a preempted row) is prefilled alone with its prompt and its tokens, and such
+                # rows fill the budget, by up to one prompt more: the budget is checked without the prompt of a group
+                # whose pages are held, which the row recomputes all the same. LoRA's adapters add no [tokens, out]
+                # tensor (runtime.models.base.add_lora_up writes into the projection's output, also compiled), only
+                # one [tokens, rank] hidden at a time: under 0.2 % of a token's bytes here, not counted.
+                # Measured on the H100 at the recipe's 80 GiB and 24 GiB configs: 0.576 GiB with prefills only (a pack
+                # of 16 prompts of 1024 tokens: 0.563 by this count), 0.639 GiB with the decode (planned 0.652). With
+                # LoRA on GLM-Z1-9B's shape, 8 prompts x 8 and no preemption (bench/results/lora_grpo_glm_*_2026-11-26
+                # .json): 1.30 GiB over one pack of 8 prompts (0.95 by this count) with the three-op LoRA add of then;
+                # with add_lora_up to be measured on the GPU
+                if per_row:
+                    tokens = max(_PREFILL_TOKENS + prompt, seq_len)
+                else:
+                    groups = min(live, -(-(live - 1) // samples_per_prompt) + 1)
+                    tokens = min(groups * max(prompt, 1), max(_PREFILL_TOKENS, prompt))
+                prefill = tokens * e * (3 * m["h"] + 2 * m["nh"] * m["d"] + 2 * m["ng"] * m["d"] + 3 * m["f"])
                 return max(prefill, live * m["V"] * _FAST_SAMPLER_BYTES_PER_LOGIT)
 
-            live = min(rows, slots_max)
+            def preempts(pool: int) -> bool:
+                # the pool holds fewer full-length samples than rows run at once: rows may be preempted, and come back
+                return pool // per_sample_kv < live
+
+            def largest_pool(working: int) -> int:  # in steps of KV_STEP_GIB, leaving the margin free in both phases
+                room = _kv_room(limit, colocate=colocate, kv_released=kv_released, weights=weights, state=state,
+                                offload=offload, engine_weights=engine_weights, rollout_activations=working,
+                                activations=max(activations, opt_step))
+                return max(int(room // (KV_STEP_GIB * GIB)), 0) * int(KV_STEP_GIB * GIB)
+
             if kv_cache_gb is not None:
                 budget = int(kv_cache_gb * GIB)
-            else:  # the largest pool (in steps of KV_STEP_GIB) that leaves the margin free in both phases
+            else:  # the largest pool; one that preempts leaves room for the re-prefills it brings
                 kv_chosen = True
-                room = _kv_room(limit, colocate=colocate, kv_released=kv_released, weights=weights, state=state,
-                                offload=offload, engine_weights=engine_weights, rollout_activations=extra(live),
-                                activations=max(activations, opt_step))
-                budget = max(int(room // (KV_STEP_GIB * GIB)), 0) * int(KV_STEP_GIB * GIB)
+                budget = largest_pool(extra(partial))
+                if not partial and preempts(budget):
+                    budget = largest_pool(extra(True))
             kv_cache = budget
-            rollout_activations = extra(live)
+            rollout_activations = extra(partial or preempts(kv_cache))
             kv_info = {"pool": kv_cache, "per_sample": per_sample_kv, "per_token": kv_per_token}
         else:
             batch_rows = min(rows, slots_max)
@@ -703,6 +733,7 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention,
         distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype, optimizer_on_host=t.optimizer_on_host,
         lora=lora_memory.config_lora(cfg), shared_base=layout.shares_base(cfg),
+        samples_per_prompt=r.n_samples_per_prompt, partial=r.partial,
         **{k: v for k, v in host_memory.node_layout(cfg).items() if k in ("trainer_ranks", "processes")})
 
 

@@ -2,7 +2,9 @@
 
 The engine never merges an adapter into its bf16 weights (``W + BA`` then ``- BA`` does not give ``W``
 back in bf16). Each adapted projection adds ``scale * (x A^T) B^T`` to its output in the decoder's own
-forward (runtime/rollout/decode_model.py), the order the trainer computes it in. The buffers are
+forward (runtime/rollout/decode_model.py) through the function the trainer adds it with
+(``runtime.models.base.add_lora_up``: B's product accumulated into the output by one addmm, here in place),
+so both compute the same sum in the same order. The buffers are
 allocated once, at the configured rank, when the engine is built: every layer's A [rank, in] and
 B [out, rank], zero until the first sync (zero B is the trainer's initial adapter). A sync copies the trainer's adapters into them in place, so CUDA graphs
 captured over them stay valid: no re-capture after an update. (One tensor per layer and projection, not views
@@ -18,6 +20,8 @@ from __future__ import annotations
 import re
 
 import torch
+
+from runtime.models.base import add_lora_up
 
 ADAPTER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(linear_qkv|linear_proj|linear_fc1|"
                           r"linear_fc2)\.lora_(A|B)$")
@@ -92,10 +96,11 @@ class EngineAdapters:
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None,
              scale: float) -> torch.Tensor:
-    """``out + scale * (x A^T) B^T`` (``out`` when there is no adapter): the trainer's order of operations."""
+    """``out + scale * (x A^T) B^T`` written into ``out`` (``out`` when there is no adapter): the trainer's sum.
+    ``out`` is the projection's fresh output, which nobody else holds (inference: no autograd)."""
     if a is None:
         return out
-    return out + torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * scale
+    return add_lora_up(out, torch.nn.functional.linear(x, a), b, scale, in_place=True)
 
 
 __all__ = ["EngineAdapters", "add_lora", "is_adapter_name", "ADAPTER_NAME"]

@@ -2,7 +2,8 @@
 the base frozen.
 
 Each target (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2`` of every layer) keeps its
-class's forward and adds ``scale * (dropout(x) A^T) B^T`` to its output (``scale = alpha / rank``); the
+class's forward and adds ``scale * (dropout(x) A^T) B^T`` to its output (``scale = alpha / rank``; B's product
+accumulated into the output by one addmm, ``runtime.models.base.add_lora_up``, as the engine does); the
 pair lives on the linear as ``lora_A`` [rank, in] and ``lora_B`` [out, rank], so the base weights keep
 their names (the converted checkpoint loads as before) and the adapters are ``<linear>.lora_A/B``.
 
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.config import LoraSection
+from runtime.models.base import add_lora_up
 
 DESCRIPTION_FILE = "lora.json"  # in a trainer checkpoint's model dir: it holds adapters, not the base
 
@@ -51,16 +53,17 @@ class _LoraMixin:
     lora_A: torch.nn.Parameter
     lora_B: torch.nn.Parameter
 
-    def _lora_delta(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _add_lora(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The linear's output ``out`` plus the adapter's ``scale * (dropout(x) A^T) B^T`` (``out`` when off)."""
         from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                             reduce_from_tensor_model_parallel_region)
         if not self.lora_on:
-            return None
+            return out
         if self.training and self.lora_dropout > 0:
             x = x * self._dropout_mask(x)
         h = F.linear(x, self.lora_A)
         h = reduce_from_tensor_model_parallel_region(h) if self.lora_row else copy_to_tensor_model_parallel_region(h)
-        return F.linear(h, self.lora_B) * self.lora_scale
+        return add_lora_up(out, h, self.lora_B, self.lora_scale)
 
     def _dropout_mask(self, x: torch.Tensor) -> torch.Tensor:
         """keep / (1 - p) over the whole input (a row-parallel rank takes its columns of it)."""
@@ -103,13 +106,11 @@ def _lora_class(base: type) -> type:
     if issubclass(base, ColumnParallelLinear):
         def forward(self, input_, weight=None, runtime_gather_output=None):
             out, bias = base.forward(self, input_, weight, runtime_gather_output)
-            delta = self._lora_delta(input_)
-            return (out if delta is None else out + delta), bias
+            return self._add_lora(out, input_), bias
     else:
         def forward(self, input_):
             out, bias = base.forward(self, input_)
-            delta = self._lora_delta(input_)
-            return (out if delta is None else out + delta), bias
+            return self._add_lora(out, input_), bias
     cls = type(f"Lora{base.__name__}", (_LoraMixin, base), {"forward": forward})
     _CLASSES[base] = cls
     return cls
