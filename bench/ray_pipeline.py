@@ -16,6 +16,8 @@ What runs:
   a sitecustomize that Ray's actors inherit; rollout_bench.lengths_for_hashes: log-normal, median 1700, a
   tail to 8192). Read back: the stages' and Prefect tasks' wall times, per rollout generate / reward / train
   / weight sync / checkpoint, the registered versions as MLflow serves them.
+- `cli-one-gpu`: the same `grpoflow run` on one GPU with the default local backend (trainer and engine in the
+  driver, after the driver's own conversion), what most users run.
 - `local-<layout>`: the same two rollouts in `TrainSession` with `cluster.backend: local` on the same
   machine, from the converted checkpoint of the Ray run: the overhead of Prefect + Ray + MLflow per step.
 - `sync-<layout>`: the weight path under Ray against the local backend: one small rollout, then the engine's
@@ -52,14 +54,18 @@ import rollout_bench  # noqa: E402  (the keyed length schedule)
 
 RECIPE = ROOT / "configs" / "qwen3-0.6b-dapo.yaml"
 HOOK = BENCH / "keyed_lengths"
-SECTIONS = ("setup", "ray-colocated", "local-colocated", "ray-split", "local-split", "sync-colocated", "sync-split")
+SECTIONS = ("setup", "ray-colocated", "local-colocated", "ray-split", "local-split", "sync-colocated", "sync-split",
+            "cli-one-gpu")
 SECTION_MAX_S = {"setup": 120, "ray-colocated": 420, "ray-split": 480, "local-colocated": 300, "local-split": 360,
-                 "sync-colocated": 240, "sync-split": 240}
+                 "sync-colocated": 240, "sync-split": 300, "cli-one-gpu": 480}
 LAYOUTS = {
     "colocated": {"gpu": {"colocate": True, "trainer_gpus": 2, "rollout_gpus": 2},
                   "cpu": {"colocate": True, "trainer_gpus": 0, "rollout_gpus": 0}},
     "split": {"gpu": {"colocate": False, "trainer_gpus": 1, "rollout_gpus": 1},
               "cpu": {"colocate": True, "trainer_gpus": 0, "rollout_gpus": 0}},
+    # what most users run: one GPU, the default local backend (the trainer and the engine in the driver)
+    "one-gpu": {"gpu": {"backend": "local", "colocate": True, "trainer_gpus": 1, "rollout_gpus": 1},
+                "cpu": {"backend": "local", "colocate": True, "trainer_gpus": 0, "rollout_gpus": 0}},
 }
 GPU_SETS = ["train.max_tokens_per_micro_batch=24576"]
 CPU_SETS = ["data.max_prompt_len=40", "rollout.max_new_tokens=40", "rollout.rollout_batch_size=4",
@@ -173,7 +179,7 @@ def sec_ray(S, W: Path, layout: str, extra_sets: list[str] = ()) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.time() - t0
     (W / f"cli-{layout}.log").write_text(proc.stdout + "\n----- stderr -----\n" + proc.stderr)
-    res = {"name": f"ray-{layout}", "layout": layout, "rc": proc.returncode, "cli_wall_s": round(wall, 1),
+    res = {"name": _cli_section(layout), "layout": layout, "rc": proc.returncode, "cli_wall_s": round(wall, 1),
            "stdout_tail": proc.stdout[-3000:]}
     if proc.returncode != 0:
         res["stderr_tail"] = proc.stderr[-4000:]
@@ -187,6 +193,12 @@ def sec_ray(S, W: Path, layout: str, extra_sets: list[str] = ()) -> dict:
     res["registry"] = registry_versions(rd, f"bench-{layout}")
     res["evals"] = {p.stem: json.loads(p.read_text()) for p in sorted((rd / "eval").glob("rollout_*.json"))}
     return res
+
+
+def _cli_section(layout: str) -> str:
+    """The section running `grpoflow run` of a layout: ray-<layout>, or cli-<layout> where the layout's backend
+    is the local one."""
+    return f"{'cli' if LAYOUTS[layout]['gpu'].get('backend') == 'local' else 'ray'}-{layout}"
 
 
 def _frozen(rd: Path) -> dict:
@@ -381,7 +393,7 @@ def on_machine(fn):
 
 
 FUNCS = {"setup": sec_setup,
-         **{f"ray-{lay}": (lambda S, W, lay=lay: sec_ray(S, W, lay)) for lay in LAYOUTS},
+         **{_cli_section(lay): (lambda S, W, lay=lay: sec_ray(S, W, lay)) for lay in LAYOUTS},
          **{f"local-{lay}": (lambda S, W, lay=lay: sec_local(S, W, lay)) for lay in LAYOUTS},
          **{f"sync-{lay}": (lambda S, W, lay=lay: sec_sync(S, W, lay)) for lay in LAYOUTS}}
 
@@ -396,7 +408,7 @@ def summarize(res: dict, env: dict | None) -> dict:
     out = {"benchmark": "ray_pipeline", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "device": (env or {}).get("gpu", "cpu"), "env": env, "sections": res, "layouts": {}}
     for lay in LAYOUTS:
-        ray_r, loc_r = res.get(f"ray-{lay}") or {}, res.get(f"local-{lay}") or {}
+        ray_r, loc_r = res.get(_cli_section(lay)) or {}, res.get(f"local-{lay}") or {}
         row: dict = {}
         if ray_r.get("status") == "ok":
             st = steady(ray_r["rollouts"])
