@@ -207,7 +207,8 @@ def _frozen(rd: Path) -> dict:
 
 
 ROLLOUT_KEYS = ("rollout", "step_time_s", "generate_time_s", "reward_time_s", "train_time_s", "weight_sync_s",
-                "checkpoint_s", "rollout_tok_s", "train_tok_s", "train_tokens", "response_len_mean", "reward_mean")
+                "checkpoint_s", "rollout_tok_s", "train_tok_s", "train_tokens", "response_len_mean", "reward_mean",
+                "train_rollout_logp_absdiff")
 
 
 def rollout_rows(rd: Path) -> list[dict]:
