@@ -8,6 +8,9 @@ adapter sync.
     # full-parameter 24 GB run of 2026-11-25), one H100 call; --lora off runs that full-parameter baseline
     GPU_CAP_GIB=23.39 PYTHONPATH=.gpucap:/tmp/site:$PYTHONPATH python3 bench/lora_grpo.py --model qwen --out $OUT
     python3 bench/lora_grpo.py --cpu                     # CI smoke: a 2-layer GLM4, same code paths
+    # the seed's 16 x 8 across two calls through the adapter checkpoint, then one summary
+    ... --model glm --prompts 16 --chunks --rollouts 1 --out OUT1; ... --chunks --sections stage --out OUT2
+    python3 bench/lora_grpo.py --merge OUT1 OUT2 --results-dir bench/results
 
 Setup (its own process): the model's config.json (runtime/models/known_configs), the tiny tokenizer, and the base
 built by megatron straight into bf16 on the GPU with random init (normal 0.02, norms 1, biases 0) and saved as
@@ -204,12 +207,17 @@ class Phases:
         return {"peak": t.max_memory_allocated(), "peak_reserved": t.max_memory_reserved()}
 
 
-def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: float) -> dict:
+def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: float, chunks: bool = False) -> dict:
+    """`rollouts` rollouts of the train stage. ``chunks``: each one a chunk of its own, checkpointed as the
+    pipeline does (TrainSession.run_chunk: the adapters, their optimizer state, the run state), and the run
+    continued from its newest checkpoint when an earlier call left one in W: a run split across calls."""
     t_start = time.time()
     import torch
 
     from partial_rollout import force_keyed_lengths
     from runtime.grpo.session import TrainSession
+    from runtime.run import checkpoint
+    from runtime.run.directory import RunDir
     from runtime.plan.memory import estimate_for_config
     from runtime.rollout.base import SampleRequest, SamplingParams
     cuda = S["device"] == "cuda"
@@ -224,12 +232,16 @@ def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: 
     hf_config = hf_config_read(W)
     est = estimate_for_config(cfg, hf_config, gpu_mem_gb=card_gib(cfg) if cuda else 80.0, device=S["device"])
     root = Path(cfg.storage.root)
-    rd = gpu_grpo.run_dir_over(root, "bench", (W / "hf", W / "td", W / "data" / "prompts.parquet"))
+    rd = RunDir(str(root), "bench")
+    ckpt = checkpoint.latest(rd) if chunks and Path(rd.path).exists() else None
+    if ckpt is None:
+        rd = gpu_grpo.run_dir_over(root, "bench", (W / "hf", W / "td", W / "data" / "prompts.parquet"))
+    start = ckpt.rollout if ckpt else 0
     calls = force_keyed_lengths(S)
     res: dict = {"name": "stage", "config": mode["config"], "sets": sets, "lora": cfg.train.lora.model_dump(),
                  "samples_per_rollout": cfg.samples_per_rollout, "kv_cache_gb": cfg.rollout.kv_cache_gb,
                  "gpu_gib": gpu_gib() if cuda else None, "card_gib": card_gib(cfg) if cuda else None,
-                 "context": context, "estimate": _est_json(est)}
+                 "context": context, "estimate": _est_json(est), "resumed_at": start if ckpt else None}
     P.reset()
     t0 = time.time()
     sess = TrainSession(cfg, rd)
@@ -242,7 +254,7 @@ def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: 
         engine_build.update(before=before, after=P.now())
         return e
     sess.cluster.engine = engine
-    sess.ensure_at(None)
+    sess.ensure_at(ckpt)
     built = P.now()
     tr = sess.trainer.group.members[0]  # local backend: the trainer object in this process
     eng = sess.engine.group.members[0]
@@ -258,13 +270,13 @@ def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: 
     _wrap(sess, P, phase)
     res["rollouts"] = []
     last = 0.0
-    for rid in range(rollouts):
-        if rid >= 1 and time.time() - t_start + 1.1 * last > budget_s:
+    for rid in range(start, start + rollouts):
+        if rid > start and time.time() - t_start + 1.1 * last > budget_s:
             res["stopped_early"] = f"no time for rollout {rid} within {budget_s:.0f} s"
             break
         n_calls = len(calls)
         phase.clear()
-        m = sess.rollout(rid)
+        m = sess.run_chunk(rid, rid + 1)["metrics"][0] if chunks else sess.rollout(rid)
         last = m["step_time_s"]
         dec = calls[n_calls:]
         row = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()
@@ -394,6 +406,20 @@ def compare(est: dict, res: dict) -> dict:
     return {"terms": out, "total": total}
 
 
+def merge(dirs: list[str]) -> dict:
+    """One summary of a run's calls (--chunks): every call's rollouts in order, the plan compared with the last
+    call's phases (its first training step finds Adam's moments loaded, as a steady step does)."""
+    calls = [json.loads((Path(d) / "lora_grpo.json").read_text()) for d in dirs]
+    stages = [c["sections"]["stage"] for c in calls if (c["sections"].get("stage") or {}).get("status") == "ok"]
+    if not stages:
+        raise SystemExit("lora_grpo --merge: no call with a finished stage in " + ", ".join(dirs))
+    stage = {**stages[-1], "rollouts": [r for st in stages for r in st["rollouts"]],
+             "calls": [{"resumed_at": st.get("resumed_at"), "rollouts": [r["rollout"] for r in st["rollouts"]],
+                        "section_s": st.get("section_s")} for st in stages]}
+    return {**calls[-1], "sections": {**calls[-1]["sections"], "stage": stage},
+            "setup": calls[0]["sections"].get("setup"), "total_s": sum(c["total_s"] for c in calls)}
+
+
 def print_table(summary: dict) -> None:
     st = summary["sections"].get("stage") or {}
     if st.get("status") != "ok":
@@ -428,7 +454,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/lora_grpo_out")
     ap.add_argument("--results-dir", default=None)
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole run (one device call < 600)")
+    ap.add_argument("--chunks", action="store_true",
+                    help="each rollout checkpointed; the stage continues W's run from its newest checkpoint")
+    ap.add_argument("--merge", nargs="+", default=None, help="OUT dirs of the calls of one run: one summary")
     a = ap.parse_args(argv)
+    if a.merge:
+        summary = merge(a.merge)
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        gpu_grpo.save_summary(summary, out, f"lora_grpo_{summary['model']}", a.results_dir, False)
+        print_table(summary)
+        return 0
     mode = MODES[a.model]
     S = schedule(a.cpu, mode)
     sets = list(mode["sets"]) + (LORA_SETS if a.lora == "on" else ["train.lora.enabled=false"])
@@ -449,7 +485,7 @@ def main(argv=None) -> int:
             torch.set_num_threads(1)
         left = float(os.environ.get("SECTION_BUDGET_S", a.deadline))
         fn = {"setup": lambda S, W: sec_setup(S, W, mode),
-              "stage": lambda S, W: sec_stage(S, W, mode, sets, a.rollouts, left - 20)}[a.section]
+              "stage": lambda S, W: sec_stage(S, W, mode, sets, a.rollouts, left - 20, a.chunks)}[a.section]
         r = gpu_grpo.run_section(a.section, S, W, out, fn=fn)
         return 0 if r["status"] == "ok" else 1
     sections = [x for x in (a.sections.split(",") if a.sections else SECTIONS) if x]
@@ -460,6 +496,7 @@ def main(argv=None) -> int:
         os.environ["SECTION_BUDGET_S"] = str(int(min(SECTION_MAX_S[name], left)))
         extra = ("--model", a.model, "--lora", a.lora, "--rollouts", str(a.rollouts)) + (("--cpu",) if a.cpu else ())
         extra += (("--prompts", str(a.prompts)) if a.prompts else ()) + tuple(x for s in a.sets for x in ("--set", s))
+        extra += ("--chunks",) if a.chunks else ()
         gpu_grpo.run_sections_in_processes(Path(__file__), [name], W, out, left, SECTION_MAX_S, extra_args=extra)
     res = gpu_grpo.read_results(out)
     info = gpu_grpo.env_info({"device": S["device"]}) if not a.cpu else {"mode": "cpu"}
