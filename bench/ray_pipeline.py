@@ -442,7 +442,7 @@ def print_table(summary: dict) -> None:
     for lay, row in summary["layouts"].items():
         st, lo = row.get("steady_ray") or {}, row.get("steady_local") or {}
         print(f"[{lay}] cli {row.get('cli_wall_s', '-')} s; stages {row.get('stages_s', '-')}")
-        for label, r in (("ray  ", st), ("local", lo)):
+        for label, r in ((_cli_section(lay).split("-")[0].ljust(5), st), ("local", lo)):
             if r:
                 print(f"  {label} step {r.get('step_time_s')} s = generate {r.get('generate_time_s')} + reward "
                       f"{r.get('reward_time_s')} + train {r.get('train_time_s')} + sync {r.get('weight_sync_s')}; "
