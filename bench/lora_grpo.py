@@ -416,8 +416,8 @@ def merge(dirs: list[str]) -> dict:
     stage = {**stages[-1], "rollouts": [r for st in stages for r in st["rollouts"]],
              "calls": [{"resumed_at": st.get("resumed_at"), "rollouts": [r["rollout"] for r in st["rollouts"]],
                         "section_s": st.get("section_s")} for st in stages]}
-    return {**calls[-1], "sections": {**calls[-1]["sections"], "stage": stage},
-            "setup": calls[0]["sections"].get("setup"), "total_s": sum(c["total_s"] for c in calls)}
+    return {**calls[-1], "sections": {**calls[0]["sections"], **calls[-1]["sections"], "stage": stage},
+            "total_s": sum(c["total_s"] for c in calls)}
 
 
 def print_table(summary: dict) -> None:
