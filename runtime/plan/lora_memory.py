@@ -66,7 +66,8 @@ def activation_extra(m: dict[str, Any], lora: dict[str, Any], *, tp: int, tokens
     Measured with the three-op add of before (bench/results/lora_grpo_*_2026-11-26.json, full recompute): 4.81 GiB
     of activations on GLM-Z1-9B's shape at 9216 tokens, 2.26 on Qwen3-0.6B's at 18,432, against 4.17 and 1.89
     planned then, the adapters' scaled [tokens, 2 ffn] temporaries of fc1 (0.47 and 0.21 GiB each) not counted;
-    with add_lora_up (this count: 4.40 and 1.99) to be measured on the GPU."""
+    with add_lora_up (this count: 4.40 and 1.99), GLM's seed batch measured 4.66-4.72 against 4.40
+    (lora_grpo_glm_*_2026-11-26_seed16x8.json)."""
     dropout = lora.get("dropout", 0) > 0
     per_token, transient = 0, 0
     for target, (fan_in, _) in _dims(m).items():

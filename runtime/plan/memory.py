@@ -450,8 +450,9 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                 # Measured on the H100 at the recipe's 80 GiB and 24 GiB configs: 0.576 GiB with prefills only (a pack
                 # of 16 prompts of 1024 tokens: 0.563 by this count), 0.639 GiB with the decode (planned 0.652). With
                 # LoRA on GLM-Z1-9B's shape, 8 prompts x 8 and no preemption (bench/results/lora_grpo_glm_*_2026-11-26
-                # .json): 1.30 GiB over one pack of 8 prompts (0.95 by this count) with the three-op LoRA add of then;
-                # with add_lora_up to be measured on the GPU
+                # .json): 1.30 GiB over one pack of 8 prompts (0.95 by this count) with the three-op LoRA add of then.
+                # With add_lora_up and the seed's 16 x 8, whose pool of 23 samples preempts (..._seed16x8.json):
+                # 1.77 GiB against 2.01 counted for a full pack of rows that come back (the worst case, kept)
                 if per_row:
                     tokens = max(_PREFILL_TOKENS + prompt, seq_len)
                 else:
