@@ -350,7 +350,7 @@ def test_a_conversion_leaves_the_parallel_state_as_it_found_it(converted, tied, 
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from runtime.mcore import convert, env
+    from runtime.mcore import convert, cpu_job, env
     from runtime.mcore.convert import hf_to_torch_dist, torch_dist_to_hf
     env.destroy_parallel()
     real_current_device = torch.cuda.current_device
@@ -369,9 +369,63 @@ def test_a_conversion_leaves_the_parallel_state_as_it_found_it(converted, tied, 
 
     monkeypatch.setitem(env._state, "device", "cuda")
     monkeypatch.setattr(convert, "load_torch_dist_into", lambda *a, **k: 1 / 0)
-    report = torch_dist_to_hf(converted["tied"][1], tied[0], work / "hf_beside_a_gpu_state")
-    assert (work / "hf_beside_a_gpu_state" / "config.json").is_file() and report["seconds"] >= 0
-    assert env._state["device"] == "cuda" and dist.is_initialized()  # this process's state untouched
+    try:
+        workers = []
+        for name in ("hf_beside_a_gpu_state", "hf_beside_a_gpu_state_again"):
+            report = torch_dist_to_hf(converted["tied"][1], tied[0], work / name)
+            assert (work / name / "config.json").is_file() and report["seconds"] >= 0
+            workers.append(_spawned_children())
+        assert env._state["device"] == "cuda" and dist.is_initialized()  # this process's state untouched
+        # one worker, started by the first export and kept for the next (each used to start its own)
+        assert len(workers[0]) == 1 and workers[1] == workers[0], workers
+    finally:
+        cpu_job.shutdown_cpu_worker()
+    assert not _spawned_children()
+
+
+def _spawned_children() -> list[int]:
+    import psutil
+    return sorted(p.pid for p in psutil.Process().children(recursive=True)
+                  if any("spawn_main" in part for part in p.cmdline()))
+
+
+_DRIVER_WITH_A_CPU_WORKER = """
+import sys
+from runtime.mcore import env
+from runtime.mcore.convert import torch_dist_to_hf
+env.init_parallel()
+env._state["device"] = "cuda"  # a GPU state, as the local backend's trainer holds it in the driver
+torch_dist_to_hf(sys.argv[1], sys.argv[2], sys.argv[3])
+print("exported", flush=True)
+sys.stdin.read()  # held until the test kills this process
+"""
+
+
+def test_the_cpu_worker_dies_with_a_killed_driver(converted, tied, work):
+    """A driver SIGKILLed mid-run (the kill-anywhere tests' driver kill) leaves no export worker behind
+    (issue 32's orphans)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+    root = Path(__file__).resolve().parents[1]
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER_WITH_A_CPU_WORKER, str(converted["tied"][1]),
+                               str(tied[0]), str(work / "hf_from_a_killed_driver")], cwd=root, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        assert driver.stdout.readline().strip() == "exported"
+        workers = [p for p in psutil.Process(driver.pid).children(recursive=True)
+                   if any("spawn_main" in part for part in p.cmdline())]
+        assert len(workers) == 1, workers
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        gone, alive = psutil.wait_procs(workers, timeout=60)  # returns as soon as the worker has exited
+        assert not alive, f"the export worker outlived its driver: {alive}"
+    finally:
+        driver.kill()
+        driver.wait()
 
 
 def test_a_torch_dist_save_leaves_no_process_running(converted):

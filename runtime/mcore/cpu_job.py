@@ -3,27 +3,39 @@ process's as it found it (:func:`cpu_job`)."""
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import functools
 import multiprocessing
+import os
+import signal
+import threading
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, TypeVar
 
 _Job = TypeVar("_Job", bound=Callable[..., Any])
+
+_worker: concurrent.futures.ProcessPoolExecutor | None = None
+_worker_lock = threading.Lock()
+_PR_SET_PDEATHSIG = 1
 
 
 def cpu_job(fn: _Job) -> _Job:
     """``fn`` on a CPU parallel state. With none in this process, one is set up for the call and torn down
     after it: a conversion that left its state (and its shims: ``torch.cuda.current_device`` answering "cpu")
     in the driver had the GPU trainer built there next run on it. A CPU state already here is used as it is.
-    Where this process holds a GPU state (the local backend's trainer in the driver), the call runs in a
-    fresh spawned process: a model cannot be built on the CPU under that state."""
+    Where this process holds a GPU state (the local backend's trainer in the driver), the call runs in the
+    CPU worker (:func:`_cpu_worker`): a model cannot be built on the CPU under that state."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
         import torch.distributed as dist
 
         from runtime.mcore import env
         if env.parallel_device() == "cuda":
-            with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                return pool.submit(run, *args, **kwargs).result()
+            try:
+                return _cpu_worker().submit(run, *args, **kwargs).result()
+            except BrokenProcessPool:
+                shutdown_cpu_worker()  # the next job starts a fresh one
+                raise
         made = not dist.is_initialized()
         env.ensure_parallel("cpu")
         try:
@@ -34,4 +46,38 @@ def cpu_job(fn: _Job) -> _Job:
     return run  # type: ignore[return-value]
 
 
-__all__ = ["cpu_job"]
+def _cpu_worker() -> concurrent.futures.ProcessPoolExecutor:
+    """One spawned process for this process's CPU jobs, started at the first and kept: a registration of a
+    local-backend run on a GPU took 20 s when each export started a process of its own (importing torch and
+    megatron, a gloo group), against 2 s for the export itself. It holds a CPU parallel state for its life and
+    dies with this process (``PR_SET_PDEATHSIG``), so a killed driver leaves no worker behind."""
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init, initargs=(os.getpid(),))
+        return _worker
+
+
+def _worker_init(parent_pid: int) -> None:
+    if hasattr(ctypes, "CDLL"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):  # not Linux: the executor's own shutdown at exit still ends it
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+    from runtime.mcore import env
+    env.ensure_parallel("cpu")
+
+
+def shutdown_cpu_worker() -> None:
+    """End the CPU worker, if one was started (a later job starts another)."""
+    global _worker
+    with _worker_lock:
+        worker, _worker = _worker, None
+    if worker is not None:
+        worker.shutdown(wait=True, cancel_futures=True)
+
+
+__all__ = ["cpu_job", "shutdown_cpu_worker"]
