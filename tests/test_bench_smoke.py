@@ -200,5 +200,8 @@ def test_glm9b_host_optimizer_bench_cpu_mode_runs(tmp_path):
     assert mem["plan"]["host"]["mode"] == "host" and mem["host_node_peak_used_GiB"] > 0
     r = sec["resume"]
     assert r["ok"], r
+    # the unbroken trainer's own reload and 3rd update (the GPU's noise floor) is exact on CPU
+    assert r["rerun"]["masters_at_load_bitwise"] and r["rerun"]["next_update_max_abs_diff"] == 0
     for name in ("resumed_host", "resumed_gpu_optimizer"):
         assert r[name]["masters_at_load_bitwise"] and r[name]["next_update_max_abs_diff"] <= r["bound_per_update"]
+        assert r[name]["vs_rerun_max_abs_diff"] <= r["bound_per_update"]
