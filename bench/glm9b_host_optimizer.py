@@ -633,7 +633,7 @@ def sec_resume(S, W: Path) -> dict:
     res["tp_replica_drift"] = _tp_replica_drift(m2, replicated)
     res["rerun"] = {"masters_at_load_bitwise": all(r["bitwise_equal"] for r in rerun_at_load),
                     "at_load": rerun_at_load, "next_update_max_abs_diff": max(r["max_abs_diff"] for r in rerun_after),
-                    "grad_norm": rerun["grad_norm"], "per_rank": rerun_after}
+                    "grad_norm": rerun["grad_norm"], "train_time_s": rerun.get("train_time_s"), "per_rank": rerun_after}
     res["checkpoint_GiB"] = round(sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / 2**30, 2)
     for name, on_host in (("resumed_host", True), ("resumed_gpu_optimizer", False)):
         grp = trainer(on_host)
@@ -654,11 +654,13 @@ def sec_resume(S, W: Path) -> dict:
                      "next_update_max_abs_diff": worst, "within_contract": worst <= 1e-2 * RESUME_LR,
                      "vs_rerun_max_abs_diff": noise, "within_noise": worst <= max(1e-2 * RESUME_LR, 2 * noise),
                      "grad_norm": metrics["grad_norm"], "unbroken_grad_norm": res["unbroken"][2]["grad_norm"],
-                     "optimizer_step_s": metrics.get("optimizer_step_s"), "per_rank": after}
+                     "optimizer_step_s": metrics.get("optimizer_step_s"), "train_time_s": metrics.get("train_time_s"),
+                     "per_rank": after}
     for f in (m2, m3, m3r, ckpt):
         shutil.rmtree(f, ignore_errors=True)
-    res["unbroken"] = [{k: m.get(k) for k in ("loss", "grad_norm", "optimizer_step_s", "optimizer_host_adam_s",
-                                              "optimizer_transfer_wait_s")} for m in res["unbroken"]]
+    res["unbroken"] = [{k: m.get(k) for k in ("loss", "grad_norm", "train_time_s", "optimizer_step_s",
+                                              "optimizer_host_adam_s", "optimizer_transfer_wait_s")}
+                       for m in res["unbroken"]]
     # exact where the path is deterministic (the CPU); on a GPU, whose backward is not run-to-run
     # deterministic, the resumed update is as far from the unbroken one as two updates from one loaded state
     res["ok"] = res["rerun"]["masters_at_load_bitwise"] and all(
@@ -699,8 +701,9 @@ def print_table(summary: dict) -> None:
         rows.append((f"  {k}", f"{v['measured']} vs {v['plan']} (x{v['ratio']})"))
     r = s.get("resume") or {}
     if "rerun" in r:
-        rows.append(("resume rerun (same trainer): masters bitwise at load / next update max |d| vs unbroken",
-                     f"{r['rerun']['masters_at_load_bitwise']} / {r['rerun']['next_update_max_abs_diff']:.3g}"))
+        rows.append(("resume rerun (same trainer): masters bitwise at load / next update max |d| vs unbroken / s",
+                     f"{r['rerun']['masters_at_load_bitwise']} / {r['rerun']['next_update_max_abs_diff']:.3g} / "
+                     f"{r['rerun'].get('train_time_s')} (deterministic kernels: {r.get('deterministic')})"))
         d = r["tp_replica_drift"]
         rows.append(("resume TP replicas vs rank 0 at save: max |d| / tensors differing",
                      f"{d['max_abs_diff']:.3g} / {d['tensors_differing']}"))
