@@ -287,6 +287,7 @@ def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: 
         row["adapter_sync_bytes"] = res["build"]["adapter_buffers"]
         row["engine_tokens"] = sum(c["new_tokens"] or 0 for c in dec)
         row["preemptions"] = sum(c["preemptions"] or 0 for c in dec)
+        row["prefill_pack_max"] = max((c.get("prefill_pack_max") or 0 for c in dec), default=0)  # tokens
         res["rollouts"].append(row)
         print("ROLLOUT", json.dumps(row, default=str), flush=True)
     res["trainer_after"] = _trainer_bytes(tr)  # Adam's moments exist now

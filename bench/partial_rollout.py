@@ -160,7 +160,8 @@ def force_keyed_lengths(S) -> list[dict]:
         if timed:
             calls.append({k: self.stats.get(k) for k in ("decode_steps", "row_steps", "rows", "decode_s",
                                                          "prefill_s", "total_s", "new_tokens", "max_active",
-                                                         "preemptions", "reprefill_tokens", "prefill_tokens")})
+                                                         "preemptions", "reprefill_tokens", "prefill_tokens",
+                                                         "prefill_pack_max")})
         return out
 
     PagedDecoder.steps = steps  # generate and the built-in engine both go through it

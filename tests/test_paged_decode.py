@@ -151,6 +151,22 @@ def test_preempted_sequences_continue_with_the_same_tokens(model_dir, hf):
     assert st["peak_pages_used"] <= small.decoder.pool.capacity == 11 and small.decoder.pool.used == 0
 
 
+def test_a_prefill_pack_of_preempted_rows_keeps_to_its_budget(model_dir, hf):
+    """Preempted rows of one group come back prefilling their prompt again (its pages held by the group) and
+    their tokens: the pack's budget counts that prompt (it counted only the tokens, and a pack of 40 tokens
+    took 48: the plan's rollout working set assumes the budget)."""
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 100, (10,), generator=g).tolist()
+    reqs = [SampleRequest(prompt_ids=prompt, key=(1, 2, 0, i)) for i in range(8)]
+    sp = SamplingParams(max_new_tokens=24)  # a sample's longest re-prefill, 10 + 23 tokens, is under the budget
+    eng = _paged(model_dir, rows=8, pages=16, sync_every=4)
+    eng.decoder.prefill_tokens = 40
+    _same(hf.generate(reqs, sp), eng.generate(reqs, sp))
+    st = eng.decoder.stats
+    assert st["preemptions"] > 1 and st["reprefill_tokens"] > 40  # several rows came back
+    assert 0 < st["prefill_pack_max"] <= 40
+
+
 def test_pool_accounting_never_leaks(model_dir, hf, monkeypatch):
     reqs = _requests()
     sp = SamplingParams(max_new_tokens=20)

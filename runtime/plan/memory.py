@@ -443,8 +443,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                 # most ceil((live - 1) / samples_per_prompt) + 1 groups - up to the budget of _PREFILL_TOKENS (the
                 # first sequence goes in whole). A row that comes back with tokens (``per_row``: a partial rollout's
                 # continued sample, or a preempted row) is prefilled alone with its prompt and its tokens, and such
-                # rows fill the budget, by up to one prompt more: the budget is checked without the prompt of a group
-                # whose pages are held, which the row recomputes all the same. LoRA's adapters add no [tokens, out]
+                # rows fill the budget (the prompt counted, recomputed even where its group holds its pages). LoRA's adapters add no [tokens, out]
                 # tensor (runtime.models.base.add_lora_up writes into the projection's output, also compiled), only
                 # one [tokens, rank] hidden at a time: under 0.2 % of a token's bytes here, not counted.
                 # Measured on the H100 at the recipe's 80 GiB and 24 GiB configs: 0.576 GiB with prefills only (a pack
@@ -452,9 +451,10 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                 # LoRA on GLM-Z1-9B's shape, 8 prompts x 8 and no preemption (bench/results/lora_grpo_glm_*_2026-11-26
                 # .json): 1.30 GiB over one pack of 8 prompts (0.95 by this count) with the three-op LoRA add of then.
                 # With add_lora_up and the seed's 16 x 8, whose pool of 23 samples preempts (..._seed16x8.json):
-                # 1.77 GiB against 2.01 counted for a full pack of rows that come back (the worst case, kept)
+                # 1.77 GiB against 2.01 counted then for a pack of the budget and a prompt, which the engine allowed
+                # while it left the prompt out of the budget; 1.89 by this count
                 if per_row:
-                    tokens = max(_PREFILL_TOKENS + prompt, seq_len)
+                    tokens = max(_PREFILL_TOKENS, seq_len)
                 else:
                     groups = min(live, -(-(live - 1) // samples_per_prompt) + 1)
                     tokens = min(groups * max(prompt, 1), max(_PREFILL_TOKENS, prompt))

@@ -432,7 +432,7 @@ class PagedDecoder(FusedModel):
         queue.reverse()  # pop() from the end takes requests in order
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "chunks": 0, "rows": R,
                  "pages": pool.num_pages, "page_size": P, "max_active": 0, "prefills": 0, "prefill_tokens": 0,
-                 "preemptions": 0, "reprefill_tokens": 0, "peak_pages_used": 0, "compactions": 0,
+                 "prefill_pack_max": 0, "preemptions": 0, "reprefill_tokens": 0, "peak_pages_used": 0, "compactions": 0,
                  "queued_ahead": 0}
         pool.peak_used = pool.used
         self.stats.update(stats)
@@ -641,7 +641,10 @@ class PagedDecoder(FusedModel):
                                     f"({self.kv_cache_bytes() / 2**30:.3f} GiB); raise rollout.kv_cache_gb")
                             break
                         seq_len = (len(key) if new_prefix else 0) + max(made - 1, 0)
-                        if seqs and seq_len and seq_len > budget:
+                        # what the row prefills: with tokens made, its prompt too, recomputed even where its group
+                        # holds the prompt's pages (those positions are written to the null page)
+                        prefill_len = (len(key) + max(made - 1, 0)) if seq_len else 0
+                        if seqs and prefill_len > budget:
                             break
                         queue.pop()
                         s = free_rows[len(assign)]
@@ -679,6 +682,7 @@ class PagedDecoder(FusedModel):
                             prefix_h[k] = hs[j]
                         stats["prefills"] += len(seqs)
                         stats["prefill_tokens"] += sum(lens)
+                        stats["prefill_pack_max"] = max(stats["prefill_pack_max"], sum(lens))
                     write_table(table_entries)
                     # device state of the admitted rows; a fresh request draws its first token from its prompt
                     fresh = [(s, r) for s, r in assign if not out_ids[r]]
