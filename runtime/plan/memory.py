@@ -445,8 +445,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                 # continued sample, or a preempted row) is prefilled alone with its prompt and its tokens, and such
                 # rows fill the budget (the prompt counted, recomputed even where its group holds its pages). LoRA's
                 # adapters add no [tokens, out] tensor (runtime.models.base.add_lora_up writes into the projection's
-                # output, also compiled), only
-                # one [tokens, rank] hidden at a time: under 0.2 % of a token's bytes here, not counted.
+                # output, also compiled), only one [tokens, rank] hidden at a time: under 0.2 % of a token's bytes
+                # here, not counted.
                 # Measured on the H100 at the recipe's 80 GiB and 24 GiB configs: 0.576 GiB with prefills only (a pack
                 # of 16 prompts of 1024 tokens: 0.563 by this count), 0.639 GiB with the decode (planned 0.652). With
                 # LoRA on GLM-Z1-9B's shape, 8 prompts x 8 and no preemption (bench/results/lora_grpo_glm_*_2026-11-26
