@@ -60,11 +60,10 @@ def _cpu_worker() -> concurrent.futures.ProcessPoolExecutor:
 
 
 def _worker_init(parent_pid: int) -> None:
-    if hasattr(ctypes, "CDLL"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):  # not Linux: the executor's own shutdown at exit still ends it
-            pass
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the executor's own shutdown at exit still ends it
+        pass
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         os._exit(1)
     from runtime.mcore import env
