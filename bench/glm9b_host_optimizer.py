@@ -157,10 +157,28 @@ def _bench_trainer_methods() -> None:
     MegatronTrainer.bench_masters_vs = bench_masters_vs
 
 
+def _record_nondeterministic(log_dir: Path) -> None:
+    """torch's warn-only alerts (an op without a deterministic kernel was run), their first lines, in a file per
+    process: the resume section lists them."""
+    import warnings
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path, show = log_dir / f"{os.getpid()}.txt", warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if "deterministic" in text:
+            with open(path, "a") as f:
+                f.write(text.splitlines()[0][:300] + "\n")
+        show(message, category, filename, lineno, file, line)
+    warnings.showwarning = record
+
+
 def _child_hooks() -> None:
-    if os.environ.get(ENV_DETERMINISTIC):  # --deterministic: an experiment, so a warning where torch has no such kernel
+    log_dir = os.environ.get(ENV_DETERMINISTIC)
+    if log_dir:  # --deterministic: an experiment, so a warning (recorded) where torch has no such kernel
         import torch
         torch.use_deterministic_algorithms(True, warn_only=True)
+        _record_nondeterministic(Path(log_dir))
     spec = os.environ.get(ENV_LENGTHS)
     if spec:
         import partial_rollout
@@ -580,6 +598,9 @@ def sec_resume(S, W: Path) -> dict:
 
     t_start = time.time()
     R = W / "resume"
+    alerts = Path(os.environ[ENV_DETERMINISTIC]) if os.environ.get(ENV_DETERMINISTIC) else None
+    if alerts is not None:
+        shutil.rmtree(alerts, ignore_errors=True)
     shutil.rmtree(R, ignore_errors=True)
     (R / "hf").mkdir(parents=True)
     cfg_dict = model_config(S, S["resume_layers"])
@@ -658,6 +679,8 @@ def sec_resume(S, W: Path) -> dict:
                      "per_rank": after}
     for f in (m2, m3, m3r, ckpt):
         shutil.rmtree(f, ignore_errors=True)
+    if alerts is not None:  # the ops the trainers ran that have no deterministic kernel (torch's alerts)
+        res["nondeterministic_ops"] = sorted({ln for f in alerts.glob("*.txt") for ln in f.read_text().splitlines()})
     res["unbroken"] = [{k: m.get(k) for k in ("loss", "grad_norm", "train_time_s", "optimizer_step_s",
                                               "optimizer_host_adam_s", "optimizer_transfer_wait_s")}
                        for m in res["unbroken"]]
@@ -704,6 +727,9 @@ def print_table(summary: dict) -> None:
         rows.append(("resume rerun (same trainer): masters bitwise at load / next update max |d| vs unbroken / s",
                      f"{r['rerun']['masters_at_load_bitwise']} / {r['rerun']['next_update_max_abs_diff']:.3g} / "
                      f"{r['rerun'].get('train_time_s')} (deterministic kernels: {r.get('deterministic')})"))
+        if r.get("nondeterministic_ops") is not None:
+            rows.append(("resume: ops without a deterministic kernel (torch's alerts)",
+                         "; ".join(r["nondeterministic_ops"])[:300] or "none"))
         d = r["tp_replica_drift"]
         rows.append(("resume TP replicas vs rank 0 at save: max |d| / tensors differing",
                      f"{d['max_abs_diff']:.3g} / {d['tensors_differing']}"))
@@ -739,9 +765,6 @@ def main(argv=None) -> int:
     ap.add_argument("--deterministic", action="store_true",
                     help="torch's deterministic kernels in the trainer and engine processes (warn where none exists)")
     a = ap.parse_args(argv)
-    if a.deterministic:  # inherited by the section processes and the ranks and engines they spawn
-        os.environ[ENV_DETERMINISTIC] = "1"
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     S = dict(SHAPES["cpu" if a.cpu else "gpu"])
     if a.rollouts:
         S["rollouts"] = a.rollouts
@@ -750,6 +773,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     W = Path(a.work or ("/tmp/glm9b_host_optimizer_work" + ("_cpu" if a.cpu else "")))
     W.mkdir(parents=True, exist_ok=True)
+    if a.deterministic:  # inherited by the section processes and the ranks and engines they spawn
+        os.environ[ENV_DETERMINISTIC] = str(W / "nondeterministic_ops")
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     gpu_grpo.prepare_env()
     env = None
     if a.merge:
