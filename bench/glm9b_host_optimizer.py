@@ -576,10 +576,11 @@ def _tp_replica_drift(masters_dir: Path, names: list[str]) -> dict:
     files = sorted(masters_dir.glob("rank*.pt"), key=lambda f: int(f.stem[4:]))
     if len(files) < 2 or not names:
         return {"ranks": len(files), "max_abs_diff": 0.0, "tensors_differing": 0}
-    ref = torch.load(files[0], weights_only=True)
+    # memory-mapped: only the replicas (norms) are read of each rank's whole masters
+    ref = torch.load(files[0], weights_only=True, mmap=True)
     diffs = {}
     for f in files[1:]:
-        other = torch.load(f, weights_only=True)
+        other = torch.load(f, weights_only=True, mmap=True)
         for n in names:
             diffs[f"{f.stem}:{n}"] = float((other[n] - ref[n]).abs().max())
     return {"ranks": len(files), "tensors": len(names), "max_abs_diff": max(diffs.values()),

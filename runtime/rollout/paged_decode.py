@@ -640,10 +640,10 @@ class PagedDecoder(FusedModel):
                                     f"pages of {P} tokens, the pool has {pool.free} free of {pool.capacity} "
                                     f"({self.kv_cache_bytes() / 2**30:.3f} GiB); raise rollout.kv_cache_gb")
                             break
-                        seq_len = (len(key) if new_prefix else 0) + max(made - 1, 0)
-                        # what the row prefills: with tokens made, its prompt too, recomputed even where its group
-                        # holds the prompt's pages (those positions are written to the null page)
-                        prefill_len = (len(key) + max(made - 1, 0)) if seq_len else 0
+                        # what the row prefills: nothing for a fresh row whose group's prompt is held; otherwise its
+                        # prompt (recomputed even where its group holds the pages: written to the null page) and
+                        # the tokens it made
+                        prefill_len = len(key) + max(made - 1, 0) if new_prefix or made > 1 else 0
                         if seqs and prefill_len > budget:
                             break
                         queue.pop()
@@ -658,7 +658,7 @@ class PagedDecoder(FusedModel):
                         cols, pages = give_pages(s, own_now)
                         table_entries += [(s, c, p) for c, p in zip(cols, pages)]
                         reserve += pages_for(max(made - 1, 0) + self.sync_every, P) - own_now  # its first chunk
-                        if seq_len:
+                        if prefill_len:
                             # prompt positions go to the new prefix's pages or (already held) to the null page;
                             # the tokens made before the preemption go to the row's own pages
                             ppages = prefix_pages[key]
