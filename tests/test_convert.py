@@ -383,10 +383,11 @@ def test_a_conversion_leaves_the_parallel_state_as_it_found_it(converted, tied, 
     assert not _spawned_children()
 
 
-def _spawned_children() -> list[int]:
+def _spawned_children(pid: int | None = None) -> list:
+    """The multiprocessing-spawned descendants of process ``pid`` (this one by default)."""
     import psutil
-    return sorted(p.pid for p in psutil.Process().children(recursive=True)
-                  if any("spawn_main" in part for part in p.cmdline()))
+    return sorted((p for p in psutil.Process(pid).children(recursive=True)
+                   if any("spawn_main" in part for part in p.cmdline())), key=lambda p: p.pid)
 
 
 _DRIVER_WITH_A_CPU_WORKER = """
@@ -416,8 +417,7 @@ def test_the_cpu_worker_dies_with_a_killed_driver(converted, tied, work):
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
     try:
         assert driver.stdout.readline().strip() == "exported"
-        workers = [p for p in psutil.Process(driver.pid).children(recursive=True)
-                   if any("spawn_main" in part for part in p.cmdline())]
+        workers = _spawned_children(driver.pid)
         assert len(workers) == 1, workers
         driver.send_signal(signal.SIGKILL)
         driver.wait()
@@ -431,8 +431,5 @@ def test_the_cpu_worker_dies_with_a_killed_driver(converted, tied, work):
 def test_a_torch_dist_save_leaves_no_process_running(converted):
     """megatron's writer used to keep a spawned Manager process from the first save to the end of the
     process; a trainer actor killed with its Ray node left it running, orphaned (issue 32)."""
-    import psutil
-
-    spawned = [p.cmdline() for p in psutil.Process().children(recursive=True)
-               if any("spawn_main" in part for part in p.cmdline())]
-    assert not spawned, spawned
+    spawned = _spawned_children()
+    assert not spawned, [p.cmdline() for p in spawned]
