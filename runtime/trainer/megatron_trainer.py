@@ -18,6 +18,7 @@ from runtime.config import AlgorithmSection, TrainSection
 from runtime.testing.moments import moment
 from runtime.trainer.batch import TrainBatch, by_length, pack, pack_varlen, step_slices, token_budget_micro_batches
 from runtime.trainer.state_offload import StateOffload
+from runtime.trainer.tp_replicas import replicated_parameters, take_rank0_gradients
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -61,6 +62,7 @@ class MegatronTrainer:
             from runtime.trainer import lora
             lora.attach(self.model, self.lora, seed=train.seed)
         self.ref_model = None  # with LoRA the reference is the base with the adapters off: no second model
+        self.tp_replicas = replicated_parameters(self.model) if self.tp_size > 1 else []
         if algorithm.kl_coef > 0 and self.lora is None:
             self.ref_model = self._build_model(train=False)
             load_torch_dist_into(self.ref_model, init_checkpoint)
@@ -313,6 +315,8 @@ class MegatronTrainer:
                     _accumulate(sums, "_tokens_step0", n_tok)
             moment("train-grads-accumulated")  # every micro-batch's backward done; grads not reduced, not applied
             finalize_model_grads([self.ddp])
+            if self.tp_replicas:  # they step from TP rank 0's gradient: one tensor on every rank, as a checkpoint keeps
+                take_rank0_gradients(self.tp_replicas, self.mpu.get_tensor_model_parallel_group())
             t_step = time.time()
             if self.host_optimizer is not None:
                 ok, grad_norm, _ = self.host_optimizer.step()
@@ -384,6 +388,11 @@ class MegatronTrainer:
 
     def release_shared_weights(self) -> None:
         self._shared_weights = None
+        if str(self.device).startswith("cuda"):
+            # a shared block an engine still counted when it was dropped waits in torch's IPC limbo, where no
+            # empty_cache reaches it, until the next shared block's deletion: collected now, the offload before the
+            # next generate gives it back
+            torch.cuda.ipc_collect()
 
     # -- weight sync over a group of its own (runtime/placement/weight_sync.py) --------------------------
     def weight_sync_address(self) -> tuple[str, int]:
