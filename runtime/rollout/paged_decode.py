@@ -138,6 +138,7 @@ class PagedDecoder(FusedModel):
             k_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
             v_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         except Exception as e:  # noqa: BLE001 - out of memory is reported with the plan's numbers
+            k_pool = v_pool = None  # a half that was made is not this engine's "else allocated" in the report
             if is_out_of_memory(e):
                 raise self.out_of_memory(e) from e
             raise
@@ -382,13 +383,16 @@ class PagedDecoder(FusedModel):
         if dev.type == "cuda":
             try:
                 allocated, reserved = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
-                total = torch.cuda.mem_get_info(dev)[1]
+                free, total = torch.cuda.mem_get_info(dev)
             except Exception:  # noqa: BLE001 - a broken context: the message goes without these numbers
                 pass
             else:
                 other = max(allocated - self.weight_bytes - self.kv_cache_bytes(), 0)
                 parts += [f"{gib(other)} else allocated on {dev} (e.g. a colocated trainer's state left on the GPU)",
-                          f"{gib(allocated)} allocated and {gib(reserved)} reserved in all"]
+                          f"{gib(allocated)} allocated and {gib(reserved)} reserved in all",
+                          # a trainer in another process (Ray, several ranks) is not in this process's numbers
+                          f"{gib(max(total - free - reserved, 0))} held by other processes and CUDA contexts, "
+                          f"{gib(free)} free"]
                 card.append(f"the device has {gib(total)}")
         card.append(f"the plan is for a {self.gpu_memory_gb:g} GiB card (cluster.gpu_memory_gb)"
                     if self.gpu_memory_gb is not None else "cluster.gpu_memory_gb unset (the plan assumes 80 GiB)")
