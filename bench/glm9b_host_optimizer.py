@@ -56,6 +56,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -407,7 +408,8 @@ def sec_stage(S, W: Path, sets: list[str], budget_s: float) -> dict:
         res["pids"] = pids
         t0 = time.time()
         warm = [SampleRequest(prompt_ids=list(range(3, 3 + 32)), key=(1, 0, i, 0)) for i in range(16)]
-        sess.engine.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=32))  # compile, first graphs
+        with sess.engine_turn():  # as a rollout generates: the trainer's state off the GPU, the KV pool in
+            sess.engine.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=32))  # compile, graphs
         res["engine_warmup_s"] = round(time.time() - t0, 1)
         for name, obj, phase in (("collect", sess.collector, "generate"), ("train", sess.trainer, "train"),
                                  ("push", sess.weights, "sync"), ("offload_state", sess.trainer, "offload"),
@@ -420,7 +422,12 @@ def sec_stage(S, W: Path, sets: list[str], budget_s: float) -> dict:
                 res["stopped_early"] = f"no time for rollout {rid} ({left:.0f} s left)"
                 break
             t0 = time.time()
-            m = sess.rollout(rid)
+            try:
+                m = sess.rollout(rid)
+            except Exception as e:  # noqa: BLE001 - the memory up to the failure is reported (what explains an OOM)
+                traceback.print_exc()
+                res.update(status="FAILED", error=f"rollout {rid}: {type(e).__name__}: {e}"[:2000])
+                break
             last = time.time() - t0
             row = {k: (round(m[k], 4) if isinstance(m[k], float) else m[k]) for k in KEEP if k in m}
             lengths = scheduled_lengths(S, cfg.train.seed, rid)
@@ -505,6 +512,8 @@ def memory_report(S, W: Path, cfg, mem_dir: Path, pids: dict, phases: list, node
             procs[f"{role}{i}"] = {
                 "pid": pid, "cuda_peak_by_phase": {p: peak(p) for p in win},
                 "cuda_allocated_median_by_phase": {p: median(p, lambda r: cuda(r, 1)) for p in win},
+                # reserved beyond allocated: blocks the allocator keeps, which another process on the GPU cannot use
+                "cuda_reserved_median_by_phase": {p: median(p, lambda r: cuda(r, 2)) for p in win},
                 "rss_median_by_phase": {p: median(p, lambda r: r.get("vmrss")) for p in win},
                 "rss_hwm": g(max((r.get("vmhwm", 0) for r in rows), default=None))}
     b = est["bytes"]

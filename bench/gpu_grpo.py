@@ -588,7 +588,7 @@ def run_section(name: str, S: dict, W: Path, out: Path, fn=None) -> dict:
     t0 = time.time()
     try:
         r = (fn or FUNCS[name])(S, W)
-        r["status"] = "ok"
+        r.setdefault("status", "ok")  # a section that measured up to a failure says FAILED itself
     except Exception as e:  # noqa: BLE001 - one section's failure is recorded, the rest still run
         traceback.print_exc()
         r = {"name": name, "status": "FAILED", "error": f"{type(e).__name__}: {e}"[:2000]}

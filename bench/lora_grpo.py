@@ -264,7 +264,8 @@ def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: 
                     "adapter_buffers": eng.decoder.adapters.nbytes() if eng.decoder.adapters else 0}
     t0 = time.time()
     warm = [SampleRequest(prompt_ids=list(range(3, 3 + S["prompt_len"])), key=(1, 0, i, 0)) for i in range(16)]
-    sess.engine.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=32))  # compile, first graphs
+    with sess.engine_turn():  # as a rollout generates: the trainer's state off the GPU, the KV pool in
+        sess.engine.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=32))  # compile, graphs
     res["engine_warmup_s"] = round(time.time() - t0, 1)
     phase: dict = {}
     _wrap(sess, P, phase)
