@@ -453,7 +453,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                 # .json): 1.30 GiB over one pack of 8 prompts (0.95 by this count) with the three-op LoRA add of then.
                 # With add_lora_up and the seed's 16 x 8, whose pool of 23 samples preempts (..._seed16x8.json):
                 # 1.77 GiB against 2.01 counted then for a pack of the budget and a prompt, which the engine allowed
-                # while it left the prompt out of the budget; 1.89 by this count
+                # while it left the prompt out of the budget; 1.89 by this count, and 1.77 measured again with the
+                # engine keeping to it (largest pack 16,384 = the budget; ..._seed16x8_prefill-fix.json)
                 if per_row:
                     tokens = max(_PREFILL_TOKENS, seq_len)
                 else:
