@@ -61,11 +61,12 @@ def test_pinned_buffers_round_up_to_powers_of_two():
 
 
 def test_the_tp2_refusal_on_2x80_names_the_optimizer_on_the_host(capsys):
-    """The issue's ask: the 8 x H200 config at TP 2 on 2 x 80 GiB refused at 115 GiB per GPU; the one line now
-    names the setting that fits."""
+    """The issue's ask: the 8 x H200 config at TP 2 on 2 x 80 GiB refused at 115 GiB per GPU (116.5 since the plan
+    counts the Ray engine's own process: a second CUDA context and allocator slack); the one line now names the
+    setting that fits."""
     code, out, err = _validate(capsys, GLM, *TP2_ON_2X80)
     assert code == 2 and len(err) == 1, err
-    assert "needs 115.2 GiB per GPU" in err[0] and "fits with train.optimizer_on_host=true (" in err[0]
+    assert "needs 116.5 GiB per GPU" in err[0] and "fits with train.optimizer_on_host=true (" in err[0]
     assert "host memory per node (2 trainer ranks" in out and "DOES NOT FIT" in out
 
 

@@ -450,6 +450,10 @@ def test_the_plans_kv_pool_is_written_into_the_frozen_config(tmp_path):
     assert freeze(cfg, rd).rollout.kv_cache_gb == gb
 
 
+# the memory_check runs below held trainer and engine in one process (the 80 GiB recipe's Ray actors are two, whose
+# plan counts a second CUDA context and allocator slack)
+ONE_PROCESS = ["cluster.backend=local"]
+
 # bench/results/memory_check_H100_2026-11-23_{24gb_paged,32gb,80gb_paged}.json: the 24 GB config under a
 # 23.39 GiB allocator cap (24.0 minus the 0.61 GiB CUDA context), the same config planned for a 32 GB card
 # under 31.2 GiB, and the 80 GiB one uncapped; colocated in one process, the paged engine with the pool the
@@ -471,9 +475,9 @@ def test_the_plan_against_the_h100_runs_of_2026_11_23(run):
     from runtime.plan.memory import estimate_for_config, plan_choices
 
     m = H100_2026_11_23[run]
-    cfg = load_config(ROOT / "configs" / m["config"])
+    cfg = load_config(ROOT / "configs" / m["config"], ONE_PROCESS)
     assert plan_choices(cfg, _qwen3_06b(), m["gpu"]) == {"rollout.kv_cache_gb": m["kv_cache_gb"]}  # the pool measured
-    cfg = load_config(ROOT / "configs" / m["config"], [f"rollout.kv_cache_gb={m['kv_cache_gb']}"])
+    cfg = load_config(ROOT / "configs" / m["config"], [*ONE_PROCESS, f"rollout.kv_cache_gb={m['kv_cache_gb']}"])
     est = estimate_for_config(cfg, _qwen3_06b(), gpu_mem_gb=m["gpu"])
     assert est["fits"] and est["kv_slots"] == m["kv_slots"]
     assert abs(est["activations"] / m["activations"] - 1) <= 0.10, est["activations"]
@@ -499,7 +503,7 @@ def test_every_non_kv_term_within_10_percent_of_the_h100_runs_of_2026_11_25(run)
     rec = json.loads((ROOT / "bench" / "results" / f"memory_check_H100_2026-11-25_{run}_empty_cache.json").read_text())
     measured = {_PLAN_TERM[t["term"]]: t["measured_GiB"] for t in rec["comparison"]["terms"] if t["term"] in _PLAN_TERM}
     assert len(measured) == len(_PLAN_TERM)
-    cfg = load_config(ROOT / "configs" / Path(rec["config"]).name)
+    cfg = load_config(ROOT / "configs" / Path(rec["config"]).name, ONE_PROCESS)
     gpu = rec["gpu_mem_GiB"]
     assert plan_choices(cfg, _qwen3_06b(), gpu) == rec["plan_choices"]  # the pool the run measured
     est = estimate_for_config(cfg, _qwen3_06b(), gpu_mem_gb=gpu)
@@ -535,3 +539,22 @@ def test_data_parallel_rollout_counts_one_engine_on_each_rollout_gpu():
     # colocated: each of the 4 trainer GPUs holds a rank and an engine
     _, colocated = plan("cluster.trainer_gpus=4", "cluster.rollout_gpus=4")
     assert colocated["rollout_rows"] == rows // 4 and colocated["at_rollout"] > colocated["engine_weights"] + 20.0
+
+
+def test_an_engine_in_a_process_of_its_own_counts_a_second_context_and_slack():
+    """Colocated Ray actors (and the local backend's spawned trainer ranks beside engine processes) put two processes
+    on each GPU: the plan counts two CUDA contexts and allocators' slack there, one where a process holds both."""
+    from runtime.config import load_config
+    from runtime.plan.memory import GIB, OVERHEAD_BYTES, estimate_for_config
+
+    def plan(*sets):
+        cfg = _fixed_pool(load_config(ROOT / "configs" / "qwen3-0.6b-dapo.yaml", list(sets)), gb=20.0)
+        return estimate_for_config(cfg, _qwen3_06b(), gpu_mem_gb=80)
+
+    one = plan("cluster.backend=local")
+    ray = plan()  # the recipe: Ray, colocated
+    spawned = plan("cluster.backend=local", "cluster.trainer_gpus=2", "cluster.rollout_gpus=2")
+    split = plan("cluster.colocate=false", "cluster.rollout_gpus=1", "cluster.trainer_gpus=1")
+    assert one["overhead"] == split["overhead"] == OVERHEAD_BYTES / GIB
+    assert ray["overhead"] == spawned["overhead"] == 2 * OVERHEAD_BYTES / GIB
+    assert ray["at_rollout"] - one["at_rollout"] == pytest.approx(OVERHEAD_BYTES / GIB)

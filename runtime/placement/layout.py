@@ -51,14 +51,18 @@ def direct_transport(cfg: GrpoConfig, device: str) -> str:
     "cuda_ipc" where each built-in engine shares its GPU with a trainer rank in another process (Ray actors
     colocated on GPUs; spawned ranks of the local backend: a tensor received by IPC cannot be sent on), each
     reading that rank's copy in place; "host" for other Ray actors (the object store); else "as_is"."""
-    c = cfg.cluster
-    if c.backend == "ray":
-        shares_gpu_across_processes = c.colocate and c.trainer_gpus > 0
-    else:
-        shares_gpu_across_processes = c.colocate and trainer_in_subprocesses(cfg)
-    if device == "cuda" and shares_gpu_across_processes and cfg.rollout.engine == "builtin":
+    if device == "cuda" and engine_shares_gpu_across_processes(cfg):
         return "cuda_ipc"
-    return "host" if c.backend == "ray" else "as_is"
+    return "host" if cfg.cluster.backend == "ray" else "as_is"
+
+
+def engine_shares_gpu_across_processes(cfg: GrpoConfig) -> bool:
+    """Whether each built-in engine shares its GPU with a trainer rank in another process: Ray actors colocated on
+    GPUs, or the local backend's spawned trainer ranks beside engine processes (not one process holding both)."""
+    c = cfg.cluster
+    if not c.colocate or cfg.rollout.engine != "builtin":
+        return False
+    return c.trainer_gpus > 0 if c.backend == "ray" else trainer_in_subprocesses(cfg)
 
 
 def shares_base(cfg: GrpoConfig) -> bool:

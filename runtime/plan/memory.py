@@ -322,7 +322,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     core_attention: str = "auto", distributed_optimizer: bool = False,
                     grad_dtype: str = "float32", optimizer_on_host: bool = False, host_memory_gb: float | None = None,
                     trainer_ranks: int = 1, processes: int = 1, lora: dict | None = None,
-                    shared_base: bool = False, samples_per_prompt: int = 1, partial: bool = False) -> dict[str, Any]:
+                    shared_base: bool = False, samples_per_prompt: int = 1, partial: bool = False,
+                    engine_apart: bool = False) -> dict[str, Any]:
     """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
 
     ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
@@ -347,6 +348,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     trainer's base (``layout.shares_base``), so the base is counted once (runtime/plan/lora_memory.py).
     ``samples_per_prompt``: the rows of a group, which share one prompt prefill in the paged engine; ``partial``
     (``rollout.partial``): continued samples come back with their tokens and are prefilled one by one.
+    ``engine_apart`` (``layout.engine_shares_gpu_across_processes``): a colocated built-in engine runs in a process
+    of its own beside the trainer rank's (Ray actors, spawned ranks): two CUDA contexts and two allocators' slack.
 
     Returns ``weights``, ``grads``, ``optimizer``, ``activations``, ``kv_cache``, ``engine_weights``,
     ``rollout_activations``, ``overhead``, ``total`` (GiB; ``bytes``: the same, exact), ``at_rollout`` /
@@ -411,7 +414,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     kv_per_token = kv_bytes_per_token(hf_config, dtype)
     per_sample_kv = seq_len * kv_per_token
     kv_info: dict[str, Any] = {}
-    overhead = OVERHEAD_BYTES
+    # a GPU shared by two processes (SGLang's server, or a built-in engine apart) holds two contexts and two slacks
+    overhead = 2 * OVERHEAD_BYTES if colocate and (engine == "sglang" or engine_apart) else OVERHEAD_BYTES
     kv_chosen = False
     offload = bool(offload and colocate)
     if engine == "sglang":
@@ -421,7 +425,6 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
         static = int(sglang_mem_fraction * limit) - others  # SGLang: weights + KV pool = fraction x GPU - others
         kv_cache = max(static - engine_weights, 0)
         rollout_activations = 0                            # inside SGLang's (1 - mem_fraction) share
-        overhead = 2 * OVERHEAD_BYTES if colocate else OVERHEAD_BYTES  # two processes share the GPU
         kv_info = {"mem_fraction": sglang_mem_fraction, "static": static}
         kv_released = True                                 # --enable-memory-saver, colocated
     else:
@@ -470,7 +473,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
             def largest_pool(working: int) -> int:  # in steps of KV_STEP_GIB, leaving the margin free in both phases
                 room = _kv_room(limit, colocate=colocate, kv_released=kv_released, weights=weights, state=state,
                                 offload=offload, engine_weights=engine_weights, rollout_activations=working,
-                                activations=max(activations, opt_step))
+                                activations=max(activations, opt_step), overhead=overhead)
                 return max(int(room // (KV_STEP_GIB * GIB)), 0) * int(KV_STEP_GIB * GIB)
 
             if kv_cache_gb is not None:
@@ -567,14 +570,13 @@ KV_MARGIN_FRACTION = 0.08
 
 
 def _kv_room(limit: float, *, colocate: bool, kv_released: bool, weights: int, state: int, offload: bool,
-             engine_weights: int, rollout_activations: int, activations: int) -> float:
+             engine_weights: int, rollout_activations: int, activations: int, overhead: int = OVERHEAD_BYTES) -> float:
     margin = KV_MARGIN_FRACTION * limit
     if not colocate:
         return limit - margin - (engine_weights + rollout_activations + OVERHEAD_BYTES)
-    room = limit - margin - (weights + (0 if offload else state) + engine_weights + rollout_activations
-                             + OVERHEAD_BYTES)
+    room = limit - margin - (weights + (0 if offload else state) + engine_weights + rollout_activations + overhead)
     if not kv_released:  # the pool stays through training
-        room = min(room, limit - margin - (weights + state + engine_weights + activations + OVERHEAD_BYTES))
+        room = min(room, limit - margin - (weights + state + engine_weights + activations + overhead))
     return room
 
 
@@ -675,7 +677,8 @@ def format_estimate(est: dict[str, Any]) -> str:
              f"one built-in engine on each of {est['rollout_engines']} rollout GPUs, {est['rollout_rows']} rows of "
              f"the first rollout each" if est["rollout_engines"] > 1 else engine_note),
             ("KV cache", est["kv_cache"], kv_note), ("rollout extra", est["rollout_activations"], ""),
-            ("overhead", est["overhead"], "CUDA context, allocator slack")]
+            ("overhead", est["overhead"], "CUDA contexts and allocator slack of two processes (trainer, engine)"
+             if est["overhead"] > OVERHEAD_BYTES / GIB else "CUDA context, allocator slack")]
     head = (f"memory per GPU (tp={est['tp']}, dp={est['dp']}, {'colocated' if est['colocate'] else 'separate'} "
             f"trainer/rollout, {est['dtype']}, {est['params'] / 1e9:.2f}B params, {est['device']}):")
     lines = [head] + [f"  {name:<15}{gib:8.2f} GiB" + (f"   {note}" if note else "") for name, gib, note in rows]
@@ -736,6 +739,7 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention,
         distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype, optimizer_on_host=t.optimizer_on_host,
         lora=lora_memory.config_lora(cfg), shared_base=layout.shares_base(cfg),
+        engine_apart=layout.engine_shares_gpu_across_processes(cfg),
         samples_per_prompt=r.n_samples_per_prompt, partial=r.partial,
         **{k: v for k, v in host_memory.node_layout(cfg).items() if k in ("trainer_ranks", "processes")})
 
