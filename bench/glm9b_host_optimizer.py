@@ -41,8 +41,9 @@ and samples memory):
 
 What was cut to fit a call: the stage runs as many rollouts as its budget allows (2 expected, a rollout that would
 not finish is not started after the first) and no checkpoint or eval (the resume section checks the checkpoint);
-the resume check runs on 4 layers. Results: OUT/results.jsonl (one line per section),
-OUT/glm9b_host_optimizer.json (summary), with --results-dir a copy named by device and date.
+the resume check runs on 4 layers. A rollout that fails (the GPU out of memory, say) ends the stage FAILED with what
+it measured up to there: the rollouts before it and the memory report. Results: OUT/results.jsonl (one line per
+section), OUT/glm9b_host_optimizer.json (summary), with --results-dir a copy named by device and date.
 """
 from __future__ import annotations
 
