@@ -175,12 +175,31 @@ def _record_nondeterministic(log_dir: Path) -> None:
     warnings.showwarning = record
 
 
+def _strict_flash_backward() -> None:
+    """torch's FlashAttention backward takes its deterministic kernel only under ``use_deterministic_algorithms(True,
+    warn_only=False)``: in warn-only mode it warns and keeps the atomic dQ (aten attention_backward.cu). The packed
+    attention's backward runs in strict mode, the rest of the process stays warn-only (its alerts recorded)."""
+    import torch
+
+    from runtime.mcore import varlen_attention
+    backward = varlen_attention._FlashVarlen.backward
+
+    def strict(ctx, grad_out):
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        try:
+            return backward(ctx, grad_out)
+        finally:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+    varlen_attention._FlashVarlen.backward = staticmethod(strict)
+
+
 def _child_hooks() -> None:
     log_dir = os.environ.get(ENV_DETERMINISTIC)
     if log_dir:  # --deterministic: an experiment, so a warning (recorded) where torch has no such kernel
         import torch
         torch.use_deterministic_algorithms(True, warn_only=True)
         _record_nondeterministic(Path(log_dir))
+        _strict_flash_backward()
     spec = os.environ.get(ENV_LENGTHS)
     if spec:
         import partial_rollout
@@ -774,7 +793,8 @@ def main(argv=None) -> int:
     ap.add_argument("--results-dir", default=None)
     ap.add_argument("--deadline", type=float, default=575.0)
     ap.add_argument("--deterministic", action="store_true",
-                    help="torch's deterministic kernels in the trainer and engine processes (warn where none exists)")
+                    help="torch's deterministic kernels in the trainer and engine processes (warn where none exists; "
+                         "the packed attention's backward strict, as torch's flash backward needs)")
     a = ap.parse_args(argv)
     S = dict(SHAPES["cpu" if a.cpu else "gpu"])
     if a.rollouts:

@@ -568,7 +568,9 @@ def _candidate(kernel: str, where: str, why: str, switch: str) -> dict:
 CANDIDATES = [
     _candidate("FlashAttention-2 varlen backward (aten._flash_attention_backward)", "trainer, packed attention",
                "dQ accumulated with atomic adds across key blocks",
-               "torch.use_deterministic_algorithms(True) (whether torch's FA2 backward honours it: to check)"),
+               "torch.use_deterministic_algorithms(True, warn_only=False) around it (torch's flash backward takes "
+               "its deterministic kernel only in strict mode: aten attention_backward.cu warns and keeps the "
+               "atomic dQ under warn_only)"),
     _candidate("embedding_dense_backward", "trainer, input embedding", "atomic adds on CUDA",
                "torch.use_deterministic_algorithms(True) (a sorted backward)"),
     _candidate("Inductor kernels (RoPE / SwiGLU / norm fusions)", "trainer", "atomic reductions where Inductor splits one",
