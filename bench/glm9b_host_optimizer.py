@@ -128,6 +128,7 @@ def _bench_trainer_methods() -> None:
     import torch
 
     from runtime.trainer.megatron_trainer import MegatronTrainer
+    from runtime.trainer.tp_replicas import replicated_parameters
 
     def masters(self) -> dict:
         self.offload.reload()
@@ -140,8 +141,8 @@ def _bench_trainer_methods() -> None:
         live = masters(self)
         Path(path).mkdir(parents=True, exist_ok=True)
         torch.save({n: t.to("cpu") for n, t in live.items()}, f"{path}/rank{self.rank}.pt")
-        replicas = sorted(n for n, w in self.model.named_parameters()
-                          if n in live and not getattr(w, "tensor_model_parallel", False))
+        replicated = {id(w) for w in replicated_parameters(self.model)}
+        replicas = sorted(n for n, w in self.model.named_parameters() if n in live and id(w) in replicated)
         return {"elements": sum(t.numel() for t in live.values()), "tp_replicated": replicas}
 
     def bench_masters_vs(self, path: str) -> dict:
@@ -395,7 +396,6 @@ KEEP = ("rollout", "step_time_s", "generate_time_s", "reward_time_s", "train_tim
 def sec_stage(S, W: Path, sets: list[str], budget_s: float) -> dict:
     t_start = time.time()
     from runtime.grpo.session import TrainSession
-    from runtime.rollout.base import SampleRequest, SamplingParams
     if not (W / "td").is_dir() or not (W / "hf" / "config.json").is_file():
         raise RuntimeError(f"no model under {W}: run the setup section first (same --work)")
     res: dict = {"name": "stage", "sets": list(sets)}
@@ -427,9 +427,8 @@ def sec_stage(S, W: Path, sets: list[str], budget_s: float) -> dict:
             pids[role] = list(getattr(handle.group, "pids", None) or [os.getpid()])
         res["pids"] = pids
         t0 = time.time()
-        warm = [SampleRequest(prompt_ids=list(range(3, 3 + 32)), key=(1, 0, i, 0)) for i in range(16)]
-        with sess.engine_turn():  # as a rollout generates: the trainer's state off the GPU, the KV pool in
-            sess.engine.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=32))  # compile, graphs
+        with gpu_grpo.engine_warm_up(sess, 32):
+            pass
         res["engine_warmup_s"] = round(time.time() - t0, 1)
         for name, obj, phase in (("collect", sess.collector, "generate"), ("train", sess.trainer, "train"),
                                  ("push", sess.weights, "sync"), ("offload_state", sess.trainer, "offload"),

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -460,6 +461,19 @@ def run_dir_over(root: Path, run_id: str, inputs: tuple[Path, Path, Path]):
         Path(link).parent.mkdir(parents=True, exist_ok=True)
         os.symlink(target, link)
     return rd
+
+
+@contextmanager
+def engine_warm_up(sess, prompt_len: int):
+    """The session's engine compiled and its first graphs captured on 16 short requests, inside the session's
+    memory hand-off as a rollout generates (the trainer's state off the GPU, the KV pool in: beside the trainer's
+    state the pool need not fit, and on 2 x H100 GLM-Z1-9B's did not). Yields what the hand-off moved, before the
+    pool is released again."""
+    from runtime.rollout.base import SampleRequest, SamplingParams
+    warm = [SampleRequest(prompt_ids=list(range(3, 3 + prompt_len)), key=(1, 0, i, 0)) for i in range(16)]
+    with sess.engine_turn() as moved:
+        sess.engine.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=32))
+        yield moved
 
 
 def sec_stage(S, W: Path) -> dict:

@@ -219,7 +219,6 @@ def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: 
     from runtime.run import checkpoint
     from runtime.run.directory import RunDir
     from runtime.plan.memory import estimate_for_config
-    from runtime.rollout.base import SampleRequest, SamplingParams
     cuda = S["device"] == "cuda"
     P = Phases(cuda)
     context = None
@@ -263,9 +262,8 @@ def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: 
                     "trainer": _trainer_bytes(tr), "engine_allocated": _delta(engine_build),
                     "adapter_buffers": eng.decoder.adapters.nbytes() if eng.decoder.adapters else 0}
     t0 = time.time()
-    warm = [SampleRequest(prompt_ids=list(range(3, 3 + S["prompt_len"])), key=(1, 0, i, 0)) for i in range(16)]
-    with sess.engine_turn():  # as a rollout generates: the trainer's state off the GPU, the KV pool in
-        sess.engine.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=32))  # compile, graphs
+    with gpu_grpo.engine_warm_up(sess, S["prompt_len"]):
+        pass
     res["engine_warmup_s"] = round(time.time() - t0, 1)
     phase: dict = {}
     _wrap(sess, P, phase)

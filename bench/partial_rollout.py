@@ -180,7 +180,6 @@ def run_mode(S, W: Path, partial: bool, sets: list[str], budget_s: float, first:
     written to `progress` (the section's result so far)."""
     t_start = time.time()
     from runtime.grpo.session import TrainSession
-    from runtime.rollout.base import SampleRequest, SamplingParams
     cfg, plan = bench_config(S, W, partial, sets, config)
     root = Path(cfg.storage.root)
     rd = gpu_grpo.run_dir_over(root, "bench", (W / "hf", W / "td", W / "data" / "prompts.parquet"))
@@ -189,9 +188,7 @@ def run_mode(S, W: Path, partial: bool, sets: list[str], budget_s: float, first:
     sess.ensure_at(None)
     engine = sess.engine.group.members[0]  # cluster.backend local: the built-in engine in this process
     t0 = time.time()
-    warm = [SampleRequest(prompt_ids=list(range(3, 3 + S["prompt_len"])), key=(1, 0, i, 0)) for i in range(16)]
-    with sess.engine_turn() as moved:  # as a rollout generates: the trainer's state off the GPU, the pool in
-        sess.engine.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=32))  # compile, first graphs
+    with gpu_grpo.engine_warm_up(sess, S["prompt_len"]) as moved:
         pool_during = engine.decoder.kv_cache_bytes()
     res: dict = {"name": "on" if partial else "off", "partial": partial, "setup_s": round(t0 - t_start, 1),
                  "engine_warmup_s": round(time.time() - t0, 1), "plan_kv_cache_gb": cfg.rollout.kv_cache_gb,
