@@ -570,10 +570,10 @@ KV_MARGIN_FRACTION = 0.08
 
 
 def _kv_room(limit: float, *, colocate: bool, kv_released: bool, weights: int, state: int, offload: bool,
-             engine_weights: int, rollout_activations: int, activations: int, overhead: int = OVERHEAD_BYTES) -> float:
+             engine_weights: int, rollout_activations: int, activations: int, overhead: int) -> float:
     margin = KV_MARGIN_FRACTION * limit
     if not colocate:
-        return limit - margin - (engine_weights + rollout_activations + OVERHEAD_BYTES)
+        return limit - margin - (engine_weights + rollout_activations + overhead)
     room = limit - margin - (weights + (0 if offload else state) + engine_weights + rollout_activations + overhead)
     if not kv_released:  # the pool stays through training
         room = min(room, limit - margin - (weights + state + engine_weights + activations + overhead))
