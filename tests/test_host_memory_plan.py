@@ -74,6 +74,8 @@ def test_the_2xh100_config_fits_gpu_and_host(capsys):
     code, out, err = _validate(capsys, TWO_H100)
     assert code == 0 and not err, err
     assert "fp32 master + Adam m, v" in out and "on the host (train.optimizer_on_host)" in out
+    # Ray actors: each GPU holds a trainer rank's process and an engine's, and the plan counts both
+    assert "2.70 GiB   CUDA contexts and allocator slack of two processes (trainer, engine)" in out
     host_rows = out[out.index("host memory per node"):].splitlines()
     assert host_rows[1].split()[:2] == ["optimizer", "105.06"]  # 2 ranks x 12 B x 4.70 G parameters
     assert "of 256 GiB (cluster.host_memory_gb): fits" in out and "config is valid" in out
