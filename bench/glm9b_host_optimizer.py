@@ -156,8 +156,29 @@ def _bench_trainer_methods() -> None:
                 "tensors_differing": sum(v != 0 for v in diffs.values()),
                 "devices": sorted({str(t.device) for t in mine.values()}), "tensors": len(ref)}
 
+    def bench_memory_segments(self) -> dict:
+        """What this rank's caching allocator holds (the stage calls it after each offload, while the engine
+        generates): allocated and reserved, and the segments kept mostly free, each with the sizes of the live
+        blocks that keep it (a segment goes back to the driver only when all of it is free)."""
+        if not torch.cuda.is_available():
+            return {}
+        mib = 2 ** 20
+        kept = []
+        for seg in torch.cuda.memory_snapshot():
+            free = seg["total_size"] - seg["allocated_size"]
+            if free >= 64 * mib:
+                live = sorted((b["size"] for b in seg["blocks"] if b["state"] == "active_allocated"), reverse=True)
+                kept.append({"segment_mib": round(seg["total_size"] / mib, 1), "free_mib": round(free / mib, 1),
+                             "live_blocks": len(live), "live_block_mib": [round(b / mib, 2) for b in live[:8]]})
+        kept.sort(key=lambda k: -k["free_mib"])
+        return {"allocated_gib": round(torch.cuda.memory_allocated() / 2 ** 30, 3),
+                "reserved_gib": round(torch.cuda.memory_reserved() / 2 ** 30, 3),
+                "free_in_kept_segments_gib": round(sum(k["free_mib"] for k in kept) / 1024, 3),
+                "kept_segments": kept[:12]}
+
     MegatronTrainer.bench_save_masters = bench_save_masters
     MegatronTrainer.bench_masters_vs = bench_masters_vs
+    MegatronTrainer.bench_memory_segments = bench_memory_segments
 
 
 def _record_nondeterministic(log_dir: Path) -> None:
@@ -374,16 +395,19 @@ class NodeSampler:
             self._stop.wait(self.every_s)
 
 
-def _timed(obj, name: str, phase: str, phases: list) -> None:
-    """obj.name, recording (phase, start, end) of each call."""
+def _timed(obj, name: str, phase: str, phases: list, after=None) -> None:
+    """obj.name, recording (phase, start, end) of each call; `after(result)` once it returned."""
     fn = getattr(obj, name)
 
     def wrapper(*a, **k):
         t0 = time.time()
         try:
-            return fn(*a, **k)
+            out = fn(*a, **k)
         finally:
             phases.append((phase, t0, time.time()))
+        if after is not None:
+            after(out)
+        return out
 
     setattr(obj, name, wrapper)
 
@@ -406,10 +430,11 @@ def sec_stage(S, W: Path, sets: list[str], budget_s: float) -> dict:
     shutil.rmtree(mem_dir, ignore_errors=True)
     mem_dir.mkdir(parents=True)
     # the spawned ranks and engines inherit these (_child_hooks)
-    os.environ.update({ENV_LENGTHS: json.dumps(S["schedule"]), ENV_MEMDIR: str(mem_dir),
+    os.environ.update({ENV_LENGTHS: json.dumps(S["schedule"]), ENV_MEMDIR: str(mem_dir), ENV_METHODS: "1",
                        "GLM9B_BENCH_SAMPLE_S": str(S["sample_s"])})
     import partial_rollout
     partial_rollout.force_keyed_lengths(S["schedule"])  # an engine in this process (one GPU, CPU) is forced too
+    _bench_trainer_methods()  # and a trainer in this process has the bench's methods
     threading.Thread(target=_sampler, args=(mem_dir, S["sample_s"]), daemon=True).start()  # an engine in here
     node = NodeSampler(S["sample_s"] * 2).start()
     time.sleep(S["sample_s"] * 3)
@@ -430,10 +455,17 @@ def sec_stage(S, W: Path, sets: list[str], budget_s: float) -> dict:
         with gpu_grpo.engine_warm_up(sess, 32):
             pass
         res["engine_warmup_s"] = round(time.time() - t0, 1)
-        for name, obj, phase in (("collect", sess.collector, "generate"), ("train", sess.trainer, "train"),
-                                 ("push", sess.weights, "sync"), ("offload_state", sess.trainer, "offload"),
-                                 ("reload_state", sess.trainer, "reload")):
-            _timed(obj, name, phase, phases)
+        trainer_group = sess.trainer.group
+
+        def after_offload(moved):  # what each trainer rank keeps beside the engine while it generates
+            res["trainer_after_offload"].append({"resident_gib": round((moved or {}).get("resident_bytes", 0) / 2 ** 30, 3),
+                                                 "ranks": trainer_group.call("bench_memory_segments")})
+        res["trainer_after_offload"] = []
+        for name, obj, phase, after in (("collect", sess.collector, "generate", None),
+                                        ("train", sess.trainer, "train", None), ("push", sess.weights, "sync", None),
+                                        ("offload_state", sess.trainer, "offload", after_offload),
+                                        ("reload_state", sess.trainer, "reload", None)):
+            _timed(obj, name, phase, phases, after)
         last = 0.0
         for rid in range(S["rollouts"]):
             left = budget_s - (time.time() - t_start)

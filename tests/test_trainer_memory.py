@@ -191,8 +191,12 @@ def test_offload_round_trip_restores_the_state_bitwise(tiny, distributed):
     weights = {p.untyped_storage().data_ptr() for p in a.model.parameters()}
     assert not weights & {st.data_ptr() for st in a.offload._unique_storages(force=True)}
     assert a.offload_state() == {"bytes": 0.0, "seconds": 0.0}  # on CPU without force: nothing moves
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    assert RotaryEmbedding.forward.cache_info().currsize > 0  # the step's rotary tables, one per sequence length
     moved = a.offload_state(force=True)
     assert moved["bytes"] == sum(t.untyped_storage().nbytes() for t in before) > 0
+    # nothing the step grew stays: a table made mid-step would keep a GPU segment reserved beside the engine
+    assert RotaryEmbedding.forward.cache_info().currsize == 0
     assert all(t.untyped_storage().nbytes() == 0 for t in a.offload._tensors())  # the device memory is freed
     a.reload_state()
     for x, y in zip(before, _state(a)):

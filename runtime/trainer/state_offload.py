@@ -95,6 +95,7 @@ class StateOffload:
             torch.cuda.synchronize()
         for st in storages:
             st.resize_(0)
+        drop_regrowable_caches(self.trainer.model)
         if on_gpu:
             # hand the freed blocks back to the driver: the allocator would keep them cached (reserved), and
             # the engine's KV pool, too large to fit into them, would be allocated beside them
@@ -102,6 +103,8 @@ class StateOffload:
         self.storages = [(st, pos) for pos, st in enumerate(storages)]
         self.offloaded = True
         out = {"bytes": float(moved), "seconds": time.time() - t0}
+        if on_gpu:  # what the trainer keeps on its GPU while the engine generates: the weights, ideally
+            out["resident_bytes"] = float(torch.cuda.memory_reserved(self.trainer.device))
         if drop:
             out["dropped_bytes"] = float(dropped)
         return out
@@ -125,6 +128,21 @@ class StateOffload:
         self.storages = []
         self.offloaded = False
         return {"bytes": float(moved), "seconds": time.time() - t0}
+
+
+def drop_regrowable_caches(model) -> None:
+    """Empty megatron's caches that a step fills and the next one remakes on demand: the rotary embeddings per
+    sequence length (an ``lru_cache`` on ``RotaryEmbedding.forward``, up to 32 tensors, a new one for each packed
+    micro-batch's longest sample) and the tensor-parallel global memory buffer. They are made mid-step, while the
+    step's freed activations sit in the caching allocator; one of a few MiB placed inside such a block keeps that
+    block's whole segment (GiBs) reserved through ``empty_cache``, beside the engine that needs it."""
+    from megatron.core import parallel_state
+    for forward in {type(m).forward for m in model.modules()}:
+        if hasattr(forward, "cache_clear"):
+            forward.cache_clear()
+    buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    if buffer is not None:
+        buffer.buffer.clear()
 
 
 def _bytes_of(storage) -> torch.Tensor:
