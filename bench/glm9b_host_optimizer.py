@@ -23,8 +23,9 @@ and samples memory):
           (runtime/placement/cuda_ipc.py; a tensor received by IPC cannot be sent on, so none passes through this
           process). Per rollout:
           generate / train / host optimizer step / weight sync seconds, the engine-vs-trainer log-prob gap on
-          the sampled tokens; per GPU the trainer's and the engine's allocated peaks by phase against the plan's
-          terms and the card's footprint (nvidia-smi); the host's peak (the node, and each process's resident
+          the sampled tokens; per GPU the trainer's and the engine's allocated peaks by phase (a trainer rank's
+          per call: its update, its share of the weight sync) against the plan's terms and the card's footprint
+          (nvidia-smi); after every offload, what each trainer rank's allocator keeps; the host's peak (the node, and each process's resident
           memory) against the plan's host terms.
   resume  save -> resume -> next update on a depth-truncated GLM4 (full width and vocabulary, 4 layers; a whole
           9B checkpoint with its optimizer, ~123 GiB, does not fit the disk beside the model): a TP 2 trainer
@@ -93,9 +94,15 @@ SHAPES = {
 
 # ---- in the spawned trainer and engine processes -------------------------------------------------------
 
+# A trainer rank's train and share_weights calls measure their own peak (_call_peaks): the sampler then leaves the
+# peak counter alone in that process. The lock keeps a sample's reset from falling inside such a call.
+_PEAKS = {"lock": threading.Lock(), "by_call": False}
+
+
 def _sampler(mem_dir: Path, every_s: float) -> None:
-    """Every `every_s`: this process's peak allocated CUDA memory since the last sample (per device it uses), its
-    allocated and reserved bytes, and its resident host memory (VmRSS, and the VmHWM high-water mark)."""
+    """Every `every_s`: this process's peak allocated CUDA memory since the last sample (per device it uses; not in a
+    trainer rank, whose calls record their own), its allocated and reserved bytes, and its resident host memory
+    (VmRSS, and the VmHWM high-water mark)."""
     import torch
     path = mem_dir / f"{os.getpid()}.jsonl"
     with open(path, "a") as f:
@@ -104,9 +111,13 @@ def _sampler(mem_dir: Path, every_s: float) -> None:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 for d in range(torch.cuda.device_count()):
                     if torch.cuda.memory_reserved(d) > 0:
-                        row.setdefault("cuda", {})[d] = [torch.cuda.max_memory_allocated(d),
-                                                         torch.cuda.memory_allocated(d), torch.cuda.memory_reserved(d)]
-                        torch.cuda.reset_peak_memory_stats(d)
+                        with _PEAKS["lock"]:
+                            by_call = _PEAKS["by_call"]
+                            row.setdefault("cuda", {})[d] = [None if by_call else torch.cuda.max_memory_allocated(d),
+                                                             torch.cuda.memory_allocated(d),
+                                                             torch.cuda.memory_reserved(d)]
+                            if not by_call:
+                                torch.cuda.reset_peak_memory_stats(d)
             f.write(json.dumps(row) + "\n")
             f.flush()
             time.sleep(every_s)
@@ -179,6 +190,32 @@ def _bench_trainer_methods() -> None:
     MegatronTrainer.bench_save_masters = bench_save_masters
     MegatronTrainer.bench_masters_vs = bench_masters_vs
     MegatronTrainer.bench_memory_segments = bench_memory_segments
+    mem_dir = os.environ.get(ENV_MEMDIR)
+    if mem_dir:
+        for method, phase in (("train", "train"), ("share_weights", "sync")):
+            setattr(MegatronTrainer, method, _call_peaks(getattr(MegatronTrainer, method), phase, Path(mem_dir)))
+
+
+def _call_peaks(fn, phase: str, mem_dir: Path):
+    """`fn` that records the peak allocated CUDA memory of each call (its GPU's counter reset at entry), with the
+    call's start and end, in <pid>.calls.jsonl: a peak by phase that samples cannot give (the weight sync lasts less
+    than a sampling interval and follows the update at once)."""
+    import torch
+
+    def wrapper(self, *a, **k):
+        on_gpu = str(self.device).startswith("cuda")
+        if on_gpu:
+            with _PEAKS["lock"]:
+                _PEAKS["by_call"] = True
+                torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.time()
+        out = fn(self, *a, **k)
+        if on_gpu:
+            with open(mem_dir / f"{os.getpid()}.calls.jsonl", "a") as f:
+                f.write(json.dumps({"phase": phase, "t0": t0, "t1": time.time(),
+                                    "peak": torch.cuda.max_memory_allocated(self.device)}) + "\n")
+        return out
+    return wrapper
 
 
 def _record_nondeterministic(log_dir: Path) -> None:
@@ -518,6 +555,8 @@ def scheduled_lengths(S, seed: int, rollout: int) -> list[int]:
 def _samples(mem_dir: Path) -> dict[int, list[dict]]:
     out = {}
     for f in mem_dir.glob("*.jsonl"):
+        if f.name.endswith(".calls.jsonl"):
+            continue
         rows = []
         for line in f.read_text().splitlines():
             try:
@@ -526,6 +565,11 @@ def _samples(mem_dir: Path) -> dict[int, list[dict]]:
                 pass
         out[int(f.stem)] = rows
     return out
+
+
+def _call_rows(mem_dir: Path, pid: int) -> list[dict]:
+    f = mem_dir / f"{pid}.calls.jsonl"
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.exists() else []
 
 
 def _in(rows, windows, key):
@@ -548,7 +592,7 @@ def memory_report(S, W: Path, cfg, mem_dir: Path, pids: dict, phases: list, node
 
     def cuda(row, field):
         c = row.get("cuda") or {}
-        return max((v[field] for v in c.values()), default=None)
+        return max((v[field] for v in c.values() if v[field] is not None), default=None)
 
     procs = {}
     for role in ("trainer", "engine"):
@@ -560,8 +604,12 @@ def memory_report(S, W: Path, cfg, mem_dir: Path, pids: dict, phases: list, node
             def median(p, k, rows=rows):
                 vals = _in(rows, steady[p], k)
                 return g(statistics.median(vals)) if vals else None
+            calls = _call_rows(mem_dir, pid)
             procs[f"{role}{i}"] = {
-                "pid": pid, "cuda_peak_by_phase": {p: peak(p) for p in win},
+                "pid": pid,
+                # a trainer rank: each call's own peak (the first train call also makes the step's lasting buffers)
+                "cuda_peak_by_phase": {p: (g(max(c["peak"] for c in calls if c["phase"] == p))
+                                           if any(c["phase"] == p for c in calls) else peak(p)) for p in win},
                 "cuda_allocated_median_by_phase": {p: median(p, lambda r: cuda(r, 1)) for p in win},
                 # reserved beyond allocated: blocks the allocator keeps, which another process on the GPU cannot use
                 "cuda_reserved_median_by_phase": {p: median(p, lambda r: cuda(r, 2)) for p in win},
