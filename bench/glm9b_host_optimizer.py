@@ -234,31 +234,10 @@ def _record_nondeterministic(log_dir: Path) -> None:
     warnings.showwarning = record
 
 
-def _strict_flash_backward() -> None:
-    """torch's FlashAttention backward takes its deterministic kernel only under ``use_deterministic_algorithms(True,
-    warn_only=False)``: in warn-only mode it warns and keeps the atomic dQ (aten attention_backward.cu). The packed
-    attention's backward runs in strict mode, the rest of the process stays warn-only (its alerts recorded)."""
-    import torch
-
-    from runtime.mcore import varlen_attention
-    backward = varlen_attention._FlashVarlen.backward
-
-    def strict(ctx, grad_out):
-        torch.use_deterministic_algorithms(True, warn_only=False)
-        try:
-            return backward(ctx, grad_out)
-        finally:
-            torch.use_deterministic_algorithms(True, warn_only=True)
-    varlen_attention._FlashVarlen.backward = staticmethod(strict)
-
-
 def _child_hooks() -> None:
     log_dir = os.environ.get(ENV_DETERMINISTIC)
-    if log_dir:  # --deterministic: an experiment, so a warning (recorded) where torch has no such kernel
-        import torch
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    if log_dir:  # --deterministic (train.deterministic): torch's warnings where an op has no deterministic kernel
         _record_nondeterministic(Path(log_dir))
-        _strict_flash_backward()
     spec = os.environ.get(ENV_LENGTHS)
     if spec:
         import partial_rollout
@@ -729,7 +708,8 @@ def sec_resume(S, W: Path) -> dict:
             f"cluster.trainer_gpus={S['resume_tp'] if S['device'] == 'cuda' else 0}", "cluster.rollout_gpus=0",
             f"train.tensor_parallel={S['resume_tp']}",
             "cluster.host_memory_gb=null", "cluster.gpu_memory_gb=null", f"data.max_prompt_len={S['max_prompt_len']}",
-            f"rollout.max_new_tokens={S['schedule']['max_new']}", *S["sets"]]
+            f"rollout.max_new_tokens={S['schedule']['max_new']}", *S["sets"],
+            f"train.deterministic={str(alerts is not None).lower()}"]
     batches = [_resume_batch(S, hf_config.vocab_size, s) for s in range(3)]
     res: dict = {"name": "resume", "layers": S["resume_layers"], "tp": S["resume_tp"], "params": params, "lr": RESUME_LR,
                  "deterministic": bool(os.environ.get(ENV_DETERMINISTIC)),
@@ -872,8 +852,8 @@ def main(argv=None) -> int:
     ap.add_argument("--results-dir", default=None)
     ap.add_argument("--deadline", type=float, default=575.0)
     ap.add_argument("--deterministic", action="store_true",
-                    help="torch's deterministic kernels in the trainer and engine processes (warn where none exists; "
-                         "the packed attention's backward strict, as torch's flash backward needs)")
+                    help="train.deterministic (torch's deterministic kernels in the trainer processes); the ops "
+                         "without one are listed")
     a = ap.parse_args(argv)
     S = dict(SHAPES["cpu" if a.cpu else "gpu"])
     if a.rollouts:
@@ -883,9 +863,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     W = Path(a.work or ("/tmp/glm9b_host_optimizer_work" + ("_cpu" if a.cpu else "")))
     W.mkdir(parents=True, exist_ok=True)
-    if a.deterministic:  # inherited by the section processes and the ranks and engines they spawn
+    if a.deterministic:  # inherited by the section processes and the ranks they spawn
         os.environ[ENV_DETERMINISTIC] = str(W / "nondeterministic_ops")
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    if os.environ.get(ENV_DETERMINISTIC):  # this call's flag, or its parent's (a section's process)
+        sets.append("train.deterministic=true")
     gpu_grpo.prepare_env()
     env = None
     if a.merge:

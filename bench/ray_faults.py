@@ -79,14 +79,12 @@ active rows and the longest context, the partial results combined in a fixed ord
 at the bucket's row count, CUDA graphs and the compiled sampler. The engine samples by keyed Gumbel-max,
 so a logit that moves by one ulp at a near-tie changes a token, and every update after it.
 
-Issue 37 item 2 (a deterministic switch, if it costs <= 10 % of a step) is not built: no measurement
-says which of these kernels moves the weights. What would be measured: (1) the trainer alone, one update
-twice from the same checkpoint on the same recorded batch: grads and weights bitwise or not; then with
-`torch.use_deterministic_algorithms(True)` and `CUBLAS_WORKSPACE_CONFIG=:4096:8` in the trainer's
-process (a deterministic FA2 backward, a sorted embedding backward), the same pair plus the step time
-against the default; (2) the engine alone, one rollout's requests twice: tokens and log-probs bitwise or
-not, and which rows first differ; (3) if both halves are bitwise alone but unbroken-b differs, the
-weight path. The switch becomes a config setting (`train.deterministic`, say) only with (1)'s cost.
+Issue 37 item 2: the switch is `train.deterministic` (runtime/mcore/determinism.py: torch's deterministic
+kernels and cuBLAS's fixed workspace in the trainer's processes, FlashAttention's deterministic backward), off by
+default until its cost is measured: `--set train.deterministic=true --cases unbroken-a,unbroken-b` on the same
+machine as a plain pair gives both its bitwise result and its step time against the plain one. The first GPU pair
+(2026-11-26, colocated) made the same samples in both runs and differed only after the updates: the trainer's
+backward is what moves, the engine's sampling is not.
 """
 from __future__ import annotations
 
@@ -568,15 +566,14 @@ def _candidate(kernel: str, where: str, why: str, switch: str) -> dict:
 CANDIDATES = [
     _candidate("FlashAttention-2 varlen backward (aten._flash_attention_backward)", "trainer, packed attention",
                "dQ accumulated with atomic adds across key blocks",
-               "torch.use_deterministic_algorithms(True, warn_only=False) around it (torch's flash backward takes "
-               "its deterministic kernel only in strict mode: aten attention_backward.cu warns and keeps the "
-               "atomic dQ under warn_only)"),
+               "train.deterministic (strict mode around it: torch's flash backward takes its deterministic kernel "
+               "only there; aten attention_backward.cu warns and keeps the atomic dQ under warn_only)"),
     _candidate("embedding_dense_backward", "trainer, input embedding", "atomic adds on CUDA",
-               "torch.use_deterministic_algorithms(True) (a sorted backward)"),
+               "train.deterministic (a sorted backward)"),
     _candidate("Inductor kernels (RoPE / SwiGLU / norm fusions)", "trainer", "atomic reductions where Inductor splits one",
-               "torch.use_deterministic_algorithms(True) / train.fusions none"),
+               "train.deterministic / train.fusions none"),
     _candidate("cuBLAS GEMMs", "trainer and engine", "split-K and workspace choices across streams",
-               "CUBLAS_WORKSPACE_CONFIG=:4096:8"),
+               "train.deterministic (CUBLAS_WORKSPACE_CONFIG=:4096:8)"),
     _candidate("NCCL all-reduce / reduce-scatter", "trainer, DP 2 (colocated)",
                "the reduction order is fixed for a fixed topology and algorithm", "NCCL_ALGO fixed"),
     _candidate("split-KV paged decode attention (runtime/rollout/decode_attention.py)", "engine",

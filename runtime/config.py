@@ -275,7 +275,20 @@ class TrainSection(Section):
     # flash-attn-4 package's CuTe kernels (pip install 'grpoflow[fa4]'; about 2x FA2's forward + backward on the
     # H100, so the trainer's packed step is faster). CPU: block-causal SDPA either way.
     packed_attention: Literal["flash2", "fa4"] = "flash2"
+    # torch's deterministic kernels in the trainer's processes (runtime/mcore/determinism.py): on CUDA two updates
+    # from one state are then bitwise equal, so a resumed run can end as an unbroken one does on GPUs too. Off (the
+    # fast default): atomically accumulated backward kernels move the weights by float noise from run to run.
+    # With packed micro-batches it needs packed_attention flash2 (torch's FlashAttention, whose deterministic
+    # backward it selects). CPU kernels are deterministic either way.
+    deterministic: bool = False
     lora: LoraSection = LoraSection()
+
+    @model_validator(mode="after")
+    def _deterministic_attention(self) -> "TrainSection":
+        if self.deterministic and self.packed_attention == "fa4":
+            raise ValueError("train.deterministic selects the deterministic backward of packed_attention=flash2, not "
+                             "fa4's: set train.packed_attention=flash2 or train.deterministic=false")
+        return self
 
 
 class EvalSection(Section):

@@ -275,3 +275,51 @@ def test_grad_dtype_sets_the_gradient_buffer(tiny):
         out[grad_dtype] = tr.train(batch)
     assert out["bfloat16"]["loss"] == out["float32"]["loss"]
     assert abs(out["bfloat16"]["grad_norm"] - out["float32"]["grad_norm"]) <= 1e-2 * out["float32"]["grad_norm"]
+
+
+# ---- train.deterministic ------------------------------------------------------------------------------------
+
+def test_train_deterministic_turns_on_deterministic_kernels_and_keeps_the_update(tiny):
+    """train.deterministic: the trainer's process runs torch's deterministic kernels from its construction on (warn
+    where none exists, with cuBLAS's fixed workspace); on CPU, deterministic already, the update is the same."""
+    batch = _batch(tiny["vocab"])
+    plain = _trainer(tiny, dtype="bfloat16")
+    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        strict = _trainer(tiny, dtype="bfloat16", deterministic=True)
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        import os
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] in (":4096:8", ":16:8")
+        a, b = plain.train(batch), strict.train(batch)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    for x, y in zip(plain.model.parameters(), strict.model.parameters()):
+        assert torch.equal(x, y)
+
+
+def test_flash_backward_is_strict_only_where_deterministic_mode_is_on():
+    """torch's FlashAttention backward takes its deterministic kernel only in strict mode: the packed attention's
+    backward runs strict under warn-only deterministic mode, and the mode is as it was afterwards."""
+    from runtime.mcore.determinism import strict_if_deterministic
+    for enabled, warn_only, inside in ((False, False, (False, False)), (True, True, (True, False)),
+                                       (True, False, (True, False))):
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        try:
+            with strict_if_deterministic():
+                seen = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+            after = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+        finally:
+            torch.use_deterministic_algorithms(False)
+        assert seen == inside and after == (enabled, warn_only)
+
+
+def test_train_deterministic_with_fa4_is_a_one_line_error():
+    from runtime.config import config_with_overrides
+    from runtime.errors import ConfigError
+    tree = {"name": "t", "model": {"source": "/nonexistent"}, "data": {"train": {"source": "/nonexistent"}}}
+    config_with_overrides(tree, ["train.deterministic=true"], "cfg.yaml")
+    with pytest.raises(ConfigError) as err:
+        config_with_overrides(tree, ["train.deterministic=true", "train.packed_attention=fa4"], "cfg.yaml")
+    msg = str(err.value)
+    assert "\n" not in msg and "train.packed_attention=flash2" in msg and "train.deterministic=false" in msg

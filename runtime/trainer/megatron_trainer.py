@@ -35,6 +35,9 @@ class MegatronTrainer:
                             f"(got {type(train).__name__}, {type(algorithm).__name__})")
         if num_threads:
             torch.set_num_threads(num_threads)
+        if train.deterministic:  # before the process's first cuBLAS handle
+            from runtime.mcore.determinism import use_deterministic_kernels
+            use_deterministic_kernels()
         from runtime.mcore import env as menv  # first: it quiets megatron's import-time TE/Apex warnings
 
         from megatron.core import parallel_state as mpu
