@@ -80,7 +80,7 @@ at the bucket's row count, CUDA graphs and the compiled sampler. The engine samp
 so a logit that moves by one ulp at a near-tie changes a token, and every update after it.
 
 Issue 37 item 2: the switch is `train.deterministic` (runtime/mcore/determinism.py: torch's deterministic
-kernels and cuBLAS's fixed workspace in the trainer's processes, FlashAttention's deterministic backward), off by
+kernels and cuBLAS's fixed workspace in the trainer's processes, its backward strict), off by
 default until its cost is measured: `--set train.deterministic=true --cases unbroken-a,unbroken-b` on the same
 machine as a plain pair gives both its bitwise result and its step time against the plain one. The first GPU pair
 (2026-11-26, colocated) made the same samples in both runs and differed only after the updates: the trainer's
@@ -566,8 +566,9 @@ def _candidate(kernel: str, where: str, why: str, switch: str) -> dict:
 CANDIDATES = [
     _candidate("FlashAttention-2 varlen backward (aten._flash_attention_backward)", "trainer, packed attention",
                "dQ accumulated with atomic adds across key blocks",
-               "train.deterministic (strict mode around it: torch's flash backward takes its deterministic kernel "
-               "only there; aten attention_backward.cu warns and keeps the atomic dQ under warn_only)"),
+               "train.deterministic (the trainer's backward in strict mode: torch's flash backward takes its "
+               "deterministic kernel only there; aten attention_backward.cu warns and keeps the atomic dQ under "
+               "warn_only)"),
     _candidate("embedding_dense_backward", "trainer, input embedding", "atomic adds on CUDA",
                "train.deterministic (a sorted backward)"),
     _candidate("Inductor kernels (RoPE / SwiGLU / norm fusions)", "trainer", "atomic reductions where Inductor splits one",

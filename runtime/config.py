@@ -275,9 +275,10 @@ class TrainSection(Section):
     # flash-attn-4 package's CuTe kernels (pip install 'grpoflow[fa4]'; about 2x FA2's forward + backward on the
     # H100, so the trainer's packed step is faster). CPU: block-causal SDPA either way.
     packed_attention: Literal["flash2", "fa4"] = "flash2"
-    # torch's deterministic kernels in the trainer's processes (runtime/mcore/determinism.py): on CUDA two updates
-    # from one state are then bitwise equal, so a resumed run can end as an unbroken one does on GPUs too. Off (the
-    # fast default): atomically accumulated backward kernels move the weights by float noise from run to run.
+    # torch's deterministic kernels in the trainer's processes (runtime/mcore/determinism.py; the backward in strict
+    # mode: an op there without a deterministic kernel stops the step, named): on CUDA two updates from one state
+    # are then meant to be bitwise equal, so a resumed run can end as an unbroken one does on GPUs too. Off (the
+    # default): atomically accumulated backward kernels move the weights by float noise from run to run.
     # With packed micro-batches it needs packed_attention flash2 (torch's FlashAttention, whose deterministic
     # backward it selects). CPU kernels are deterministic either way.
     deterministic: bool = False

@@ -298,9 +298,9 @@ def test_train_deterministic_turns_on_deterministic_kernels_and_keeps_the_update
         assert torch.equal(x, y)
 
 
-def test_flash_backward_is_strict_only_where_deterministic_mode_is_on():
-    """torch's FlashAttention backward takes its deterministic kernel only in strict mode: the packed attention's
-    backward runs strict under warn-only deterministic mode, and the mode is as it was afterwards."""
+def test_the_backward_is_strict_only_where_deterministic_mode_is_on():
+    """torch's FlashAttention backward takes its deterministic kernel only in strict mode: the trainer's backward runs
+    strict under (warn-only) deterministic mode, and the mode is as it was afterwards."""
     from runtime.mcore.determinism import strict_if_deterministic
     for enabled, warn_only, inside in ((False, False, (False, False)), (True, True, (True, False)),
                                        (True, False, (True, False))):

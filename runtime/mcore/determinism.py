@@ -16,17 +16,19 @@ import torch
 
 
 def use_deterministic_kernels() -> None:
-    """This process's kernels deterministic from now on. An op torch has no deterministic kernel for warns (once)
-    and runs as before, rather than failing the run mid-way: the warning names it."""
+    """This process's kernels deterministic from now on, in warn-only mode: outside the trainer's backward (the
+    log-prob forwards, an engine in the same process) an op without a deterministic kernel warns and runs as before,
+    rather than stopping a generation. The backward runs in :func:`strict_if_deterministic`."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 @contextmanager
 def strict_if_deterministic():
-    """For a kernel that takes its deterministic path only when deterministic mode is strict: torch's
-    FlashAttention backward, which under ``warn_only`` warns and keeps the atomic dQ (aten attention_backward.cu).
-    Nothing changes when deterministic mode is off or already strict."""
+    """The trainer's backward under deterministic mode: strict, because torch's FlashAttention backward (the packed
+    varlen kernel and SDPA's) takes its deterministic kernel only then (aten attention_backward.cu: under
+    ``warn_only`` it warns and keeps the atomic dQ); an op there without a deterministic kernel stops the step with
+    torch's error naming it. Nothing changes when deterministic mode is off (the default) or already strict."""
     relax = torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
     if relax:
         torch.use_deterministic_algorithms(True, warn_only=False)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from runtime.errors import ConfigError
-from runtime.mcore.determinism import strict_if_deterministic
 
 
 class _FlashVarlen(torch.autograd.Function):
@@ -32,10 +31,9 @@ class _FlashVarlen(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu_q, cu_k, rng_state, unused = ctx.saved_tensors
-        with strict_if_deterministic():  # train.deterministic: the backward without atomic dQ
-            dq, dk, dv = torch.ops.aten._flash_attention_backward(
-                grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True, rng_state,
-                unused, scale=ctx.scale)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True, rng_state,
+            unused, scale=ctx.scale)
         return dq, dk, dv, None, None, None, None, None
 
 

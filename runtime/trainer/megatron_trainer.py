@@ -15,6 +15,7 @@ import torch
 
 from runtime.algo import grpo_loss
 from runtime.config import AlgorithmSection, TrainSection
+from runtime.mcore.determinism import strict_if_deterministic, use_deterministic_kernels
 from runtime.testing.moments import moment
 from runtime.trainer.batch import TrainBatch, by_length, pack, pack_varlen, step_slices, token_budget_micro_batches
 from runtime.trainer.state_offload import StateOffload
@@ -36,7 +37,6 @@ class MegatronTrainer:
         if num_threads:
             torch.set_num_threads(num_threads)
         if train.deterministic:  # before the process's first cuBLAS handle
-            from runtime.mcore.determinism import use_deterministic_kernels
             use_deterministic_kernels()
         from runtime.mcore import env as menv  # first: it quiets megatron's import-time TE/Apex warnings
 
@@ -304,7 +304,8 @@ class MegatronTrainer:
                     a if isinstance(a, AlgorithmSection) else AlgorithmSection.model_validate(a),
                     ref_logp=ref, entropy=entropy, rollout_logp=mb.rollout_logp, normalizer=normalizer)
                 # Megatron DDP averages gradients over DP ranks; our loss is already a global sum.
-                (loss * self.dp_size).backward()
+                with strict_if_deterministic():  # train.deterministic: the backward's kernels without atomics
+                    (loss * self.dp_size).backward()
                 # Metrics stay on the device until the step's end: reading one here would stall the host
                 # until the GPU is done, and the GPU would then idle while the next micro-batch is packed.
                 # grpo_loss normalises by the whole step, so summing over micro-batches and ranks gives step values
