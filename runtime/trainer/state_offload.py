@@ -134,8 +134,10 @@ def drop_regrowable_caches(model) -> None:
     """Empty megatron's caches that a step fills and the next one remakes on demand: the rotary embeddings per
     sequence length (an ``lru_cache`` on ``RotaryEmbedding.forward``, up to 32 tensors, a new one for each packed
     micro-batch's longest sample) and the tensor-parallel global memory buffer. They are made mid-step, while the
-    step's freed activations sit in the caching allocator; one of a few MiB placed inside such a block keeps that
-    block's whole segment (GiBs) reserved through ``empty_cache``, beside the engine that needs it."""
+    step's freed activations sit in the caching allocator, so one of a few MiB can land inside such a block and keep
+    that block's whole segment (GiBs) reserved through ``empty_cache``, beside the engine that needs it. (On 2 x H100
+    with GLM-Z1-9B a trainer rank once kept over 7 GiB more than its weights while the engine generated; with this
+    and ``release_shared_weights``' ipc_collect it keeps its weights alone, bench/results/glm9b_host_optimizer_*.)"""
     from megatron.core import parallel_state
     for forward in {type(m).forward for m in model.modules()}:
         if hasattr(forward, "cache_clear"):
