@@ -848,6 +848,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/glm9b_host_optimizer_out")
     ap.add_argument("--set", dest="sets", action="append", default=None, help="config override for the stage")
     ap.add_argument("--rollouts", type=int, default=None, help="at most this many rollouts in the stage")
+    ap.add_argument("--resume-tp", type=int, default=None, help="the resume section's TP size (GPU default 2)")
+    ap.add_argument("--resume-layers", type=int, default=None, help="the resume section's depth (GPU default 4)")
     ap.add_argument("--merge", nargs="+", default=None, help="OUT dirs of earlier calls: one summary of their sections")
     ap.add_argument("--results-dir", default=None)
     ap.add_argument("--deadline", type=float, default=575.0)
@@ -858,6 +860,9 @@ def main(argv=None) -> int:
     S = dict(SHAPES["cpu" if a.cpu else "gpu"])
     if a.rollouts:
         S["rollouts"] = a.rollouts
+    for key in ("resume_tp", "resume_layers"):
+        if getattr(a, key) is not None:
+            S[key] = getattr(a, key)
     sets = S["sets"] + (a.sets or [])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -895,7 +900,8 @@ def main(argv=None) -> int:
             os.environ["SECTION_BUDGET_S"] = str(int(min(SECTION_MAX_S[name], left)))
             extra = ("--cpu",) if a.cpu else ()
             extra += tuple(x for s in (a.sets or []) for x in ("--set", s))
-            extra += ("--rollouts", str(S["rollouts"]))
+            extra += ("--rollouts", str(S["rollouts"]), "--resume-tp", str(S["resume_tp"]),
+                      "--resume-layers", str(S["resume_layers"]))
             gpu_grpo.run_sections_in_processes(Path(__file__), [name], W, out, left, SECTION_MAX_S, extra_args=extra)
         res = gpu_grpo.read_results(out)
     summary = summarize(S, res, env)
