@@ -237,6 +237,25 @@ def test_use_compiled_norms_switches_every_rmsnorm_and_back():
     assert mf.use_compiled_norms(model, False) == len(norms) and all(type(m) is torch.nn.RMSNorm for m in norms)
 
 
+def test_the_compiled_norm_compiles_once_for_every_token_count_and_layout():
+    """The norm's compiled graph, as CompiledRMSNorm calls it, serves every packed micro-batch: token counts change
+    each call, and the first norm gets a [s, 1, h] view of a [1, s, h] tensor (its size-1 dim strided s x h). One
+    graph here (dynamo's counting backend on CPU: the guards, not the kernels) and the same values as eager. (With
+    torch 2.11 on an H100 that layout compiled again per token count, past dynamo's limit: fusions.rowwise.)"""
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    fn = torch.compile(mf.rms_norm, dynamic=True, fullgraph=True, backend=counter)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, generator=g)
+    for s in (37, 53, 64, 80, 91, 112, 130, 155, 171, 190, 203, 250):
+        embedded = torch.randn(1, s, 16, generator=g)
+        for x in (embedded.transpose(0, 1), embedded.transpose(0, 1).contiguous()):  # megatron's view, and plain
+            assert torch.equal(mf.rowwise(fn, x, w, 1e-6), mf.rms_norm(x, w, 1e-6))
+    assert counter.frame_count <= 2  # the first shape, then one dynamic graph (dynamo may specialize at first)
+    torch._dynamo.reset()
+
+
 # ---- SDPA core attention: native GQA vs repeat_interleave --------------------------------------------------
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -205,6 +205,17 @@ def _compiled_norm():
     return _NORM["compiled"]
 
 
+def rowwise(fn, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``fn`` (the compiled norm) on ``x`` as rows [tokens, hidden]: one graph for every layout. Megatron hands the
+    first norm a [s, 1, h] view of the embeddings' [1, s, h] output, whose size-1 dim has stride s x h; torch 2.11's
+    dynamo guarded on that stride, so each new token count compiled again, and past its limit (8) the norm ran
+    eagerly for the shapes it had not compiled: which ones depended on the process's history. On an H100
+    (2026-11-26, deterministic kernels on) an update rerun in the same process was bitwise equal, the same update in
+    a fresh process that loaded the same checkpoint was not (1.4e-4). As rows the input's strides are fixed (the
+    reshape is a view here), so every process runs the same graph."""
+    return fn(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
 class CompiledRMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` whose forward is :func:`rms_norm` compiled on CUDA tensors (eager elsewhere, or for
     good after a compile error)."""
@@ -214,7 +225,7 @@ class CompiledRMSNorm(torch.nn.RMSNorm):
         fn = _compiled_norm() if x.is_cuda else None
         if fn is not None:
             try:
-                return fn(x, self.weight, eps)
+                return rowwise(fn, x, self.weight, eps)
             except Exception as e:  # noqa: BLE001 - a compiler failure: the same math eagerly, from now on
                 _NORM["compiled"], _NORM["error"] = None, f"{type(e).__name__}: {e}"[:500]
                 warnings.warn(f"grpoflow fused RMSNorm: torch.compile failed, using eager ({_NORM['error']})")
