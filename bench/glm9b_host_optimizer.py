@@ -25,8 +25,8 @@ and samples memory):
           generate / train / host optimizer step / weight sync seconds, the engine-vs-trainer log-prob gap on
           the sampled tokens; per GPU the trainer's and the engine's allocated peaks by phase (a trainer rank's
           per call: its update, its share of the weight sync) against the plan's terms and the card's footprint
-          (nvidia-smi); after every offload, what each trainer rank's allocator keeps; the host's peak (the node, and each process's resident
-          memory) against the plan's host terms.
+          (nvidia-smi); after every offload, what each trainer rank's allocator keeps; the host's peak (the node,
+          and each process's resident memory) against the plan's host terms.
   resume  save -> resume -> next update on a depth-truncated GLM4 (full width and vocabulary, 4 layers; a whole
           9B checkpoint with its optimizer, ~123 GiB, does not fit the disk beside the model): a TP 2 trainer
           with the optimizer on the host takes 2 updates, saves, takes a 3rd; fresh trainers with the optimizer
