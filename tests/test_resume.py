@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from cli.main import main
 from runtime.run import checkpoint
@@ -50,8 +51,8 @@ def _overrides(root: Path) -> list[str]:
     return REFERENCE_OVERRIDES + [f"storage.root={root}"]
 
 
-def _start_run(run_id: str, root: Path, log: Path) -> subprocess.Popen:
-    sets = sum((["--set", o] for o in _overrides(root)), [])
+def _start_run(run_id: str, root: Path, log: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    sets = sum((["--set", o] for o in _overrides(root) + list(extra)), [])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # A session of its own: the kill reaches Prefect's and the trainer's child processes too.
     return subprocess.Popen([sys.executable, "-m", "cli.main", "run", "configs/tiny.yaml", "--run-id", run_id, *sets],
@@ -86,17 +87,24 @@ def _table_row_printed(log: Path, rollouts_done: int) -> bool:
 
 @pytest.mark.race
 def test_sigkill_during_rollout_then_resume_is_bitwise_equal(prefect_harness, reference_final, tmp_path):
+    """With train.deterministic on (what a GPU user sets for this equality; on CPU the kernels are deterministic
+    either way, so the reference run without it is the same run): kill, resume, the unbroken run's weights."""
     root = tmp_path / "root"
     rd = RunDir(str(root), "k1")
     log = tmp_path / "run.log"
-    proc = _start_run("k1", root, log)
+    proc = _start_run("k1", root, log, extra=("train.deterministic=true",))
     try:
         # killed while the last rollout of the second chunk runs: the row of the one before it is printed
         _wait_for(lambda: _table_row_printed(log, 3), proc, log, every=0.01)
     finally:
         _kill(proc)
     assert checkpoint.latest(rd).rollout == 2
-    assert main(["resume", "k1", "--root", str(root)]) == 0
+    assert yaml.safe_load(Path(rd.config).read_text())["train"]["deterministic"] is True  # frozen with the run
+    try:
+        assert main(["resume", "k1", "--root", str(root)]) == 0
+        assert torch.are_deterministic_algorithms_enabled()  # the resumed trainer (in this process) took it up
+    finally:
+        torch.use_deterministic_algorithms(False)
     final = checkpoint.latest(rd)
     assert final.rollout == 4
     assert [m["rollout"] for m in final.state["metrics"]] == [2, 3]  # the chunk ran exactly its rollouts

@@ -237,23 +237,26 @@ def test_use_compiled_norms_switches_every_rmsnorm_and_back():
     assert mf.use_compiled_norms(model, False) == len(norms) and all(type(m) is torch.nn.RMSNorm for m in norms)
 
 
-def test_the_compiled_norm_compiles_once_for_every_token_count_and_layout():
-    """The norm's compiled graph, as CompiledRMSNorm calls it, serves every packed micro-batch: token counts change
-    each call, and the first norm gets a [s, 1, h] view of a [1, s, h] tensor (its size-1 dim strided s x h). One
-    graph here (dynamo's counting backend on CPU: the guards, not the kernels) and the same values as eager. (With
-    torch 2.11 on an H100 that layout compiled again per token count, past dynamo's limit: fusions.rowwise.)"""
-    from torch._dynamo.testing import CompileCounter
-    torch._dynamo.reset()
-    counter = CompileCounter()
-    fn = torch.compile(mf.rms_norm, dynamic=True, fullgraph=True, backend=counter)
+def test_the_compiled_norm_sees_rows_of_one_layout_for_every_token_count():
+    """What CompiledRMSNorm hands its compiled function: [tokens, hidden] rows with the strides (hidden, 1), whatever
+    the token count and whether megatron passed the first norm's [s, 1, h] view of a [1, s, h] tensor (its size-1 dim
+    strided s x h) or a plain tensor; a view of the input, no copy; the values of the eager norm. (torch 2.11's dynamo
+    guarded on that size-1 stride: a new compile per token count, past its limit eager for some shapes only.)"""
+    seen = []
+
+    def compiled(x, weight, eps):  # stands for the compiled norm: records what the graph would be traced on
+        seen.append((tuple(x.shape), x.stride(), x.data_ptr()))
+        return mf.rms_norm(x, weight, eps)
+
     g = torch.Generator().manual_seed(0)
     w = torch.randn(16, generator=g)
-    for s in (37, 53, 64, 80, 91, 112, 130, 155, 171, 190, 203, 250):
+    for s in (37, 53, 250):
         embedded = torch.randn(1, s, 16, generator=g)
-        for x in (embedded.transpose(0, 1), embedded.transpose(0, 1).contiguous()):  # megatron's view, and plain
-            assert torch.equal(mf.rowwise(fn, x, w, 1e-6), mf.rms_norm(x, w, 1e-6))
-    assert counter.frame_count <= 2  # the first shape, then one dynamic graph (dynamo may specialize at first)
-    torch._dynamo.reset()
+        for x in (embedded.transpose(0, 1), torch.randn(s, 1, 16, generator=g)):
+            y = mf.rowwise(compiled, x, w, 1e-6)
+            assert y.shape == x.shape and torch.equal(y, mf.rms_norm(x, w, 1e-6))
+            assert seen[-1] == ((s, 16), (16, 1), x.data_ptr())
+    assert embedded.transpose(0, 1).stride() == (16, 250 * 16, 1)  # the layout the direct call would have passed
 
 
 # ---- SDPA core attention: native GQA vs repeat_interleave --------------------------------------------------

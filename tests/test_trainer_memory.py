@@ -313,13 +313,3 @@ def test_the_backward_is_strict_only_where_deterministic_mode_is_on():
             torch.use_deterministic_algorithms(False)
         assert seen == inside and after == (enabled, warn_only)
 
-
-def test_train_deterministic_with_fa4_is_a_one_line_error():
-    from runtime.config import config_with_overrides
-    from runtime.errors import ConfigError
-    tree = {"name": "t", "model": {"source": "/nonexistent"}, "data": {"train": {"source": "/nonexistent"}}}
-    config_with_overrides(tree, ["train.deterministic=true"], "cfg.yaml")
-    with pytest.raises(ConfigError) as err:
-        config_with_overrides(tree, ["train.deterministic=true", "train.packed_attention=fa4"], "cfg.yaml")
-    msg = str(err.value)
-    assert "\n" not in msg and "train.packed_attention=flash2" in msg and "train.deterministic=false" in msg
