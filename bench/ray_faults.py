@@ -583,37 +583,75 @@ CANDIDATES = [
 ]
 
 
+def _group(r: dict) -> str:
+    """A summary row: the layout, and the run's --set overrides when it had any (each its own reference)."""
+    layout = r.get("layout") or r["name"].split("@")[0].split(":")[0]
+    return layout + (f" [{', '.join(r['sets'])}]" if r.get("sets") else "")
+
+
+def _steady(facts: dict) -> dict:
+    """The last rollout's step and train time (rollout 0 carries the engine's warm-up and the compiles)."""
+    mv = facts.get("metric_values") or {}
+    return {k: round(mv[m][-1], 3) for k, m in (("steady_step_s", "step_time_s"), ("steady_train_s", "train_time_s"))
+            if mv.get(m)}
+
+
 def summarize(res: dict, env: dict | None) -> dict:
     out = {"benchmark": "ray_faults", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "device": (env or {}).get("gpu", "cpu"), "env": env, "sections": res, "layouts": {}}
-    for lay in rp.LAYOUTS:
-        row = {}
-        for case in CASES:
-            r = res.get(f"{lay}:{case}")
-            if not r:
-                continue
-            if r.get("status") != "ok":
-                row[case] = {"status": r.get("status"), "error": str(r.get("error", ""))[:300]}
-                continue
-            vs = r.get("vs_reference") or {}
-            ck = vs.get("checkpoint") or {}
-            row[case] = {"status": "ok", "wall_s": r["wall_s"], "gpus": r.get("gpus"),
-                         "interrupted_tasks": r["interrupted_tasks"], "struck_where_meant": r["struck_where_meant"],
-                         "rebuild_logged": r["rebuild_logged"],
-                         "left_behind": len(r["left_behind"]), "gpu_apps_after": r["gpu_apps_after"],
-                         **({"bitwise": ck.get("bitwise"), "max_abs_delta": ck.get("max_abs_delta"),
-                             "tensors_differ": ck.get("differ_count"),
-                             **{k: v for k, v in vs.items() if k != "checkpoint"}} if vs else {})}
-            if "after_driver_kill" in r:
-                row[case]["left_after_driver_kill"] = r["after_driver_kill"]["left"]
+    for r in res.values():
+        if ":" not in r.get("name", "") or r.get("status") == "SKIPPED":
+            continue
+        row = out["layouts"].setdefault(_group(r), {})
+        case = r.get("case") or r["name"].split("@")[0].split(":")[1]
+        if row.get(case, {}).get("status") == "ok":
+            continue  # the same case again (another call's): the first that ran is kept
+        if r.get("status") != "ok":
+            row[case] = {"status": r.get("status"), "error": str(r.get("error", ""))[:300]}
+            continue
+        vs = r.get("vs_reference") or {}
+        ck = vs.get("checkpoint") or {}
+        row[case] = {"status": "ok", "wall_s": r["wall_s"], "gpus": r.get("gpus"), **_steady(r["facts"]),
+                     "interrupted_tasks": r["interrupted_tasks"], "struck_where_meant": r["struck_where_meant"],
+                     "rebuild_logged": r["rebuild_logged"],
+                     "left_behind": len(r["left_behind"]), "gpu_apps_after": r["gpu_apps_after"],
+                     **({"bitwise": ck.get("bitwise"), "max_abs_delta": ck.get("max_abs_delta"),
+                         "tensors_differ": ck.get("differ_count"),
+                         **{k: v for k, v in vs.items() if k != "checkpoint"}} if vs else {})}
+        if "after_driver_kill" in r:
+            row[case]["left_after_driver_kill"] = r["after_driver_kill"]["left"]
+    for row in out["layouts"].values():
         floor = row.get("unbroken-b") or {}
         if floor.get("status") == "ok":
             row["noise_floor"] = {"bitwise": floor.get("bitwise"), "max_abs_delta": floor.get("max_abs_delta"),
                                   "same_machine_as_reference": True}
-        out["layouts"][lay] = row
-    out["nondeterminism"] = {"noise_floor": {lay: row.get("noise_floor") for lay, row in out["layouts"].items()},
-                             "candidates": CANDIDATES}
+    out["nondeterminism"] = {"noise_floor": {g: row.get("noise_floor") for g, row in out["layouts"].items()},
+                             "candidates": CANDIDATES, "settings_cost": settings_cost(out["layouts"])}
     return out
+
+
+def settings_cost(groups: dict) -> dict:
+    """What a --set costs: its unbroken runs' steady step against the plain layout's, on the same GPUs only."""
+    def unbroken(row: dict, gpus=None) -> list[dict]:
+        return [row[c] for c in ("unbroken-a", "unbroken-b") if row.get(c, {}).get("status") == "ok"
+                and "steady_step_s" in row[c] and (gpus is None or row[c]["gpus"] == gpus)]
+
+    def mean(rows: list[dict], key: str) -> float:
+        return round(sum(r[key] for r in rows) / len(rows), 3)
+
+    cost = {}
+    for g, row in groups.items():
+        if " [" not in g or not (runs := unbroken(row)):
+            continue
+        plain = unbroken(groups.get(g.split(" [")[0], {}), runs[0]["gpus"])
+        if not plain:
+            continue
+        step, plain_step = mean(runs, "steady_step_s"), mean(plain, "steady_step_s")
+        train, plain_train = mean(runs, "steady_train_s"), mean(plain, "steady_train_s")
+        cost[g] = {"runs": len(runs), "plain_runs": len(plain), "steady_step_s": step, "plain_steady_step_s": plain_step,
+                   "step_cost_pct": round(100 * (step / plain_step - 1), 1), "steady_train_s": train,
+                   "plain_steady_train_s": plain_train, "train_cost_pct": round(100 * (train / plain_train - 1), 1)}
+    return cost
 
 
 def print_table(summary: dict) -> None:
@@ -640,6 +678,10 @@ def print_table(summary: dict) -> None:
                 print(f"  {'':13s} metric values differ: {r['metric_values_differ']}")
             if r.get("left_after_driver_kill"):
                 print(f"  {'':13s} outlived the driver: {r['left_after_driver_kill']}")
+    for g, c in summary["nondeterminism"]["settings_cost"].items():
+        print(f"[{g}] steady step {c['steady_step_s']} s vs {c['plain_steady_step_s']} s plain ({c['step_cost_pct']:+.1f} %), "
+              f"train {c['steady_train_s']} s vs {c['plain_steady_train_s']} s ({c['train_cost_pct']:+.1f} %); "
+              f"{c['runs']} and {c['plain_runs']} runs, same GPUs")
 
 
 # -- driver ------------------------------------------------------------------------------------------------
