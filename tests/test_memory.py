@@ -234,6 +234,34 @@ def test_recompute_and_packing_activations():
     assert p3 - p2 == p2 - p1 > 0
 
 
+def test_deterministic_flash_backward_holds_a_dq_buffer_per_split():
+    from runtime.config import load_config
+    from runtime.plan.memory import activation_terms, config_kwargs, estimate_memory
+
+    cfg = _qwen3_06b()
+    kw = dict(tp=1, micro_batch_size=1, seq_len=9216, response_len=8192)
+    base, det = (activation_terms(cfg, deterministic=d, **kw) for d in (False, True))
+    # one sequence x 16 heads on 132 SMs: 9 splits, 8 buffers of [9216 rounded to 128, 16, 128] fp32 beyond the one
+    assert det["layers"] - base["layers"] == 8 * 9216 * 16 * 128 * 4
+    # the head's backward (1.9 GiB) still peaks above a layer's: the recipe's total does not move
+    assert det["total"] == base["total"]
+    # packed: the fewest sequences the budget holds (2 of 9216 in 18432 tokens), 128 rows of slack each
+    packed = dict(kw, max_tokens=18432)
+    extra = activation_terms(cfg, deterministic=True, **packed)["layers"] - activation_terms(cfg, **packed)["layers"]
+    assert extra == 4 * (18432 + 2 * 128) * 16 * 128 * 4
+    # enough sequences x heads for every SM: one split, nothing more
+    short = dict(tp=1, micro_batch_size=9, seq_len=1024, response_len=512)
+    assert activation_terms(cfg, deterministic=True, **short) == activation_terms(cfg, **short)
+    # the CPU's attention is not flash's
+    assert activation_terms(cfg, deterministic=True, device="cpu", **kw) == activation_terms(cfg, device="cpu", **kw)
+    # the setting reaches the plan; where a layer's backward is the peak (a small vocabulary) training grows
+    run = load_config(ROOT / "configs" / "qwen3-0.6b-dapo-24gb.yaml", ["train.deterministic=true"])
+    assert config_kwargs(run)["deterministic"] is True
+    small = dict(micro_batch_size=1, seq_len=4096, rollout_batch=8, max_new_tokens=2048, kv_cache_gb=1.0)
+    on, off = (estimate_memory(_llama_known(), deterministic=d, **small) for d in (True, False))
+    assert on["activations"] > off["activations"] and on["at_training"] > off["at_training"]
+
+
 def test_fast_path_is_chosen_per_family():
     from runtime.plan.memory import estimate_memory
 

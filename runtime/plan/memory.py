@@ -42,6 +42,8 @@ On CUDA (what runs on a GPU; ``runtime.mcore.env`` / ``_chunked_logprobs_enabled
   worth for the backward's working set; per position (not per sample) the bf16 cos/sin tables each
   RoPE multiply saves. No ``[heads, s, s]`` scores exist. Measured on the H100 with the fusions:
   1.6-3% above the activations at 768 to 9216 tokens per sample.
+  ``train.deterministic`` adds to the backward's working set the deterministic kernel's fp32 dQ buffer per
+  split (``deterministic_dq_bytes``, from FlashAttention-2's allocation; not measured on its own).
 * at tensor parallelism 1 the log-probs go through the chunked output layer
   (``runtime/trainer/logprobs.py``): no ``[b, s, vocab]`` fp32 logits; the head's peak is its
   backward: an fp32 ``[vocab, hidden]`` weight-gradient accumulator, the bf16 ``dz^T h`` product and
@@ -125,6 +127,9 @@ _SAMPLER_BYTES_PER_LOGIT = 40
 # CUDA path
 _LOGPROB_CHUNK = 2048      # rows per output-layer chunk (runtime/trainer/logprobs.py: linear_logprobs)
 _BACKWARD_LAYERS = 1       # layers' worth of activations the backward holds on top of the saved ones
+# FlashAttention-2's deterministic backward (train.deterministic) accumulates dQ in one fp32 buffer per split instead
+# of one shared by atomic adds: ceil(SMs / (sequences x heads)) splits. The SM count of the H100 and H200 we measure on.
+_FLASH_SMS = 132
 _PREFILL_TOKENS = 16384    # the paged decoder's packed-prefill budget
 # the sampler's peak per logit: bf16 logits, their fp32 copy, the scaled logits, the log-softmax, the noise
 # (measured 17.6 B on the H100 at 256 rows, where the decode step is the rollout's peak)
@@ -228,14 +233,17 @@ def activation_terms(hf_config, *, tp: int, micro_batch_size: int, seq_len: int,
                      device: str = "cuda", response_len: int | None = None, max_tokens: int | None = None,
                      recompute: str = "none", recompute_modules=("layernorm", "mlp"),
                      recompute_num_layers: int | None = None, fusions="auto", chunked_logprobs: str = "auto",
-                     core_attention: str = "auto", frozen_head: bool = False) -> dict[str, int]:
+                     core_attention: str = "auto", frozen_head: bool = False,
+                     deterministic: bool = False) -> dict[str, int]:
     """Peak activation bytes of one training micro-batch on one tensor-parallel rank, by part:
     ``layers`` (saved by the decoder layers, plus the backward's working set), ``attention_scores``
     (unfused attention only), ``logprob_head`` (output layer and log-probs), and ``total``.
     ``response_len``: response tokens per sample (default: all of ``seq_len``). ``max_tokens``: packed
     micro-batches of at most that many tokens (the worst case: the budget full) instead of
     ``micro_batch_size`` samples of ``seq_len``. ``recompute*``: ``train.recompute`` and its modules/layers.
-    ``frozen_head``: the output layer is frozen (LoRA): the chunked head keeps no weight-gradient accumulator."""
+    ``frozen_head``: the output layer is frozen (LoRA): the chunked head keeps no weight-gradient accumulator.
+    ``deterministic`` (``train.deterministic``): flash attention's backward holds :func:`deterministic_dq_bytes` more.
+    """
     m = _shape(hf_config)
     e = _dtype_bytes(dtype)
     V, h, L, nh = m["V"], m["h"], m["L"], m["nh"]
@@ -260,6 +268,9 @@ def activation_terms(hf_config, *, tp: int, micro_batch_size: int, seq_len: int,
     if flash:
         layers = saved + rope
         backward = _BACKWARD_LAYERS * tokens * per_token
+        if deterministic and device == "cuda":
+            backward += deterministic_dq_bytes(m, tp=tp, tokens=tokens, sequences=-(-tokens // longest) if packed
+                                               else micro_batch_size, padded_len=None if packed else s)
         scores = 0
     else:
         layers = saved + (_BACKWARD_LAYERS * tokens * per_token if recompute != "none" else 0)
@@ -279,6 +290,16 @@ def activation_terms(hf_config, *, tp: int, micro_batch_size: int, seq_len: int,
     # (or recomputation) holds its working set: they peak one after the other, beside what the layers keep
     return {"layers": layers + backward, "attention_scores": scores, "logprob_head": head,
             "total": layers + scores + (max(head, backward) if flash else head)}
+
+
+def deterministic_dq_bytes(m: dict, *, tp: int, tokens: int, sequences: int, padded_len: int | None) -> int:
+    """What FlashAttention-2's deterministic backward holds beyond its usual fp32 dQ accumulator, at its largest:
+    ``tokens`` in ``sequences`` (the fewest the micro-batch can hold: the most splits), varlen (packed) or padded
+    to ``padded_len``. 0 where there is one split (sequences x heads >= the SMs)."""
+    heads, d = m["nh"] // tp, -(-m["d"] // 32) * 32
+    splits = -(-_FLASH_SMS // (sequences * heads))
+    rows = tokens + 128 * sequences if padded_len is None else sequences * -(-padded_len // 128) * 128
+    return (splits - 1) * rows * heads * d * 4
 
 
 def activation_bytes(hf_config, **kwargs) -> int:
@@ -323,7 +344,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     grad_dtype: str = "float32", optimizer_on_host: bool = False, host_memory_gb: float | None = None,
                     trainer_ranks: int = 1, processes: int = 1, lora: dict | None = None,
                     shared_base: bool = False, samples_per_prompt: int = 1, partial: bool = False,
-                    engine_apart: bool = False) -> dict[str, Any]:
+                    engine_apart: bool = False, deterministic: bool = False) -> dict[str, Any]:
     """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
 
     ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
@@ -342,8 +363,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     chooses the largest that fits (``kv_chosen``). ``offload``: the trainer's gradients and optimizer
     state leave the GPU while the engine generates. ``kv_released``: the engine gives the pool back
     during training (default: :func:`engine_releases_kv`). The trainer's settings (``max_tokens`` for
-    packed micro-batches, ``recompute*``, ``fusions``, ``chunked_logprobs``, ``core_attention``) as in
-    :func:`activation_terms`. ``lora`` (:func:`runtime.plan.lora_memory.config_lora`): the base frozen, gradients and
+    packed micro-batches, ``recompute*``, ``fusions``, ``chunked_logprobs``, ``core_attention``,
+    ``deterministic``) as in :func:`activation_terms`. ``lora`` (:func:`runtime.plan.lora_memory.config_lora`): the base frozen, gradients and
     optimizer state for the adapters only, no reference copy; ``shared_base``: the engine decodes with the
     trainer's base (``layout.shares_base``), so the base is counted once (runtime/plan/lora_memory.py).
     ``samples_per_prompt``: the rows of a group, which share one prompt prefill in the paged engine; ``partial``
@@ -378,7 +399,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
         kv_released = engine == "builtin" and engine_releases_kv()
     settings = dict(max_tokens=max_tokens, recompute=recompute, recompute_modules=tuple(recompute_modules),
                     recompute_num_layers=recompute_num_layers, fusions=fusions, chunked_logprobs=chunked_logprobs,
-                    core_attention=core_attention)
+                    core_attention=core_attention, deterministic=deterministic)
 
     if grad_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"grad_dtype must be float32 or bfloat16, not {grad_dtype!r}")
@@ -737,7 +758,7 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         kv_cache_gb=r.kv_cache_gb, offload=offload_enabled(cfg, device), max_tokens=t.max_tokens_per_micro_batch,
         recompute=t.recompute, recompute_modules=tuple(t.recompute_modules), recompute_num_layers=t.recompute_num_layers,
         fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention,
-        distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype, optimizer_on_host=t.optimizer_on_host,
+        deterministic=t.deterministic, distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype, optimizer_on_host=t.optimizer_on_host,
         lora=lora_memory.config_lora(cfg), shared_base=layout.shares_base(cfg),
         engine_apart=layout.engine_shares_gpu_across_processes(cfg),
         samples_per_prompt=r.n_samples_per_prompt, partial=r.partial,
