@@ -75,7 +75,7 @@ GLM4_9B = json.loads((ROOT / "runtime" / "models" / "known_configs" / "GLM-4-9B-
 SECTIONS = ("setup", "stage", "resume")
 SECTION_MAX_S = {"setup": 240, "stage": 570, "resume": 400}
 ENV_LENGTHS, ENV_MEMDIR, ENV_METHODS = "GLM9B_BENCH_KEYED_LENGTHS", "GLM9B_BENCH_MEMDIR", "GLM9B_BENCH_TRAINER_METHODS"
-ENV_DETERMINISTIC = "GLM9B_BENCH_DETERMINISTIC"
+ENV_DETERMINISTIC = "GLM9B_BENCH_DETERMINISTIC"  # the alerts' folder under train.deterministic, else "off"
 RESUME_LR = 1e-4
 SHAPES = {
     "gpu": dict(device="cuda", dtype="bfloat16", model={}, prompts=16, samples=8, prompt_len=1000,
@@ -234,10 +234,15 @@ def _record_nondeterministic(log_dir: Path) -> None:
     warnings.showwarning = record
 
 
+def _alerts_dir() -> Path | None:
+    """Where the trainers record torch's alerts: set under train.deterministic (the default), None with it off."""
+    v = os.environ.get(ENV_DETERMINISTIC)
+    return Path(v) if v and v != "off" else None
+
+
 def _child_hooks() -> None:
-    log_dir = os.environ.get(ENV_DETERMINISTIC)
-    if log_dir:  # --deterministic (train.deterministic): torch's warnings where an op has no deterministic kernel
-        _record_nondeterministic(Path(log_dir))
+    if _alerts_dir():  # train.deterministic: torch's warnings where an op has no deterministic kernel
+        _record_nondeterministic(_alerts_dir())
     spec = os.environ.get(ENV_LENGTHS)
     if spec:
         import partial_rollout
@@ -686,7 +691,7 @@ def sec_resume(S, W: Path) -> dict:
 
     t_start = time.time()
     R = W / "resume"
-    alerts = Path(os.environ[ENV_DETERMINISTIC]) if os.environ.get(ENV_DETERMINISTIC) else None
+    alerts = _alerts_dir()
     if alerts is not None:
         shutil.rmtree(alerts, ignore_errors=True)
     shutil.rmtree(R, ignore_errors=True)
@@ -712,7 +717,7 @@ def sec_resume(S, W: Path) -> dict:
             f"train.deterministic={str(alerts is not None).lower()}"]
     batches = [_resume_batch(S, hf_config.vocab_size, s) for s in range(3)]
     res: dict = {"name": "resume", "layers": S["resume_layers"], "tp": S["resume_tp"], "params": params, "lr": RESUME_LR,
-                 "deterministic": bool(os.environ.get(ENV_DETERMINISTIC)),
+                 "deterministic": alerts is not None,
                  "bound_per_update": 1e-2 * RESUME_LR, "samples_per_update": len(batches[0])}
 
     def trainer(on_host: bool):
@@ -853,9 +858,9 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", nargs="+", default=None, help="OUT dirs of earlier calls: one summary of their sections")
     ap.add_argument("--results-dir", default=None)
     ap.add_argument("--deadline", type=float, default=575.0)
-    ap.add_argument("--deterministic", action="store_true",
-                    help="train.deterministic (torch's deterministic kernels in the trainer processes); the ops "
-                         "without one are listed")
+    ap.add_argument("--deterministic", choices=("true", "false"), default="true",
+                    help="train.deterministic (default true, as the product's: torch's deterministic kernels while "
+                         "the trainer computes); the ops without one are listed")
     a = ap.parse_args(argv)
     S = dict(SHAPES["cpu" if a.cpu else "gpu"])
     if a.rollouts:
@@ -868,10 +873,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     W = Path(a.work or ("/tmp/glm9b_host_optimizer_work" + ("_cpu" if a.cpu else "")))
     W.mkdir(parents=True, exist_ok=True)
-    if a.deterministic:  # inherited by the section processes and the ranks they spawn
-        os.environ[ENV_DETERMINISTIC] = str(W / "nondeterministic_ops")
-    if os.environ.get(ENV_DETERMINISTIC):  # this call's flag, or its parent's (a section's process)
-        sets.append("train.deterministic=true")
+    # this call's flag, inherited by the section processes (which keep it) and the ranks they spawn
+    os.environ.setdefault(ENV_DETERMINISTIC, str(W / "nondeterministic_ops") if a.deterministic == "true" else "off")
+    sets.append(f"train.deterministic={str(_alerts_dir() is not None).lower()}")
     gpu_grpo.prepare_env()
     env = None
     if a.merge:

@@ -429,6 +429,7 @@ def _use_packed_attention(tr, kernel: str) -> None:
     from runtime.mcore.varlen_attention import KERNELS, check_available
     check_available(kernel)
     tr.train_cfg.packed_attention = kernel
+    tr.train_cfg.deterministic = kernel != "fa4"  # as a run can use each: fa4 has no deterministic backward
     for layer in unwrap_model(tr.model).decoder.layers:
         layer.self_attention.core_attention.packed_kernel = KERNELS[kernel]
 

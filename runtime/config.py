@@ -275,20 +275,21 @@ class TrainSection(Section):
     # flash-attn-4 package's CuTe kernels (pip install 'grpoflow[fa4]'; about 2x FA2's forward + backward on the
     # H100, so the trainer's packed step is faster). CPU: block-causal SDPA either way.
     packed_attention: Literal["flash2", "fa4"] = "flash2"
-    # torch's deterministic kernels in the trainer's processes (runtime/mcore/determinism.py; the backward in strict
-    # mode: an op there without a deterministic kernel stops the step, named): on CUDA two updates from one state
-    # are then meant to be bitwise equal, so a resumed run can end as an unbroken one does on GPUs too. Off (the
-    # default): atomically accumulated backward kernels move the weights by float noise from run to run.
-    # With packed micro-batches it needs packed_attention flash2 (torch's FlashAttention, whose deterministic
-    # backward it selects). CPU kernels are deterministic either way.
-    deterministic: bool = False
+    # torch's deterministic kernels while the trainer computes (runtime/mcore/determinism.py; the backward in strict
+    # mode: an op there without a deterministic kernel stops the step, named): on CUDA two updates from one state are
+    # bitwise equal, so a run resumed after a failure ends as the unbroken one does on GPUs too (2 x H100,
+    # bench/results: +1.3 % of a step). Off: atomically accumulated backward kernels move the weights by float
+    # noise from run to run. With packed micro-batches it needs packed_attention flash2 (torch's FlashAttention,
+    # whose deterministic backward it selects). CPU kernels are deterministic either way.
+    deterministic: bool = True
     lora: LoraSection = LoraSection()
 
     @model_validator(mode="after")
     def _deterministic_attention(self) -> "TrainSection":
         if self.deterministic and self.packed_attention == "fa4":
-            raise ValueError("train.deterministic selects the deterministic backward of packed_attention=flash2, not "
-                             "fa4's: set train.packed_attention=flash2 or train.deterministic=false")
+            raise ValueError("train.packed_attention=fa4 has no deterministic backward and train.deterministic (on by "
+                             "default) needs one: set train.deterministic=false to train with fa4, or "
+                             "train.packed_attention=flash2")
         return self
 
 

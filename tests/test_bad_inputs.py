@@ -130,8 +130,9 @@ CASES = [
     ("set-not-a-section", _run("train.lr.x=1"), 2, "--set train.lr.x: 'lr' is not a section"),
     ("top-p-range", _run("rollout.top_p=1.5"), 2, "--set rollout.top_p=1.5: rollout.top_p: Input should be less than or equal to 1"),
     ("unknown-backend", _run("cluster.backend=slurm"), 2, "cluster.backend: Input should be 'ray' or 'local'"),
-    ("deterministic-fa4", _run("train.deterministic=true", "train.packed_attention=fa4"), 2,
-     "train.deterministic selects the deterministic backward of packed_attention=flash2, not fa4's"),
+    ("fa4-deterministic", _run("train.packed_attention=fa4"), 2,
+     "train.packed_attention=fa4 has no deterministic backward and train.deterministic (on by default) needs one: "
+     "set train.deterministic=false to train with fa4"),
     ("host-optimizer-fp32", _run("train.optimizer_on_host=true"), 2,
      "train.optimizer_on_host keeps an fp32 master of half-precision weights on the host, but model.dtype: auto"),
     ("unknown-format", _run("data.train.format=xml"), 2, "data.train.format: Input should be"),

@@ -86,13 +86,14 @@ def _table_row_printed(log: Path, rollouts_done: int) -> bool:
 
 
 @pytest.mark.race
-def test_sigkill_during_rollout_then_resume_is_bitwise_equal(prefect_harness, reference_final, tmp_path):
-    """With train.deterministic on (what a GPU user sets for this equality; on CPU the kernels are deterministic
-    either way, so the reference run without it is the same run): kill, resume, the unbroken run's weights."""
+def test_sigkill_during_rollout_then_resume_is_bitwise_equal(prefect_harness, reference_final, tmp_path, monkeypatch):
+    """Kill, resume, the unbroken run's weights. train.deterministic (the default, what makes this equality hold on
+    GPUs; on CPU the kernels are deterministic either way) is frozen with the run, and the resumed trainer computes
+    under it while the engine beside it, in the same process, does not."""
     root = tmp_path / "root"
     rd = RunDir(str(root), "k1")
     log = tmp_path / "run.log"
-    proc = _start_run("k1", root, log, extra=("train.deterministic=true",))
+    proc = _start_run("k1", root, log)
     try:
         # killed while the last rollout of the second chunk runs: the row of the one before it is printed
         _wait_for(lambda: _table_row_printed(log, 3), proc, log, every=0.01)
@@ -100,11 +101,19 @@ def test_sigkill_during_rollout_then_resume_is_bitwise_equal(prefect_harness, re
         _kill(proc)
     assert checkpoint.latest(rd).rollout == 2
     assert yaml.safe_load(Path(rd.config).read_text())["train"]["deterministic"] is True  # frozen with the run
+    modes: dict[str, set[bool]] = {"trainer": set(), "engine": set()}  # deterministic mode while each computes
+
+    def seen(who):
+        modes[who].add(torch.are_deterministic_algorithms_enabled())
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: seen("trainer"))  # megatron's modules
+    from runtime.rollout.builtin import BuiltinEngine
+    decode = BuiltinEngine.advance_generation
+    monkeypatch.setattr(BuiltinEngine, "advance_generation", lambda self: (seen("engine"), decode(self))[1])
     try:
         assert main(["resume", "k1", "--root", str(root)]) == 0
-        assert torch.are_deterministic_algorithms_enabled()  # the resumed trainer (in this process) took it up
     finally:
-        torch.use_deterministic_algorithms(False)
+        hook.remove()
+    assert modes == {"trainer": {True}, "engine": {False}}
     final = checkpoint.latest(rd)
     assert final.rollout == 4
     assert [m["rollout"] for m in final.state["metrics"]] == [2, 3]  # the chunk ran exactly its rollouts

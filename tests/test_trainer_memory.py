@@ -279,20 +279,35 @@ def test_grad_dtype_sets_the_gradient_buffer(tiny):
 
 # ---- train.deterministic ------------------------------------------------------------------------------------
 
-def test_train_deterministic_turns_on_deterministic_kernels_and_keeps_the_update(tiny):
-    """train.deterministic: the trainer's process runs torch's deterministic kernels from its construction on (warn
-    where none exists, with cuBLAS's fixed workspace); on CPU, deterministic already, the update is the same."""
+def _modes_seen(model) -> list[tuple[str, bool, bool]]:
+    """(forward or backward, deterministic mode on, warn-only) each time the model's output layer runs."""
+    seen: list[tuple[str, bool, bool]] = []
+
+    def mode(kind):
+        return lambda *_: seen.append((kind, torch.are_deterministic_algorithms_enabled(),
+                                       torch.is_deterministic_algorithms_warn_only_enabled()))
+    from runtime.mcore.env import unwrap_model
+    head = unwrap_model(model).output_layer
+    head.register_forward_pre_hook(mode("forward"))
+    head.register_full_backward_pre_hook(mode("backward"))
+    return seen
+
+
+def test_train_deterministic_is_on_while_the_trainer_computes_and_keeps_the_update(tiny):
+    """train.deterministic (the default): torch's deterministic kernels while the trainer runs its model, warn-only in
+    the forwards and strict in the backward (cuBLAS's workspace fixed at construction), and the process's mode as it
+    was outside (an engine in the same process keeps its kernels). On CPU, deterministic already, the same update."""
+    import os
     batch = _batch(tiny["vocab"])
-    plain = _trainer(tiny, dtype="bfloat16")
-    assert not torch.are_deterministic_algorithms_enabled()
-    try:
-        strict = _trainer(tiny, dtype="bfloat16", deterministic=True)
-        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
-        import os
-        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] in (":4096:8", ":16:8")
-        a, b = plain.train(batch), strict.train(batch)
-    finally:
-        torch.use_deterministic_algorithms(False)
+    plain = _trainer(tiny, dtype="bfloat16", deterministic=False)
+    strict = _trainer(tiny, dtype="bfloat16")
+    assert strict.train_cfg.deterministic and os.environ["CUBLAS_WORKSPACE_CONFIG"] in (":4096:8", ":16:8")
+    off, on = _modes_seen(plain.model), _modes_seen(strict.model)
+    strict.compute_logprobs(batch)
+    a, b = plain.train(batch), strict.train(batch)
+    assert not torch.are_deterministic_algorithms_enabled()  # outside the trainer's calls
+    assert {m for m in off} == {("forward", False, False), ("backward", False, False)}
+    assert {m for m in on} == {("forward", True, True), ("backward", True, False)}
     assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
     for x, y in zip(plain.model.parameters(), strict.model.parameters()):
         assert torch.equal(x, y)

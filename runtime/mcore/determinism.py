@@ -4,23 +4,47 @@ Without it a few kernels of the update accumulate with atomic adds (FlashAttenti
 input embedding's dense backward) or pick a cuBLAS workspace per stream, so two updates from one state differ by
 float noise, and Adam turns the flipped sign of a near-zero gradient into a whole step of lr. torch has a
 deterministic variant of each under ``use_deterministic_algorithms``; cuBLAS needs a fixed workspace size, read
-when the process makes its first cuBLAS handle (so this runs before the trainer's first matmul). CPU kernels are
-deterministic already.
+when the process makes its first cuBLAS handle (so :func:`fix_cublas_workspace` runs before the trainer's first
+matmul). The mode is on only while the trainer computes: an engine in the same process (one GPU, the local backend)
+keeps its own kernels. CPU kernels are deterministic already.
 """
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 
 import torch
 
 
-def use_deterministic_kernels() -> None:
-    """This process's kernels deterministic from now on, in warn-only mode: outside the trainer's backward (the
-    log-prob forwards, an engine in the same process) an op without a deterministic kernel warns and runs as before,
-    rather than stopping a generation. The backward runs in :func:`strict_if_deterministic`."""
+def fix_cublas_workspace() -> None:
+    """cuBLAS's workspace of a fixed size for this process (its first handle reads it)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+@contextmanager
+def deterministic_kernels(enabled: bool):
+    """torch's deterministic kernels while the trainer computes, in warn-only mode: outside the backward an op
+    without a deterministic kernel warns and runs as before (the backward runs in :func:`strict_if_deterministic`).
+    The process's mode is as it was afterwards."""
+    if not enabled:
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=before[1] if before[0] else True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def trainer_compute(method):
+    """A trainer method that runs the model: under :func:`deterministic_kernels` when its ``train_cfg`` asks."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with deterministic_kernels(self.train_cfg.deterministic):
+            return method(self, *args, **kwargs)
+    return wrapped
 
 
 @contextmanager
@@ -28,7 +52,7 @@ def strict_if_deterministic():
     """The trainer's backward under deterministic mode: strict, because torch's FlashAttention backward (the packed
     varlen kernel and SDPA's) takes its deterministic kernel only then (aten attention_backward.cu: under
     ``warn_only`` it warns and keeps the atomic dQ); an op there without a deterministic kernel stops the step with
-    torch's error naming it. Nothing changes when deterministic mode is off (the default) or already strict."""
+    torch's error naming it. Nothing changes when deterministic mode is off or already strict."""
     relax = torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
     if relax:
         torch.use_deterministic_algorithms(True, warn_only=False)

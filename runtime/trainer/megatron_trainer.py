@@ -15,7 +15,7 @@ import torch
 
 from runtime.algo import grpo_loss
 from runtime.config import AlgorithmSection, TrainSection
-from runtime.mcore.determinism import strict_if_deterministic, use_deterministic_kernels
+from runtime.mcore.determinism import fix_cublas_workspace, strict_if_deterministic, trainer_compute
 from runtime.testing.moments import moment
 from runtime.trainer.batch import TrainBatch, by_length, pack, pack_varlen, step_slices, token_budget_micro_batches
 from runtime.trainer.state_offload import StateOffload
@@ -37,7 +37,7 @@ class MegatronTrainer:
         if num_threads:
             torch.set_num_threads(num_threads)
         if train.deterministic:  # before the process's first cuBLAS handle
-            use_deterministic_kernels()
+            fix_cublas_workspace()
         from runtime.mcore import env as menv  # first: it quiets megatron's import-time TE/Apex warnings
 
         from megatron.core import parallel_state as mpu
@@ -236,6 +236,7 @@ class MegatronTrainer:
             out.append(values[row, p - 1: p - 1 + n].tolist())
         return out
 
+    @trainer_compute
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, which: str = "policy") -> list[list[float]]:
         """Log-probs of every sample's response tokens (all samples, on every rank); "ref": the reference
@@ -257,6 +258,7 @@ class MegatronTrainer:
         return out
 
     # -- update --------------------------------------------------------------------------------
+    @trainer_compute
     def train(self, batch: TrainBatch) -> dict[str, Any]:
         """One rollout's optimizer steps; returns metrics averaged over the rollout (same on every rank)."""
         from megatron.core.distributed import finalize_model_grads
