@@ -38,7 +38,9 @@ and samples memory):
           accumulated backward; Adam turns a flipped sign of a near-zero gradient into ~lr), so a resumed update
           that is off the unbroken one by no more than twice its distance from the rerun is noise, not a bad
           load. Where masters differ at load, the three worst tensors are named, and the tensor-parallel replicas'
-          drift from rank 0's copy (the one a checkpoint keeps) is measured.
+          drift from rank 0's copy (the one a checkpoint keeps) is measured. With train.deterministic (the
+          default; `--deterministic false` turns it off for every section) the rerun and the resumed update are
+          bitwise, and the ops torch warned about without a deterministic kernel are listed.
 
 What was cut to fit a call: the stage runs as many rollouts as its budget allows (2 expected, a rollout that would
 not finish is not started after the first) and no checkpoint or eval (the resume section checks the checkpoint);

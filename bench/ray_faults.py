@@ -80,11 +80,12 @@ at the bucket's row count, CUDA graphs and the compiled sampler. The engine samp
 so a logit that moves by one ulp at a near-tie changes a token, and every update after it.
 
 Issue 37 item 2: the switch is `train.deterministic` (runtime/mcore/determinism.py: torch's deterministic
-kernels and cuBLAS's fixed workspace in the trainer's processes, its backward strict), off by
-default until its cost is measured: `--set train.deterministic=true --cases unbroken-a,unbroken-b` on the same
-machine as a plain pair gives both its bitwise result and its step time against the plain one. The first GPU pair
-(2026-11-26, colocated) made the same samples in both runs and differed only after the updates: the trainer's
-backward is what moves, the engine's sampling is not.
+kernels while the trainer computes, its backward strict, cuBLAS's fixed workspace), on by default since its first GPU
+pair (2026-11-26, colocated, one machine): with it unbroken-a and unbroken-b ended bitwise equal, at 1.3 % of a step
+against a plain run (`--set train.deterministic=false` keys its own reference; the summary's
+`nondeterminism.settings_cost` compares a --set group's steady step with the plain group's on the same GPUs). The pair
+before it, without the switch, made the same samples in both runs and differed only after the updates: the
+trainer's backward is what moved, the engine's sampling did not.
 """
 from __future__ import annotations
 
