@@ -88,7 +88,10 @@ def test_the_32gb_config_fits_and_24gb_says_what_it_would_need(capsys):
     assert main(["validate", str(LORA_32GB), "--gpu-mem-gb", "24"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "LoRA keeps the frozen bfloat16 base (17.5 GiB) once" in err
-    assert "still needs 24.8 GiB" in err and "a quantized base is not supported" in err
+    assert "still needs 25.4 GiB" in err and "a quantized base is not supported" in err
+    # 0.6 GiB of it is train.deterministic's: the flash backward's dQ buffers for one 9216-token sample, 32 heads
+    assert main(["validate", str(LORA_32GB), "--gpu-mem-gb", "24", "--set", "train.deterministic=false"]) == 2
+    assert "still needs 24.8 GiB" in capsys.readouterr().err
 
 
 def test_qwen3_lora_plan_is_below_the_full_parameter_one():
