@@ -364,8 +364,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     state leave the GPU while the engine generates. ``kv_released``: the engine gives the pool back
     during training (default: :func:`engine_releases_kv`). The trainer's settings (``max_tokens`` for
     packed micro-batches, ``recompute*``, ``fusions``, ``chunked_logprobs``, ``core_attention``,
-    ``deterministic``) as in :func:`activation_terms`. ``lora`` (:func:`runtime.plan.lora_memory.config_lora`): the base frozen, gradients and
-    optimizer state for the adapters only, no reference copy; ``shared_base``: the engine decodes with the
+    ``deterministic``) as in :func:`activation_terms`. ``lora`` (:func:`runtime.plan.lora_memory.config_lora`): the
+    base frozen, gradients and optimizer state for the adapters only, no reference copy; ``shared_base``: the engine decodes with the
     trainer's base (``layout.shares_base``), so the base is counted once (runtime/plan/lora_memory.py).
     ``samples_per_prompt``: the rows of a group, which share one prompt prefill in the paged engine; ``partial``
     (``rollout.partial``): continued samples come back with their tokens and are prefilled one by one.
@@ -758,7 +758,8 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         kv_cache_gb=r.kv_cache_gb, offload=offload_enabled(cfg, device), max_tokens=t.max_tokens_per_micro_batch,
         recompute=t.recompute, recompute_modules=tuple(t.recompute_modules), recompute_num_layers=t.recompute_num_layers,
         fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention,
-        deterministic=t.deterministic, distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype, optimizer_on_host=t.optimizer_on_host,
+        deterministic=t.deterministic, distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype,
+        optimizer_on_host=t.optimizer_on_host,
         lora=lora_memory.config_lora(cfg), shared_base=layout.shares_base(cfg),
         engine_apart=layout.engine_shares_gpu_across_processes(cfg),
         samples_per_prompt=r.n_samples_per_prompt, partial=r.partial,
