@@ -243,8 +243,9 @@ def _alerts_dir() -> Path | None:
 
 
 def _child_hooks() -> None:
-    if _alerts_dir():  # train.deterministic: torch's warnings where an op has no deterministic kernel
-        _record_nondeterministic(_alerts_dir())
+    alerts = _alerts_dir()
+    if alerts:  # train.deterministic: torch's warnings where an op has no deterministic kernel
+        _record_nondeterministic(alerts)
     spec = os.environ.get(ENV_LENGTHS)
     if spec:
         import partial_rollout

@@ -584,10 +584,15 @@ CANDIDATES = [
 ]
 
 
+def _layout_case(r: dict) -> tuple[str, str]:
+    """A result's layout and case (a failed one may carry only its name, "layout:case" or "layout:case@call")."""
+    layout, case = r["name"].split("@")[0].split(":")
+    return r.get("layout") or layout, r.get("case") or case
+
+
 def _group(r: dict) -> str:
     """A summary row: the layout, and the run's --set overrides when it had any (each its own reference)."""
-    layout = r.get("layout") or r["name"].split("@")[0].split(":")[0]
-    return layout + (f" [{', '.join(r['sets'])}]" if r.get("sets") else "")
+    return _layout_case(r)[0] + (f" [{', '.join(r['sets'])}]" if r.get("sets") else "")
 
 
 def _steady(facts: dict) -> dict:
@@ -604,7 +609,7 @@ def summarize(res: dict, env: dict | None) -> dict:
         if ":" not in r.get("name", "") or r.get("status") == "SKIPPED":
             continue
         row = out["layouts"].setdefault(_group(r), {})
-        case = r.get("case") or r["name"].split("@")[0].split(":")[1]
+        case = _layout_case(r)[1]
         if row.get(case, {}).get("status") == "ok":
             continue  # the same case again (another call's): the first that ran is kept
         if r.get("status") != "ok":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -23,19 +23,24 @@ def fix_cublas_workspace() -> None:
 
 
 @contextmanager
-def deterministic_kernels(enabled: bool):
-    """torch's deterministic kernels while the trainer computes, in warn-only mode: outside the backward an op
-    without a deterministic kernel warns and runs as before (the backward runs in :func:`strict_if_deterministic`).
-    The process's mode is as it was afterwards."""
-    if not enabled:
-        yield
-        return
+def _torch_mode(warn_only: bool):
+    """torch's deterministic mode on, strict or warn-only, and the process's mode as it was afterwards."""
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=before[1] if before[0] else True)
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def deterministic_kernels(enabled: bool):
+    """torch's deterministic kernels while the trainer computes, in warn-only mode (kept strict if the process already
+    is): outside the backward an op without a deterministic kernel warns and runs as before (the backward runs in
+    :func:`strict_if_deterministic`). The process's mode is as it was afterwards."""
+    if not enabled:
+        return nullcontext()
+    strict = torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    return _torch_mode(warn_only=not strict)
 
 
 def trainer_compute(method):
@@ -47,17 +52,10 @@ def trainer_compute(method):
     return wrapped
 
 
-@contextmanager
 def strict_if_deterministic():
     """The trainer's backward under deterministic mode: strict, because torch's FlashAttention backward (the packed
     varlen kernel and SDPA's) takes its deterministic kernel only then (aten attention_backward.cu: under
     ``warn_only`` it warns and keeps the atomic dQ); an op there without a deterministic kernel stops the step with
     torch's error naming it. Nothing changes when deterministic mode is off or already strict."""
     relax = torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
-    if relax:
-        torch.use_deterministic_algorithms(True, warn_only=False)
-    try:
-        yield
-    finally:
-        if relax:
-            torch.use_deterministic_algorithms(True, warn_only=True)
+    return _torch_mode(warn_only=False) if relax else nullcontext()
