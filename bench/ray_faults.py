@@ -43,29 +43,38 @@ IPC), `split` (trainer GPU 0, engine GPU 1, NCCL broadcast). CPU: the tiny model
 
 On nvidia-h100-x2 (carry `.carry`, made here by `python3 bench/gpu_carry.py prepare`; every command begins
 `[ -d /tmp/site/ray ] || python3 bench/gpu_carry.py install; export PYTHONPATH=/tmp/site:$PYTHONPATH
-PYTHONUNBUFFERED=1;`), one call each, timeout_s 600, the next call made at once (the machine keeps /tmp,
-where the setup and the reference live, only 30 s after a call):
+PYTHONUNBUFFERED=1;`), one call each, timeout_s 600, the next call made at once, without a pause to read the last
+one (the machine keeps /tmp, where the setup and the reference live, only 30 s after a call; a later call on a
+fresh machine finds no reference). Measured (2026-11-26, call walls with the transfers):
 
-    python3 bench/ray_faults.py --layouts colocated --cases unbroken-a,unbroken-b --out $OUT   # 1: ~450 s
-    python3 bench/ray_faults.py --layouts colocated --cases engine-kill --out $OUT             # 2: ~300 s
-    python3 bench/ray_faults.py --layouts colocated --cases trainer-kill --out $OUT            # 3: ~300 s
-    python3 bench/ray_faults.py --layouts colocated --cases driver-kill --out $OUT             # 4: ~380 s
-    (the same four with --layouts split, in a later session), then here:
+    python3 bench/ray_faults.py --layouts colocated --cases unbroken-a --deadline 400 --out $OUT  # fresh: 311-323 s
+    python3 bench/ray_faults.py --layouts colocated --cases unbroken-a,unbroken-b --out $OUT     # fresh: 490 s
+    python3 bench/ray_faults.py --layouts colocated --cases engine-kill --out $OUT               # warm: 338 s
+    python3 bench/ray_faults.py --layouts colocated --cases trainer-kill --out $OUT              # warm: 388 s
+    python3 bench/ray_faults.py --layouts colocated --cases driver-kill --out $OUT               # warm: ~450 s (est.)
+    (the same with --layouts split), then here:
     python bench/ray_faults.py --merge OUT1 OUT2 ... --results-dir bench/results
 
-Times estimated from results/ray_pipeline_2xH100_2026-11-25.json, not measured at these shapes: that
-recipe-size run (32 x 8, <= 8192 tokens, 2 rollouts) took 338 s: ~42 s starting the CLI (Prefect, Ray),
-12 s converting, ~40 s building the actors, 23 + 9 s writing the two checkpoints (model and optimizer,
-~8 GB each), ~16 s of engine warm-up and ~25 s of trainer compilation in rollout 0, 75 + 59 s generating.
-At 8 x 8 x <= 2048 a rollout generates in ~10 s, so an unbroken run is ~170-220 s; a fault adds the 10 s
-retry delay, the rebuild (~40 s) and rollout 1 again with its warm-up (~50 s); driver-kill waits for what
-outlives the driver (<= 90 s) and adds a resume's start and rebuild. One layout: ~24 min of device time
-with the machine's start, so one layout a session (colocated first). A call that finds no reference from
-this machine in --work (/tmp/ray_faults_work) runs unbroken-a first (~200 s more); before each case the
-bench checks the time left under --deadline (560 s) against this call's measured unbroken time and skips
-(SKIPPED, with the reason) a case that would not fit: driver-kill may not fit beside a fresh reference, so
-on a fresh machine run `--cases unbroken-a` and chain driver-kill right after it. Results:
-OUT/results.jsonl (a line per case as it ends) and OUT/ray_faults.json.
+An unbroken run is 224-240 s (H100 and H200): ~40 s starting the CLI (Prefect, Ray), the conversion, ~40 s
+building the actors, ~14 s per checkpoint (model and optimizer, ~8 GB), the engine's warm-up and the trainer's
+compiles in rollout 0, ~10 s generating per rollout. A case's section (run, checks, the comparison's ~19 s) took
+326 s (engine-kill) and 374 s (trainer-kill): 1.45 and 1.56 x the unbroken run's wall (COST holds 1.6). Before each
+case the bench checks the time left under --deadline (560 s) against this call's measured unbroken time x COST and
+skips (SKIPPED, with the reason) a case that would not fit: no kill case fits beside a fresh reference, so a fresh
+machine runs `--cases unbroken-a` alone and the next call, at once, one kill case. One layout (reference + 3 kills)
+is ~25 min of device time with the machine's start. Results: OUT/results.jsonl (a line per case as it ends) and
+OUT/ray_faults.json. Each case also keeps what its processes logged about their kernels (`log_signals`): torch's
+alerts where warn-only deterministic mode ran an op without a deterministic kernel, and dynamo's recompiles
+(TORCH_LOGS=recompiles, set for every run: logging only).
+
+First GPU kills, colocated, `train.deterministic` on (the default), each against an unbroken-a of its own machine
+(results/ray_faults_*_2026-11-26_colocated-engine-kill.json and _colocated-trainer-kill.json):
+- trainer-kill (2 x H100): the final checkpoint bitwise equal, 40 of 40 tensors.
+- engine-kill (2 x H200): every model tensor bitwise equal; 2 of 40 tensors 1 ulp off, Adam's two moments of the k
+  norm weights (exp_avg max |delta| 2.96e-12 of 6.75e-5, exp_avg_sq 1.6e-17 of 5.5e-9). Not yet explained: the
+  compiled norm alone gives the same bits whatever shape it met first (bench/norm_history.py).
+Both: same samples, metric points, registered versions and best alias, MLflow FINISHED, lease released, no
+process left, no GPU app.
 
 Nondeterminism on the GPU path (summary field `nondeterminism`, filled from a GPU run, never invented):
 where unbroken-b differs from unbroken-a the path is not run-to-run deterministic, and a recovered
@@ -277,7 +286,8 @@ class CaseRun:
         self.cfg = W / f"faults-{layout}.yaml"
         self.deadline = time.monotonic() + limit_s
         env = rp.hook_env(S)
-        env.update({MARK: self.mark, "PREFECT_HOME": str(self.dir / "prefect"), "PYTHONUNBUFFERED": "1"})
+        env.update({MARK: self.mark, "PREFECT_HOME": str(self.dir / "prefect"), "PYTHONUNBUFFERED": "1",
+                    "TORCH_LOGS": "recompiles"})  # logging only: dynamo says when it traces a graph again
         env.setdefault("HF_HUB_OFFLINE", "1")
         for k in ("GRPOFLOW_TEST_KILL_AT", "GRPOFLOW_TEST_SNAPSHOT_AT", "GRPOFLOW_TEST_PAUSE_AT"):
             env.pop(k, None)
@@ -377,8 +387,21 @@ def run_case(S, W: Path, layout: str, case: str, limit_s: float, sets: list[str]
     res["struck_where_meant"] = None if not fault else res["interrupted_tasks"] == ["train-chunk-1-2"]
     res["rebuild_logged"] = any("rebuilding from the latest checkpoint" in c.tail(log, 10**9)
                                 for log in ("run.log", "resume.log"))
+    res["log_signals"] = log_signals("\n".join(c.tail(log, 10**9) for log in ("run.log", "resume.log")))
     res["root"] = str(c.root)
     return res
+
+
+ALERT = re.compile(r"UserWarning: (\S.*?) does not have a deterministic implementation")
+RECOMPILE = re.compile(r"Recompiling function (\S+) in (\S+)")
+
+
+def log_signals(text: str) -> dict:
+    """What the run's processes said about their kernels: torch's alerts (warn-only deterministic mode ran an op
+    without a deterministic kernel) and dynamo's recompiles (a graph traced again, whose kernels Inductor sized
+    from other shapes), each once per op or function."""
+    return {"nondeterministic_ops": sorted({m.group(1)[:200] for m in ALERT.finditer(text)}),
+            "recompiled": sorted({f"{m.group(1)} ({m.group(2)})"[:200] for m in RECOMPILE.finditer(text)})}
 
 
 # -- what a finished run left ------------------------------------------------------------------------------
@@ -621,6 +644,7 @@ def summarize(res: dict, env: dict | None) -> dict:
                      "interrupted_tasks": r["interrupted_tasks"], "struck_where_meant": r["struck_where_meant"],
                      "rebuild_logged": r["rebuild_logged"],
                      "left_behind": len(r["left_behind"]), "gpu_apps_after": r["gpu_apps_after"],
+                     **r.get("log_signals", {}),
                      **({"bitwise": ck.get("bitwise"), "max_abs_delta": ck.get("max_abs_delta"),
                          "tensors_differ": ck.get("differ_count"),
                          **{k: v for k, v in vs.items() if k != "checkpoint"}} if vs else {})}
@@ -682,6 +706,10 @@ def print_table(summary: dict) -> None:
                   f"interrupted {r['interrupted_tasks']}; left {r['left_behind']}; gpu apps {r['gpu_apps_after']}")
             if r.get("metric_values_differ"):
                 print(f"  {'':13s} metric values differ: {r['metric_values_differ']}")
+            for key, what in (("nondeterministic_ops", "ops without a deterministic kernel"),
+                              ("recompiled", "dynamo recompiled")):
+                if r.get(key):
+                    print(f"  {'':13s} {what}: {r[key]}")
             if r.get("left_after_driver_kill"):
                 print(f"  {'':13s} outlived the driver: {r['left_after_driver_kill']}")
     for g, c in summary["nondeterminism"]["settings_cost"].items():
