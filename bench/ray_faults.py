@@ -65,7 +65,9 @@ machine runs `--cases unbroken-a` alone and the next call, at once, one kill cas
 is ~25 min of device time with the machine's start. Results: OUT/results.jsonl (a line per case as it ends) and
 OUT/ray_faults.json. Each case also keeps what its processes logged about their kernels (`log_signals`): torch's
 alerts where warn-only deterministic mode ran an op without a deterministic kernel, and dynamo's recompiles
-(TORCH_LOGS=recompiles, set for every run: logging only).
+(TORCH_LOGS=recompiles, set for every run: logging only), and every trainer rank fingerprints its parameters and
+gradients at each optimizer step (bench/grad_trace.py), so a case that ends off the reference says where it first
+left it: the state a step began from, a rank's own gradients, or only the reduced ones (`first_step_difference`).
 
 First GPU kills, colocated, `train.deterministic` on (the default), each against an unbroken-a of its own machine
 (results/ray_faults_*_2026-11-26_colocated-engine-kill.json and _colocated-trainer-kill.json):
@@ -120,6 +122,7 @@ for p in (ROOT, BENCH):
         sys.path.insert(0, str(p))
 
 import gpu_grpo  # noqa: E402  (results.jsonl, summaries)
+import grad_trace  # noqa: E402  (fingerprints of every step's parameters and gradients)
 import ray_pipeline as rp  # noqa: E402  (the setup, the layouts' configs, the keyed-length hook, read-backs)
 
 RUN = "fault"
@@ -287,7 +290,8 @@ class CaseRun:
         self.deadline = time.monotonic() + limit_s
         env = rp.hook_env(S)
         env.update({MARK: self.mark, "PREFECT_HOME": str(self.dir / "prefect"), "PYTHONUNBUFFERED": "1",
-                    "TORCH_LOGS": "recompiles"})  # logging only: dynamo says when it traces a graph again
+                    "TORCH_LOGS": "recompiles",  # logging only: dynamo says when it traces a graph again
+                    grad_trace.ENV: str(self.dir / "grad_trace")})
         env.setdefault("HF_HUB_OFFLINE", "1")
         for k in ("GRPOFLOW_TEST_KILL_AT", "GRPOFLOW_TEST_SNAPSHOT_AT", "GRPOFLOW_TEST_PAUSE_AT"):
             env.pop(k, None)
@@ -387,6 +391,7 @@ def run_case(S, W: Path, layout: str, case: str, limit_s: float, sets: list[str]
     res["struck_where_meant"] = None if not fault else res["interrupted_tasks"] == ["train-chunk-1-2"]
     res["rebuild_logged"] = any("rebuilding from the latest checkpoint" in c.tail(log, 10**9)
                                 for log in ("run.log", "resume.log"))
+    res["grad_trace"] = str(c.dir / "grad_trace")
     res["log_signals"] = log_signals("\n".join(c.tail(log, 10**9) for log in ("run.log", "resume.log")))
     res["root"] = str(c.root)
     return res
@@ -535,7 +540,7 @@ class References:
 
     def put(self, layout: str, res: dict) -> None:
         self.path(layout).write_text(json.dumps({"gpus": res["gpus"], "sets": self.sets, "facts": res["facts"],
-                                                 "wall_s": res["wall_s"]}))
+                                                 "wall_s": res["wall_s"], "grad_trace": res["grad_trace"]}))
         self._tensors.pop(layout, None)
 
     def tensors(self, layout: str) -> dict:
@@ -555,7 +560,10 @@ def sec_case(S, W: Path, layout: str, case: str, refs: References, limit_s: floa
     t0 = time.time()
     res["vs_reference"] = {**compare_facts(res["facts"], ref["facts"]),
                            "checkpoint": compare_tensors(checkpoint_tensors(res["facts"]["final_checkpoint"]),
-                                                         refs.tensors(layout))}
+                                                         refs.tensors(layout)),
+                           # step by step: where the runs' parameters or gradients first differ (bench/grad_trace.py)
+                           "grad_trace": grad_trace.first_difference(grad_trace.read(Path(res["grad_trace"])),
+                                                                     grad_trace.read(Path(ref["grad_trace"])) if ref.get("grad_trace") else {})}
     res["compare_s"] = round(time.time() - t0, 1)
     if not keep_roots:  # ~8 GB of checkpoints a run on GPUs: the reference's stays
         shutil.rmtree(Path(res["root"]), ignore_errors=True)
@@ -647,7 +655,9 @@ def summarize(res: dict, env: dict | None) -> dict:
                      **r.get("log_signals", {}),
                      **({"bitwise": ck.get("bitwise"), "max_abs_delta": ck.get("max_abs_delta"),
                          "tensors_differ": ck.get("differ_count"),
-                         **{k: v for k, v in vs.items() if k != "checkpoint"}} if vs else {})}
+                         "steps_compared": (vs.get("grad_trace") or {}).get("compared"),
+                         "first_step_difference": (vs.get("grad_trace") or {}).get("first"),
+                         **{k: v for k, v in vs.items() if k not in ("checkpoint", "grad_trace")}} if vs else {})}
         if "after_driver_kill" in r:
             row[case]["left_after_driver_kill"] = r["after_driver_kill"]["left"]
     for row in out["layouts"].values():
@@ -706,6 +716,12 @@ def print_table(summary: dict) -> None:
                   f"interrupted {r['interrupted_tasks']}; left {r['left_behind']}; gpu apps {r['gpu_apps_after']}")
             if r.get("metric_values_differ"):
                 print(f"  {'':13s} metric values differ: {r['metric_values_differ']}")
+            if r.get("steps_compared") is not None:
+                f = r.get("first_step_difference")
+                print(f"  {'':13s} step by step ({r['steps_compared']} stages compared): " + (
+                    "parameters and gradients equal" if f is None else
+                    f"first differ at step {f['step']} {f['stage']} (dp {f['dp']}, tp {f['tp']}), {f['count']} tensors: "
+                    f"{f['parameters'][:4]}"))
             for key, what in (("nondeterministic_ops", "ops without a deterministic kernel"),
                               ("recompiled", "dynamo recompiled")):
                 if r.get(key):

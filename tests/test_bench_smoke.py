@@ -205,3 +205,29 @@ def test_glm9b_host_optimizer_bench_cpu_mode_runs(tmp_path):
     for name in ("resumed_host", "resumed_gpu_optimizer"):
         assert r[name]["masters_at_load_bitwise"] and r[name]["next_update_max_abs_diff"] <= r["bound_per_update"]
         assert r[name]["vs_rerun_max_abs_diff"] <= r["bound_per_update"]
+
+
+def test_grad_trace_fingerprints_tell_one_ulp_and_place_the_first_difference():
+    """bench/grad_trace.py (ray_faults' step-by-step comparison): a fingerprint is the same for the same bits (another
+    tensor, bf16 too), changes for one ulp or two swapped values, and the first difference is found in a step's
+    order (parameters, a rank's gradients, the reduced ones), not in the dictionary's."""
+    import torch
+    sys.path.insert(0, str(ROOT / "bench"))
+    import grad_trace as gt
+
+    g = torch.Generator().manual_seed(0)
+    for t in (torch.randn(5000, generator=g), torch.randn(70, 3, generator=g).bfloat16()):
+        same = t.clone()
+        ulp = t.clone()
+        ulp.view(-1)[17] = torch.nextafter(ulp.view(-1)[17], torch.tensor(10.0, dtype=t.dtype))
+        swapped = t.clone()
+        swapped.view(-1)[[1, 2]] = t.view(-1)[[2, 1]]
+        assert gt.fingerprint(same) == gt.fingerprint(t)
+        assert gt.fingerprint(ulp) != gt.fingerprint(t) and gt.fingerprint(swapped) != gt.fingerprint(t)
+    ref = {("params", 0, 0, 0): {"w": "1:1"}, ("grads-local", 0, 0, 0): {"w": "2:2"},
+           ("grads-reduced", 1, 0, 0): {"w": "9:9"}, ("grads-local", 1, 0, 0): {"w": "3:3", "k": "4:4"},
+           ("params", 1, 0, 0): {"w": "5:5", "k": "6:6"}}
+    run = {**ref, ("grads-reduced", 1, 0, 0): {"w": "9:8"}, ("grads-local", 1, 0, 0): {"w": "3:3", "k": "4:5"}}
+    assert gt.first_difference(ref, ref) == {"compared": 5, "first": None}
+    first = gt.first_difference(run, ref)["first"]
+    assert (first["step"], first["stage"], first["parameters"]) == (1, "grads-local", ["k"])

@@ -6,7 +6,9 @@ the cap) without a product config key.
 On only while GRPOFLOW_BENCH_KEYED_LENGTHS holds the schedule as JSON (max_new, median, sigma, min_len): a
 generate call at exactly max_new new tokens is forced; others (eval at another length) are left alone. The
 patch is applied when runtime.rollout.paged_decode is first imported, so processes that never decode pay
-nothing. Another sitecustomize later on sys.path (the gpu-cap tool's) still runs after this one.
+nothing. With GRPOFLOW_BENCH_GRAD_TRACE set it also patches the trainer module the same way
+(bench/grad_trace.py: fingerprints of every step's parameters and gradients). Another sitecustomize later on
+sys.path (the gpu-cap tool's) still runs after this one.
 """
 import importlib.abc
 import importlib.util
@@ -35,11 +37,21 @@ def _patch(module) -> None:
     module.PagedDecoder.steps = steps
 
 
+def _patch_grad_trace(module) -> None:
+    import grad_trace
+    grad_trace.patch(module)
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, patches: dict):
+        self.patches = patches  # module name -> what to do to it once it is loaded
+
     def find_spec(self, name, path, target=None):
-        if name != _TARGET:
+        if name not in self.patches:
             return None
-        sys.meta_path.remove(self)
+        patch = self.patches.pop(name)
+        if not self.patches:
+            sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
             return spec
@@ -47,14 +59,21 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             load(module)
-            _patch(module)
+            patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
+_patches = {}
 if os.environ.get("GRPOFLOW_BENCH_KEYED_LENGTHS"):
-    sys.meta_path.insert(0, _PatchOnImport())
+    _patches[_TARGET] = _patch
+if os.environ.get("GRPOFLOW_BENCH_GRAD_TRACE"):  # bench/grad_trace.py
+    if os.path.dirname(_HERE) not in sys.path:  # importable in every process: Ray unpickles its functions by name
+        sys.path.append(os.path.dirname(_HERE))
+    _patches["runtime.trainer.megatron_trainer"] = _patch_grad_trace
+if _patches:
+    sys.meta_path.insert(0, _PatchOnImport(_patches))
 
 for _entry in sys.path:
     _other = os.path.join(_entry or ".", "sitecustomize.py")

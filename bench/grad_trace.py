@@ -1,0 +1,118 @@
+"""Bench-only: fingerprints of every trainer's parameters and gradients at each optimizer step, so two runs that
+should be bitwise equal can be compared step by step, and a difference placed: in the loaded state, in the
+gradients a rank computed, or only after the data-parallel reduction (issue 37's runs under Ray).
+
+On while GRPOFLOW_BENCH_GRAD_TRACE names a folder (bench/keyed_lengths/sitecustomize.py applies :func:`patch` when
+``runtime.trainer.megatron_trainer`` is first imported, in every process of the run, Ray's actors included). Each
+trainer rank appends a line per stage to ``<folder>/rank<dp>-<tp>-<pid>.jsonl``: ``params`` (as the step's gradients
+are complete: resident, not yet stepped), ``grads-local`` (every micro-batch's backward done, before
+``finalize_model_grads``) and ``grads-reduced`` (after it), keyed by the optimizer steps done so far. A fingerprint
+is two exact integer sums over the tensor's bits (summed on its device in int64: the same whatever the order), so
+equal bits give equal fingerprints and one flipped bit changes them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+ENV = "GRPOFLOW_BENCH_GRAD_TRACE"
+STAGES = ("params", "grads-local", "grads-reduced")
+_CHUNK = 1 << 24
+_INT_OF = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def fingerprint(t) -> str:
+    """Two integer sums over ``t``'s bits: plain, and weighted by position modulo 251."""
+    import torch
+    flat = t.detach().contiguous().view(-1)
+    bits = flat.view(getattr(torch, _INT_OF[flat.element_size()]))
+    plain = weighted = 0
+    for start in range(0, bits.numel(), _CHUNK):
+        v = bits[start:start + _CHUNK].to(torch.int64)
+        w = (torch.arange(start, start + v.numel(), device=v.device, dtype=torch.int64) % 251) + 1
+        plain += int(v.sum())
+        weighted += int((v * w).sum())
+    return f"{plain}:{weighted}"
+
+
+def _record(trainer, stage: str, folder: Path) -> None:
+    digests = {}
+    for name, p in trainer.model.named_parameters():
+        if stage == "params":
+            digests[name] = fingerprint(p)
+        else:
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None:
+                digests[name] = fingerprint(g)
+    mpu = getattr(trainer, "mpu", None)
+    tp = mpu.get_tensor_model_parallel_rank() if mpu is not None else 0
+    line = {"stage": stage, "step": trainer.steps_done, "dp": trainer.dp_rank, "tp": tp, "digests": digests}
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"rank{trainer.dp_rank}-{tp}-{os.getpid()}.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+# Module-level, not closures: Ray pickles the trainer's class with its methods, and a module function pickles as a
+# name (every process on this PYTHONPATH imports this module and patches its own trainer class).
+_PLAIN: dict = {}
+_CURRENT = threading.local()
+
+
+def _train(self, batch):
+    _CURRENT.trainer = self
+    try:
+        return _PLAIN["train"](self, batch)
+    finally:
+        _CURRENT.trainer = None
+
+
+def _finalize_model_grads(*args, **kwargs):
+    trainer = getattr(_CURRENT, "trainer", None)
+    folder = Path(os.environ[ENV])
+    if trainer is not None:  # the parameters here: resident (offload reloaded them), not yet stepped
+        _record(trainer, "params", folder)
+        _record(trainer, "grads-local", folder)
+    out = _PLAIN["finalize"](*args, **kwargs)
+    if trainer is not None:
+        _record(trainer, "grads-reduced", folder)
+    return out
+
+
+def patch(module) -> None:
+    """``module`` is runtime.trainer.megatron_trainer: its trainer's ``train`` and the ``finalize_model_grads`` it
+    imports at each call, wrapped to record."""
+    import megatron.core.distributed as mcd
+
+    if "train" not in _PLAIN:
+        _PLAIN["train"], _PLAIN["finalize"] = module.MegatronTrainer.train, mcd.finalize_model_grads
+    module.MegatronTrainer.train = _train
+    mcd.finalize_model_grads = _finalize_model_grads
+
+
+def read(folder: Path) -> dict:
+    """(stage, step, dp, tp) -> {parameter: fingerprint}; a step recorded twice (by a killed process and its
+    rebuilt successor) keeps the last process's line."""
+    out: dict = {}
+    for f in sorted(Path(folder).glob("*.jsonl"), key=lambda p: p.stat().st_mtime):
+        for raw in f.read_text().splitlines():
+            try:
+                line = json.loads(raw)
+            except json.JSONDecodeError:  # the last line of a killed process
+                continue
+            out[(line["stage"], line["step"], line["dp"], line["tp"])] = line["digests"]
+    return out
+
+
+def first_difference(run: dict, reference: dict) -> dict:
+    """The first (step, stage) where ``run`` and ``reference`` differ, with the parameters that differ there, in the
+    order a step makes them (the state at entry, a rank's own gradients, the reduced ones); None if none does."""
+    keys = sorted(set(run) & set(reference), key=lambda k: (k[1], STAGES.index(k[0]), k[2], k[3]))
+    for k in keys:
+        differ = sorted(n for n in set(run[k]) | set(reference[k]) if run[k].get(n) != reference[k].get(n))
+        if differ:
+            return {"compared": len(keys), "first": {"stage": k[0], "step": k[1], "dp": k[2], "tp": k[3],
+                                                      "parameters": differ[:20], "count": len(differ)}}
+    return {"compared": len(keys), "first": None}
