@@ -389,10 +389,10 @@ def run_case(S, W: Path, layout: str, case: str, limit_s: float, sets: list[str]
     res["interrupted_tasks"] = sorted(set(facts["retried_tasks"]) | {t["task"] for t in facts["prefect_tasks"]
                                                                      if t["state"] == "Running"})
     res["struck_where_meant"] = None if not fault else res["interrupted_tasks"] == ["train-chunk-1-2"]
-    res["rebuild_logged"] = any("rebuilding from the latest checkpoint" in c.tail(log, 10**9)
-                                for log in ("run.log", "resume.log"))
+    logs = "\n".join(c.tail(log, 10**9) for log in ("run.log", "resume.log"))
+    res["rebuild_logged"] = "rebuilding from the latest checkpoint" in logs
     res["grad_trace"] = str(c.dir / "grad_trace")
-    res["log_signals"] = log_signals("\n".join(c.tail(log, 10**9) for log in ("run.log", "resume.log")))
+    res["log_signals"] = log_signals(logs)
     res["root"] = str(c.root)
     return res
 
@@ -563,7 +563,7 @@ def sec_case(S, W: Path, layout: str, case: str, refs: References, limit_s: floa
                                                          refs.tensors(layout)),
                            # step by step: where the runs' parameters or gradients first differ (bench/grad_trace.py)
                            "grad_trace": grad_trace.first_difference(grad_trace.read(Path(res["grad_trace"])),
-                                                                     grad_trace.read(Path(ref["grad_trace"])) if ref.get("grad_trace") else {})}
+                                                                     grad_trace.read(Path(ref["grad_trace"])))}
     res["compare_s"] = round(time.time() - t0, 1)
     if not keep_roots:  # ~8 GB of checkpoints a run on GPUs: the reference's stays
         shutil.rmtree(Path(res["root"]), ignore_errors=True)
@@ -647,7 +647,7 @@ def summarize(res: dict, env: dict | None) -> dict:
             row[case] = {"status": r.get("status"), "error": str(r.get("error", ""))[:300]}
             continue
         vs = r.get("vs_reference") or {}
-        ck = vs.get("checkpoint") or {}
+        ck, trace = vs.get("checkpoint") or {}, vs.get("grad_trace") or {}
         row[case] = {"status": "ok", "wall_s": r["wall_s"], "gpus": r.get("gpus"), **_steady(r["facts"]),
                      "interrupted_tasks": r["interrupted_tasks"], "struck_where_meant": r["struck_where_meant"],
                      "rebuild_logged": r["rebuild_logged"],
@@ -655,8 +655,7 @@ def summarize(res: dict, env: dict | None) -> dict:
                      **r.get("log_signals", {}),
                      **({"bitwise": ck.get("bitwise"), "max_abs_delta": ck.get("max_abs_delta"),
                          "tensors_differ": ck.get("differ_count"),
-                         "steps_compared": (vs.get("grad_trace") or {}).get("compared"),
-                         "first_step_difference": (vs.get("grad_trace") or {}).get("first"),
+                         "steps_compared": trace.get("compared"), "first_step_difference": trace.get("first"),
                          **{k: v for k, v in vs.items() if k not in ("checkpoint", "grad_trace")}} if vs else {})}
         if "after_driver_kill" in r:
             row[case]["left_after_driver_kill"] = r["after_driver_kill"]["left"]
