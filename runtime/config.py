@@ -145,6 +145,13 @@ class RolloutSection(Section):
     # partial rollout's stop is checked, only at these points, so it decides which samples a partial rollout
     # carries over. Fewer syncs run faster on a GPU; a short max_new_tokens needs fewer steps to cut samples mid-way.
     sync_every: int = Field(16, gt=0)
+    # The built-in engine's compiled kernels (norms, log-softmax, sampling) with one configuration each, chosen
+    # without timing: inductor otherwise times several configurations of a reduction at its first call and keeps
+    # the fastest, whose order of summation a busy or another GPU can change, so two runs' rollout log-probs (TIS
+    # weights, hence every gradient) differ in the last bits with the same tokens. Measured on an H100: -0.7 to
+    # -3.7 % of warm decode throughput, a shorter first compile (bench/results/engine_repeat_*). SGLang's own is
+    # rollout.sglang.deterministic.
+    deterministic: bool = True
     sglang: SGLangSection = SGLangSection()
 
     @model_validator(mode="before")

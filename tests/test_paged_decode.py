@@ -307,13 +307,18 @@ def test_generation_stops_once_enough_groups_are_complete(model_dir, hf, path):
 OOM_TEXT = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.39 GiB"
 
 
-def _compiling(model_dir, monkeypatch, fail_at=lambda call: None, **kw) -> tuple[BuiltinEngine, list[int]]:
+def _compiling(model_dir, monkeypatch, fail_at=lambda call: None, seen: list | None = None,
+               **kw) -> tuple[BuiltinEngine, list[int]]:
     """A paged engine with compile on, torch.compile replaced (above); `fail_at(n)`: the error the n-th call
-    of a compiled piece raises, or None. Returns the engine and the count of such calls."""
+    of a compiled piece raises, or None; `seen` gets (piece, the compiler options it was given) per compile.
+    Returns the engine and the count of such calls."""
     from runtime.rollout import keyed_sampling
     calls = [0]
 
-    def fake_compile(fn, **_):
+    def fake_compile(fn, **options):
+        if seen is not None:
+            seen.append((fn.__name__, options.get("options")))
+
         def compiled(*args, **kwargs):
             calls[0] += 1
             error = fail_at(calls[0])
@@ -334,6 +339,25 @@ def _wrapped_oom() -> RuntimeError:
     error = RuntimeError("backend='inductor' raised: RuntimeError: triton autotuning failed")
     error.__cause__ = torch.OutOfMemoryError(OOM_TEXT)
     return error
+
+
+def test_rollout_deterministic_compiles_every_reducing_piece_with_no_timed_configurations(model_dir, monkeypatch):
+    """rollout.deterministic (on by default) reaches each torch.compile of the decoder as inductor's deterministic
+    mode: one configuration per kernel, none chosen by timing (on an H100 two fresh processes' log-probs were
+    apart without it, bench/results/engine_repeat_*); off, inductor's defaults. The keyed noise is elementwise."""
+    import torch._inductor.config as inductor_config
+
+    from runtime.config import GrpoConfig
+    from runtime.rollout.factory import make_engine
+    for rollout, options in (({}, {"deterministic": True}), ({"deterministic": False}, None)):
+        cfg = GrpoConfig.model_validate({"rollout": rollout})
+        assert make_engine(cfg=cfg, model_dir=model_dir, device="cpu", dtype="float32").decoder.compile_options == options
+    for flag, options in ((True, {"deterministic": True}), (False, None)):
+        seen: list = []
+        _compiling(model_dir, monkeypatch, seen=seen, deterministic=flag)
+        assert sorted(seen, key=str) == sorted([(n, options) for n in ("pre", "post", "head", "plain_sample")]
+                                               + [("gumbel_noise", None)], key=str)
+    assert inductor_config.deterministic is False  # a real setting of inductor's, and nothing set process-wide
 
 
 def test_a_failing_compiler_or_graph_capture_is_switched_off_and_the_tokens_stay(model_dir, hf, monkeypatch):

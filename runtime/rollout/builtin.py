@@ -79,11 +79,13 @@ class BuiltinEngine(RolloutEngine):
         gpu_memory_gb: float | None = None,
         lora=None,
         shared_base: dict[str, torch.Tensor] | None = None,
+        deterministic: bool = True,
     ):
         """decode_path: "auto" = the paged decoder (`paged_decode`) where the model family has it, else HF's
         forward; "paged" insists (error if the family lacks it); "hf" = HF's forward with a dynamic cache
         (the reference). kv_cache_gb: the paged pool's size in GiB; None: `kv_pages.kv_pool_bytes`'s default. cuda_graphs / compile_decode: None = on for CUDA.
         gpu_memory_gb: the card the run's plan is for (`cluster.gpu_memory_gb`), named if the device runs out of memory.
+        deterministic (``rollout.deterministic``): the paged decoder's compiled kernels without timed configurations.
         lora (``train.lora``): the paged decoder applies the adapters in its forward, from buffers of the
         configured rank that weight updates copy into (runtime/rollout/lora_forward.py). shared_base: the
         trainer's frozen base tensors (LoRA, trainer and engine in this process at TP 1): decoded from as they
@@ -136,7 +138,7 @@ class BuiltinEngine(RolloutEngine):
                 self.decoder = PagedDecoder(self.model, max_rows=self.max_batch_size, kv_cache_gb=kv_cache_gb,
                                             page_size=page_size, cuda_graphs=cuda_graphs, compile=compile_decode,
                                             sync_every=sync_every, gpu_memory_gb=gpu_memory_gb, lora=lora,
-                                            shared_base=shared_base)
+                                            shared_base=shared_base, deterministic=deterministic)
             elif lora is not None or shared_base is not None:
                 raise ConfigError(f"train.lora needs the built-in engine's paged decoder, which {model_dir} lacks: "
                                   f"{reason}")

@@ -202,7 +202,8 @@ class FusedModel:
     of row ranges of its fused buffers, which only that order allows.
     ``lora`` (``train.lora``): the adapters' buffers (runtime/rollout/lora_forward.py), added in the forward."""
 
-    def __init__(self, model, *, compile: bool | None = None, lora=None, shared_base: dict | None = None):
+    def __init__(self, model, *, compile: bool | None = None, lora=None, shared_base: dict | None = None,
+                 deterministic: bool = True):
         reason = unsupported_config_reason(model.config) if shared_base is not None else unsupported_reason(model)
         if reason:
             raise ValueError(f"fast decode path: {reason}")
@@ -218,6 +219,8 @@ class FusedModel:
         self.scale = self.hd ** -0.5
         self.n_layers = cfg.num_hidden_layers
         self.compiled = cuda if compile is None else bool(compile)
+        # inductor's deterministic mode: one configuration per kernel, none timed (rollout.deterministic)
+        self.compile_options = {"deterministic": True} if deterministic else None
         inner = model.model
         # the skeleton of a shared base is on the meta device: its RoPE tables are made again on the host
         rotary = inner.rotary_emb if shared_base is None else type(inner.rotary_emb)(cfg)
@@ -252,10 +255,10 @@ class FusedModel:
                 uniform_noise(torch.zeros(1, dtype=torch.long, device=self.device),
                               torch.zeros(1, dtype=torch.long, device=self.device), self.vocab)  # counters cached
                 # torch.compile compiles at a piece's first call: what fails there is the compiler's
-                self._pre = guarded("compile", torch.compile(self._pre, dynamic=True))
-                self._post = guarded("compile", torch.compile(self._post, dynamic=True))
-                self._head = guarded("compile", torch.compile(self._head, dynamic=True))
-                self._plain = guarded("compile", torch.compile(plain_sample, dynamic=True))
+                def compiled(fn):
+                    return guarded("compile", torch.compile(fn, dynamic=True, options=self.compile_options))
+                self._pre, self._post, self._head = compiled(self._pre), compiled(self._post), compiled(self._head)
+                self._plain = compiled(plain_sample)
                 self._gumbel = guarded("compile", compiled_gumbel_noise())
             except Exception as e:  # noqa: BLE001 - no compiler: eager is correct, only slower
                 if is_out_of_memory(e):

@@ -79,14 +79,14 @@ class PagedDecoder(FusedModel):
                  page_size: int = DEFAULT_PAGE_SIZE, cuda_graphs: bool | None = None, compile: bool | None = None,
                  sync_every: int = 16, prefill_tokens: int = 16384, attention: str = "auto",
                  overlap_chunks: bool = True, gpu_memory_gb: float | None = None, lora=None,
-                 shared_base: dict | None = None):
+                 shared_base: dict | None = None, deterministic: bool = True):
         """attention: "auto" (the Triton kernel on CUDA where it applies, else the PyTorch reference),
         "triton" or "reference". overlap_chunks: queue the next decode chunk before reading the last one
         (the tokens are the same either way; off only to measure what it saves). gpu_memory_gb: the card
         the run's plan is for (`cluster.gpu_memory_gb`), named when the device runs out of memory. lora,
         shared_base: `FusedModel`'s (the adapters' buffers are static: the captured graphs read them as they
         are updated)."""
-        super().__init__(model, compile=compile, lora=lora, shared_base=shared_base)
+        super().__init__(model, compile=compile, lora=lora, shared_base=shared_base, deterministic=deterministic)
         cuda = self.device.type == "cuda"
         self.max_rows = int(max_rows)
         self.kv_cache_gb = kv_cache_gb
