@@ -117,12 +117,15 @@ def _autotuners() -> list:
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
     found = []
     for o in gc.get_objects():
-        if isinstance(o, CachingAutotuner):
-            launchers = getattr(o, "launchers", None) or []
-            found.append({"kernel": getattr(o.fn, "__name__", "?"), "kind": str(getattr(o, "heuristic_type", "?")),
-                          "configs": len(o.configs or []),
-                          "launched": (str(launchers[0].config) if len(launchers) == 1
-                                       else f"{len(launchers)} launchers")})
+        try:
+            if not isinstance(o, CachingAutotuner):
+                continue
+        except ReferenceError:  # a weak proxy whose object is gone (seen on an H100, torch 2.11)
+            continue
+        launchers = getattr(o, "launchers", None) or []
+        found.append({"kernel": getattr(o.fn, "__name__", "?"), "kind": str(getattr(o, "heuristic_type", "?")),
+                      "configs": len(o.configs or []),
+                      "launched": str(launchers[0].config) if len(launchers) == 1 else f"{len(launchers)} launchers"})
     return sorted(found, key=lambda k: k["kernel"])
 
 

@@ -1,0 +1,217 @@
+"""The built-in engine's output, run to run (issue 37): same tokens, same log-prob bits?
+
+Two unbroken runs of `grpoflow run` under Ray ended apart (bench/ray_faults.py) with their first difference at step 0's
+local gradients, before anything was killed, while their samples matched: the step-0 metrics that read the rollout's
+log-probs (tis_weight, train_rollout_logp_absdiff) differed and the ones the trainer alone makes (entropy, loss) did
+not. This isolates the engine: each `gen-*` section is a fresh process (the trainer and the built-in engine of the
+one-GPU layout, `cluster.backend: local`) with a fresh inductor and Triton cache, as a new machine's first run has,
+that generates ray_faults' rollout (8 prompts x 8 samples, keyed lengths to 2048 tokens) twice and has the trainer
+score the first. The summary compares every section's tokens, engine log-probs and trainer log-probs bit for bit
+with the first section of its variant and across variants, and gives the engine's warm tokens/s.
+
+Variants: `plain` (as the product runs: `rollout.deterministic` on), `timed` (`rollout.deterministic=false`:
+inductor times several configurations of each reduction at its first call and keeps the fastest, as before the
+setting), `det` (torch's deterministic mode, warn-only, for the whole process from its start: inductor then keeps
+one configuration per reduction, and torch's own kernels take their deterministic variants), `ind` (inductor's
+deterministic mode for the whole process: what `rollout.deterministic` gives the engine's compiled pieces).
+
+    python3 bench/engine_repeat.py --out $OUT        # one GPU: setup, plain and timed twice each, 317 s
+    python3 bench/engine_repeat.py --sections setup,gen-ind-a,gen-ind-b,gen-det-a --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import struct
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+for p in (ROOT, BENCH):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import gpu_grpo  # noqa: E402  (the section runner, results)
+import ray_faults  # noqa: E402  (its shapes and configs)
+import ray_pipeline as rp  # noqa: E402  (the keyed-length hook, the converted inputs)
+
+VARIANTS = ("plain", "timed", "det", "ind")
+SECTIONS = ("setup", *(f"gen-{v}-{r}" for v in VARIANTS for r in "ab"))
+DEFAULT = ("setup", "gen-plain-a", "gen-timed-a", "gen-plain-b", "gen-timed-b")  # one call: 317 s on an H100
+SECTION_MAX_S = {"setup": 240, **{s: 200 for s in SECTIONS[1:]}}
+
+
+def digest_ints(rows: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+def digest_floats(rows: list[list[float]]) -> str:
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(struct.pack(f"<{len(r)}d", *r))
+        h.update(b"|")
+    return h.hexdigest()[:16]
+
+
+def sec_setup(S, W: Path) -> dict:
+    r = ray_faults.sec_setup(S, W)
+    rp.standalone_inputs(S, W)  # converted once: every gen section starts from the same checkpoint
+    return r
+
+
+def session(S, W: Path, name: str, sets: list[str]):
+    import yaml
+
+    from runtime.config import config_with_overrides
+    from runtime.grpo.session import TrainSession
+    from runtime.run.frozen_config import with_plan_choices
+    tree = yaml.safe_load((W / "faults-one-gpu.yaml").read_text())
+    tree = with_plan_choices(config_with_overrides(tree, [], "bench")).model_dump(mode="json")
+    tree["storage"] = {"root": str(W / f"root-{name}")}
+    tree["tracking"] = {"enabled": False}
+    cfg = config_with_overrides(tree, sets, "local")
+    rd = gpu_grpo.run_dir_over(Path(cfg.storage.root), "local", rp.standalone_inputs(S, W))
+    return TrainSession(cfg, rd)
+
+
+def sec_gen(S, W: Path, name: str) -> dict:
+    variant = name.split("-")[1]
+    cache = W / "caches" / name  # a first run's caches: nothing compiled or tuned before
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(cache / "triton")
+    import torch
+    if variant == "det":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    elif variant == "ind":
+        import torch._inductor.config as inductor_config
+        inductor_config.deterministic = True
+    from runtime.rollout.base import SampleRequest, SamplingParams
+    from runtime.trainer.batch import TrainBatch
+    sess = session(S, W, name, ["rollout.deterministic=false"] if variant == "timed" else [])
+    sess.ensure_at(None)
+    rows, _ = sess.dataset.batch(sess.dataset.initial_cursor(sess.cfg.train.seed), sess.cfg.rollout.rollout_batch_size)
+    prompts = [sess.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+    n = sess.cfg.rollout.n_samples_per_prompt
+    reqs = [SampleRequest(prompt_ids=p, key=(sess.cfg.train.seed, 0, i, j)) for i, p in enumerate(prompts) for j in range(n)]
+    params = SamplingParams(temperature=sess.cfg.rollout.temperature, max_new_tokens=sess.cfg.rollout.max_new_tokens)
+    gens, times = [], []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(2):  # the first compiles and tunes, the second is warm
+        sync()
+        t0 = time.time()
+        with sess.engine_turn():
+            gens.append(sess.engine.generate(reqs, params))
+        sync()
+        times.append(time.time() - t0)
+    samples = gens[0]
+    batch = TrainBatch(tokens=[s.prompt_ids + s.response_ids for s in samples],
+                       prompt_lens=[len(s.prompt_ids) for s in samples], advantages=[0.0] * len(samples),
+                       loss_masks=[[1] * len(s.response_ids) for s in samples],
+                       rollout_logprobs=[s.response_logprobs for s in samples])
+    trainer = sess.trainer.compute_logprobs(batch)
+    sess.close()
+    dump = {"tokens": [s.response_ids for s in samples], "engine": [s.response_logprobs for s in samples],
+            "engine_again": [s.response_logprobs for s in gens[1]], "trainer": trainer}
+    (W / "dumps").mkdir(exist_ok=True)
+    (W / "dumps" / f"{name}.json").write_text(json.dumps(dump))
+    n_tok = sum(len(s.response_ids) for s in samples)
+    return {"name": name, "variant": variant, "tokens": n_tok, "gen_s": [round(t, 2) for t in times],
+            "warm_tok_s": round(n_tok / times[1], 1),
+            "digests": {"tokens": digest_ints(dump["tokens"]), "engine": digest_floats(dump["engine"]),
+                        "engine_again": digest_floats(dump["engine_again"]), "trainer": digest_floats(trainer)},
+            "same_process_repeat": {"tokens": [s.response_ids for s in gens[1]] == dump["tokens"],
+                                    "engine_logprobs": dump["engine_again"] == dump["engine"]}}
+
+
+def _max_abs(a: list[list[float]], b: list[list[float]]) -> float | None:
+    if [len(r) for r in a] != [len(r) for r in b]:
+        return None
+    return max((abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)), default=0.0)
+
+
+def compare(W: Path, names: list[str]) -> dict:
+    """Each section against the first section of its variant, and each variant's first against plain's."""
+    dumps = {n: json.loads((W / "dumps" / f"{n}.json").read_text()) for n in names if (W / "dumps" / f"{n}.json").exists()}
+    firsts = {}
+    for n in dumps:
+        firsts.setdefault(n.split("-")[1], n)
+    pairs = [(n, firsts[n.split("-")[1]]) for n in dumps if n != firsts[n.split("-")[1]]]
+    if "plain" in firsts:
+        pairs += [(f, firsts["plain"]) for v, f in firsts.items() if v != "plain"]
+    out = {}
+    for a, b in pairs:
+        da, db = dumps[a], dumps[b]
+        out[f"{a} vs {b}"] = {
+            "same_tokens": da["tokens"] == db["tokens"],
+            "tokens_differ_rows": sum(x != y for x, y in zip(da["tokens"], db["tokens"])),
+            **{f"{k}_bitwise": da[k] == db[k] for k in ("engine", "trainer")},
+            **{f"{k}_max_abs": _max_abs(da[k], db[k]) for k in ("engine", "trainer")}}
+    return out
+
+
+def summarize(res: dict, W: Path) -> dict:
+    import datetime
+    return {"benchmark": "engine_repeat", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "device": res.get("setup", {}).get("device") or _device(), "sections": res,
+            "compare": compare(W, [n for n in res if n.startswith("gen-") and res[n].get("status") == "ok"])}
+
+
+def _device() -> str:
+    try:
+        import subprocess
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.splitlines()[0].strip()
+    except Exception:  # noqa: BLE001 - no GPU here: the summary is read elsewhere
+        return "unknown"
+
+
+def print_table(summary: dict) -> None:
+    print(f"engine_repeat on {summary['device']}")
+    for n, r in summary["sections"].items():
+        if n.startswith("gen-"):
+            print(f"  {n:12s} {r.get('status')}  warm {r.get('warm_tok_s')} tok/s  gen_s {r.get('gen_s')}  "
+                  f"digests {r.get('digests')}  same-process repeat {r.get('same_process_repeat')}  {r.get('error', '')}")
+        else:
+            print(f"  {n:12s} {r.get('status')} {r.get('error', '')}")
+    for k, v in summary["compare"].items():
+        print(f"  {k}: {v}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU: the wiring")
+    ap.add_argument("--sections", default=",".join(DEFAULT), help=f"comma list of {SECTIONS}")
+    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--work", default="/tmp/engine_repeat_work")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/engine_repeat_out")
+    ap.add_argument("--deadline", type=float, default=570.0)
+    a = ap.parse_args(argv)
+    out, W = Path(a.out), Path(a.work)
+    out.mkdir(parents=True, exist_ok=True)
+    W.mkdir(parents=True, exist_ok=True)
+    S = ray_faults.shapes(cpu=a.cpu)
+    gpu_grpo.prepare_env()
+    os.environ.update(rp.hook_env(S))  # the keyed lengths of the fault runs
+    if a.section:
+        fn = sec_setup if a.section == "setup" else (lambda S, W: sec_gen(S, W, a.section))
+        r = gpu_grpo.run_section(a.section, S, W, out, fn=lambda S, W: {**fn(S, W), "device": _device()})
+        return 0 if r["status"] == "ok" else 1
+    (out / "results.jsonl").unlink(missing_ok=True)
+    sections = [s for s in a.sections.split(",") if s]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown sections {unknown}: {SECTIONS}")
+    gpu_grpo.run_sections_in_processes(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S,
+                                       extra_args=("--cpu",) if a.cpu else ())
+    summary = summarize(gpu_grpo.read_results(out), W)
+    (out / "engine_repeat.json").write_text(json.dumps(summary, indent=1, default=str))
+    print_table(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
