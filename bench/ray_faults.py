@@ -73,30 +73,39 @@ First GPU kills, colocated, `train.deterministic` on (the default), each against
 (results/ray_faults_*_2026-11-26_colocated-engine-kill.json and _colocated-trainer-kill.json):
 - trainer-kill (2 x H100): the final checkpoint bitwise equal, 40 of 40 tensors.
 - engine-kill (2 x H200): every model tensor bitwise equal; 2 of 40 tensors 1 ulp off, Adam's two moments of the k
-  norm weights (exp_avg max |delta| 2.96e-12 of 6.75e-5, exp_avg_sq 1.6e-17 of 5.5e-9). Not yet explained: the
-  compiled norm alone gives the same bits whatever shape it met first (bench/norm_history.py).
+  norm weights (exp_avg max |delta| 2.96e-12 of 6.75e-5, exp_avg_sq 1.6e-17 of 5.5e-9).
 Both: same samples, metric points, registered versions and best alias, MLflow FINISHED, lease released, no
-process left, no GPU app.
+process left, no GPU app. engine-kill again (2 x H100, 2026-11-27,
+results/ray_faults_NVIDIA_H100_80GB_HBM3_2026-11-27_colocated-engine-kill-timed-engine.json): 3.81e-6 off on the
+weights, 35 tensors, and the step trace put the first difference at step 0's local gradients, before the kill, with
+step 0's TIS weights different and its entropy and loss not: the two runs' rollout log-probs differed with the same
+tokens. bench/engine_repeat.py found why: the built-in engine's compiled pieces time several Inductor configurations
+of each reduction at their first call and keep the fastest, so a fresh process may sum in another order (two fresh
+processes on an H100: log-probs 9.5e-7 apart, and once other tokens in 50 of 64 samples). `rollout.deterministic`
+(on by default since) compiles them in Inductor's deterministic mode: the same bits in every pair, no measurable
+decode cost. With both switches two unbroken runs of the one-GPU layout ended bitwise
+(results/ray_faults_NVIDIA_H100_80GB_HBM3_2026-11-27_one-gpu-unbroken.json). That also explains the H200's 1 ulp and
+the trainer-kill's bitwise end (its run and its reference presumably timed the same configurations).
 
 Nondeterminism on the GPU path (summary field `nondeterminism`, filled from a GPU run, never invented):
 where unbroken-b differs from unbroken-a the path is not run-to-run deterministic, and a recovered
-run can only be compared against that floor. Candidates, by where they sit: the trainer's packed
+run can only be compared against that floor. Candidates (`CANDIDATES`), by where they sit: the trainer's packed
 attention backward (FlashAttention-2 varlen as torch ships it, `aten._flash_attention_backward`:
 dQ accumulated with atomic adds across key blocks), the embedding's backward (`embedding_dense_backward`
 on CUDA: atomic adds), Inductor-generated kernels with atomic reductions (the compiled RoPE / SwiGLU /
 norm fusions), NCCL's reductions over DP 2 (a fixed order for a fixed topology and algorithm); the engine's
-split-KV decode attention (runtime/rollout/decode_attention.py: the split count is chosen per chunk from the
-active rows and the longest context, the partial results combined in a fixed order), its cuBLAS GEMMs
-at the bucket's row count, CUDA graphs and the compiled sampler. The engine samples by keyed Gumbel-max,
-so a logit that moves by one ulp at a near-tie changes a token, and every update after it.
+compiled pieces (reductions whose configuration is chosen by timing: found), its split-KV decode attention
+(runtime/rollout/decode_attention.py: the split count is chosen per chunk from the active rows and the longest
+context, the partial results combined in a fixed order), its cuBLAS GEMMs at the bucket's row count, CUDA graphs.
+The engine samples by keyed Gumbel-max, so a logit that moves by one ulp at a near-tie changes a token, and every
+update after it.
 
-Issue 37 item 2: the switch is `train.deterministic` (runtime/mcore/determinism.py: torch's deterministic
-kernels while the trainer computes, its backward strict, cuBLAS's fixed workspace), on by default since its first GPU
-pair (2026-11-26, colocated, one machine): with it unbroken-a and unbroken-b ended bitwise equal, at 1.3 % of a step
-against a plain run (`--set train.deterministic=false` keys its own reference; the summary's
-`nondeterminism.settings_cost` compares a --set group's steady step with the plain group's on the same GPUs). The pair
-before it, without the switch, made the same samples in both runs and differed only after the updates: the
-trainer's backward is what moved, the engine's sampling did not.
+Issue 37 item 2: two switches, both on by default. `train.deterministic` (runtime/mcore/determinism.py: torch's
+deterministic kernels while the trainer computes, its backward strict, cuBLAS's fixed workspace): its first GPU
+pair (2026-11-26, colocated, one machine, then in its process-wide form) ended bitwise, at 1.3 % of a step against
+a plain run (`--set train.deterministic=false` keys its own reference; the summary's `nondeterminism.settings_cost`
+compares a --set group's steady step with the plain group's on the same GPUs). `rollout.deterministic` (above):
+the engine's compiled pieces with no timed configuration.
 """
 from __future__ import annotations
 
@@ -609,6 +618,12 @@ CANDIDATES = [
                "train.deterministic (CUBLAS_WORKSPACE_CONFIG=:4096:8)"),
     _candidate("NCCL all-reduce / reduce-scatter", "trainer, DP 2 (colocated)",
                "the reduction order is fixed for a fixed topology and algorithm", "NCCL_ALGO fixed"),
+    _candidate("Inductor reductions of the engine's compiled pieces (norms, log-softmax, sampler)", "engine",
+               "the configuration of each reduction chosen by timing at its first call, in every fresh process: "
+               "another order of summation, so the rollout's log-probs (the TIS weights, every gradient) move by "
+               "ulps, and at a near-tie a token changes (bench/engine_repeat.py, found 2026-11-27)",
+               "rollout.deterministic (inductor's deterministic mode for those pieces; on by default, no measured "
+               "cost)"),
     _candidate("split-KV paged decode attention (runtime/rollout/decode_attention.py)", "engine",
                "split count chosen per chunk from the active rows and the longest context; partials combined in a "
                "fixed order", "rollout.decode_attention split fixed (no such setting yet)"),
