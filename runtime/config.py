@@ -147,10 +147,10 @@ class RolloutSection(Section):
     sync_every: int = Field(16, gt=0)
     # The built-in engine's compiled kernels (norms, log-softmax, sampling) with one configuration each, chosen
     # without timing: inductor otherwise times several configurations of a reduction at its first call and keeps
-    # the fastest, whose order of summation a busy or another GPU can change, so two runs' rollout log-probs (TIS
-    # weights, hence every gradient) differ in the last bits with the same tokens. Measured on an H100: -0.7 to
-    # -3.7 % of warm decode throughput, a shorter first compile (bench/results/engine_repeat_*). SGLang's own is
-    # rollout.sglang.deterministic.
+    # the fastest, which a fresh process may pick differently, summing in another order, so two runs' rollout
+    # log-probs (TIS weights, hence every gradient) differ in the last bits, and at a near-tie a token changes.
+    # Measured on an H100: no cost beyond decode's own run-to-run spread (+-3 %), a shorter first compile
+    # (bench/results/engine_repeat_*). SGLang's own is rollout.sglang.deterministic.
     deterministic: bool = True
     sglang: SGLangSection = SGLangSection()
 
