@@ -21,6 +21,7 @@ deterministic mode for the whole process: what `rollout.deterministic` gives the
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import os
@@ -153,20 +154,10 @@ def compare(W: Path, names: list[str]) -> dict:
     return out
 
 
-def summarize(res: dict, W: Path) -> dict:
-    import datetime
+def summarize(res: dict, W: Path, env: dict) -> dict:
     return {"benchmark": "engine_repeat", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "device": res.get("setup", {}).get("device") or _device(), "sections": res,
+            "device": env.get("gpu", "cpu"), "env": env, "sections": res,
             "compare": compare(W, [n for n in res if n.startswith("gen-") and res[n].get("status") == "ok"])}
-
-
-def _device() -> str:
-    try:
-        import subprocess
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30).stdout.splitlines()[0].strip()
-    except Exception:  # noqa: BLE001 - no GPU here: the summary is read elsewhere
-        return "unknown"
 
 
 def print_table(summary: dict) -> None:
@@ -198,7 +189,7 @@ def main(argv=None) -> int:
     os.environ.update(rp.hook_env(S))  # the keyed lengths of the fault runs
     if a.section:
         fn = sec_setup if a.section == "setup" else (lambda S, W: sec_gen(S, W, a.section))
-        r = gpu_grpo.run_section(a.section, S, W, out, fn=lambda S, W: {**fn(S, W), "device": _device()})
+        r = gpu_grpo.run_section(a.section, S, W, out, fn=fn)
         return 0 if r["status"] == "ok" else 1
     (out / "results.jsonl").unlink(missing_ok=True)
     sections = [s for s in a.sections.split(",") if s]
@@ -207,7 +198,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown sections {unknown}: {SECTIONS}")
     gpu_grpo.run_sections_in_processes(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S,
                                        extra_args=("--cpu",) if a.cpu else ())
-    summary = summarize(gpu_grpo.read_results(out), W)
+    summary = summarize(gpu_grpo.read_results(out), W, gpu_grpo.env_info(S["model"]))
     (out / "engine_repeat.json").write_text(json.dumps(summary, indent=1, default=str))
     print_table(summary)
     return 0
