@@ -149,8 +149,8 @@ class RolloutSection(Section):
     # without timing: inductor otherwise times several configurations of a reduction at its first call and keeps
     # the fastest, which a fresh process may pick differently, summing in another order, so two runs' rollout
     # log-probs (TIS weights, hence every gradient) differ in the last bits, and at a near-tie a token changes.
-    # Measured on an H100: no cost beyond decode's own run-to-run spread (+-3 %), a shorter first compile
-    # (bench/results/engine_repeat_*). SGLang's own is rollout.sglang.deterministic.
+    # Measured on an H100 (64 samples of <= 2048 tokens; the recipe's 8192 not yet): no cost beyond decode's own
+    # run-to-run spread (+-3 %), a shorter first compile (bench/results/engine_repeat_*). SGLang's own is rollout.sglang.deterministic.
     deterministic: bool = True
     sglang: SGLangSection = SGLangSection()
 
