@@ -21,6 +21,8 @@ and MLflow store), 2 chunks of 1 rollout with an eval and a registered version a
 - `driver-kill`: the `grpoflow run` process itself SIGKILLed (its pid only, not its group) at the engine's
   moment, mid-chunk; what outlives it is recorded (and then killed by pid), then
   `python -m cli.main resume RUN_ID --root ROOT` finishes the run.
+Each case compiles as on a fresh node: Inductor's and Triton's caches of its own (`compile_caches`; the resume's
+apart from its run's), so no case reuses kernels, or configurations timed, that another case's processes made.
 On CPU (2 cores under other work) every recovered run ended bitwise-equal to unbroken-a, with its metric
 points, versions and lease (README's section). Ray workers sit in process groups of their own (checked:
 pgid = pid; gcs_server and the raylet share the driver's), so GRPOFLOW_TEST_KILL_AT's killpg would end
@@ -283,6 +285,12 @@ def wait_for_file(path: Path, proc: subprocess.Popen, deadline: float) -> dict:
     return json.loads(path.read_text())
 
 
+def compile_caches(where: Path) -> dict:
+    """Inductor's and Triton's caches of one case (as on a fresh node): a case compared with the reference never
+    reuses the kernels, or the configurations timed, of another case's processes."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(where / "inductor"), "TRITON_CACHE_DIR": str(where / "triton")}
+
+
 class CaseRun:
     """One case's processes: the environment they share, its logs, its time limit."""
 
@@ -300,7 +308,7 @@ class CaseRun:
         env = rp.hook_env(S)
         env.update({MARK: self.mark, "PREFECT_HOME": str(self.dir / "prefect"), "PYTHONUNBUFFERED": "1",
                     "TORCH_LOGS": "recompiles",  # logging only: dynamo says when it traces a graph again
-                    grad_trace.ENV: str(self.dir / "grad_trace")})
+                    grad_trace.ENV: str(self.dir / "grad_trace"), **compile_caches(self.dir / "caches-run")})
         env.setdefault("HF_HUB_OFFLINE", "1")
         for k in ("GRPOFLOW_TEST_KILL_AT", "GRPOFLOW_TEST_SNAPSHOT_AT", "GRPOFLOW_TEST_PAUSE_AT"):
             env.pop(k, None)
@@ -378,7 +386,8 @@ def run_case(S, W: Path, layout: str, case: str, limit_s: float, sets: list[str]
         res["after_driver_kill"] = {"waited_s": took, "left": left, "gpu_apps": gpu_apps(),
                                     "killed_by_bench": kill_pids(left)}
         t1 = time.monotonic()
-        resumed = c.start(["resume", RUN, "--root", str(c.root)], "resume.log")
+        # the resume as on another node: nothing the killed run compiled is there to reuse
+        resumed = c.start(["resume", RUN, "--root", str(c.root)], "resume.log", compile_caches(c.dir / "caches-resume"))
         res["resume"] = {"rc": c.wait(resumed), "wall_s": round(time.monotonic() - t1, 1)}
         ok = res["resume"]["rc"] == 0
     else:
