@@ -259,6 +259,37 @@ def test_the_compiled_norm_sees_rows_of_one_layout_for_every_token_count():
     assert embedded.transpose(0, 1).stride() == (16, 250 * 16, 1)  # the layout the direct call would have passed
 
 
+def test_the_norm_compiles_in_inductors_deterministic_mode_while_the_trainer_computes_deterministically(monkeypatch):
+    """Under train.deterministic (the trainer's methods run in torch's deterministic mode) the compiled norm is the one
+    compiled with inductor's deterministic mode: no reduction configuration chosen by timing, so a fresh process sums
+    the weight's gradient in the same order. Outside it (an engine in the same process, train.deterministic off) the
+    plain one. Each is compiled once, kept apart (functions of their own: dynamo's caches are per function)."""
+    from runtime.mcore.determinism import trainer_compute
+    seen = []
+
+    def fake_compile(fn, **kw):
+        seen.append((fn.__name__, kw.get("options")))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(mf, "_NORM", {"compiled": {}, "error": None})
+
+    class Trainer:
+        def __init__(self, deterministic):
+            self.train_cfg = types.SimpleNamespace(deterministic=deterministic)
+
+        @trainer_compute
+        def norm(self):
+            return mf._compiled_norm()
+
+    assert Trainer(True).norm() is mf.rms_norm_deterministic
+    assert Trainer(False).norm() is mf.rms_norm and mf._compiled_norm() is mf.rms_norm
+    assert Trainer(True).norm() is mf.rms_norm_deterministic and not torch.are_deterministic_algorithms_enabled()
+    assert seen == [("rms_norm_deterministic", {"deterministic": True}), ("rms_norm", None)]
+    x, w = torch.randn(5, 16), torch.randn(16)
+    assert torch.equal(mf.rms_norm_deterministic(x, w, 1e-6), mf.rms_norm(x, w, 1e-6))
+
+
 # ---- SDPA core attention: native GQA vs repeat_interleave --------------------------------------------------
 
 @pytest.mark.parametrize("causal", [True, False])

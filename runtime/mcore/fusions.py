@@ -195,14 +195,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
-_NORM: dict = {"compiled": None, "error": None}
+def rms_norm_deterministic(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` as a function of its own, so that its compiled form (inductor's deterministic mode) is cached
+    apart from the plain one."""
+    return rms_norm(x, weight, eps)
+
+
+_NORM: dict = {"compiled": {}, "error": None}
 
 
 def _compiled_norm():
-    if _NORM["compiled"] is None and _NORM["error"] is None:
+    """The compiled norm for the mode the caller runs in. Under ``train.deterministic`` (torch's deterministic mode,
+    on while the trainer computes) in inductor's deterministic mode too: every reduction, the weight's gradient summed
+    over the tokens included, in one configuration that no timing chose, so a fresh process (a resumed run on another
+    node) sums in the same order: two runs under Ray on two H100s (2026-11-27, issue 37) compiled from empty caches
+    with torch's mode alone differed in the fp32 gradients of 4 norm weights at step 0."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if deterministic not in _NORM["compiled"] and _NORM["error"] is None:
         # dynamic: one kernel for every token count (packed micro-batches change it at each call)
-        _NORM["compiled"] = torch.compile(rms_norm, dynamic=True, fullgraph=True)
-    return _NORM["compiled"]
+        _NORM["compiled"][deterministic] = (
+            torch.compile(rms_norm_deterministic, dynamic=True, fullgraph=True, options={"deterministic": True})
+            if deterministic else torch.compile(rms_norm, dynamic=True, fullgraph=True))
+    return _NORM["compiled"].get(deterministic)
 
 
 def rowwise(fn, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -227,7 +241,7 @@ class CompiledRMSNorm(torch.nn.RMSNorm):
             try:
                 return rowwise(fn, x, self.weight, eps)
             except Exception as e:  # noqa: BLE001 - a compiler failure: the same math eagerly, from now on
-                _NORM["compiled"], _NORM["error"] = None, f"{type(e).__name__}: {e}"[:500]
+                _NORM["compiled"], _NORM["error"] = {}, f"{type(e).__name__}: {e}"[:500]
                 warnings.warn(f"grpoflow fused RMSNorm: torch.compile failed, using eager ({_NORM['error']})")
         return rms_norm(x, self.weight, eps)
 
@@ -292,5 +306,6 @@ def report(model) -> dict:
 
 
 __all__ = ["FUSIONS", "active", "apply_rope", "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd",
-           "packed_positions", "install_rope_fusion", "rms_norm", "CompiledRMSNorm", "use_compiled_norms",
+           "packed_positions", "install_rope_fusion", "rms_norm", "rms_norm_deterministic", "CompiledRMSNorm",
+           "use_compiled_norms",
            "config_kwargs", "sdpa_supports_gqa", "report"]
