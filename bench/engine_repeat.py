@@ -15,8 +15,16 @@ setting), `det` (torch's deterministic mode, warn-only, for the whole process fr
 one configuration per reduction, and torch's own kernels take their deterministic variants), `ind` (inductor's
 deterministic mode for the whole process: what `rollout.deterministic` gives the engine's compiled pieces).
 
+The trainer, the same way: each `step-*` section is a fresh process with fresh caches that runs two rollouts of the
+one-GPU layout from the converted checkpoint, each with its update, and fingerprints every optimizer step's parameters
+and gradients (bench/grad_trace.py); the summary's `compare_steps` says where two sections first part. Variants:
+`plain` (as the product runs: `train.deterministic` on, the trainer's compiled norm in inductor's deterministic mode),
+`tnorm` (that norm compiled without it, torch's deterministic mode alone: how ray_faults' colocated runs from empty
+caches ended 1.5e-9 apart on Adam's state of 4 norm weights). Step and train times per rollout (the second warm).
+
     python3 bench/engine_repeat.py --out $OUT        # one GPU: setup, plain and timed twice each, 317 s
     python3 bench/engine_repeat.py --sections setup,gen-ind-a,gen-ind-b,gen-det-a --out $OUT
+    python3 bench/engine_repeat.py --sections setup,step-plain-a,step-tnorm-a,step-plain-b,step-tnorm-b --out $OUT
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import datetime
 import hashlib
 import json
 import os
+import shutil
 import struct
 import sys
 import time
@@ -37,12 +46,16 @@ for p in (ROOT, BENCH):
         sys.path.insert(0, str(p))
 
 import gpu_grpo  # noqa: E402  (the section runner, results)
+import grad_trace  # noqa: E402  (fingerprints of every step's parameters and gradients)
 import ray_faults  # noqa: E402  (its shapes and configs)
 import ray_pipeline as rp  # noqa: E402  (the keyed-length hook, the converted inputs)
 
 VARIANTS = ("plain", "timed", "det", "ind")
-SECTIONS = ("setup", *(f"gen-{v}-{r}" for v in VARIANTS for r in "ab"))
+STEP_VARIANTS = ("plain", "tnorm")
+SECTIONS = ("setup", *(f"gen-{v}-{r}" for v in VARIANTS for r in "ab"),
+            *(f"step-{v}-{r}" for v in STEP_VARIANTS for r in "ab"))
 DEFAULT = ("setup", "gen-plain-a", "gen-timed-a", "gen-plain-b", "gen-timed-b")  # one call: 317 s on an H100
+STEPS = ("setup", "step-plain-a", "step-tnorm-a", "step-plain-b", "step-tnorm-b")
 SECTION_MAX_S = {"setup": 240, **{s: 200 for s in SECTIONS[1:]}}
 
 
@@ -79,11 +92,43 @@ def session(S, W: Path, name: str, sets: list[str]):
     return TrainSession(cfg, rd)
 
 
+def fresh_caches(W: Path, name: str) -> None:
+    """A first run's caches: nothing compiled or tuned before (set before torch compiles anything)."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(W / "caches" / name / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(W / "caches" / name / "triton")
+
+
+def sec_step(S, W: Path, name: str) -> dict:
+    """Two rollouts of the one-GPU layout from the converted checkpoint, each with its update, in a fresh process with
+    fresh caches; every optimizer step's parameters and gradients fingerprinted (bench/grad_trace.py). `tnorm`: the
+    trainer's norm compiled as before train.deterministic compiled it in inductor's deterministic mode."""
+    variant = name.split("-")[1]
+    fresh_caches(W, name)
+    traces = W / "traces" / name
+    shutil.rmtree(traces, ignore_errors=True)
+    os.environ[grad_trace.ENV] = str(traces)
+    import torch
+    if variant == "tnorm":
+        compile_ = torch.compile
+
+        def compile_without_options(fn=None, **kw):
+            if getattr(fn, "__name__", "") == "rms_norm_deterministic":
+                kw.pop("options", None)
+            return compile_(fn, **kw)
+        torch.compile = compile_without_options
+    import runtime.trainer.megatron_trainer as megatron_trainer
+    grad_trace.patch(megatron_trainer)
+    sess = session(S, W, name, [])
+    sess.ensure_at(None)
+    steps = [sess.rollout(i) for i in range(2)]  # the first compiles, the second is warm
+    sess.close()
+    keys = ("step_time_s", "train_time_s", "generate_time_s", "train_tokens")
+    return {"name": name, "variant": variant, **{k: [round(m[k], 3) for m in steps] for k in keys if k in steps[0]}}
+
+
 def sec_gen(S, W: Path, name: str) -> dict:
     variant = name.split("-")[1]
-    cache = W / "caches" / name  # a first run's caches: nothing compiled or tuned before
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
-    os.environ["TRITON_CACHE_DIR"] = str(cache / "triton")
+    fresh_caches(W, name)
     import torch
     if variant == "det":
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -154,10 +199,25 @@ def compare(W: Path, names: list[str]) -> dict:
     return out
 
 
+def compare_steps(W: Path, names: list[str]) -> dict:
+    """Each step section's fingerprints against the first section of its variant, and each variant's first against
+    plain's: where the two first part (grad_trace.first_difference)."""
+    firsts: dict = {}
+    for n in names:
+        firsts.setdefault(n.split("-")[1], n)
+    pairs = [(n, firsts[n.split("-")[1]]) for n in names if n != firsts[n.split("-")[1]]]
+    if "plain" in firsts:
+        pairs += [(f, firsts["plain"]) for v, f in firsts.items() if v != "plain"]
+    return {f"{a} vs {b}": grad_trace.first_difference(grad_trace.read(W / "traces" / a), grad_trace.read(W / "traces" / b))
+            for a, b in pairs}
+
+
 def summarize(res: dict, W: Path, env: dict) -> dict:
+    ok = [n for n in res if res[n].get("status") == "ok"]
     return {"benchmark": "engine_repeat", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "device": env.get("gpu", "cpu"), "env": env, "sections": res,
-            "compare": compare(W, [n for n in res if n.startswith("gen-") and res[n].get("status") == "ok"])}
+            "compare": compare(W, [n for n in ok if n.startswith("gen-")]),
+            "compare_steps": compare_steps(W, [n for n in ok if n.startswith("step-")])}
 
 
 def print_table(summary: dict) -> None:
@@ -166,9 +226,12 @@ def print_table(summary: dict) -> None:
         if n.startswith("gen-"):
             print(f"  {n:12s} {r.get('status')}  warm {r.get('warm_tok_s')} tok/s  gen_s {r.get('gen_s')}  "
                   f"digests {r.get('digests')}  same-process repeat {r.get('same_process_repeat')}  {r.get('error', '')}")
+        elif n.startswith("step-"):
+            print(f"  {n:14s} {r.get('status')}  step_time_s {r.get('step_time_s')}  train_time_s "
+                  f"{r.get('train_time_s')}  {r.get('error', '')}")
         else:
             print(f"  {n:12s} {r.get('status')} {r.get('error', '')}")
-    for k, v in summary["compare"].items():
+    for k, v in {**summary["compare"], **summary["compare_steps"]}.items():
         print(f"  {k}: {v}")
 
 
@@ -188,7 +251,8 @@ def main(argv=None) -> int:
     gpu_grpo.prepare_env()
     os.environ.update(rp.hook_env(S))  # the keyed lengths of the fault runs
     if a.section:
-        fn = sec_setup if a.section == "setup" else (lambda S, W: sec_gen(S, W, a.section))
+        sec = sec_step if a.section.startswith("step-") else sec_gen
+        fn = sec_setup if a.section == "setup" else (lambda S, W: sec(S, W, a.section))
         r = gpu_grpo.run_section(a.section, S, W, out, fn=fn)
         return 0 if r["status"] == "ok" else 1
     (out / "results.jsonl").unlink(missing_ok=True)
