@@ -581,11 +581,40 @@ def sec_case(S, W: Path, layout: str, case: str, refs: References, limit_s: floa
                                                          refs.tensors(layout)),
                            # step by step: where the runs' parameters or gradients first differ (bench/grad_trace.py)
                            "grad_trace": grad_trace.first_difference(grad_trace.read(Path(res["grad_trace"])),
-                                                                     grad_trace.read(Path(ref["grad_trace"])))}
+                                                                     grad_trace.read(Path(ref["grad_trace"]))),
+                           "tuned_configs": compare_tuned(tuned_configs(Path(res["root"]).parent),
+                                                          tuned_configs(Path(ref["root"]).parent))}
     res["compare_s"] = round(time.time() - t0, 1)
     if not keep_roots:  # ~8 GB of checkpoints a run on GPUs: the reference's stays
         shutil.rmtree(Path(res["root"]), ignore_errors=True)
     return res
+
+
+TIMING_FIELDS = ("time_taken_ms", "triton_cache_hash")
+
+
+def tuned_configs(case_dir: Path) -> dict:
+    """The configuration Inductor kept, by timing, for each kernel this case's processes autotuned: its
+    ``*.best_config`` files, named by the kernel's source (the same kernel in two cases: the same name), without
+    the fields that measure time. A kernel run and resumed keeps both."""
+    out: dict = {}
+    for f in sorted(case_dir.glob("caches-*/inductor/**/*.best_config")):
+        try:
+            chosen = {k: v for k, v in json.loads(f.read_text()).items() if k not in TIMING_FIELDS}
+        except (OSError, ValueError):
+            continue
+        out.setdefault(f.name, []).append(chosen)
+    return out
+
+
+def compare_tuned(run: dict, reference: dict) -> dict:
+    """How many kernels both cases tuned, and those (by candidate set: ``configs_hash``) where they kept another
+    configuration: a sum whose order timing chose, if it reduces."""
+    both = sorted(set(run) & set(reference))
+    differ = [{"configs_hash": reference[k][0].get("configs_hash"), "run": run[k], "reference": reference[k]}
+              for k in both if any(c != reference[k][0] for c in run[k])]
+    return {"tuned_both": len(both), "tuned_only_here": len(set(run) - set(reference)),
+            "kept_another": len(differ), "differ": differ[:10]}
 
 
 def record(out: Path, name: str, fn) -> dict:
@@ -745,6 +774,10 @@ def print_table(summary: dict) -> None:
                     "parameters and gradients equal" if f is None else
                     f"first differ at step {f['step']} {f['stage']} (dp {f['dp']}, tp {f['tp']}), {f['count']} tensors: "
                     f"{f['parameters'][:4]}"))
+            if r.get("tuned_configs"):
+                t = r["tuned_configs"]
+                print(f"  {'':13s} autotuned by timing: {t['tuned_both']} kernels in both runs, {t['kept_another']} kept "
+                      f"another configuration than the reference's")
             for key, what in (("nondeterministic_ops", "ops without a deterministic kernel"),
                               ("recompiled", "dynamo recompiled")):
                 if r.get(key):

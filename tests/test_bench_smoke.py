@@ -233,6 +233,31 @@ def test_grad_trace_fingerprints_tell_one_ulp_and_place_the_first_difference():
     assert (first["step"], first["stage"], first["parameters"]) == (1, "grads-local", ["k"])
 
 
+def test_ray_faults_names_the_kernels_whose_timed_configuration_differs_from_the_reference(tmp_path):
+    """ray_faults' `tuned_configs`: what Inductor kept by timing in a case's caches (run and resume), compared by the
+    kernel's file name with the reference's; the fields that measure time are not a difference, another block is."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import ray_faults as rf
+
+    def case(name: str, configs: dict) -> Path:
+        for i, (kernel, cfg) in enumerate(configs.items()):
+            f = tmp_path / name / f"caches-{'run' if i % 2 == 0 else 'resume'}" / "inductor" / kernel[:2] / f"{kernel}.best_config"
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(json.dumps(cfg))
+        return tmp_path / name
+
+    red = {"XBLOCK": 1, "R0_BLOCK": 2048, "num_warps": 16, "configs_hash": "c1", "time_taken_ms": 40}
+    pw = {"XBLOCK": 1024, "num_warps": 4, "configs_hash": "c2", "time_taken_ms": 3}
+    ref = case("ref", {"aa01": red, "bb02": pw, "cc03": pw})
+    same = case("same", {"aa01": {**red, "time_taken_ms": 95, "triton_cache_hash": "x"}, "bb02": pw})
+    other = case("other", {"aa01": {**red, "R0_BLOCK": 1024}, "bb02": pw, "dd04": pw})
+    assert rf.compare_tuned(rf.tuned_configs(same), rf.tuned_configs(ref)) == {
+        "tuned_both": 2, "tuned_only_here": 0, "kept_another": 0, "differ": []}
+    got = rf.compare_tuned(rf.tuned_configs(other), rf.tuned_configs(ref))
+    assert (got["tuned_both"], got["tuned_only_here"], got["kept_another"]) == (2, 1, 1)
+    assert got["differ"][0]["configs_hash"] == "c1" and got["differ"][0]["run"][0]["R0_BLOCK"] == 1024
+
+
 def test_engine_repeat_compares_fresh_processes_bit_for_bit(tmp_path):
     """bench/engine_repeat.py's verdict (the engine's bits from one fresh process to the next): a section is compared
     with the first of its variant, and each variant's first with plain's; one ulp of one log-prob is not equal, and
