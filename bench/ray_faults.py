@@ -652,6 +652,12 @@ CANDIDATES = [
                "train.deterministic (a sorted backward)"),
     _candidate("Inductor kernels (RoPE / SwiGLU / norm fusions)", "trainer", "atomic reductions where Inductor splits one",
                "train.deterministic / train.fusions none"),
+    _candidate("the trainer's compiled RMSNorm backward (runtime/mcore/fusions.py)", "trainer",
+               "the fp32 weight gradient summed over tokens: runs from empty compile caches with torch's deterministic "
+               "mode alone differed there at step 0 in 4 norm weights (2 x H100, 2026-11-27; the final weights "
+               "bitwise, Adam's moments 1.5e-9 apart)",
+               "train.deterministic (since 2507891 it also compiles the norm in inductor's deterministic mode; its "
+               "effect and cost: bench/engine_repeat.py's step sections)"),
     _candidate("cuBLAS GEMMs", "trainer and engine", "split-K and workspace choices across streams",
                "train.deterministic (CUBLAS_WORKSPACE_CONFIG=:4096:8)"),
     _candidate("NCCL all-reduce / reduce-scatter", "trainer, DP 2 (colocated)",
