@@ -47,13 +47,14 @@ On nvidia-h100-x2 (carry `.carry`, made here by `python3 bench/gpu_carry.py prep
 `[ -d /tmp/site/ray ] || python3 bench/gpu_carry.py install; export PYTHONPATH=/tmp/site:$PYTHONPATH
 PYTHONUNBUFFERED=1;`), one call each, timeout_s 600, the next call made at once, without a pause to read the last
 one (the machine keeps /tmp, where the setup and the reference live, only 30 s after a call; a later call on a
-fresh machine finds no reference). Measured (2026-11-26, call walls with the transfers):
+fresh machine finds no reference). Measured (call walls with the transfers; 2026-11-27 from empty compile caches per
+case, trainer-kill 2026-11-26 with shared ones):
 
-    python3 bench/ray_faults.py --layouts colocated --cases unbroken-a --deadline 400 --out $OUT  # fresh: 311-323 s
-    python3 bench/ray_faults.py --layouts colocated --cases unbroken-a,unbroken-b --out $OUT     # fresh: 490 s
-    python3 bench/ray_faults.py --layouts colocated --cases engine-kill --out $OUT               # warm: 338 s
+    python3 bench/ray_faults.py --layouts colocated --cases unbroken-a --deadline 420 --out $OUT  # fresh: 330 s
+    python3 bench/ray_faults.py --layouts colocated --cases engine-kill --deadline 480 --out $OUT # warm: 365 s
     python3 bench/ray_faults.py --layouts colocated --cases trainer-kill --out $OUT              # warm: 388 s
-    python3 bench/ray_faults.py --layouts colocated --cases driver-kill --out $OUT               # warm: ~450 s (est.)
+    python3 bench/ray_faults.py --layouts colocated --cases driver-kill --deadline 540 --out $OUT # warm: 515 s
+    python3 bench/ray_faults.py --layouts colocated --cases unbroken-b --deadline 345 --out $OUT  # warm: 279 s
     (the same with --layouts split), then here:
     python bench/ray_faults.py --merge OUT1 OUT2 ... --results-dir bench/results
 
