@@ -47,6 +47,7 @@ for p in (ROOT, BENCH):
 
 import gpu_grpo  # noqa: E402  (the section runner, results)
 import grad_trace  # noqa: E402  (fingerprints of every step's parameters and gradients)
+import norm_history  # noqa: E402  (the trainer's norm as it was compiled before)
 import ray_faults  # noqa: E402  (its shapes and configs)
 import ray_pipeline as rp  # noqa: E402  (the keyed-length hook, the converted inputs)
 
@@ -107,15 +108,8 @@ def sec_step(S, W: Path, name: str) -> dict:
     traces = W / "traces" / name
     shutil.rmtree(traces, ignore_errors=True)
     os.environ[grad_trace.ENV] = str(traces)
-    import torch
     if variant == "tnorm":
-        compile_ = torch.compile
-
-        def compile_without_options(fn=None, **kw):
-            if getattr(fn, "__name__", "") == "rms_norm_deterministic":
-                kw.pop("options", None)
-            return compile_(fn, **kw)
-        torch.compile = compile_without_options
+        norm_history.norm_in_torch_mode_only()
     import runtime.trainer.megatron_trainer as megatron_trainer
     grad_trace.patch(megatron_trainer)
     sess = session(S, W, name, [])

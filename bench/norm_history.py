@@ -11,8 +11,11 @@ Each case is a fresh process with its own Inductor and Triton caches (nothing an
 that plays a trainer: a history of norm calls at one token count, then the same target calls as every other case
 (hidden 1024 = the layer norms; hidden 128 on tokens x 8 rows = the k norm), forward without and with grad and the
 backward, under the trainer's deterministic mode. Cases that differ only in their history must give the same bits.
-``product`` is ``runtime.mcore.fusions.CompiledRMSNorm`` as shipped; ``product-busy`` the same with matmuls running
-on another stream while it compiles and times its candidate configs, as a colocated engine's might. Each case also
+``product`` is ``runtime.mcore.fusions.CompiledRMSNorm`` as shipped (in inductor's deterministic mode under the
+trainer's); ``torch-mode`` the same compiled without inductor's deterministic mode, as before 2026-11-27, when runs
+under Ray from empty caches differed in the norm weights' gradients; ``-busy`` with matmuls running on another stream
+while it compiles and times its candidate configs, as a colocated engine's might. ``across_all_cases`` compares every
+case of a mode, busy or not, whatever its history. Each case also
 lists the Triton kernels Inductor made, how many configs each had to choose from (more than one: chosen by timing)
 and the one it launches. Timings: each target call's forward + backward, median of 20 (CUDA events).
 
@@ -43,7 +46,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 HISTORIES = (3000, 12000)          # token counts of the first micro-batch a trainer process meets
 TARGETS = (5000, 9216, 17000)      # the calls every case makes afterwards, compared bit for bit
-VARIANTS = ("product", "product-busy")
+VARIANTS = ("product", "product-busy", "torch-mode", "torch-mode-busy")
+
+
+def norm_in_torch_mode_only() -> None:
+    """This process's trainer norm compiled as before ``train.deterministic`` put it in inductor's deterministic mode:
+    torch's deterministic mode alone (a bench variant: the product's compile, without its options)."""
+    import torch
+    compile_ = torch.compile
+
+    def compile_without_options(fn=None, **kw):
+        if getattr(fn, "__name__", "") == "rms_norm_deterministic":
+            kw.pop("options", None)
+        return compile_(fn, **kw)
+    torch.compile = compile_without_options
 
 
 def child(variant: str, history: int, out: str) -> None:
@@ -54,6 +70,8 @@ def child(variant: str, history: int, out: str) -> None:
     from runtime.mcore.determinism import deterministic_kernels, fix_cublas_workspace, strict_if_deterministic
 
     fix_cublas_workspace()
+    if variant.startswith("torch-mode"):
+        norm_in_torch_mode_only()
     norms = {h: mf.CompiledRMSNorm(h, eps=1e-6, device="cuda", dtype=torch.bfloat16) for h in (1024, 128)}
     for h, n in norms.items():
         with torch.no_grad():
@@ -173,11 +191,13 @@ def main(argv=None) -> int:
                      "same_bits_whatever_the_history": same, "all_same": all(same.values()),
                      "fwd_bwd_ms_by_history": ms, "graphs": [r["graphs"] for r in mine],
                      "recompiles": [r["recompiles"] for r in mine], "norm_error": [r["norm_error"] for r in mine]})
-    ok = [r for r in results if "error" not in r]
-    across = {"same_bits": all(len({r["targets"][str(t)][str(h)]["sha"] for r in ok}) == 1
-                               for t in TARGETS for h in (1024, 128)),
-              "same_kernels": len({frozenset((k["kernel"], k["configs"], k["launched"]) for k in r["kernels"])
-                                   for r in ok}) == 1, "cases": len(ok)}
+    across = {}  # per mode: every case of it, busy or not, whatever its history
+    for mode in ("product", "torch-mode"):
+        ok = [r for r in results if "error" not in r and r["variant"].startswith(mode)]
+        across[mode] = {"same_bits": all(len({r["targets"][str(t)][str(h)]["sha"] for r in ok}) == 1
+                                         for t in TARGETS for h in (1024, 128)),
+                        "same_kernels": len({frozenset((k["kernel"], k["configs"], k["launched"]) for k in r["kernels"])
+                                             for r in ok}) == 1, "cases": len(ok)}
     first = next((r for r in results if "torch" in r), {})
     now = datetime.datetime.now(datetime.timezone.utc)
     summary = {"benchmark": "norm_history", "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -198,8 +218,9 @@ def main(argv=None) -> int:
               f"kernels chosen among >1 config: {[k for ks in r['kernels'] for k in ks if k[2] > 1]}")
         print(f"  {r['variant']:12s} same bits whatever the history: {r['all_same']} "
               f"{[k for k, s in r['same_bits_whatever_the_history'].items() if not s]}  ms {ms}")
-    print(f"  every case (busy or not, either history): same bits {across['same_bits']}, "
-          f"same kernels {across['same_kernels']} ({across['cases']} cases)")
+    for mode, c in across.items():
+        print(f"  {mode}: every case (busy or not, either history): same bits {c['same_bits']}, "
+              f"same kernels {c['same_kernels']} ({c['cases']} cases)")
     return 0 if all("error" not in r for r in rows) else 1
 
 
