@@ -110,9 +110,14 @@ def first_difference(run: dict, reference: dict) -> dict:
     """The first (step, stage) where ``run`` and ``reference`` differ, with the parameters that differ there, in the
     order a step makes them (the state at entry, a rank's own gradients, the reduced ones); None if none does."""
     keys = sorted(set(run) & set(reference), key=lambda k: (k[1], STAGES.index(k[0]), k[2], k[3]))
+
+    def differ(k) -> list[str]:
+        return sorted(n for n in set(run[k]) | set(reference[k]) if run[k].get(n) != reference[k].get(n))
     for k in keys:
-        differ = sorted(n for n in set(run[k]) | set(reference[k]) if run[k].get(n) != reference[k].get(n))
-        if differ:
+        if names := differ(k):
+            # the whole of that step, every stage and rank: one rank or all, reduced or not
+            at_step = {f"{s}/dp{d}/tp{t}": len(differ((s, st, d, t))) for s, st, d, t in keys if st == k[1]}
             return {"compared": len(keys), "first": {"stage": k[0], "step": k[1], "dp": k[2], "tp": k[3],
-                                                      "parameters": differ[:20], "count": len(differ)}}
+                                                      "parameters": names[:20], "count": len(names),
+                                                      "differ_at_that_step": at_step}}
     return {"compared": len(keys), "first": None}

@@ -780,7 +780,8 @@ def print_table(summary: dict) -> None:
                 print(f"  {'':13s} step by step ({r['steps_compared']} stages compared): " + (
                     "parameters and gradients equal" if f is None else
                     f"first differ at step {f['step']} {f['stage']} (dp {f['dp']}, tp {f['tp']}), {f['count']} tensors: "
-                    f"{f['parameters'][:4]}"))
+                    f"{f['parameters'][:4]}; tensors differing at that step: "
+                    f"{ {k: n for k, n in (f.get('differ_at_that_step') or {}).items() if n} }"))
             if r.get("tuned_configs"):
                 t = r["tuned_configs"]
                 print(f"  {'':13s} autotuned by timing: {t['tuned_both']} kernels in both runs, {t['kept_another']} kept "

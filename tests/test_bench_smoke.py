@@ -231,6 +231,7 @@ def test_grad_trace_fingerprints_tell_one_ulp_and_place_the_first_difference():
     assert gt.first_difference(ref, ref) == {"compared": 5, "first": None}
     first = gt.first_difference(run, ref)["first"]
     assert (first["step"], first["stage"], first["parameters"]) == (1, "grads-local", ["k"])
+    assert first["differ_at_that_step"] == {"params/dp0/tp0": 0, "grads-local/dp0/tp0": 1, "grads-reduced/dp0/tp0": 1}
 
 
 def test_ray_faults_names_the_kernels_whose_timed_configuration_differs_from_the_reference(tmp_path):
