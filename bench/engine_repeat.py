@@ -116,7 +116,7 @@ def sec_step(S, W: Path, name: str) -> dict:
     steps = [sess.rollout(i) for i in range(2)]  # the first compiles, the second is warm
     sess.close()
     keys = ("step_time_s", "train_time_s", "generate_time_s", "train_tokens")
-    return {"name": name, "variant": variant, **{k: [round(m[k], 3) for m in steps] for k in keys if k in steps[0]}}
+    return {"name": name, "variant": variant, **{k: [round(m[k], 3) for m in steps] for k in keys}}
 
 
 def sec_gen(S, W: Path, name: str) -> dict:
@@ -172,17 +172,23 @@ def _max_abs(a: list[list[float]], b: list[list[float]]) -> float | None:
     return max((abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)), default=0.0)
 
 
-def compare(W: Path, names: list[str]) -> dict:
-    """Each section against the first section of its variant, and each variant's first against plain's."""
-    dumps = {n: json.loads((W / "dumps" / f"{n}.json").read_text()) for n in names if (W / "dumps" / f"{n}.json").exists()}
-    firsts = {}
-    for n in dumps:
+def pairs(names: list[str]) -> list[tuple[str, str]]:
+    """Each section (`kind-variant-repeat`) with the first section of its variant, and each variant's first with
+    plain's."""
+    firsts: dict = {}
+    for n in names:
         firsts.setdefault(n.split("-")[1], n)
-    pairs = [(n, firsts[n.split("-")[1]]) for n in dumps if n != firsts[n.split("-")[1]]]
+    out = [(n, firsts[n.split("-")[1]]) for n in names if n != firsts[n.split("-")[1]]]
     if "plain" in firsts:
-        pairs += [(f, firsts["plain"]) for v, f in firsts.items() if v != "plain"]
+        out += [(f, firsts["plain"]) for v, f in firsts.items() if v != "plain"]
+    return out
+
+
+def compare(W: Path, names: list[str]) -> dict:
+    """Each generation section against its pair's (`pairs`): tokens and log-probs bit for bit."""
+    dumps = {n: json.loads((W / "dumps" / f"{n}.json").read_text()) for n in names if (W / "dumps" / f"{n}.json").exists()}
     out = {}
-    for a, b in pairs:
+    for a, b in pairs(list(dumps)):
         da, db = dumps[a], dumps[b]
         out[f"{a} vs {b}"] = {
             "same_tokens": da["tokens"] == db["tokens"],
@@ -193,16 +199,10 @@ def compare(W: Path, names: list[str]) -> dict:
 
 
 def compare_steps(W: Path, names: list[str]) -> dict:
-    """Each step section's fingerprints against the first section of its variant, and each variant's first against
-    plain's: where the two first part (grad_trace.first_difference)."""
-    firsts: dict = {}
-    for n in names:
-        firsts.setdefault(n.split("-")[1], n)
-    pairs = [(n, firsts[n.split("-")[1]]) for n in names if n != firsts[n.split("-")[1]]]
-    if "plain" in firsts:
-        pairs += [(f, firsts["plain"]) for v, f in firsts.items() if v != "plain"]
+    """Each step section's fingerprints against its pair's (`pairs`): where the two first part
+    (grad_trace.first_difference)."""
     return {f"{a} vs {b}": grad_trace.first_difference(grad_trace.read(W / "traces" / a), grad_trace.read(W / "traces" / b))
-            for a, b in pairs}
+            for a, b in pairs(names)}
 
 
 def summarize(res: dict, W: Path, env: dict) -> dict:
