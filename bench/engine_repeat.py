@@ -94,8 +94,7 @@ def session(S, W: Path, name: str, sets: list[str]):
 
 def fresh_caches(W: Path, name: str) -> None:
     """A first run's caches: nothing compiled or tuned before (set before torch compiles anything)."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(W / "caches" / name / "inductor")
-    os.environ["TRITON_CACHE_DIR"] = str(W / "caches" / name / "triton")
+    os.environ.update(ray_faults.compile_caches(W / "caches" / name))
 
 
 def sec_step(S, W: Path, name: str) -> dict:
