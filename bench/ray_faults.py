@@ -558,8 +558,10 @@ class References:
         return ref
 
     def put(self, layout: str, res: dict) -> None:
+        # everything sec_case compares a case with: the facts, the step trace and the caches beside the root
         self.path(layout).write_text(json.dumps({"gpus": res["gpus"], "sets": self.sets, "facts": res["facts"],
-                                                 "wall_s": res["wall_s"], "grad_trace": res["grad_trace"]}))
+                                                 "wall_s": res["wall_s"], "grad_trace": res["grad_trace"],
+                                                 "root": res["root"]}))
         self._tensors.pop(layout, None)
 
     def tensors(self, layout: str) -> dict:

@@ -257,6 +257,13 @@ def test_ray_faults_names_the_kernels_whose_timed_configuration_differs_from_the
     got = rf.compare_tuned(rf.tuned_configs(other), rf.tuned_configs(ref))
     assert (got["tuned_both"], got["tuned_only_here"], got["kept_another"]) == (2, 1, 1)
     assert got["differ"][0]["configs_hash"] == "c1" and got["differ"][0]["run"][0]["R0_BLOCK"] == 1024
+    # the reference as a later case of the call reads it back: its caches are still found beside its root
+    refs = rf.References(tmp_path / "work", sets=[])
+    refs.path("colocated").parent.mkdir(parents=True)
+    refs.put("colocated", {"gpus": rf.gpu_ids(), "facts": {"final_checkpoint": str(ref)}, "wall_s": 1.0,
+                           "grad_trace": "trace", "root": str(ref / "root")})
+    kept = refs.get("colocated")
+    assert rf.tuned_configs(Path(kept["root"]).parent) == rf.tuned_configs(ref)
 
 
 def test_engine_repeat_compares_fresh_processes_bit_for_bit(tmp_path):
