@@ -97,13 +97,13 @@ def fresh_caches(W: Path, name: str) -> None:
     os.environ.update(ray_faults.compile_caches(W / "caches" / name))
 
 
-def sec_step(S, W: Path, name: str) -> dict:
+def sec_step(S, W: Path, kept: Path, name: str) -> dict:
     """Two rollouts of the one-GPU layout from the converted checkpoint, each with its update, in a fresh process with
     fresh caches; every optimizer step's parameters and gradients fingerprinted (bench/grad_trace.py). `tnorm`: the
     trainer's norm compiled as before train.deterministic compiled it in inductor's deterministic mode."""
     variant = name.split("-")[1]
     fresh_caches(W, name)
-    traces = W / "traces" / name
+    traces = kept / "traces" / name
     shutil.rmtree(traces, ignore_errors=True)
     os.environ[grad_trace.ENV] = str(traces)
     if variant == "tnorm":
@@ -118,7 +118,7 @@ def sec_step(S, W: Path, name: str) -> dict:
     return {"name": name, "variant": variant, **{k: [round(m[k], 3) for m in steps] for k in keys}}
 
 
-def sec_gen(S, W: Path, name: str) -> dict:
+def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
     variant = name.split("-")[1]
     fresh_caches(W, name)
     import torch
@@ -154,8 +154,8 @@ def sec_gen(S, W: Path, name: str) -> dict:
     sess.close()
     dump = {"tokens": [s.response_ids for s in samples], "engine": [s.response_logprobs for s in samples],
             "engine_again": [s.response_logprobs for s in gens[1]], "trainer": trainer}
-    (W / "dumps").mkdir(exist_ok=True)
-    (W / "dumps" / f"{name}.json").write_text(json.dumps(dump))
+    (kept / "dumps").mkdir(exist_ok=True)
+    (kept / "dumps" / f"{name}.json").write_text(json.dumps(dump))
     n_tok = sum(len(s.response_ids) for s in samples)
     return {"name": name, "variant": variant, "tokens": n_tok, "gen_s": [round(t, 2) for t in times],
             "warm_tok_s": round(n_tok / times[1], 1),
@@ -183,9 +183,10 @@ def pairs(names: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def compare(W: Path, names: list[str]) -> dict:
+def compare(kept: Path, names: list[str]) -> dict:
     """Each generation section against its pair's (`pairs`): tokens and log-probs bit for bit."""
-    dumps = {n: json.loads((W / "dumps" / f"{n}.json").read_text()) for n in names if (W / "dumps" / f"{n}.json").exists()}
+    dumps = {n: json.loads((kept / "dumps" / f"{n}.json").read_text()) for n in names
+             if (kept / "dumps" / f"{n}.json").exists()}
     out = {}
     for a, b in pairs(list(dumps)):
         da, db = dumps[a], dumps[b]
@@ -197,19 +198,20 @@ def compare(W: Path, names: list[str]) -> dict:
     return out
 
 
-def compare_steps(W: Path, names: list[str]) -> dict:
+def compare_steps(kept: Path, names: list[str]) -> dict:
     """Each step section's fingerprints against its pair's (`pairs`): where the two first part
     (grad_trace.first_difference)."""
-    return {f"{a} vs {b}": grad_trace.first_difference(grad_trace.read(W / "traces" / a), grad_trace.read(W / "traces" / b))
+    return {f"{a} vs {b}": grad_trace.first_difference(grad_trace.read(kept / "traces" / a),
+                                                        grad_trace.read(kept / "traces" / b))
             for a, b in pairs(names)}
 
 
-def summarize(res: dict, W: Path, env: dict) -> dict:
+def summarize(res: dict, kept: Path, env: dict) -> dict:
     ok = [n for n in res if res[n].get("status") == "ok"]
     return {"benchmark": "engine_repeat", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "device": env.get("gpu", "cpu"), "env": env, "sections": res,
-            "compare": compare(W, [n for n in ok if n.startswith("gen-")]),
-            "compare_steps": compare_steps(W, [n for n in ok if n.startswith("step-")])}
+            "compare": compare(kept, [n for n in ok if n.startswith("gen-")]),
+            "compare_steps": compare_steps(kept, [n for n in ok if n.startswith("step-")])}
 
 
 def print_table(summary: dict) -> None:
@@ -244,7 +246,8 @@ def main(argv=None) -> int:
     os.environ.update(rp.hook_env(S))  # the keyed lengths of the fault runs
     if a.section:
         sec = sec_step if a.section.startswith("step-") else sec_gen
-        fn = sec_setup if a.section == "setup" else (lambda S, W: sec(S, W, a.section))
+        # dumps and traces go to out: a call cut short still brings back what its finished sections made
+        fn = sec_setup if a.section == "setup" else (lambda S, W: sec(S, W, out, a.section))
         r = gpu_grpo.run_section(a.section, S, W, out, fn=fn)
         return 0 if r["status"] == "ok" else 1
     (out / "results.jsonl").unlink(missing_ok=True)
@@ -254,7 +257,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown sections {unknown}: {SECTIONS}")
     gpu_grpo.run_sections_in_processes(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S,
                                        extra_args=("--cpu",) if a.cpu else ())
-    summary = summarize(gpu_grpo.read_results(out), W, gpu_grpo.env_info(S["model"]))
+    summary = summarize(gpu_grpo.read_results(out), out, gpu_grpo.env_info(S["model"]))
     (out / "engine_repeat.json").write_text(json.dumps(summary, indent=1, default=str))
     print_table(summary)
     return 0
