@@ -283,8 +283,9 @@ class TrainSection(Section):
     # H100, so the trainer's packed step is faster). CPU: block-causal SDPA either way.
     packed_attention: Literal["flash2", "fa4"] = "flash2"
     # torch's deterministic kernels while the trainer computes (runtime/mcore/determinism.py; the backward in strict
-    # mode: an op there without a deterministic kernel stops the step, named), and its compiled norm in inductor's
-    # deterministic mode (no configuration timed in a fresh process): on CUDA two updates from one state are
+    # mode: an op there without a deterministic kernel stops the step, named), and its compiled norm in pieces whose
+    # kernels do not depend on which token count, in which process, compiled them (fusions.deterministic_norm; torch
+    # sums the weight's gradient over the tokens, no configuration is timed): on CUDA two updates from one state are
     # bitwise equal, so a run resumed after a failure ends as the unbroken one does on GPUs too (2 x H100,
     # bench/results: +1.3 % of a step). Off: atomically accumulated backward kernels move the weights by float
     # noise from run to run. With packed micro-batches it needs packed_attention flash2 (torch's FlashAttention,

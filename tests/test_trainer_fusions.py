@@ -259,17 +259,22 @@ def test_the_compiled_norm_sees_rows_of_one_layout_for_every_token_count():
     assert embedded.transpose(0, 1).stride() == (16, 250 * 16, 1)  # the layout the direct call would have passed
 
 
-def test_the_norm_compiles_in_inductors_deterministic_mode_while_the_trainer_computes_deterministically(monkeypatch):
-    """Under train.deterministic (the trainer's methods run in torch's deterministic mode) the compiled norm is the one
-    compiled with inductor's deterministic mode: no reduction configuration chosen by timing, so a fresh process sums
-    the weight's gradient in the same order. Outside it (an engine in the same process, train.deterministic off) the
-    plain one. Each is compiled once, kept apart (functions of their own: dynamo's caches are per function)."""
+def test_the_trainers_norm_leaves_the_sum_over_tokens_to_torch_while_it_computes_deterministically(monkeypatch):
+    """Under train.deterministic (the trainer's methods run in torch's deterministic mode) the norm's compiled pieces
+    keep every token apart (inductor would size a sum over the tokens from whichever token count first compiled it,
+    in whichever process filled the cache) and torch sums the weight's gradient; the math is the norm's. Outside it
+    (an engine in the same process, train.deterministic off) the whole norm compiled. Each is built once."""
     from runtime.mcore.determinism import trainer_compute
-    seen = []
+    compiled, outputs = [], []
 
-    def fake_compile(fn, **kw):
-        seen.append((fn.__name__, kw.get("options")))
-        return fn
+    def fake_compile(fn, **kw):  # the pieces eagerly, each output's shape recorded
+        compiled.append((fn.__name__, kw.get("options")))
+
+        def run(*a):
+            out = fn(*a)
+            outputs.append((fn.__name__, [tuple(t.shape) for t in (out if isinstance(out, tuple) else (out,))]))
+            return out
+        return run
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     monkeypatch.setattr(mf, "_NORM", {"compiled": {}, "error": None})
@@ -282,12 +287,23 @@ def test_the_norm_compiles_in_inductors_deterministic_mode_while_the_trainer_com
         def norm(self):
             return mf._compiled_norm()
 
-    assert Trainer(True).norm() is mf.rms_norm_deterministic
-    assert Trainer(False).norm() is mf.rms_norm and mf._compiled_norm() is mf.rms_norm
-    assert Trainer(True).norm() is mf.rms_norm_deterministic and not torch.are_deterministic_algorithms_enabled()
-    assert seen == [("rms_norm_deterministic", {"deterministic": True}), ("rms_norm", None)]
-    x, w = torch.randn(5, 16), torch.randn(16)
-    assert torch.equal(mf.rms_norm_deterministic(x, w, 1e-6), mf.rms_norm(x, w, 1e-6))
+    det = Trainer(True).norm()
+    assert Trainer(False).norm() is not det and Trainer(True).norm() is det
+    assert compiled == [(n, {"deterministic": True}) for n in ("_norm_forward", "_norm_grad_input", "_norm_weight_terms")] \
+        + [("rms_norm", None)]
+    g = torch.Generator().manual_seed(4)
+    x, w, gy = torch.randn(37, 16, generator=g) * 3, 1 + 0.1 * torch.randn(16, generator=g), torch.randn(37, 16, generator=g)
+    got, ref = [(x.clone().requires_grad_(), w.clone().requires_grad_()) for _ in range(2)]
+    y, y_ref = det(*got, 1e-6), mf.rms_norm(*ref, 1e-6)
+    y.backward(gy)
+    y_ref.backward(gy)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
+    assert {name for name, _ in outputs} == {"_norm_forward", "_norm_grad_input", "_norm_weight_terms"}
+    assert all(shape[0] == 37 for _, shapes in outputs for shape in shapes)  # no compiled piece sums the tokens
+    with torch.no_grad():  # the trainer's log-probs: the same forward
+        assert torch.equal(det(x, w, 1e-6), y.detach())
 
 
 # ---- SDPA core attention: native GQA vs repeat_interleave --------------------------------------------------
@@ -358,7 +374,14 @@ def test_compiled_rope_on_cuda_matches_megatron():
 
 
 @needs_cuda
-def test_compiled_rms_norm_on_cuda_matches_torchs():
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_compiled_rms_norm_on_cuda_matches_torchs(deterministic):
+    from runtime.mcore.determinism import deterministic_kernels
+    with deterministic_kernels(deterministic):
+        _compiled_rms_norm_matches_torchs()
+
+
+def _compiled_rms_norm_matches_torchs():
     for shape in ((4099, 1024), (4099, 16, 128)):
         x = (torch.randn(*shape, device="cuda") * 3).bfloat16().requires_grad_()
         w = (torch.randn(shape[-1], device="cuda") * 0.1 + 1).bfloat16().requires_grad_()
@@ -371,6 +394,27 @@ def test_compiled_rms_norm_on_cuda_matches_torchs():
         (rx,) = torch.autograd.grad(ref, x, gy)
         torch.testing.assert_close(dx, rx, rtol=0.02, atol=0.02)
     assert mf._NORM["error"] is None, mf._NORM["error"]
+
+
+@needs_cuda
+def test_the_deterministic_norms_weight_gradient_is_the_same_whatever_token_count_compiled_it():
+    """Compiled afresh on a first call of 3000 tokens, then of 12000: the same later call gives the same bits (an
+    fp32 weight, so no rounding to bf16 hides a sum taken in another order)."""
+    from runtime.mcore.determinism import deterministic_kernels
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w0 = 1 + 0.1 * torch.randn(1024, device="cuda", generator=g)
+    x, gy = torch.randn(9216, 1024, device="cuda", generator=g).bfloat16(), torch.randn(9216, 1024, device="cuda", generator=g)
+    grads = []
+    for first in (3000, 12000):
+        torch._dynamo.reset()
+        norm = mf.deterministic_norm()
+        with deterministic_kernels(True):
+            w = w0.clone().requires_grad_()
+            norm(torch.randn(first, 1024, device="cuda").bfloat16(), w, 1e-6).float().sum().backward()
+            w = w0.clone().requires_grad_()
+            norm(x, w, 1e-6).backward(gy.bfloat16())
+        grads.append(w.grad)
+    assert torch.equal(grads[0], grads[1])
 
 
 @needs_cuda

@@ -5,8 +5,8 @@ input embedding's dense backward) or pick a cuBLAS workspace per stream, so two 
 float noise, and Adam turns the flipped sign of a near-zero gradient into a whole step of lr. torch has a
 deterministic variant of each under ``use_deterministic_algorithms``; cuBLAS needs a fixed workspace size, read
 when the process makes its first cuBLAS handle (so :func:`fix_cublas_workspace` runs before the trainer's first
-matmul). The trainer's compiled norm, called in this mode, is the one compiled in inductor's deterministic mode
-(runtime/mcore/fusions.py), whose reductions keep one configuration that no timing chose. The mode is on only while
+matmul). The trainer's compiled norm, called in this mode, is ``fusions.deterministic_norm``: its kernels do not
+depend on the token count that compiled them, and torch sums its weight's gradient. The mode is on only while
 the trainer computes: an engine in the same process (one GPU, the local backend)
 keeps its own kernels. CPU kernels are deterministic already.
 """

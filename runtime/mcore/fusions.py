@@ -195,10 +195,65 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
-def rms_norm_deterministic(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`rms_norm` as a function of its own, so that its compiled form (inductor's deterministic mode) is cached
-    apart from the plain one."""
-    return rms_norm(x, weight, eps)
+def _norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm` and each row's reciprocal root mean square (fp32), kept for the backward."""
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * rstd * weight.float()).to(x.dtype), rstd
+
+
+def _norm_grad_input(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """d(loss)/dx of :func:`rms_norm`: rstd * (w*g - x_hat * mean(w*g * x_hat)) over each row."""
+    x_hat, wg = x.float() * rstd, grad.float() * weight.float()
+    return (rstd * (wg - x_hat * (wg * x_hat).mean(-1, keepdim=True))).to(x.dtype)
+
+
+def _norm_weight_terms(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """Each token's share of d(loss)/d(weight), fp32: summed over the tokens by torch, not by the compiled code."""
+    return grad.float() * (x.float() * rstd)
+
+
+class NormKernels:
+    """The deterministic norm's compiled pieces. None of them reduces over the tokens: inductor sizes a reduction over
+    a dynamic dimension (how many parts it is split into) from the token count of the call it was compiled on, and
+    its graph cache hands that kernel to every process that traces the same graph, whatever token count they met
+    first: which compile a DP rank got depended on which rank finished first. On 2 x H100 (2026-11-27, issue 37)
+    two runs from empty caches differed in the gradients of 4 norm weights at step 0 (Adam's moments 1.5e-9 apart)
+    while one process alone, run twice, was bitwise. Each row's own reductions run over the hidden size, whose
+    kernel does not depend on the token count; inductor's deterministic mode keeps timing from choosing them."""
+
+    def __init__(self, compile_fn):
+        self.forward = compile_fn(_norm_forward)
+        self.grad_input = compile_fn(_norm_grad_input)
+        self.weight_terms = compile_fn(_norm_weight_terms)
+
+
+class _NormWithWeightSumInTorch(torch.autograd.Function):
+    """:func:`rms_norm` on rows [tokens, hidden] whose weight gradient is summed over the tokens by torch's own
+    reduction: its order is a function of the shape alone, in every process."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, kernels: NormKernels):
+        y, rstd = kernels.forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.kernels = kernels
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        grad_x = ctx.kernels.grad_input(grad, x, weight, rstd) if ctx.needs_input_grad[0] else None
+        grad_w = ctx.kernels.weight_terms(grad, x, rstd).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None
+
+
+def deterministic_norm(compile_fn=None):
+    """The norm as ``fn(rows, weight, eps)`` with its weight gradient summed by torch; ``compile_fn`` compiles each
+    piece (default: inductor, dynamic, in its deterministic mode)."""
+    compile_fn = compile_fn or (lambda fn: torch.compile(fn, dynamic=True, fullgraph=True,
+                                                         options={"deterministic": True}))
+    kernels = NormKernels(compile_fn)
+    return lambda x, weight, eps: _NormWithWeightSumInTorch.apply(x, weight, eps, kernels)
 
 
 _NORM: dict = {"compiled": {}, "error": None}
@@ -206,16 +261,14 @@ _NORM: dict = {"compiled": {}, "error": None}
 
 def _compiled_norm():
     """The compiled norm for the mode the caller runs in. Under ``train.deterministic`` (torch's deterministic mode,
-    on while the trainer computes) in inductor's deterministic mode too: every reduction, the weight's gradient summed
-    over the tokens included, in one configuration that no timing chose, so a fresh process (a resumed run on another
-    node) sums in the same order: two runs under Ray on two H100s (2026-11-27, issue 37) compiled from empty caches
-    with torch's mode alone differed in the fp32 gradients of 4 norm weights at step 0."""
+    on while the trainer computes): :func:`deterministic_norm`, whose bits do not depend on which token count, in
+    which process, compiled it. Outside it (an engine in the same process, train.deterministic off): the whole norm
+    in one compiled graph."""
     deterministic = torch.are_deterministic_algorithms_enabled()
     if deterministic not in _NORM["compiled"] and _NORM["error"] is None:
         # dynamic: one kernel for every token count (packed micro-batches change it at each call)
         _NORM["compiled"][deterministic] = (
-            torch.compile(rms_norm_deterministic, dynamic=True, fullgraph=True, options={"deterministic": True})
-            if deterministic else torch.compile(rms_norm, dynamic=True, fullgraph=True))
+            deterministic_norm() if deterministic else torch.compile(rms_norm, dynamic=True, fullgraph=True))
     return _NORM["compiled"].get(deterministic)
 
 
@@ -306,6 +359,6 @@ def report(model) -> dict:
 
 
 __all__ = ["FUSIONS", "active", "apply_rope", "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd",
-           "packed_positions", "install_rope_fusion", "rms_norm", "rms_norm_deterministic", "CompiledRMSNorm",
-           "use_compiled_norms",
+           "packed_positions", "install_rope_fusion", "rms_norm", "deterministic_norm", "NormKernels",
+           "CompiledRMSNorm", "use_compiled_norms",
            "config_kwargs", "sdpa_supports_gqa", "report"]
