@@ -18,9 +18,12 @@ deterministic mode for the whole process: what `rollout.deterministic` gives the
 The trainer, the same way: each `step-*` section is a fresh process with fresh caches that runs two rollouts of the
 one-GPU layout from the converted checkpoint, each with its update, and fingerprints every optimizer step's parameters
 and gradients (bench/grad_trace.py); the summary's `compare_steps` says where two sections first part. Variants:
-`plain` (as the product runs: `train.deterministic` on, the trainer's compiled norm in inductor's deterministic mode),
-`tnorm` (that norm compiled without it, torch's deterministic mode alone: how ray_faults' colocated runs from empty
-caches ended 1.5e-9 apart on Adam's state of 4 norm weights). Step and train times per rollout (the second warm).
+`plain` (as the product runs: `train.deterministic` on, the trainer's norm compiled in pieces that keep the tokens
+apart, its weight gradient summed by torch: `fusions.deterministic_norm`), `tnorm` (the whole norm as one compiled
+graph, torch's deterministic mode alone, as before 2026-11-27: how ray_faults' colocated runs from empty caches ended
+1.5e-9 apart on Adam's state of 4 norm weights). Step and train times per rollout (the second warm). On an H100
+(2026-11-27, results/engine_repeat_NVIDIA_H100_80GB_HBM3_2026-11-27_steps.json, before `deterministic_norm`) both
+variants were bitwise from one fresh process to the next: one process alone meets no other's compiled norm.
 
     python3 bench/engine_repeat.py --out $OUT        # one GPU: setup, plain and timed twice each, 317 s
     python3 bench/engine_repeat.py --sections setup,gen-ind-a,gen-ind-b,gen-det-a --out $OUT
@@ -100,14 +103,14 @@ def fresh_caches(W: Path, name: str) -> None:
 def sec_step(S, W: Path, kept: Path, name: str) -> dict:
     """Two rollouts of the one-GPU layout from the converted checkpoint, each with its update, in a fresh process with
     fresh caches; every optimizer step's parameters and gradients fingerprinted (bench/grad_trace.py). `tnorm`: the
-    trainer's norm compiled as before train.deterministic compiled it in inductor's deterministic mode."""
+    trainer's norm compiled as one graph without inductor's deterministic mode, as before 2026-11-27."""
     variant = name.split("-")[1]
     fresh_caches(W, name)
     traces = kept / "traces" / name
     shutil.rmtree(traces, ignore_errors=True)
     os.environ[grad_trace.ENV] = str(traces)
     if variant == "tnorm":
-        norm_history.norm_in_torch_mode_only()
+        norm_history.norm_as_one_graph(inductor_deterministic=False)
     import runtime.trainer.megatron_trainer as megatron_trainer
     grad_trace.patch(megatron_trainer)
     sess = session(S, W, name, [])

@@ -1,33 +1,34 @@
-"""Does the compiled RMSNorm give the same bits in every process, whatever shape it met first? (issue 37)
+"""Does the compiled RMSNorm give the same bits in every process, whatever token count compiled it? (issue 37)
 
-Why: on 2 x H200 (2026-11-26) a `grpoflow run` whose engine actor was killed mid-rollout resumed to final weights
-bitwise equal to the unbroken run's, but two optimizer tensors (Adam's moments of Qwen3's k_layernorm weight) were
-1 ulp off. The norm is compiled with dynamic shapes, and Inductor sizes a dynamic kernel from the shapes it is first
-traced on (the weight gradient's split reduction over rows: torch/_inductor/ir.py ``num_splits``, from the size
-hint; the block configs). The unbroken trainer first normed rollout 0's first micro-batch, the rebuilt one rollout
-1's: a suspect for the weight gradient summed in another order.
+Why: two `grpoflow run`s under Ray on 2 x H100 (2026-11-27), each from empty compile caches, differed at step 0 in the
+gradients of 4 norm weights (Adam's moments 1.5e-9 apart at the end), while one process run twice was bitwise
+(bench/engine_repeat.py's step sections). The norm is compiled with dynamic shapes, and Inductor sizes a reduction
+over a dynamic dimension from the call it is compiled on: the weight gradient, summed over the tokens, is split into
+a number of parts read from that token count (torch/_inductor/ir.py ``num_splits``, choices.py
+``reduction_split_factor``). Its FX graph cache keys a graph by its symbols, not their values, so the two DP ranks of
+a node, which share one cache and first meet different token counts, each get whichever rank's kernel was written
+first; a resumed trainer on a fresh node compiles from the token count it meets first, not the unbroken run's.
 
-Each case is a fresh process with its own Inductor and Triton caches (nothing another process compiled is reused)
-that plays a trainer: a history of norm calls at one token count, then the same target calls as every other case
-(hidden 1024 = the layer norms; hidden 128 on tokens x 8 rows = the k norm), forward without and with grad and the
-backward, under the trainer's deterministic mode. Cases that differ only in their history must give the same bits.
-``product`` is ``runtime.mcore.fusions.CompiledRMSNorm`` as shipped (in inductor's deterministic mode under the
-trainer's); ``torch-mode`` the same compiled without inductor's deterministic mode, as before 2026-11-27, when runs
-under Ray from empty caches differed in the norm weights' gradients; ``-busy`` with matmuls running on another stream
-while it compiles and times its candidate configs, as a colocated engine's might. ``across_all_cases`` compares every
-case of a mode, busy or not, whatever its history. Each case also
-lists the Triton kernels Inductor made, how many configs each had to choose from (more than one: chosen by timing)
-and the one it launches. Timings: each target call's forward + backward, median of 20 (CUDA events).
+Each case is a fresh process with its own Inductor and Triton caches that plays a trainer: a first call at one token
+count (which compiles the norm), then the same target calls as every other case: hidden 1024 with a bf16 weight (the
+layer norms), hidden 128 on tokens x 8 rows (the k norm), and hidden 1024 with an fp32 weight (``1024f``: no rounding
+to bf16 hides a sum taken in another order), forward without and with grad and the backward, under the trainer's
+deterministic mode. Cases that differ only in their first call must give the same bits. Variants: ``product`` (as
+shipped: under ``train.deterministic`` the compiled pieces keep every token apart and torch sums the weight's
+gradient, ``fusions.deterministic_norm``); ``one-graph`` (the whole norm, backward included, in one compiled graph in
+inductor's deterministic mode, as shipped on 2026-11-27 before this); ``torch-mode`` (the same without inductor's
+deterministic mode, as before). Each case also lists the Triton kernels Inductor made, how many configs each had to
+choose from (more than one: chosen by timing) and the one it launches. Timings: each target call's forward +
+backward, median of 20 (CUDA events).
 
-Found on an H100 (torch 2.11, 2026-11-26, results/norm_history_NVIDIA_H100_80GB_HBM3_2026-11-26.json, made before
-the busy case and the kernel list were added): histories of 3000 and 12000 tokens give the same bits on every
-target, with the same graphs and no recompile, so the first shape is not what moved the k norm's gradient at these
-shapes. Pinning the size hint instead (``torch._dynamo.mark_dynamic(rows, 0, hint_override=12000)``) is no way out:
-dynamo's guard check fails on the frame it just compiled ("Guard failed on the same frame it was created": an
-Inductor guard taken on the hint, ``5120 <= x.size()[0]``, fails for a real 5000 rows), on torch 2.11 with Triton
-and on 2.13 on CPU.
+Found on an H100 (torch 2.11): on 2026-11-26 and 27 (results/norm_history_NVIDIA_H100_80GB_HBM3_2026-11-2?.json, bf16
+weights only) first calls of 3000 and 12000 tokens gave the same bits for the one-graph norms, with or without another
+stream busy with matmuls while they compiled: a different split of an fp32 sum rarely moves a bf16 gradient. Pinning
+the size hint instead (``torch._dynamo.mark_dynamic(rows, 0, hint_override=12000)``) is no way out: dynamo's guard
+check fails on the frame it just compiled ("Guard failed on the same frame it was created": an Inductor guard taken
+on the hint, ``5120 <= x.size()[0]``, fails for a real 5000 rows), on torch 2.11 with Triton and on 2.13 on CPU.
 
-    python3 bench/norm_history.py --out $OUT     # one GPU, ~30 s
+    python3 bench/norm_history.py --out $OUT     # one GPU, ~90 s
 """
 from __future__ import annotations
 
@@ -40,26 +41,24 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HISTORIES = (3000, 12000)          # token counts of the first micro-batch a trainer process meets
 TARGETS = (5000, 9216, 17000)      # the calls every case makes afterwards, compared bit for bit
-VARIANTS = ("product", "product-busy", "torch-mode", "torch-mode-busy")
+VARIANTS = ("product", "one-graph", "torch-mode")
+NORMS = {"1024": (1024, "bfloat16"), "128": (128, "bfloat16"), "1024f": (1024, "float32")}  # hidden, weight dtype
 
 
-def norm_in_torch_mode_only() -> None:
-    """This process's trainer norm compiled as before ``train.deterministic`` put it in inductor's deterministic mode:
-    torch's deterministic mode alone (a bench variant: the product's compile, without its options)."""
+def norm_as_one_graph(inductor_deterministic: bool) -> None:
+    """This process's trainer norm, under ``train.deterministic``, compiled as one graph (its backward, the sum over
+    the tokens included): in inductor's deterministic mode as shipped on 2026-11-27, or without it as before (a bench
+    variant)."""
     import torch
-    compile_ = torch.compile
 
-    def compile_without_options(fn=None, **kw):
-        if getattr(fn, "__name__", "") == "rms_norm_deterministic":
-            kw.pop("options", None)
-        return compile_(fn, **kw)
-    torch.compile = compile_without_options
+    from runtime.mcore import fusions as mf
+    options = {"options": {"deterministic": True}} if inductor_deterministic else {}
+    mf._NORM["compiled"][True] = torch.compile(mf.rms_norm, dynamic=True, fullgraph=True, **options)
 
 
 def child(variant: str, history: int, out: str) -> None:
@@ -70,20 +69,21 @@ def child(variant: str, history: int, out: str) -> None:
     from runtime.mcore.determinism import deterministic_kernels, fix_cublas_workspace, strict_if_deterministic
 
     fix_cublas_workspace()
-    if variant.startswith("torch-mode"):
-        norm_in_torch_mode_only()
-    norms = {h: mf.CompiledRMSNorm(h, eps=1e-6, device="cuda", dtype=torch.bfloat16) for h in (1024, 128)}
-    for h, n in norms.items():
+    if variant != "product":
+        norm_as_one_graph(inductor_deterministic=variant == "one-graph")
+    norms = {k: mf.CompiledRMSNorm(h, eps=1e-6, device="cuda", dtype=getattr(torch, dt)) for k, (h, dt) in NORMS.items()}
+    for k, n in norms.items():
         with torch.no_grad():
-            n.weight.copy_(1 + 0.1 * torch.randn(h, generator=torch.Generator().manual_seed(h)).bfloat16())
+            n.weight.copy_(1 + 0.1 * torch.randn(n.weight.shape[0], generator=torch.Generator().manual_seed(n.weight.shape[0])))
 
     def step(tokens: int, timed: bool = False):
         res = {}
-        for h, rows in ((1024, (tokens, 1, 1024)), (128, (tokens, 1, 8, 128))):
+        for k, (h, _) in NORMS.items():
+            rows = (tokens, 1, 8, 128) if k == "128" else (tokens, 1, h)
             g = torch.Generator(device="cuda").manual_seed(tokens * 7 + h)
             x = (torch.randn(*rows, device="cuda", generator=g) * 2).bfloat16().requires_grad_()
             gy = torch.randn(*rows, device="cuda", generator=g).bfloat16()
-            norm = norms[h]
+            norm = norms[k]
             norm.weight.grad = None
             with deterministic_kernels(True):
                 with torch.no_grad():
@@ -95,7 +95,7 @@ def child(variant: str, history: int, out: str) -> None:
             digest = hashlib.sha256()
             for t in (y0, y, x.grad, norm.weight.grad):
                 digest.update(t.detach().float().cpu().numpy().tobytes())
-            res[h] = {"sha": digest.hexdigest()[:16]}
+            res[k] = {"sha": digest.hexdigest()[:16]}
             if timed:
                 ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(20)]
                 for a, b in ev:
@@ -107,19 +107,10 @@ def child(variant: str, history: int, out: str) -> None:
                     b.record()
                 torch.cuda.synchronize()
                 ms = sorted(a.elapsed_time(b) for a, b in ev)
-                res[h]["fwd_bwd_ms"] = round(ms[len(ms) // 2], 4)
+                res[k]["fwd_bwd_ms"] = round(ms[len(ms) // 2], 4)
         return res
 
-    stop = threading.Event()
-    if variant.endswith("-busy"):  # another GPU user while Inductor times its candidate configs (the colocated engine)
-        def busy():
-            a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-            with torch.cuda.stream(torch.cuda.Stream()):
-                while not stop.is_set():
-                    a @ a
-        threading.Thread(target=busy, daemon=True).start()
     step(history)
-    stop.set()
     targets = {str(t): step(t, timed=True) for t in TARGETS}
     record = {"variant": variant, "history": history, "targets": targets, "kernels": _autotuners(),
               "graphs": dict(counters["stats"]), "recompiles": dict(counters["recompiles"]),
@@ -181,28 +172,19 @@ def main(argv=None) -> int:
         if errors:
             rows.append({"variant": v, "error": errors[0]})
             continue
-        same = {f"{t}/{h}": len({r["targets"][str(t)][str(h)]["sha"] for r in mine}) == 1
-                for t in TARGETS for h in (1024, 128)}
-        ms = {f"{t}/{h}": [r["targets"][str(t)][str(h)]["fwd_bwd_ms"] for r in mine]
-              for t in TARGETS for h in (1024, 128)}
+        same = {f"{t}/{k}": len({r["targets"][str(t)][k]["sha"] for r in mine}) == 1 for t in TARGETS for k in NORMS}
+        ms = {f"{t}/{k}": [r["targets"][str(t)][k]["fwd_bwd_ms"] for r in mine] for t in TARGETS for k in NORMS}
         kernels = [{(k["kernel"], k["kind"], k["configs"], k["launched"]) for k in r["kernels"]} for r in mine]
         rows.append({"variant": v, "same_kernels_whatever_the_history": kernels[0] == kernels[1],
                      "kernels": [list(map(list, sorted(k))) for k in kernels],
                      "same_bits_whatever_the_history": same, "all_same": all(same.values()),
                      "fwd_bwd_ms_by_history": ms, "graphs": [r["graphs"] for r in mine],
                      "recompiles": [r["recompiles"] for r in mine], "norm_error": [r["norm_error"] for r in mine]})
-    across = {}  # per mode: every case of it, busy or not, whatever its history
-    for mode in ("product", "torch-mode"):
-        ok = [r for r in results if "error" not in r and r["variant"].startswith(mode)]
-        across[mode] = {"same_bits": all(len({r["targets"][str(t)][str(h)]["sha"] for r in ok}) == 1
-                                         for t in TARGETS for h in (1024, 128)),
-                        "same_kernels": len({frozenset((k["kernel"], k["configs"], k["launched"]) for k in r["kernels"])
-                                             for r in ok}) == 1, "cases": len(ok)}
     first = next((r for r in results if "torch" in r), {})
     now = datetime.datetime.now(datetime.timezone.utc)
     summary = {"benchmark": "norm_history", "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
                "device": first.get("gpu", "?"), "torch": first.get("torch", "?"), "histories": HISTORIES,
-               "targets": TARGETS, "rows": rows, "across_all_cases": across}
+               "targets": TARGETS, "rows": rows}
     text = json.dumps(summary, indent=1)
     (out / "norm_history.json").write_text(text)
     if a.results_dir:
@@ -218,9 +200,6 @@ def main(argv=None) -> int:
               f"kernels chosen among >1 config: {[k for ks in r['kernels'] for k in ks if k[2] > 1]}")
         print(f"  {r['variant']:12s} same bits whatever the history: {r['all_same']} "
               f"{[k for k, s in r['same_bits_whatever_the_history'].items() if not s]}  ms {ms}")
-    for mode, c in across.items():
-        print(f"  {mode}: every case (busy or not, either history): same bits {c['same_bits']}, "
-              f"same kernels {c['same_kernels']} ({c['cases']} cases)")
     return 0 if all("error" not in r for r in rows) else 1
 
 

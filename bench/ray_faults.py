@@ -659,8 +659,9 @@ CANDIDATES = [
                "the fp32 weight gradient summed over tokens: runs from empty compile caches with torch's deterministic "
                "mode alone differed there at step 0 in 4 norm weights (2 x H100, 2026-11-27; the final weights "
                "bitwise, Adam's moments 1.5e-9 apart)",
-               "train.deterministic (since 2507891 it also compiles the norm in inductor's deterministic mode; its "
-               "effect and cost: bench/engine_repeat.py's step sections)"),
+               "train.deterministic (since this finding torch sums the norm weights' gradients, fusions.deterministic_norm: "
+               "inductor sizes that sum from the token count it compiled on, and its graph cache hands one rank's "
+               "kernel to the other; bench/norm_history.py)"),
     _candidate("cuBLAS GEMMs", "trainer and engine", "split-K and workspace choices across streams",
                "train.deterministic (CUBLAS_WORKSPACE_CONFIG=:4096:8)"),
     _candidate("NCCL all-reduce / reduce-scatter", "trainer, DP 2 (colocated)",
