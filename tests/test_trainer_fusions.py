@@ -398,9 +398,13 @@ def _compiled_rms_norm_matches_torchs():
 
 @needs_cuda
 def test_the_deterministic_norms_weight_gradient_is_the_same_whatever_token_count_compiled_it():
-    """Compiled afresh on a first call of 3000 tokens, then of 12000: the same later call gives the same bits (an
-    fp32 weight, so no rounding to bf16 hides a sum taken in another order)."""
+    """Compiled afresh on a first call of 3000 tokens, then of 12000, each in empty caches (a cached graph would be
+    handed back whatever its token count): the same later call gives the same bits (an fp32 weight, so no rounding to
+    bf16 hides a sum taken in another order)."""
+    from torch._inductor import utils as inductor_utils
+
     from runtime.mcore.determinism import deterministic_kernels
+    fresh_cache = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
     g = torch.Generator(device="cuda").manual_seed(5)
     w0 = 1 + 0.1 * torch.randn(1024, device="cuda", generator=g)
     x, gy = torch.randn(9216, 1024, device="cuda", generator=g).bfloat16(), torch.randn(9216, 1024, device="cuda", generator=g)
@@ -408,7 +412,7 @@ def test_the_deterministic_norms_weight_gradient_is_the_same_whatever_token_coun
     for first in (3000, 12000):
         torch._dynamo.reset()
         norm = mf.deterministic_norm()
-        with deterministic_kernels(True):
+        with fresh_cache(), deterministic_kernels(True):
             w = w0.clone().requires_grad_()
             norm(torch.randn(first, 1024, device="cuda").bfloat16(), w, 1e-6).float().sum().backward()
             w = w0.clone().requires_grad_()
