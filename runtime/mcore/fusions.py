@@ -217,7 +217,7 @@ class NormKernels:
     """The deterministic norm's compiled pieces. None of them reduces over the tokens: inductor sizes a reduction over
     a dynamic dimension (how many parts it is split into) from the token count of the call it was compiled on, and
     its graph cache hands that kernel to every process that traces the same graph, whatever token count they met
-    first: which compile a DP rank got depended on which rank finished first. On 2 x H100 (2026-11-27, issue 37)
+    first: which kernel a DP rank runs can depend on which rank compiled first. On 2 x H100 (2026-11-27, issue 37)
     two runs from empty caches differed in the gradients of 4 norm weights at step 0 (Adam's moments 1.5e-9 apart)
     while one process alone, run twice, was bitwise. Each row's own reductions run over the hidden size, whose
     kernel does not depend on the token count; inductor's deterministic mode keeps timing from choosing them."""
