@@ -660,12 +660,12 @@ CANDIDATES = [
                "mode alone differed there at step 0 in 4 norm weights (2 x H100, 2026-11-27; the final weights "
                "bitwise, Adam's moments 1.5e-9 apart)",
                "train.deterministic (since this finding torch sums the norm weights' gradients, fusions.deterministic_norm: "
-               "inductor sizes that sum from the token count it compiled on, and its graph cache hands one rank's "
+               "inductor sizes that sum from the token count it compiled on, and its graph cache can hand one rank's "
                "kernel to the other; bench/norm_history.py)"),
     _candidate("the trainer's compiled log-prob pieces (runtime/trainer/logprobs.py)", "trainer, chunked log-probs",
                "per-row sums over the vocabulary, in a kernel sized from the row count of the chunk that compiled it "
                "(2048 whenever a micro-batch has as many tokens; fewer only on a rank whose first micro-batch is "
-               "shorter), handed to the node's other rank by the graph cache as the norm's was",
+               "shorter), which the graph cache can hand to the node's other rank as it can the norm's",
                "none yet: not seen to vary; a rank's first micro-batch of fewer than 2048 tokens would test it"),
     _candidate("cuBLAS GEMMs", "trainer and engine", "split-K and workspace choices across streams",
                "train.deterministic (CUBLAS_WORKSPACE_CONFIG=:4096:8)"),

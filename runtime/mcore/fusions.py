@@ -359,6 +359,5 @@ def report(model) -> dict:
 
 
 __all__ = ["FUSIONS", "active", "apply_rope", "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd",
-           "packed_positions", "install_rope_fusion", "rms_norm", "deterministic_norm", "NormKernels",
-           "CompiledRMSNorm", "use_compiled_norms",
+           "packed_positions", "install_rope_fusion", "rms_norm", "deterministic_norm", "CompiledRMSNorm", "use_compiled_norms",
            "config_kwargs", "sdpa_supports_gqa", "report"]
