@@ -292,12 +292,19 @@ def compile_caches(where: Path) -> dict:
     return {"TORCHINDUCTOR_CACHE_DIR": str(where / "inductor"), "TRITON_CACHE_DIR": str(where / "triton")}
 
 
+def group_dir(W: Path, layout: str, sets: list[str]) -> Path:
+    """A layout's runs and kept reference for one ``--set`` group: a cost run under another setting neither
+    deletes nor replaces the plain group's reference (its own folder, named by its settings)."""
+    name = "+".join([layout, *(re.sub(r"[^A-Za-z0-9._=-]", "_", x) for x in sets)])
+    return W / "faults" / name
+
+
 class CaseRun:
     """One case's processes: the environment they share, its logs, its time limit."""
 
     def __init__(self, S, W: Path, layout: str, case: str, limit_s: float, sets: list[str]):
         self.S, self.layout, self.case, self.sets = S, layout, case, sets
-        self.dir = W / "faults" / layout / case
+        self.dir = group_dir(W, layout, sets) / case
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir.mkdir(parents=True)
         self.root = self.dir / "root"
@@ -546,7 +553,7 @@ class References:
         self._tensors: dict[str, dict] = {}
 
     def path(self, layout: str) -> Path:
-        return self.W / "faults" / layout / "reference.json"
+        return group_dir(self.W, layout, self.sets) / "reference.json"
 
     def get(self, layout: str) -> dict | None:
         p = self.path(layout)

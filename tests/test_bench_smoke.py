@@ -264,6 +264,14 @@ def test_ray_faults_names_the_kernels_whose_timed_configuration_differs_from_the
                            "grad_trace": "trace", "root": str(ref / "root")})
     kept = refs.get("colocated")
     assert rf.tuned_configs(Path(kept["root"]).parent) == rf.tuned_configs(ref)
+    # a cost run under another setting, on the same warm machine: its own reference, the plain one still there
+    other = rf.References(tmp_path / "work", sets=["train.deterministic=false"])
+    assert other.get("colocated") is None and other.path("colocated") != refs.path("colocated")
+    assert rf.group_dir(tmp_path / "work", "colocated", other.sets) != rf.group_dir(tmp_path / "work", "colocated", [])
+    other.path("colocated").parent.mkdir(parents=True)
+    other.put("colocated", {"gpus": rf.gpu_ids(), "facts": {"final_checkpoint": str(ref)}, "wall_s": 2.0,
+                            "grad_trace": "trace", "root": str(ref / "root")})
+    assert refs.get("colocated")["wall_s"] == 1.0 and other.get("colocated")["wall_s"] == 2.0
 
 
 def test_engine_repeat_compares_fresh_processes_bit_for_bit(tmp_path):
