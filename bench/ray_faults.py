@@ -740,31 +740,33 @@ def summarize(res: dict, env: dict | None) -> dict:
             row["noise_floor"] = {"bitwise": floor.get("bitwise"), "max_abs_delta": floor.get("max_abs_delta"),
                                   "same_machine_as_reference": True}
     out["nondeterminism"] = {"noise_floor": {g: row.get("noise_floor") for g, row in out["layouts"].items()},
-                             "candidates": CANDIDATES, "settings_cost": settings_cost(out["layouts"])}
+                             "candidates": CANDIDATES, "settings_cost": settings_cost(res)}
     return out
 
 
-def settings_cost(groups: dict) -> dict:
-    """What a --set costs: its unbroken runs' steady step against the plain layout's, on the same GPUs only."""
-    def unbroken(row: dict, gpus=None) -> list[dict]:
-        return [row[c] for c in ("unbroken-a", "unbroken-b") if row.get(c, {}).get("status") == "ok"
-                and "steady_step_s" in row[c] and (gpus is None or row[c]["gpus"] == gpus)]
+def settings_cost(res: dict) -> dict:
+    """What a --set costs: its unbroken runs' steady step against the plain layout's, on the same GPUs only; every
+    unbroken run of the merged calls counts (a call's own unbroken-a beside another call's)."""
+    groups: dict[str, list[dict]] = {}
+    for r in res.values():
+        if ":" in r.get("name", "") and r.get("status") == "ok" and _layout_case(r)[1] in ("unbroken-a", "unbroken-b"):
+            if steady := _steady(r["facts"]):
+                groups.setdefault(_group(r), []).append({**steady, "gpus": r.get("gpus")})
 
     def mean(rows: list[dict], key: str) -> float:
         return round(sum(r[key] for r in rows) / len(rows), 3)
 
     cost = {}
-    for g, row in groups.items():
-        if " [" not in g or not (runs := unbroken(row)):
-            continue
-        plain = unbroken(groups.get(g.split(" [")[0], {}), runs[0]["gpus"])
-        if not plain:
+    for g, runs in groups.items():
+        plain = [r for r in groups.get(g.split(" [")[0], []) if r["gpus"] == runs[0]["gpus"]]
+        if " [" not in g or not plain:
             continue
         step, plain_step = mean(runs, "steady_step_s"), mean(plain, "steady_step_s")
         train, plain_train = mean(runs, "steady_train_s"), mean(plain, "steady_train_s")
         cost[g] = {"runs": len(runs), "plain_runs": len(plain), "steady_step_s": step, "plain_steady_step_s": plain_step,
                    "step_cost_pct": round(100 * (step / plain_step - 1), 1), "steady_train_s": train,
-                   "plain_steady_train_s": plain_train, "train_cost_pct": round(100 * (train / plain_train - 1), 1)}
+                   "plain_steady_train_s": plain_train, "train_cost_pct": round(100 * (train / plain_train - 1), 1),
+                   "each_s": {"runs": [r["steady_step_s"] for r in runs], "plain": [r["steady_step_s"] for r in plain]}}
     return cost
 
 

@@ -274,6 +274,27 @@ def test_ray_faults_names_the_kernels_whose_timed_configuration_differs_from_the
     assert refs.get("colocated")["wall_s"] == 1.0 and other.get("colocated")["wall_s"] == 2.0
 
 
+def test_ray_faults_costs_a_setting_against_every_plain_unbroken_run_on_the_same_gpus():
+    """`settings_cost` across merged calls: each call's own unbroken-a counts beside unbroken-b, a run on other GPUs
+    does not, and the cost is the steady (last rollout's) step against the plain mean."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import ray_faults as rf
+
+    def run(name, step, train, gpus=("g0", "g1"), sets=()):
+        return {"name": name, "status": "ok", "gpus": list(gpus), "sets": list(sets),
+                "facts": {"metric_values": {"step_time_s": [50.0, step], "train_time_s": [20.0, train]}}}
+
+    res = {"setup": {"name": "setup", "status": "ok"}, "colocated:unbroken-a": run("colocated:unbroken-a", 7.0, 1.2),
+           "colocated:unbroken-b": run("colocated:unbroken-b", 6.8, 1.0),
+           "colocated:unbroken-a@4": run("colocated:unbroken-a@4", 6.9, 1.1),
+           "colocated:unbroken-a@9": run("colocated:unbroken-a@9", 1.0, 0.1, gpus=("h0", "h1")),
+           "colocated:engine-kill": run("colocated:engine-kill", 30.0, 10.0),
+           "colocated:unbroken-a@3": run("colocated:unbroken-a@3", 6.21, 0.88, sets=["train.deterministic=false"])}
+    got = rf.settings_cost(res)["colocated [train.deterministic=false]"]
+    assert (got["runs"], got["plain_runs"], got["plain_steady_step_s"]) == (1, 3, 6.9)
+    assert got["step_cost_pct"] == -10.0 and got["plain_steady_train_s"] == 1.1 and got["train_cost_pct"] == -20.0
+
+
 def test_engine_repeat_compares_fresh_processes_bit_for_bit(tmp_path):
     """bench/engine_repeat.py's verdict (the engine's bits from one fresh process to the next): a section is compared
     with the first of its variant, and each variant's first with plain's; one ulp of one log-prob is not equal, and
