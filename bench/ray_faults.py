@@ -104,11 +104,11 @@ The engine samples by keyed Gumbel-max, so a logit that moves by one ulp at a ne
 update after it.
 
 Issue 37 item 2: two switches, both on by default. `train.deterministic` (runtime/mcore/determinism.py: torch's
-deterministic kernels while the trainer computes, its backward strict, cuBLAS's fixed workspace): its first GPU
-pair (2026-11-26, colocated, one machine, then in its process-wide form) ended bitwise, at 1.3 % of a step against
-a plain run (`--set train.deterministic=false` keys its own reference; the summary's `nondeterminism.settings_cost`
-compares a --set group's steady step with the plain group's on the same GPUs). `rollout.deterministic` (above):
-the engine's compiled pieces with no timed configuration.
+deterministic kernels while the trainer computes, its backward strict, cuBLAS's fixed workspace, the norm as
+fusions.deterministic_norm): with it a colocated pair from empty caches ended bitwise (2026-11-27) at 1.6 % of a
+step against a plain run (`--set train.deterministic=false` keys its own reference; the summary's
+`nondeterminism.settings_cost` compares a --set group's steady step with every plain unbroken run on the same GPUs).
+`rollout.deterministic` (above): the engine's compiled pieces with no timed configuration.
 """
 from __future__ import annotations
 

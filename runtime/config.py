@@ -287,7 +287,7 @@ class TrainSection(Section):
     # kernels do not depend on which token count, in which process, compiled them (fusions.deterministic_norm; torch
     # sums the weight's gradient over the tokens, no configuration is timed): on CUDA two updates from one state are
     # bitwise equal, so a run resumed after a failure ends as the unbroken one does on GPUs too (2 x H100,
-    # bench/results: +1.3 % of a step, measured before deterministic_norm). Off: atomically accumulated backward
+    # bench/results: +1.6 % of a step with deterministic_norm, 2026-11-27). Off: atomically accumulated backward
     # kernels move the weights by float noise from run to run. With packed micro-batches it needs packed_attention
     # flash2 (torch's FlashAttention, whose deterministic backward it selects). CPU kernels are deterministic either way.
     deterministic: bool = True
