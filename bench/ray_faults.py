@@ -119,7 +119,6 @@ import os
 import re
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -459,7 +458,7 @@ def run_facts(root: Path, model: str, prefect_home: Path) -> dict:
         best = int(client.get_registered_model(model).aliases["best"])
     except Exception:  # noqa: BLE001 - no alias: recorded as None
         best = None
-    tasks = task_runs(prefect_home)
+    tasks = rp.prefect_task_times(prefect_home)
     return {"final_rollout": final.rollout if final else None, "final_checkpoint": final.path if final else None,
             "lease_held": Path(rd.sub("lease.json")).exists(),
             "temp_leftovers": [str(p) for p in temp_leftovers(rd)],
@@ -471,15 +470,6 @@ def run_facts(root: Path, model: str, prefect_home: Path) -> dict:
             "rollouts": rp.rollout_rows(Path(rd.path)),
             "prefect_tasks": tasks,
             "retried_tasks": sorted(t["task"] for t in tasks if (t["run_count"] or 0) > 1)}
-
-
-def task_runs(prefect_home: Path) -> list[dict]:
-    db = prefect_home / "prefect.db"
-    if not db.exists():
-        return []
-    with sqlite3.connect(db) as con:
-        rows = con.execute("SELECT name, state_name, run_count FROM task_run ORDER BY start_time").fetchall()
-    return [{"task": n, "state": s, "run_count": rc} for n, s, rc in rows]
 
 
 def checkpoint_tensors(path: str | Path) -> dict:

@@ -223,18 +223,19 @@ def rollout_rows(rd: Path) -> list[dict]:
 
 
 def prefect_task_times(prefect_home: Path) -> list[dict]:
-    """Every task run of the flow as Prefect's API recorded it: name, state, wall seconds."""
+    """Every task run of the flow as Prefect's API recorded it: name, state, wall seconds, how many times it ran."""
     db = prefect_home / "prefect.db"
     if not db.exists():
         return []
     with sqlite3.connect(db) as con:
-        rows = con.execute("SELECT name, state_name, start_time, end_time FROM task_run ORDER BY start_time").fetchall()
+        rows = con.execute("SELECT name, state_name, start_time, end_time, run_count FROM task_run "
+                           "ORDER BY start_time").fetchall()
     out = []
-    for name, state, start, end in rows:
+    for name, state, start, end, runs in rows:
         secs = None
         if start and end:
             secs = (datetime.datetime.fromisoformat(end) - datetime.datetime.fromisoformat(start)).total_seconds()
-        out.append({"task": name, "state": state, "s": None if secs is None else round(secs, 2)})
+        out.append({"task": name, "state": state, "s": None if secs is None else round(secs, 2), "run_count": runs})
     return out
 
 
