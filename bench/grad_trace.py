@@ -121,3 +121,12 @@ def first_difference(run: dict, reference: dict) -> dict:
                                                       "parameters": names[:20], "count": len(names),
                                                       "differ_at_that_step": at_step}}
     return {"compared": len(keys), "first": None}
+
+
+def to_lines(trace: dict) -> list[dict]:
+    """:func:`read`'s result as JSON (a reference carried to another machine)."""
+    return [{"stage": s, "step": st, "dp": d, "tp": t, "digests": digests} for (s, st, d, t), digests in trace.items()]
+
+
+def from_lines(lines: list[dict]) -> dict:
+    return {(x["stage"], x["step"], x["dp"], x["tp"]): x["digests"] for x in lines}

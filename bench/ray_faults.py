@@ -58,6 +58,13 @@ case, trainer-kill 2026-11-26 with shared ones):
     (the same with --layouts split), then here:
     python bench/ray_faults.py --merge OUT1 OUT2 ... --results-dir bench/results
 
+A fresh machine need not run a reference of its own: every unbroken-a also writes OUT/references.json (its facts, step
+trace, tuned kernels and the sha256 of every final tensor, per layout and --set group), kept in bench/results; a call
+on another machine of the same GPU model and torch passes it as `--references FILE` and its cases are compared with
+it, tensors by digest (bitwise, or which tensors differ: for max |delta| run unbroken-a on that machine). An unbroken-a
+run beside a carried reference is compared with it too (`vs_another_machine`): whether a reference holds across
+machines at all.
+
 An unbroken run is 224-240 s (H100 and H200): ~40 s starting the CLI (Prefect, Ray), the conversion, ~40 s
 building the actors, ~14 s per checkpoint (model and optimizer, ~8 GB), the engine's warm-up and the trainer's
 compiles in rollout 0, ~10 s generating per rollout. A case's section (run, checks, the comparison's ~19 s) took
@@ -236,8 +243,9 @@ def kill_pids(procs: list[dict]) -> list[int]:
 
 
 _PROBE = ("import json, torch; n = torch.cuda.device_count(); print(json.dumps({'uuids': [str(torch.cuda."
-          "get_device_properties(i).uuid) for i in range(n)], 'used_GiB': [round((lambda f, t: (t - f) / 2**30)("
-          "*torch.cuda.mem_get_info(i)), 2) for i in range(n)]}))")
+          "get_device_properties(i).uuid) for i in range(n)], 'names': [torch.cuda.get_device_name(i) for i in "
+          "range(n)], 'used_GiB': [round((lambda f, t: (t - f) / 2**30)(*torch.cuda.mem_get_info(i)), 2) "
+          "for i in range(n)]}))")
 
 
 def _probe() -> dict | None:
@@ -260,6 +268,19 @@ def gpu_ids() -> list[str]:
         return ["cpu"]
     probe = _probe()
     return (probe or {}).get("uuids") or ["cpu"]
+
+
+def gpu_models() -> list[str]:
+    """This machine's GPU models (nvidia-smi's names), what a reference carried from another machine must match."""
+    if shutil.which("nvidia-smi") is not None:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        return [line.strip() for line in r.stdout.splitlines() if line.strip()] or ["cpu"]
+    return ["cpu"] if gpu_ids() == ["cpu"] else (_probe() or {}).get("names") or ["?"]
+
+
+def torch_version() -> str:
+    import torch
+    return torch.__version__
 
 
 def gpu_apps() -> list[str] | None:
@@ -493,6 +514,27 @@ def checkpoint_tensors(path: str | Path) -> dict:
     return {k: v for k, v in state.items() if torch.is_tensor(v)}
 
 
+def tensor_fingerprints(tensors: dict) -> dict:
+    """Each tensor's sha256 over its bytes: equal bits, equal digest (what a reference carries to another machine)."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    def digest(t) -> str:  # hashlib lets go of the GIL on large buffers: the tensors in parallel
+        return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return dict(zip(tensors, pool.map(digest, tensors.values())))
+
+
+def compare_fingerprints(a: dict, b: dict) -> dict:
+    """compare_tensors by digest: which tensors differ, not by how much (their values stayed on the other machine)."""
+    differ = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
+    return {"same_keys": a.keys() == b.keys(), "tensors": len(a), "bitwise_equal": len(a.keys() & b.keys()) - len(differ),
+            "differ": [{"tensor": k, "max_abs_delta": None} for k in differ[:8]], "bitwise": a.keys() == b.keys() and not differ,
+            "max_abs_delta": None, "differ_count": len(differ), "by": "sha256"}
+
+
 def compare_tensors(a: dict, b: dict) -> dict:
     """Bitwise equal, or max |a - b| per tensor: totals for the model's weights and the optimizer's state."""
     import torch
@@ -536,23 +578,38 @@ def compare_facts(f: dict, ref: dict) -> dict:
 # -- the reference (unbroken-a) and the cases --------------------------------------------------------------
 class References:
     """unbroken-a per layout: its facts and final tensors, from this call or from an earlier call on this
-    same machine (its work folder kept while the machine stays warm)."""
+    same machine (its work folder kept while the machine stays warm); or, without one, a reference carried from
+    another machine of the same GPU model and torch (``--references``: what an earlier call wrote to
+    ``OUT/references.json``), whose final tensors are compared by their fingerprints, and its step trace and
+    tuned kernels as they were recorded there."""
 
-    def __init__(self, W: Path, sets: list[str]):
-        self.W, self.sets = W, sets
+    def __init__(self, W: Path, sets: list[str], carried: Path | None = None, export: Path | None = None):
+        self.W, self.sets, self.carried, self.export = W, sets, carried, export
         self._tensors: dict[str, dict] = {}
 
     def path(self, layout: str) -> Path:
         return group_dir(self.W, layout, self.sets) / "reference.json"
 
+    def key(self, layout: str) -> str:
+        return group_dir(Path(), layout, self.sets).name
+
     def get(self, layout: str) -> dict | None:
         p = self.path(layout)
         if not p.exists():
-            return None
+            return self.get_carried(layout)
         ref = json.loads(p.read_text())
         if ref.get("gpus") != gpu_ids() or ref.get("sets") != self.sets or not Path(ref["facts"]["final_checkpoint"]).exists():
-            return None
+            return self.get_carried(layout)
         return ref
+
+    def get_carried(self, layout: str) -> dict | None:
+        """The carried reference of this layout and --set group, if it was made on GPUs of this model with this torch."""
+        if self.carried is None:
+            return None
+        ref = json.loads(Path(self.carried).read_text()).get(self.key(layout))
+        if ref is None or ref["gpu_models"] != gpu_models() or ref["torch"] != torch_version():
+            return None
+        return {**ref, "carried": True}
 
     def put(self, layout: str, res: dict) -> None:
         # everything sec_case compares a case with: the facts, the step trace and the caches beside the root
@@ -560,6 +617,15 @@ class References:
                                                  "wall_s": res["wall_s"], "grad_trace": res["grad_trace"],
                                                  "root": res["root"]}))
         self._tensors.pop(layout, None)
+        if self.export is not None:  # the same, without the files, for a call on another machine
+            doc = json.loads(self.export.read_text()) if self.export.exists() else {}
+            doc[self.key(layout)] = {
+                "layout": layout, "sets": self.sets, "gpu_models": gpu_models(), "torch": torch_version(),
+                "gpus": res["gpus"], "facts": res["facts"], "wall_s": res["wall_s"],
+                "checkpoint_fingerprints": tensor_fingerprints(self.tensors(layout)),
+                "grad_trace": grad_trace.to_lines(grad_trace.read(Path(res["grad_trace"]))),
+                "tuned": tuned_configs(Path(res["root"]).parent)}
+            self.export.write_text(json.dumps(doc))
 
     def tensors(self, layout: str) -> dict:
         if layout not in self._tensors:
@@ -567,25 +633,38 @@ class References:
         return self._tensors[layout]
 
 
+def compare_with(res: dict, ref: dict, ref_tensors=None) -> dict:
+    """A finished case against a reference: its facts, final tensors (bitwise, else max |delta| per tensor; a carried
+    reference: by fingerprint), step trace and tuned kernels."""
+    run_tensors = checkpoint_tensors(res["facts"]["final_checkpoint"])
+    if ref.get("carried"):
+        checkpoint = compare_fingerprints(tensor_fingerprints(run_tensors), ref["checkpoint_fingerprints"])
+        trace, tuned = grad_trace.from_lines(ref["grad_trace"]), ref["tuned"]
+    else:
+        checkpoint = compare_tensors(run_tensors, ref_tensors)
+        trace, tuned = grad_trace.read(Path(ref["grad_trace"])), tuned_configs(Path(ref["root"]).parent)
+    return {**compare_facts(res["facts"], ref["facts"]), "checkpoint": checkpoint,
+            # step by step: where the runs' parameters or gradients first differ (bench/grad_trace.py)
+            "grad_trace": grad_trace.first_difference(grad_trace.read(Path(res["grad_trace"])), trace),
+            "tuned_configs": compare_tuned(tuned_configs(Path(res["root"]).parent), tuned),
+            "reference_machine": "another" if ref.get("carried") else "this"}
+
+
 def sec_case(S, W: Path, layout: str, case: str, refs: References, limit_s: float, keep_roots: bool) -> dict:
     res = run_case(S, W, layout, case, limit_s, refs.sets)
     res["gpus"] = gpu_ids()
-    if case == "unbroken-a":
-        refs.put(layout, res)
-        res["vs_reference"] = None
-        return res
-    ref = refs.get(layout)
     t0 = time.time()
-    res["vs_reference"] = {**compare_facts(res["facts"], ref["facts"]),
-                           "checkpoint": compare_tensors(checkpoint_tensors(res["facts"]["final_checkpoint"]),
-                                                         refs.tensors(layout)),
-                           # step by step: where the runs' parameters or gradients first differ (bench/grad_trace.py)
-                           "grad_trace": grad_trace.first_difference(grad_trace.read(Path(res["grad_trace"])),
-                                                                     grad_trace.read(Path(ref["grad_trace"]))),
-                           "tuned_configs": compare_tuned(tuned_configs(Path(res["root"]).parent),
-                                                          tuned_configs(Path(ref["root"]).parent))}
+    if case == "unbroken-a":
+        carried = refs.get_carried(layout)
+        refs.put(layout, res)
+        # against another machine's unbroken-a: whether a reference carried between machines holds bit for bit
+        res["vs_reference"] = None
+        res["vs_carried"] = compare_with(res, carried) if carried else None
+    else:
+        ref = refs.get(layout)
+        res["vs_reference"] = compare_with(res, ref, None if ref.get("carried") else refs.tensors(layout))
     res["compare_s"] = round(time.time() - t0, 1)
-    if not keep_roots:  # ~8 GB of checkpoints a run on GPUs: the reference's stays
+    if case != "unbroken-a" and not keep_roots:  # ~8 GB of checkpoints a run on GPUs: the reference's stays
         shutil.rmtree(Path(res["root"]), ignore_errors=True)
     return res
 
@@ -724,11 +803,16 @@ def summarize(res: dict, env: dict | None) -> dict:
                          **{k: v for k, v in vs.items() if k not in ("checkpoint", "grad_trace")}} if vs else {})}
         if "after_driver_kill" in r:
             row[case]["left_after_driver_kill"] = r["after_driver_kill"]["left"]
+        if carried := r.get("vs_carried"):  # this machine's unbroken-a against another machine's
+            row[case]["vs_another_machine"] = {
+                "bitwise": carried["checkpoint"]["bitwise"], "tensors_differ": carried["checkpoint"]["differ_count"],
+                "first_step_difference": carried["grad_trace"]["first"], "same_samples": carried.get("same_samples"),
+                "same_metric_points": carried["same_metric_points"], "metric_values_differ": carried["metric_values_differ"]}
     for row in out["layouts"].values():
         floor = row.get("unbroken-b") or {}
         if floor.get("status") == "ok":
             row["noise_floor"] = {"bitwise": floor.get("bitwise"), "max_abs_delta": floor.get("max_abs_delta"),
-                                  "same_machine_as_reference": True}
+                                  "same_machine_as_reference": floor.get("reference_machine", "this") == "this"}
     out["nondeterminism"] = {"noise_floor": {g: row.get("noise_floor") for g, row in out["layouts"].items()},
                              "candidates": CANDIDATES, "settings_cost": settings_cost(res)}
     return out
@@ -773,10 +857,12 @@ def print_table(summary: dict) -> None:
             if r["status"] != "ok":
                 print(f"  {case:13s} {r['status']}: {r.get('error', '')[:200]}")
                 continue
-            d = r.get("max_abs_delta") or {}
-            cmp = ("reference" if r.get("bitwise") is None else
-                   "bitwise" if r["bitwise"] else f"max|d| model {d.get('model'):.3g} optimizer {d.get('optimizer'):.3g} "
-                   f"({r.get('tensors_differ')} tensors)")
+            d = r.get("max_abs_delta")
+            cmp = ("reference" if r.get("bitwise") is None else "bitwise" if r["bitwise"] else
+                   f"{r.get('tensors_differ')} tensors differ (by digest)" if d is None else
+                   f"max|d| model {d.get('model'):.3g} optimizer {d.get('optimizer'):.3g} ({r.get('tensors_differ')} tensors)")
+            if r.get("reference_machine") == "another":
+                cmp += " against another machine's reference"
             print(f"  {case:13s} {r['wall_s']:7.1f} s  final ckpt: {cmp}; points same {r.get('same_metric_points', '-')}; "
                   f"registry same {r.get('same_registry', '-')}; ended clean {r.get('ended_clean', '-')}; "
                   f"interrupted {r['interrupted_tasks']}; left {r['left_behind']}; gpu apps {r['gpu_apps_after']}")
@@ -799,6 +885,10 @@ def print_table(summary: dict) -> None:
                     print(f"  {'':13s} {what}: {r[key]}")
             if r.get("left_after_driver_kill"):
                 print(f"  {'':13s} outlived the driver: {r['left_after_driver_kill']}")
+            if v := r.get("vs_another_machine"):
+                print(f"  {'':13s} against another machine's unbroken-a: " + (
+                    "bitwise" if v["bitwise"] else f"{v['tensors_differ']} tensors differ") +
+                    f"; first step difference {v['first_step_difference']}; points same {v['same_metric_points']}")
     for g, c in summary["nondeterminism"]["settings_cost"].items():
         print(f"[{g}] steady step {c['steady_step_s']} s vs {c['plain_steady_step_s']} s plain ({c['step_cost_pct']:+.1f} %), "
               f"train {c['steady_train_s']} s vs {c['plain_steady_train_s']} s ({c['train_cost_pct']:+.1f} %); "
@@ -817,6 +907,8 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", type=float, default=None, help="seconds for this call (GPU 560, CPU 1800)")
     ap.add_argument("--set", action="append", default=[], help="an override for every run of this call")
     ap.add_argument("--keep-roots", action="store_true", help="keep every case's storage root (GPU: ~16 GB each)")
+    ap.add_argument("--references", default=None,
+                    help="an earlier call's OUT/references.json: the reference where this machine has none")
     ap.add_argument("--merge", nargs="+", default=None, help="OUT dirs of earlier calls: one summary of all")
     ap.add_argument("--section", default=None, help=argparse.SUPPRESS)  # setup, in a process of its own
     a = ap.parse_args(argv)
@@ -856,7 +948,7 @@ def main(argv=None) -> int:
         if gpu_grpo.read_results(out).get("setup", {}).get("status") != "ok":
             print((out / "log.txt").read_text()[-3000:])
             return 1
-    refs = References(W, a.set)
+    refs = References(W, a.set, carried=Path(a.references) if a.references else None, export=out / "references.json")
     walls = []  # this call's unbroken runs: what the next case is measured against
     for lay in layouts:
         todo = list(cases)
@@ -864,7 +956,7 @@ def main(argv=None) -> int:
             todo.insert(0, "unbroken-a")  # a fault case needs the reference of this machine
         elif refs.get(lay) is not None:
             walls.append(refs.get(lay)["wall_s"])
-            if "unbroken-a" in todo and len(todo) > 1:
+            if "unbroken-a" in todo and len(todo) > 1 and not refs.get(lay).get("carried"):
                 todo.remove("unbroken-a")  # kept from an earlier call on this machine
         for case in todo:
             left = deadline - (time.monotonic() - t_start)

@@ -295,6 +295,39 @@ def test_ray_faults_costs_a_setting_against_every_plain_unbroken_run_on_the_same
     assert got["step_cost_pct"] == -10.0 and got["plain_steady_train_s"] == 1.1 and got["train_cost_pct"] == -20.0
 
 
+def test_ray_faults_carries_a_reference_to_another_machine_by_digests(tmp_path, monkeypatch):
+    """A reference from another machine (OUT/references.json): its tensors by sha256 (one bf16 ulp, or -0.0 for 0.0,
+    is a difference), its step trace as JSON lines read back as recorded; taken only for this --set group on GPUs
+    of the same model with the same torch."""
+    import torch
+    sys.path.insert(0, str(ROOT / "bench"))
+    import grad_trace
+    import ray_faults as rf
+
+    w = torch.randn(64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    moved = w.clone()
+    moved.view(torch.int16)[3] += 1  # one bf16 ulp
+    state = {"model.w": w, "optimizer.m": torch.zeros(8)}
+    fps = rf.tensor_fingerprints(state)
+    assert rf.compare_fingerprints(rf.tensor_fingerprints({k: v.clone() for k, v in state.items()}), fps)["bitwise"]
+    other = rf.compare_fingerprints(rf.tensor_fingerprints({"model.w": moved, "optimizer.m": -torch.zeros(8)}), fps)
+    assert not other["bitwise"] and other["differ_count"] == 2 and other["max_abs_delta"] is None
+    trace = {("params", 0, 0, 0): {"w": "1:2"}, ("grads-local", 1, 1, 0): {"w": "3:4"}}
+    assert grad_trace.from_lines(json.loads(json.dumps(grad_trace.to_lines(trace)))) == trace
+
+    carried = tmp_path / "references.json"
+    entry = {"gpu_models": ["H"], "torch": rf.torch_version(), "checkpoint_fingerprints": fps, "wall_s": 3.0}
+    carried.write_text(json.dumps({"colocated": entry, "colocated+train.deterministic=false": {**entry, "wall_s": 4.0}}))
+    monkeypatch.setattr(rf, "gpu_models", lambda: ["H"])
+    monkeypatch.setattr(rf, "gpu_ids", lambda: ["uuid-here"])
+    plain = rf.References(tmp_path / "work", sets=[], carried=carried)
+    assert plain.get("colocated")["carried"] and plain.get("colocated")["wall_s"] == 3.0
+    assert plain.get("split") is None
+    assert rf.References(tmp_path / "work", ["train.deterministic=false"], carried=carried).get("colocated")["wall_s"] == 4.0
+    monkeypatch.setattr(rf, "gpu_models", lambda: ["another GPU"])
+    assert plain.get("colocated") is None
+
+
 def test_engine_repeat_compares_fresh_processes_bit_for_bit(tmp_path):
     """bench/engine_repeat.py's verdict (the engine's bits from one fresh process to the next): a section is compared
     with the first of its variant, and each variant's first with plain's; one ulp of one log-prob is not equal, and
