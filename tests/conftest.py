@@ -152,6 +152,8 @@ def pytest_sessionfinish(session, exitstatus):
     import sys
     if "runtime.rewards.timeout" in sys.modules:  # this process's reward workers, what its atexit would stop
         sys.modules["runtime.rewards.timeout"].shutdown_pool()
+    if "torch._inductor.async_compile" in sys.modules:  # Inductor's compile workers (a GPU test compiled), likewise
+        sys.modules["torch._inductor.async_compile"].shutdown_compile_workers()
     deadline = time.monotonic() + LEFTOVER_GRACE_S
     left = _session_processes()
     while left and time.monotonic() < deadline:  # those already exiting (a server told to stop, Ray's workers)
