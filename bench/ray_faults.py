@@ -633,10 +633,11 @@ class References:
         return self._tensors[layout]
 
 
-def compare_with(res: dict, ref: dict, ref_tensors=None) -> dict:
+def compare_with(res: dict, ref: dict, ref_tensors=None, run_tensors=None) -> dict:
     """A finished case against a reference: its facts, final tensors (bitwise, else max |delta| per tensor; a carried
     reference: by fingerprint), step trace and tuned kernels."""
-    run_tensors = checkpoint_tensors(res["facts"]["final_checkpoint"])
+    if run_tensors is None:
+        run_tensors = checkpoint_tensors(res["facts"]["final_checkpoint"])
     if ref.get("carried"):
         checkpoint = compare_fingerprints(tensor_fingerprints(run_tensors), ref["checkpoint_fingerprints"])
         trace, tuned = grad_trace.from_lines(ref["grad_trace"]), ref["tuned"]
@@ -659,7 +660,7 @@ def sec_case(S, W: Path, layout: str, case: str, refs: References, limit_s: floa
         refs.put(layout, res)
         # against another machine's unbroken-a: whether a reference carried between machines holds bit for bit
         res["vs_reference"] = None
-        res["vs_carried"] = compare_with(res, carried) if carried else None
+        res["vs_carried"] = compare_with(res, carried, run_tensors=refs.tensors(layout)) if carried else None
     else:
         ref = refs.get(layout)
         res["vs_reference"] = compare_with(res, ref, None if ref.get("carried") else refs.tensors(layout))
@@ -953,7 +954,7 @@ def main(argv=None) -> int:
     for lay in layouts:
         todo = list(cases)
         if refs.get(lay) is None and "unbroken-a" not in todo:
-            todo.insert(0, "unbroken-a")  # a fault case needs the reference of this machine
+            todo.insert(0, "unbroken-a")  # a fault case needs a reference: this machine's or a carried one
         elif refs.get(lay) is not None:
             walls.append(refs.get(lay)["wall_s"])
             if "unbroken-a" in todo and len(todo) > 1 and not refs.get(lay).get("carried"):
