@@ -41,7 +41,8 @@ Shapes (GPU): the random Qwen3-0.6B-shaped model (bf16) of ray_pipeline's setup,
 8 prompts x 8 samples, 256-token prompts, <= 2048 new tokens, each sample stopped at the keyed schedule
 scaled to that cap (log-normal, median 425, sigma 0.8: bench/keyed_lengths), eval 8 prompts x 2 samples
 of <= 256 tokens. Layouts as ray_pipeline: `colocated` (trainer DP 2, one engine per GPU sharing it, CUDA
-IPC), `split` (trainer GPU 0, engine GPU 1, NCCL broadcast). CPU: the tiny model, ray_pipeline's CPU sets.
+IPC), `split` (trainer GPU 0, engine GPU 1, NCCL broadcast). CPU: the tiny model, ray_pipeline's CPU sets; its
+split keeps the engine's actor apart from the trainer's (not colocated), as on GPUs.
 
 On nvidia-h100-x2 (carry `.carry`, made here by `python3 bench/gpu_carry.py prepare`; every command begins
 `[ -d /tmp/site/ray ] || python3 bench/gpu_carry.py install; export PYTHONPATH=/tmp/site:$PYTHONPATH

@@ -62,7 +62,7 @@ LAYOUTS = {
     "colocated": {"gpu": {"colocate": True, "trainer_gpus": 2, "rollout_gpus": 2},
                   "cpu": {"colocate": True, "trainer_gpus": 0, "rollout_gpus": 0}},
     "split": {"gpu": {"colocate": False, "trainer_gpus": 1, "rollout_gpus": 1},
-              "cpu": {"colocate": True, "trainer_gpus": 0, "rollout_gpus": 0}},
+              "cpu": {"colocate": False, "trainer_gpus": 0, "rollout_gpus": 0}},
     # what most users run: one GPU, the default local backend (the trainer and the engine in the driver)
     "one-gpu": {"gpu": {"backend": "local", "colocate": True, "trainer_gpus": 1, "rollout_gpus": 1},
                 "cpu": {"backend": "local", "colocate": True, "trainer_gpus": 0, "rollout_gpus": 0}},
