@@ -76,14 +76,24 @@ def _tail(path: Path, n: int = 60) -> str:
 
 class _Api:
     """The server's REST API. Like Prefect's own client, retry 429/502/503: the SQLite-backed server answers
-    503 when its database is briefly locked on a busy machine."""
+    503 when its database is briefly locked on a busy machine. A request may also wait out the server's own lock
+    timeout (60 s: its worker heartbeats and queue marking contend for SQLite's one writer, PrefectHQ/prefect#17566
+    and #23051; seen once here, a GET held past 30 s): the client waits longer than that, and a GET (never a write,
+    which may have been applied) asks again once."""
 
     def __init__(self, url: str):
-        self.client = httpx.Client(base_url=url, timeout=30)
+        self.client = httpx.Client(base_url=url, timeout=90)
 
     def request(self, method: str, path: str, **kw) -> httpx.Response:
+        timeouts = 0
         for _ in range(40):
-            r = self.client.request(method, path, **kw)
+            try:
+                r = self.client.request(method, path, **kw)
+            except httpx.TimeoutException:
+                timeouts += 1
+                if method != "GET" or timeouts > 1:
+                    raise
+                continue
             if r.status_code not in (429, 502, 503):
                 break
             time.sleep(0.5)
