@@ -258,25 +258,27 @@ def _probe() -> dict | None:
         return None
 
 
-def gpu_ids() -> list[str]:
-    """This machine's GPUs by UUID, found without a CUDA context in this process, so that `gpu_apps` lists
-    only what the runs left; ["cpu"] without GPUs."""
+def _gpu_field(smi_field: str, probe_key: str) -> list[str]:
+    """One field per GPU, by nvidia-smi or else a fresh process (no CUDA context here); ["cpu"] without GPUs."""
     if shutil.which("nvidia-smi") is not None:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True, text=True)
+        r = subprocess.run(["nvidia-smi", f"--query-gpu={smi_field}", "--format=csv,noheader"], capture_output=True,
+                           text=True)
         return [line.strip() for line in r.stdout.splitlines() if line.strip()] or ["cpu"]
     import importlib.util
     if importlib.util.find_spec("torch") is None:
         return ["cpu"]
-    probe = _probe()
-    return (probe or {}).get("uuids") or ["cpu"]
+    return (_probe() or {}).get(probe_key) or ["cpu"]
+
+
+def gpu_ids() -> list[str]:
+    """This machine's GPUs by UUID, found without a CUDA context in this process, so that `gpu_apps` lists
+    only what the runs left; ["cpu"] without GPUs."""
+    return _gpu_field("uuid", "uuids")
 
 
 def gpu_models() -> list[str]:
-    """This machine's GPU models (nvidia-smi's names), what a reference carried from another machine must match."""
-    if shutil.which("nvidia-smi") is not None:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
-        return [line.strip() for line in r.stdout.splitlines() if line.strip()] or ["cpu"]
-    return ["cpu"] if gpu_ids() == ["cpu"] else (_probe() or {}).get("names") or ["?"]
+    """This machine's GPU models (their names), what a reference carried from another machine must match."""
+    return _gpu_field("name", "names")
 
 
 def torch_version() -> str:
