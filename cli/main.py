@@ -87,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check a config and print the plan")
     v.add_argument("config")
     v.add_argument("--gpu-mem-gb", type=_positive_gib, default=None,
-                   help="GPU memory of the target machine in GiB (default: cluster.gpu_memory_gb, else 80); "
+                   help="GPU memory of the target machine in GiB (default: cluster.gpu_memory_gb, else this machine's GPU, "
+                        "else 80); "
                         "a config that does not fit is an error (exit 2) naming settings that would")
     v.add_argument("--host-mem-gb", type=_positive_gib, default=None,
                    help="host (CPU) memory of one target node in GiB (default: cluster.host_memory_gb, else 1.6 GiB "

@@ -20,6 +20,13 @@ def resolve_device(cfg: GrpoConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def this_machine_gpu_gb() -> float | None:
+    """The memory of this machine's first GPU in GiB (to 0.1), None where this process sees none."""
+    if not torch.cuda.is_available():
+        return None
+    return round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+
+
 def resolve_dtype(cfg: GrpoConfig, device: str) -> str:
     """`model.dtype`, with "auto" meaning bf16 on a GPU and fp32 on the CPU."""
     if cfg.model.dtype != "auto":

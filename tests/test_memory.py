@@ -586,3 +586,32 @@ def test_an_engine_in_a_process_of_its_own_counts_a_second_context_and_slack():
     assert one["overhead"] == split["overhead"] == OVERHEAD_BYTES / GIB
     assert ray["overhead"] == spawned["overhead"] == 2 * OVERHEAD_BYTES / GIB
     assert ray["at_rollout"] - one["at_rollout"] == pytest.approx(OVERHEAD_BYTES / GIB)
+
+
+def test_a_run_and_its_resume_plan_for_the_card_the_frozen_pool_was_sized_for(monkeypatch):
+    """cluster.gpu_memory_gb unset on a machine with a GPU: the KV pool frozen into the run and the check before a
+    run (or its resume) plan for this machine's card; an H200's pool was refused on resume as not fitting the 80 GiB
+    assumed. The frozen config on an 80 GiB card is a one-line error naming a pool that fits."""
+    import types
+
+    import torch
+
+    from runtime.config import load_config
+    from runtime.errors import ConfigError
+    from runtime.grpo.preflight import check_fits
+    from runtime.run.frozen_config import with_plan_choices
+
+    def machine_with(gib):  # no GPU here: the card torch reports
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda i: types.SimpleNamespace(total_memory=int(gib * 2**30)))
+
+    cfg = load_config(ROOT / "configs" / "qwen3-0.6b-dapo.yaml", ["cluster.gpu_memory_gb=null"])
+    machine_with(139.8)
+    check_fits(cfg)
+    frozen = with_plan_choices(cfg)
+    assert frozen.rollout.kv_cache_gb > 80
+    check_fits(frozen)  # what `grpoflow resume` checks first
+    machine_with(80)
+    with pytest.raises(ConfigError, match=r"needs .* GiB per GPU but the GPU has 80 GiB.* fits with rollout\.kv_cache_gb="):
+        check_fits(frozen)

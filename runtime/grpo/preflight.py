@@ -30,7 +30,7 @@ def check_this_machine(cfg: GrpoConfig) -> None:
 
 def check_fits(cfg: GrpoConfig) -> None:
     """Raise ConfigError (one line naming settings that would fit) when the memory plan says the run
-    does not fit `cluster.gpu_memory_gb` (80 GiB when unset)."""
+    does not fit `cluster.gpu_memory_gb` (when unset: this machine's GPU, 80 GiB without one)."""
     from runtime.errors import ConfigError
     from runtime.plan.summary import memory_report
     _, does_not_fit = memory_report(cfg)

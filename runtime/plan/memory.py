@@ -104,7 +104,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from runtime.devices import resolve_dtype
+from runtime.devices import resolve_dtype, this_machine_gpu_gb
 from runtime.placement import layout
 from runtime.plan import host_memory
 from runtime.mcore import fusions as megatron_fusions
@@ -737,10 +737,16 @@ def offload_enabled(cfg, device: str | None = None) -> bool:
 
 
 def target_gpu_memory_gb(cfg, override: float | None = None) -> float:
-    """The plan's GPU memory: ``--gpu-mem-gb``, else ``cluster.gpu_memory_gb``, else 80."""
+    """The plan's GPU memory: ``--gpu-mem-gb``, else ``cluster.gpu_memory_gb``, else for a GPU run this machine's
+    GPU (a run on one node trains there), else 80. The check before a run and the choices frozen into it
+    (``rollout.kv_cache_gb``) both plan for this card: a pool sized for an H200 was refused on resume as not
+    fitting 80 GiB."""
     if override is not None:
         return float(override)
-    return float(cfg.cluster.gpu_memory_gb) if cfg.cluster.gpu_memory_gb is not None else 80.0
+    if cfg.cluster.gpu_memory_gb is not None:
+        return float(cfg.cluster.gpu_memory_gb)
+    local = this_machine_gpu_gb() if config_device(cfg) == "cuda" else None
+    return local if local is not None else 80.0
 
 
 def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:

@@ -395,7 +395,8 @@ class PagedDecoder(FusedModel):
                           f"{gib(free)} free"]
                 card.append(f"the device has {gib(total)}")
         card.append(f"the plan is for a {self.gpu_memory_gb:g} GiB card (cluster.gpu_memory_gb)"
-                    if self.gpu_memory_gb is not None else "cluster.gpu_memory_gb unset (the plan assumes 80 GiB)")
+                    if self.gpu_memory_gb is not None else
+                    "cluster.gpu_memory_gb unset (the plan took the GPU of the machine the run started on, else 80 GiB)")
         return MemoryPlanError(
             f"rollout engine: out of device memory on {dev}" + (f" (tried to allocate {asked.group(1)})" if asked else "")
             + f" ({type(error).__name__}): " + "; ".join(parts) + "; " + ", ".join(card)

@@ -65,23 +65,20 @@ def with_plan_choices(cfg: GrpoConfig) -> GrpoConfig:
     """``cfg`` with what the memory plan chooses for the settings it leaves open (``rollout.kv_cache_gb`` on a
     GPU: runtime/plan/memory.py ``plan_choices``), when the target GPU's memory is known (``cluster.gpu_memory_gb``,
     or this machine's GPU) and the model's config is at hand (local dir, HF cache, or a shipped known config)."""
+    from runtime.devices import this_machine_gpu_gb
     from runtime.plan.memory import config_device, plan_choices
     from runtime.plan.summary import model_config_for_plan
     if config_device(cfg) != "cuda" or cfg.rollout.kv_cache_gb is not None:
         return cfg
-    gpu = cfg.cluster.gpu_memory_gb
-    if gpu is None:
-        import torch
-        if not torch.cuda.is_available():
-            return cfg
-        gpu = torch.cuda.get_device_properties(0).total_memory / 2**30
+    if cfg.cluster.gpu_memory_gb is None and this_machine_gpu_gb() is None:
+        return cfg  # the card is not known here: the engine sizes its pool on its own
     try:
         hf_config, _ = model_config_for_plan(cfg.model.source)
     except Exception:  # noqa: BLE001 - not at hand before the fetch: the engine sizes its pool itself
         return cfg
     if hf_config is None:
         return cfg
-    choices = plan_choices(cfg, hf_config, gpu)
+    choices = plan_choices(cfg, hf_config)  # for the card check_fits plans for
     if not choices:
         return cfg
     tree = cfg.model_dump(mode="json")
