@@ -8,17 +8,23 @@ trainer rank appends a line per stage to ``<folder>/rank<dp>-<tp>-<pid>.jsonl``:
 are complete: resident, not yet stepped), ``grads-local`` (every micro-batch's backward done, before
 ``finalize_model_grads``) and ``grads-reduced`` (after it), keyed by the optimizer steps done so far. A fingerprint
 is two exact integer sums over the tensor's bits (summed on its device in int64: the same whatever the order), so
-equal bits give equal fingerprints and one flipped bit changes them.
+equal bits give equal fingerprints and one flipped bit changes them. Before them, ``batch``: what the rank was handed
+to train on, each sample's tokens and the engine's log-probs of them apart (``tokens/7``, ``rollout_logprobs/7``),
+with its advantages: a step whose batch differs says so there (other tokens, or the same tokens with other
+log-probs: the engine), where the mean length and reward of a rollout cannot (the bench's keyed lengths and
+length reward make them equal whatever the tokens).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import struct
 import threading
 from pathlib import Path
 
 ENV = "GRPOFLOW_BENCH_GRAD_TRACE"
-STAGES = ("params", "grads-local", "grads-reduced")
+STAGES = ("batch", "params", "grads-local", "grads-reduced")
 _CHUNK = 1 << 24
 _INT_OF = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 
@@ -37,12 +43,25 @@ def fingerprint(t) -> str:
     return f"{plain}:{weighted}"
 
 
-def _record(trainer, stage: str, folder: Path) -> None:
-    digests = {}
-    for name, p in trainer.model.named_parameters():
-        if stage == "params":
-            digests[name] = fingerprint(p)
-        else:
+def batch_digests(batch) -> dict[str, str]:
+    """Each sample's tokens and rollout log-probs (their float bits), and the advantages, as sha256 prefixes."""
+    def floats(xs) -> str:
+        return hashlib.sha256(struct.pack(f"<{len(xs)}d", *xs)).hexdigest()[:16]
+    out = {"advantages": floats(batch.advantages)}
+    for i, (tokens, logprobs) in enumerate(zip(batch.tokens, batch.rollout_logprobs)):
+        out[f"tokens/{i}"] = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+        out[f"rollout_logprobs/{i}"] = floats(logprobs)
+    return out
+
+
+def _record(trainer, stage: str, folder: Path, batch=None) -> None:
+    if stage == "batch":
+        digests = batch_digests(batch)
+    elif stage == "params":
+        digests = {name: fingerprint(p) for name, p in trainer.model.named_parameters()}
+    else:
+        digests = {}
+        for name, p in trainer.model.named_parameters():
             g = getattr(p, "main_grad", None)
             g = p.grad if g is None else g
             if g is not None:
@@ -63,6 +82,7 @@ _CURRENT = threading.local()
 
 def _train(self, batch):
     _CURRENT.trainer = self
+    _record(self, "batch", Path(os.environ[ENV]), batch)
     try:
         return _PLAIN["train"](self, batch)
     finally:

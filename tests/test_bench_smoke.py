@@ -232,6 +232,15 @@ def test_grad_trace_fingerprints_tell_one_ulp_and_place_the_first_difference():
     first = gt.first_difference(run, ref)["first"]
     assert (first["step"], first["stage"], first["parameters"]) == (1, "grads-local", ["k"])
     assert first["differ_at_that_step"] == {"params/dp0/tp0": 0, "grads-local/dp0/tp0": 1, "grads-reduced/dp0/tp0": 1}
+    # what a rank trained on, sample by sample: the same tokens with one log-prob an ulp apart is the engine's
+    from runtime.trainer.batch import TrainBatch
+    batch = TrainBatch(tokens=[[1, 2, 3], [1, 2, 4]], prompt_lens=[1, 1], advantages=[0.5, -0.5],
+                       loss_masks=[[1, 1], [1, 1]], rollout_logprobs=[[-0.25, -1.5], [-0.75, -2.0]])
+    nudged = TrainBatch(**{**batch.__dict__, "rollout_logprobs": [[-0.25, -1.5], [-0.75, float(torch.nextafter(
+        torch.tensor(-2.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)))]]})
+    run[("batch", 1, 0, 0)], ref[("batch", 1, 0, 0)] = gt.batch_digests(nudged), gt.batch_digests(batch)
+    first = gt.first_difference(run, ref)["first"]
+    assert (first["step"], first["stage"], first["parameters"]) == (1, "batch", ["rollout_logprobs/1"])
 
 
 def test_ray_faults_names_the_kernels_whose_timed_configuration_differs_from_the_reference(tmp_path):
@@ -352,3 +361,14 @@ def test_engine_repeat_compares_fresh_processes_bit_for_bit(tmp_path):
     assert ulp_vs_plain["same_tokens"] and not ulp_vs_plain["engine_bitwise"] and ulp_vs_plain["trainer_bitwise"]
     assert 0 < ulp_vs_plain["engine_max_abs"] < 1e-15
     assert got["gen-timed-b vs gen-timed-a"]["tokens_differ_rows"] == 1
+
+
+def test_ray_faults_reads_each_recompile_and_alert_once_whatever_colour_a_worker_gave_its_line():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import ray_faults as rf
+
+    line = "Recompiling function head in /w/runtime/rollout/decode_model.py:329"
+    text = "\n".join([f"(TrainerActor pid=7) {line}", f"\x1b[36m(EngineActor pid=8)\x1b[0m {line}\x1b[32m",
+                      "UserWarning: embedding_dense_backward does not have a deterministic implementation"])
+    assert rf.log_signals(text) == {"nondeterministic_ops": ["embedding_dense_backward"],
+                                    "recompiled": ["head (/w/runtime/rollout/decode_model.py:329)"]}
