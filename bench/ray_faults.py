@@ -85,8 +85,8 @@ First GPU kills, colocated, `train.deterministic` on (the default), each against
 - trainer-kill (2 x H100): the final checkpoint bitwise equal, 40 of 40 tensors.
 - engine-kill (2 x H200): every model tensor bitwise equal; 2 of 40 tensors 1 ulp off, Adam's two moments of the k
   norm weights (exp_avg max |delta| 2.96e-12 of 6.75e-5, exp_avg_sq 1.6e-17 of 5.5e-9).
-Both: same samples, metric points, registered versions and best alias, MLflow FINISHED, lease released, no
-process left, no GPU app. engine-kill again (2 x H100, 2026-11-27,
+Both: same response lengths and rewards, metric points, registered versions and best alias, MLflow FINISHED, lease
+released, no process left, no GPU app. engine-kill again (2 x H100, 2026-11-27,
 results/ray_faults_NVIDIA_H100_80GB_HBM3_2026-11-27_colocated-engine-kill-timed-engine.json): 3.81e-6 off on the
 weights, 35 tensors, and the step trace put the first difference at step 0's local gradients, before the kill, with
 step 0's TIS weights different and its entropy and loss not: the two runs' rollout log-probs differed with the same
@@ -448,12 +448,14 @@ def run_case(S, W: Path, layout: str, case: str, limit_s: float, sets: list[str]
 
 ALERT = re.compile(r"UserWarning: (\S.*?) does not have a deterministic implementation")
 RECOMPILE = re.compile(r"Recompiling function (\S+) in (\S+)")
+COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # a Ray worker's log prefix colours some lines
 
 
 def log_signals(text: str) -> dict:
     """What the run's processes said about their kernels: torch's alerts (warn-only deterministic mode ran an op
     without a deterministic kernel) and dynamo's recompiles (a graph traced again, whose kernels Inductor sized
     from other shapes), each once per op or function."""
+    text = COLOUR.sub("", text)
     return {"nondeterministic_ops": sorted({m.group(1)[:200] for m in ALERT.finditer(text)}),
             "recompiled": sorted({f"{m.group(1)} ({m.group(2)})"[:200] for m in RECOMPILE.finditer(text)})}
 
@@ -572,7 +574,7 @@ def compare_facts(f: dict, ref: dict) -> dict:
             "same_registry": [(v["rollout"], v["source"]) for v in f["registry"]]
             == [(v["rollout"], v["source"]) for v in ref["registry"]] and all(v["source_exists"] for v in f["registry"]),
             "same_best": f["best_rollout"] == ref["best_rollout"],
-            "same_samples": [(r.get("response_len_mean"), r.get("reward_mean")) for r in f["rollouts"]]
+            "same_lengths_and_rewards": [(r.get("response_len_mean"), r.get("reward_mean")) for r in f["rollouts"]]
             == [(r.get("response_len_mean"), r.get("reward_mean")) for r in ref["rollouts"]],
             "ended_clean": f["final_rollout"] == ref["final_rollout"] and not f["lease_held"]
             and not f["temp_leftovers"] and f["mlflow_status"] == "FINISHED" and f["mlflow_runs"] == 1}
@@ -810,7 +812,8 @@ def summarize(res: dict, env: dict | None) -> dict:
         if carried := r.get("vs_carried"):  # this machine's unbroken-a against another machine's
             row[case]["vs_another_machine"] = {
                 "bitwise": carried["checkpoint"]["bitwise"], "tensors_differ": carried["checkpoint"]["differ_count"],
-                "first_step_difference": carried["grad_trace"]["first"], "same_samples": carried.get("same_samples"),
+                "first_step_difference": carried["grad_trace"]["first"],
+                "same_lengths_and_rewards": carried.get("same_lengths_and_rewards"),
                 "same_metric_points": carried["same_metric_points"], "metric_values_differ": carried["metric_values_differ"]}
     for row in out["layouts"].values():
         floor = row.get("unbroken-b") or {}
