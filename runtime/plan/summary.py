@@ -121,7 +121,8 @@ def memory_report(cfg: GrpoConfig, gpu_mem_gb: float | None = None,
                   host_mem_gb: float | None = None) -> tuple[list[str], str | None]:
     """The per-GPU and per-node host memory plan (no download) as lines, and None when it fits, else the one-line
     error naming the settings that would fit. ``gpu_mem_gb``: ``--gpu-mem-gb``, else ``cluster.gpu_memory_gb``,
-    else this machine's GPU, else 80; ``host_mem_gb``: ``--host-mem-gb``, else ``cluster.host_memory_gb``, else 1.6 x the node's GPU memory."""
+    else this machine's GPU, else 80; ``host_mem_gb``: ``--host-mem-gb``, else ``cluster.host_memory_gb``, else 1.6 x
+    the node's GPU memory."""
     from runtime.plan.memory import format_estimate, plan_choices
     est, hf_config = memory_plan(cfg, gpu_mem_gb, host_mem_gb)
     if est is None:
