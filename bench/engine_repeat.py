@@ -15,7 +15,7 @@ setting), `det` (torch's deterministic mode, warn-only, for the whole process fr
 one configuration per reduction, and torch's own kernels take their deterministic variants), `ind` (inductor's
 deterministic mode for the whole process: what `rollout.deterministic` gives the engine's compiled pieces).
 The engine's history, as the split layout's engine has one: `hist` generates another rollout first (the same prompts,
-the next rollout's keys, so other lengths) in the same turn, its page pool, captured CUDA graphs and compiled code
+the next rollout's keys, so other lengths) and an evaluation (2 samples a prompt, its own token cap) in the same turn, its page pool, captured CUDA graphs and compiled code
 kept, as a split engine keeps them from rollout 0 to rollout 1 (a colocated engine frees its pool and graphs after
 each turn); `histrel` the same with the pool and graphs freed between the two (compiled code kept). Against `plain`
 (a fresh engine's first rollout): on 2 x H200 (2026-11-27) a split run whose engine was rebuilt at rollout 1 (engine-
@@ -146,15 +146,21 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
     n = sess.cfg.rollout.n_samples_per_prompt
     reqs = [SampleRequest(prompt_ids=p, key=(sess.cfg.train.seed, 0, i, j)) for i, p in enumerate(prompts) for j in range(n)]
     params = SamplingParams(temperature=sess.cfg.rollout.temperature, max_new_tokens=sess.cfg.rollout.max_new_tokens)
+    # a split engine's history before rollout 1: rollout 0 (here the next rollout's keys: other lengths), then the
+    # evaluation (2 samples of each prompt, its own token cap)
     earlier = [SampleRequest(prompt_ids=r.prompt_ids, key=(r.key[0], 1, *r.key[2:])) for r in reqs]
+    evaluation = [SampleRequest(prompt_ids=p, key=(sess.cfg.train.seed, -1, i, j)) for i, p in enumerate(prompts)
+                  for j in range(2)]
+    eval_params = SamplingParams(**sess.cfg.eval_sampling())
     gens, times = [], []
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for i in range(2):  # the first compiles and tunes, the second is warm
         sync()
         t0 = time.time()
         with sess.engine_turn():
-            if i == 0 and variant in HISTORY:  # another rollout before, in this turn
+            if i == 0 and variant in HISTORY:  # another rollout and an evaluation before, in this turn
                 sess.engine.generate(earlier, params)
+                sess.engine.generate(evaluation, eval_params)
                 if variant == "histrel":
                     sess.engine.release_memory()
                     sess.engine.resume_memory()
