@@ -75,10 +75,12 @@ skips (SKIPPED, with the reason) a case that would not fit: no kill case fits be
 machine runs `--cases unbroken-a` alone and the next call, at once, one kill case. One layout (reference + 3 kills)
 is ~25 min of device time with the machine's start. Results: OUT/results.jsonl (a line per case as it ends) and
 OUT/ray_faults.json. Each case also keeps what its processes logged about their kernels (`log_signals`): torch's
-alerts where warn-only deterministic mode ran an op without a deterministic kernel, and dynamo's recompiles
-(TORCH_LOGS=recompiles, set for every run: logging only), and every trainer rank fingerprints its parameters and
-gradients at each optimizer step (bench/grad_trace.py), so a case that ends off the reference says where it first
-left it: the state a step began from, a rank's own gradients, or only the reduced ones (`first_step_difference`).
+alerts where warn-only deterministic mode ran an op without a deterministic kernel, and dynamo's recompiles with the
+guards that failed (TORCH_LOGS=recompiles, set for every run: logging only: a split run's engine recompiles its
+head, post and sampler, a colocated one does not), and every trainer rank fingerprints what it trained on, its
+parameters and gradients at each optimizer step (bench/grad_trace.py), so a case that ends off the reference says
+where it first left it: the batch a step trained on, the state it began from, a rank's own gradients, or only the
+reduced ones (`first_step_difference`).
 
 First GPU kills, colocated, `train.deterministic` on (the default), each against an unbroken-a of its own machine
 (results/ray_faults_*_2026-11-26_colocated-engine-kill.json and _colocated-trainer-kill.json):
@@ -449,15 +451,24 @@ def run_case(S, W: Path, layout: str, case: str, limit_s: float, sets: list[str]
 ALERT = re.compile(r"UserWarning: (\S.*?) does not have a deterministic implementation")
 RECOMPILE = re.compile(r"Recompiling function (\S+) in (\S+)")
 COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # a Ray worker's log prefix colours some lines
+GUARD_FAILED = re.compile(r"- \d+/\d+: (.+)$")
 
 
 def log_signals(text: str) -> dict:
     """What the run's processes said about their kernels: torch's alerts (warn-only deterministic mode ran an op
     without a deterministic kernel) and dynamo's recompiles (a graph traced again, whose kernels Inductor sized
-    from other shapes), each once per op or function."""
+    from other shapes), each once per op or function, with the guards whose failure traced it again (a few)."""
     text = COLOUR.sub("", text)
+    reasons: dict[str, list[str]] = {}
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if m := RECOMPILE.search(line):  # the guard that failed, a line or two below (its own Ray prefix)
+            why = next((g.group(1) for g in map(GUARD_FAILED.search, lines[i + 1:i + 4]) if g), None)
+            seen = reasons.setdefault(f"{m.group(1)} ({m.group(2)})"[:200], [])
+            if why and why[:200] not in seen and len(seen) < 5:
+                seen.append(why[:200])
     return {"nondeterministic_ops": sorted({m.group(1)[:200] for m in ALERT.finditer(text)}),
-            "recompiled": sorted({f"{m.group(1)} ({m.group(2)})"[:200] for m in RECOMPILE.finditer(text)})}
+            "recompiled": sorted(reasons), "recompile_reasons": reasons}
 
 
 # -- what a finished run left ------------------------------------------------------------------------------
@@ -886,10 +897,10 @@ def print_table(summary: dict) -> None:
                 t = r["tuned_configs"]
                 print(f"  {'':13s} autotuned by timing: {t['tuned_both']} kernels in both runs, {t['kept_another']} kept "
                       f"another configuration than the reference's")
-            for key, what in (("nondeterministic_ops", "ops without a deterministic kernel"),
-                              ("recompiled", "dynamo recompiled")):
-                if r.get(key):
-                    print(f"  {'':13s} {what}: {r[key]}")
+            if r.get("nondeterministic_ops"):
+                print(f"  {'':13s} ops without a deterministic kernel: {r['nondeterministic_ops']}")
+            if recompiled := r.get("recompile_reasons") or r.get("recompiled"):  # the reasons since 2026-11-27
+                print(f"  {'':13s} dynamo recompiled (with the guards that failed): {recompiled}")
             if r.get("left_after_driver_kill"):
                 print(f"  {'':13s} outlived the driver: {r['left_after_driver_kill']}")
             if v := r.get("vs_another_machine"):

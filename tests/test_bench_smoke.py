@@ -368,7 +368,11 @@ def test_ray_faults_reads_each_recompile_and_alert_once_whatever_colour_a_worker
     import ray_faults as rf
 
     line = "Recompiling function head in /w/runtime/rollout/decode_model.py:329"
-    text = "\n".join([f"(TrainerActor pid=7) {line}", f"\x1b[36m(EngineActor pid=8)\x1b[0m {line}\x1b[32m",
+    why = "    - 3/0: tensor 'h' size mismatch at index 0. expected 8, actual 1"
+    text = "\n".join([f"(EngineActor pid=7) {line}", "(EngineActor pid=7)     triggered by the following guard failure(s):",
+                      f"(EngineActor pid=7) {why}", f"\x1b[36m(EngineActor pid=8)\x1b[0m {line}\x1b[32m",
                       "UserWarning: embedding_dense_backward does not have a deterministic implementation"])
-    assert rf.log_signals(text) == {"nondeterministic_ops": ["embedding_dense_backward"],
-                                    "recompiled": ["head (/w/runtime/rollout/decode_model.py:329)"]}
+    assert rf.log_signals(text) == {
+        "nondeterministic_ops": ["embedding_dense_backward"], "recompiled": ["head (/w/runtime/rollout/decode_model.py:329)"],
+        "recompile_reasons": {"head (/w/runtime/rollout/decode_model.py:329)": [
+            "tensor 'h' size mismatch at index 0. expected 8, actual 1"]}}
