@@ -102,6 +102,22 @@ def session(S, W: Path, name: str, sets: list[str]):
     return TrainSession(cfg, rd)
 
 
+def recompiles() -> list[str]:
+    """From now on, each of dynamo's recompiles in this process as it logs it (the function, the guard that failed):
+    the list fills as they happen."""
+    import logging
+
+    import torch
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(" ".join(line.strip() for line in record.getMessage().splitlines()[:3])[:400])
+    torch._logging.set_logs(recompiles=True)
+    logging.getLogger("torch._dynamo").addHandler(Keep())
+    return seen
+
+
 def fresh_caches(W: Path, name: str) -> None:
     """A first run's caches: nothing compiled or tuned before (set before torch compiles anything)."""
     os.environ.update(ray_faults.compile_caches(W / "caches" / name))
@@ -154,6 +170,7 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
     eval_params = SamplingParams(**sess.cfg.eval_sampling())
     gens, times = [], []
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    recompiled = recompiles()
     for i in range(2):  # the first compiles and tunes, the second is warm
         sync()
         t0 = time.time()
@@ -186,7 +203,8 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
             "digests": {"tokens": digest_ints(dump["tokens"]), "engine": digest_floats(dump["engine"]),
                         "engine_again": digest_floats(dump["engine_again"]), "trainer": digest_floats(trainer)},
             "same_process_repeat": {"tokens": [s.response_ids for s in gens[1]] == dump["tokens"],
-                                    "engine_logprobs": dump["engine_again"] == dump["engine"]}}
+                                    "engine_logprobs": dump["engine_again"] == dump["engine"]},
+            "recompiles": recompiled}
 
 
 def _max_abs(a: list[list[float]], b: list[list[float]]) -> float | None:
@@ -244,6 +262,8 @@ def print_table(summary: dict) -> None:
         if n.startswith("gen-"):
             print(f"  {n:12s} {r.get('status')}  warm {r.get('warm_tok_s')} tok/s  gen_s {r.get('gen_s')}  "
                   f"digests {r.get('digests')}  same-process repeat {r.get('same_process_repeat')}  {r.get('error', '')}")
+            for line in r.get("recompiles") or []:
+                print(f"  {'':12s} recompiled: {line}")
         elif n.startswith("step-"):
             print(f"  {n:14s} {r.get('status')}  step_time_s {r.get('step_time_s')}  train_time_s "
                   f"{r.get('train_time_s')}  {r.get('error', '')}")
