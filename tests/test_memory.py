@@ -588,15 +588,17 @@ def test_an_engine_in_a_process_of_its_own_counts_a_second_context_and_slack():
     assert ray["at_rollout"] - one["at_rollout"] == pytest.approx(OVERHEAD_BYTES / GIB)
 
 
-def test_a_run_and_its_resume_plan_for_the_card_the_frozen_pool_was_sized_for(monkeypatch):
+def test_a_run_and_its_resume_plan_for_the_card_the_frozen_pool_was_sized_for(monkeypatch, tmp_path, capsys):
     """cluster.gpu_memory_gb unset on a machine with a GPU: the KV pool frozen into the run and the check before a
     run (or its resume) plan for this machine's card; an H200's pool was refused on resume as not fitting the 80 GiB
-    assumed. The frozen config on an 80 GiB card is a one-line error naming a pool that fits."""
+    assumed. The frozen config on an 80 GiB card is a one-line error naming a pool that fits; `grpoflow validate`
+    of the frozen config says the same."""
     import types
 
     import torch
 
-    from runtime.config import load_config
+    from cli.main import main
+    from runtime.config import dump_config, load_config
     from runtime.errors import ConfigError
     from runtime.grpo.preflight import check_fits
     from runtime.run.frozen_config import with_plan_choices
@@ -612,6 +614,13 @@ def test_a_run_and_its_resume_plan_for_the_card_the_frozen_pool_was_sized_for(mo
     frozen = with_plan_choices(cfg)
     assert frozen.rollout.kv_cache_gb > 80
     check_fits(frozen)  # what `grpoflow resume` checks first
+    frozen_file = tmp_path / "config.yaml"
+    frozen_file.write_text(dump_config(frozen))
+    assert main(["validate", str(frozen_file)]) == 0
+    assert " GiB of 139.8 GiB" in capsys.readouterr().out
     machine_with(80)
     with pytest.raises(ConfigError, match=r"needs .* GiB per GPU but the GPU has 80 GiB.* fits with rollout\.kv_cache_gb="):
         check_fits(frozen)
+    assert main(["validate", str(frozen_file)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the GPU has 80 GiB" in err[0] and "rollout.kv_cache_gb=" in err[0]
