@@ -103,8 +103,9 @@ def session(S, W: Path, name: str, sets: list[str]):
 
 
 def recompiles() -> list[str]:
-    """From now on, each of dynamo's recompiles in this process as it logs it (the function, the guard that failed):
-    the list fills as they happen."""
+    """From now on, each of dynamo's recompiles in this process as it logs it (the function, the guard that failed),
+    and its warnings (e.g. a function past its recompile limit, run eagerly from then on): the list fills as they
+    happen."""
     import logging
 
     import torch
