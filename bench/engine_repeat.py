@@ -60,9 +60,8 @@ import norm_history  # noqa: E402  (the trainer's norm as it was compiled before
 import ray_faults  # noqa: E402  (its shapes and configs)
 import ray_pipeline as rp  # noqa: E402  (the keyed-length hook, the converted inputs)
 
-VARIANTS = ("plain", "timed", "det", "ind", "hist", "histrel", "histp", "cold", "coldhistp")
-HISTORY = ("hist", "histrel", "histp", "coldhistp")
-COLD = ("cold", "coldhistp")  # each compiled piece first compiled on the call that comes (as before 2026-11-27)
+VARIANTS = ("plain", "timed", "det", "ind", "hist", "histrel")
+HISTORY = ("hist", "histrel")
 STEP_VARIANTS = ("plain", "tnorm")
 SECTIONS = ("setup", *(f"gen-{v}-{r}" for v in VARIANTS for r in "ab"),
             *(f"step-{v}-{r}" for v in STEP_VARIANTS for r in "ab"))
@@ -155,27 +154,18 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
     elif variant == "ind":
         import torch._inductor.config as inductor_config
         inductor_config.deterministic = True
-    if variant in COLD:
-        import runtime.rollout.decode_model as decode_model
-        import runtime.rollout.keyed_sampling as keyed_sampling
-        decode_model.on_fixed_rows = keyed_sampling.on_fixed_rows = lambda fn, row_args: fn
     from runtime.rollout.base import SampleRequest, SamplingParams
     from runtime.trainer.batch import TrainBatch
     sess = session(S, W, name, ["rollout.deterministic=false"] if variant == "timed" else [])
     sess.ensure_at(None)
-    rows, after = sess.dataset.batch(sess.dataset.initial_cursor(sess.cfg.train.seed), sess.cfg.rollout.rollout_batch_size)
+    rows, _ = sess.dataset.batch(sess.dataset.initial_cursor(sess.cfg.train.seed), sess.cfg.rollout.rollout_batch_size)
     prompts = [sess.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
-    next_rows, _ = sess.dataset.batch(after, sess.cfg.rollout.rollout_batch_size)
-    next_prompts = [sess.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in next_rows]
     n = sess.cfg.rollout.n_samples_per_prompt
     reqs = [SampleRequest(prompt_ids=p, key=(sess.cfg.train.seed, 0, i, j)) for i, p in enumerate(prompts) for j in range(n)]
     params = SamplingParams(temperature=sess.cfg.rollout.temperature, max_new_tokens=sess.cfg.rollout.max_new_tokens)
     # a split engine's history before rollout 1: rollout 0 (here the next rollout's keys: other lengths), then the
     # evaluation (2 samples of each prompt, its own token cap)
     earlier = [SampleRequest(prompt_ids=r.prompt_ids, key=(r.key[0], 1, *r.key[2:])) for r in reqs]
-    if variant.endswith("histp"):  # as a split engine's rollout 0 before rollout 1: other prompts, other lengths
-        earlier = [SampleRequest(prompt_ids=p, key=(sess.cfg.train.seed, 1, i, j))
-                   for i, p in enumerate(next_prompts) for j in range(n)]
     evaluation = [SampleRequest(prompt_ids=p, key=(sess.cfg.train.seed, -1, i, j)) for i, p in enumerate(prompts)
                   for j in range(2)]
     eval_params = SamplingParams(**sess.cfg.eval_sampling())
@@ -231,10 +221,8 @@ def pairs(names: list[str]) -> list[tuple[str, str]]:
     for n in names:
         firsts.setdefault(n.split("-")[1], n)
     out = [(n, firsts[n.split("-")[1]]) for n in names if n != firsts[n.split("-")[1]]]
-    for base in ("plain", "cold"):  # the cold variants against cold's first, the others against plain's
-        if base in firsts:
-            out += [(f, firsts[base]) for v, f in firsts.items()
-                    if v != base and (v in COLD) == (base == "cold")]
+    if "plain" in firsts:
+        out += [(f, firsts["plain"]) for v, f in firsts.items() if v != "plain"]
     return out
 
 
