@@ -360,40 +360,6 @@ def test_rollout_deterministic_compiles_every_reducing_piece_with_no_timed_confi
     assert inductor_config.deterministic is False  # a real setting of inductor's, and nothing set process-wide
 
 
-def test_every_engine_compiles_each_piece_first_on_the_same_rows_whatever_it_generates_first(model_dir, hf,
-                                                                                            monkeypatch):
-    """Inductor sizes a dynamic kernel from the call that compiles it: an engine rebuilt at rollout 1 compiled
-    on rollout 1's first prefill and the unbroken one on rollout 0's, and their rollout-1 log-probs were apart
-    (2 x H200). Each compiled piece's first call is now on rows of zeros, as many as no argument's size (63
-    here), its other arguments the caller's; then the caller's call. Engines that first generate different
-    prompts compile on the same rows, and the tokens are the plain engine's."""
-    from runtime.rollout import keyed_sampling
-    from runtime.rollout.fixed_rows_compile import free_row_count
-    row_arg = {"pre": 0, "post": 0, "head": 0, "plain_sample": 0, "gumbel_noise": 0}
-    for first_prompts in (_requests()[:3], _requests()[9:]):
-        calls: list[tuple[str, int, torch.Tensor]] = []
-
-        def recording_compile(fn, **options):
-            def compiled(*args):
-                calls.append((fn.__name__, args[row_arg[fn.__name__]].shape[0], args[row_arg[fn.__name__]]))
-                return fn(*args)
-            return compiled
-        monkeypatch.setattr(torch, "compile", recording_compile)
-        monkeypatch.setattr(keyed_sampling, "_COMPILED_GUMBEL", [])
-        eng = BuiltinEngine(model_dir, decode_path="paged", max_batch_size=6, page_size=PAGE, compile_decode=True)
-        eng.generate(first_prompts, SAMPLINGS[0])
-        firsts = {}
-        for i, (name, rows, t) in enumerate(calls):
-            firsts.setdefault(name, (i, rows, t))
-        assert set(firsts) == set(row_arg)
-        for name, (i, rows, t) in firsts.items():
-            assert rows == 63 and not t.any(), name  # zeros on the fixed rows, before any real call of the piece
-            assert calls[i + 1][0] == name and calls[i + 1][1] != 63  # then the caller's own
-        _same(eng.generate(_requests(), SAMPLINGS[0]), _paged(model_dir, 6).generate(_requests(), SAMPLINGS[0]))
-        eng.shutdown()
-    assert free_row_count((torch.zeros(63, 61), 59)) == 57  # a size or an int argument is never the row count
-
-
 def test_a_failing_compiler_or_graph_capture_is_switched_off_and_the_tokens_stay(model_dir, hf, monkeypatch):
     reqs = _requests()
     plain = _paged(model_dir, rows=6)

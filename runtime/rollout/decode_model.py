@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from runtime.devices import is_out_of_memory
-from runtime.rollout.fixed_rows_compile import on_fixed_rows
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_next, uniform_noise
 from runtime.rollout.speed_features import guarded
 from runtime.rollout.lora_forward import EngineAdapters, add_lora
@@ -256,12 +255,10 @@ class FusedModel:
                 uniform_noise(torch.zeros(1, dtype=torch.long, device=self.device),
                               torch.zeros(1, dtype=torch.long, device=self.device), self.vocab)  # counters cached
                 # torch.compile compiles at a piece's first call: what fails there is the compiler's
-                # each piece first compiled on the same rows in every engine, whatever it generates first
-                def compiled(fn, row_args):
-                    return guarded("compile", on_fixed_rows(
-                        torch.compile(fn, dynamic=True, options=self.compile_options), row_args))
-                self._pre, self._post = compiled(self._pre, (0, 6, 7)), compiled(self._post, (0, 1))
-                self._head, self._plain = compiled(self._head, (0,)), compiled(plain_sample, (0, 1, 2))
+                def compiled(fn):
+                    return guarded("compile", torch.compile(fn, dynamic=True, options=self.compile_options))
+                self._pre, self._post, self._head = compiled(self._pre), compiled(self._post), compiled(self._head)
+                self._plain = compiled(plain_sample)
                 self._gumbel = guarded("compile", compiled_gumbel_noise())
             except Exception as e:  # noqa: BLE001 - no compiler: eager is correct, only slower
                 if is_out_of_memory(e):

@@ -29,8 +29,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.rollout.fixed_rows_compile import on_fixed_rows
-
 if TYPE_CHECKING:  # only for the annotation; base.py has no import of this module
     from runtime.rollout.base import SamplingParams
 
@@ -130,8 +128,8 @@ def compiled_gumbel_noise():
     adds ~5 ms for its full-vocab sort either way). Only the noise is compiled: Inductor fails on
     the top-p cumsum with a dynamic batch dimension (torch 2.11), so filtering stays eager.
     """
-    if not _COMPILED_GUMBEL:  # one per process, first compiled on the same rows whoever calls it first
-        _COMPILED_GUMBEL.append(on_fixed_rows(torch.compile(gumbel_noise, dynamic=True), (0, 1)))
+    if not _COMPILED_GUMBEL:
+        _COMPILED_GUMBEL.append(torch.compile(gumbel_noise, dynamic=True))
     return _COMPILED_GUMBEL[0]
 
 
