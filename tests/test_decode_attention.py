@@ -16,8 +16,10 @@ pytest.importorskip("triton")
 def _check_paged() -> None:
     import torch
 
-    from runtime.rollout.decode_attention import (paged_decode_attention, reference_decode_attention,
-                                                  reference_paged_decode_attention)
+    import torch.nn.functional as F
+
+    from runtime.rollout import decode_attention
+    from runtime.rollout.decode_attention import paged_decode_attention, reference_paged_decode_attention
 
     torch.manual_seed(0)
     pages, page, nkv, hd, nh = 20, 4, 2, 16, 4
@@ -52,12 +54,27 @@ def _check_paged() -> None:
         kw = dict(split_tokens=16, block_n=16)
         assert torch.equal(paged_decode_attention(q, k2, v2, table, plen, own, prefix_cols, hd ** -0.5, **kw),
                            paged_decode_attention(q, k, v, table, plen, own, prefix_cols, hd ** -0.5, **kw))
+        # a wider table (the engine widens it for the longest prompt and response it has met) changes no bit:
+        # 2 more prompt columns, 9 more own ones; split sizes that give 2 and 3 splits at the old width
+        wide = torch.zeros(5, prefix_cols + 2 + own_cols + 9, dtype=torch.int32)
+        wide[:, :prefix_cols], wide[:, prefix_cols + 2:prefix_cols + 2 + own_cols] = table[:, :prefix_cols], table[:, prefix_cols:]
+        for split_tokens in (16, 32):
+            kw = dict(split_tokens=split_tokens, block_n=16)
+            assert torch.equal(paged_decode_attention(q, k, v, wide, plen, own, prefix_cols + 2, hd ** -0.5, **kw),
+                               paged_decode_attention(q, k, v, table, plen, own, prefix_cols, hd ** -0.5, **kw))
+        for block in (16, 256):  # the reference's running softmax over 3 and 5 blocks, or one
+            decode_attention.REFERENCE_BLOCK = block
+            narrow = reference_paged_decode_attention(q.float(), k.float(), v.float(), table, plen, own, prefix_cols,
+                                                      hd ** -0.5)
+            assert torch.equal(reference_paged_decode_attention(q.float(), k.float(), v.float(), wide, plen, own,
+                                                                prefix_cols + 2, hd ** -0.5), narrow)
+            assert (narrow - ref).abs().max() < 1e-6
     # the paged reference is plain attention over [the row's prompt pages, its own pages]
     b = 1
     keys = torch.cat([k[table[b, :3].long()].reshape(-1, nkv, hd)[:10], k[table[b, 3:].long()].reshape(-1, nkv, hd)[:17]])
     vals = torch.cat([v[table[b, :3].long()].reshape(-1, nkv, hd)[:10], v[table[b, 3:].long()].reshape(-1, nkv, hd)[:17]])
-    direct = reference_decode_attention(q[b:b + 1].float(), keys[None].float(), vals[None].float(), torch.tensor([0]),
-                                        torch.tensor([27]), torch.tensor([0]), 27, hd ** -0.5)
+    keys, vals = (t.float().transpose(0, 1)[None].repeat_interleave(nh // nkv, 1) for t in (keys, vals))
+    direct = F.scaled_dot_product_attention(q[b:b + 1, :, None].float(), keys, vals, scale=hd ** -0.5)[:, :, 0]
     assert torch.allclose(ref[b:b + 1], direct, atol=1e-5)
 
 
@@ -71,3 +88,27 @@ def test_triton_kernel_matches_the_reference():
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     _check_paged()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the kernel's own reduction order: a GPU")
+def test_on_a_gpu_a_wider_table_changes_no_bit():
+    """The merge summed a row's splits in blocks sized from the table's width; a split engine whose table a
+    longer prompt had widened drew rollout 1 a few ulps from a fresh engine (2 x H200). Here 8 splits of the
+    narrow table's capacity and 9 of the wide one's, with rows of every length up to it."""
+    import torch
+
+    from runtime.rollout.decode_attention import paged_decode_attention
+    torch.manual_seed(0)
+    rows, page, nkv, hd, nh, pages = 24, 16, 8, 128, 16, 1200
+    narrow_cols, wide_extra, prefix_cols = 128, 16, 8  # 2048 positions, 2304
+    k = torch.randn(pages, page, nkv, hd, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(rows, nh, hd, device="cuda", dtype=torch.bfloat16)
+    table = torch.randint(1, pages, (rows, narrow_cols), device="cuda", dtype=torch.int32)
+    plen = torch.randint(1, prefix_cols * page, (rows,), device="cuda")
+    own = torch.randint(1, (narrow_cols - prefix_cols) * page, (rows,), device="cuda")
+    wide = torch.zeros(rows, narrow_cols + wide_extra, device="cuda", dtype=torch.int32)
+    wide[:, :prefix_cols], wide[:, prefix_cols + wide_extra:] = table[:, :prefix_cols], table[:, prefix_cols:]
+    out = paged_decode_attention(q, k, v, table, plen, own, prefix_cols, hd ** -0.5, split_tokens=256)
+    assert torch.equal(out, paged_decode_attention(q, k, v, wide, plen, own, prefix_cols + wide_extra, hd ** -0.5,
+                                                   split_tokens=256))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime.rollout import BuiltinEngine, SampleRequest, SamplingParams
-from runtime.rollout.kv_pages import PagePool, PoolExhausted, kv_bytes_per_token, kv_pool_pages
+from runtime.rollout.kv_pages import PagePool, PoolExhausted, kv_bytes_per_token, kv_pool_pages, pages_for
 
 PAGE = 4  # small pages: prompts and responses span several, and a tiny pool preempts
 
@@ -358,6 +358,24 @@ def test_rollout_deterministic_compiles_every_reducing_piece_with_no_timed_confi
         assert sorted(seen, key=str) == sorted([(n, options) for n in ("pre", "post", "head", "plain_sample")]
                                                + [("gumbel_noise", None)], key=str)
     assert inductor_config.deterministic is False  # a real setting of inductor's, and nothing set process-wide
+
+
+def test_an_engine_draws_a_fresh_engines_bits_whatever_it_generated_before(model_dir):
+    """A split engine that had generated rollout 0 and an evaluation of longer prompts drew rollout 1 a few ulps
+    from the engine rebuilt after a fault (2 x H200): its page table, widened for the longest prompt met, had
+    moved the positions the attention sums over. Here an engine that first decoded prompts of 60 tokens (15
+    pages, against 2) and a fresh one draw the same tokens and log-probs, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    short = [torch.randint(3, 100, (5,), generator=g).tolist() for _ in range(3)]
+    long = [torch.randint(3, 100, (60,), generator=g).tolist() for _ in range(2)]
+    reqs = [SampleRequest(prompt_ids=p, key=(1, 1, i, j)) for i, p in enumerate(short) for j in range(2)]
+    sampling = SamplingParams(max_new_tokens=30)
+    seasoned, fresh = _paged(model_dir, 6), _paged(model_dir, 6)
+    seasoned.generate([SampleRequest(prompt_ids=p, key=(1, -1, i, 0)) for i, p in enumerate(long)], sampling)
+    assert seasoned.decoder.prefix_cols > 2 * pages_for(5, PAGE)
+    a, b = seasoned.generate(reqs, sampling), fresh.generate(reqs, sampling)
+    assert [r.response_ids for r in a] == [r.response_ids for r in b]
+    assert [r.response_logprobs for r in a] == [r.response_logprobs for r in b]
 
 
 def test_a_failing_compiler_or_graph_capture_is_switched_off_and_the_tokens_stay(model_dir, hf, monkeypatch):

@@ -12,14 +12,15 @@ kernel merges the splits by their log-sum-exp. The caller picks the split size f
 split per row when many are active, many short ones when a few long rows are left. Every length is read
 on the device, so the launch is the same at every step and a CUDA graph can replay it.
 
-`reference_paged_decode_attention` is the same function in plain PyTorch (the pages gathered into one
-contiguous slab per row, then `reference_decode_attention`: SDPA with a mask): CPU, and the check the
-kernel is tested against.
+`reference_paged_decode_attention` is the same function in plain PyTorch (each row's positions gathered
+in order, a block at a time under a running softmax): CPU, and the check the kernel is tested against.
+
+Neither depends on the page table's width (the engine widens it for the longest prompt and response it has
+met): an engine draws the same bits whatever it generated before.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 try:  # the CPU wheel of torch comes without Triton; the engine then uses the reference
     import triton
@@ -32,22 +33,7 @@ def triton_available() -> bool:
     return triton is not None
 
 
-def reference_decode_attention(q, k_cache, v_cache, prefix_slot, prefix_len, own_len, prefix_region: int,
-                               scale: float):
-    """q [B, nh, hd]; caches [slots, S, nkv, hd]; prefix_slot/prefix_len/own_len [B] (long) -> [B, nh, hd]."""
-    b, nh, hd = q.shape
-    s_len, nkv = k_cache.shape[1], k_cache.shape[2]
-    j = torch.arange(s_len, device=q.device)
-    in_prefix = (j < prefix_region)[None, :, None, None]
-    k = torch.where(in_prefix, k_cache.index_select(0, prefix_slot), k_cache[:b])
-    v = torch.where(in_prefix, v_cache.index_select(0, prefix_slot), v_cache[:b])
-    mask = (j[None, :] < prefix_len[:, None]) | ((j[None, :] >= prefix_region)
-                                                 & (j[None, :] - prefix_region < own_len[:, None]))
-    rep = nh // nkv
-    k = k.transpose(1, 2).repeat_interleave(rep, 1)
-    v = v.transpose(1, 2).repeat_interleave(rep, 1)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale)
-    return out[:, :, 0]
+REFERENCE_BLOCK = 256  # positions per step of the reference's running softmax
 
 
 def reference_paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len, prefix_cols: int,
@@ -55,15 +41,37 @@ def reference_paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, 
     """The paged cache: q [B, nh, hd]; pools [pages, page_size, nkv, hd]; page_table [B, cols] (int) whose
     columns [0, prefix_cols) hold the row's prompt pages and the rest its own pages; prefix_len/own_len [B]
     (long) -> [B, nh, hd]. Row b attends to prompt positions [0, prefix_len[b]) and own positions
-    [0, own_len[b]), each read through its pages."""
-    b = q.shape[0]
-    page_size, nkv, hd = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
+    [0, own_len[b]), each read through its pages.
+
+    Each row's positions are taken in order from the start (its own tokens right after its prompt), in
+    blocks of `REFERENCE_BLOCK` under a running softmax: a block past every row's length leaves the result's
+    bits as they are, so how wide the table is (the engine widens it for the longest prompt and response it
+    has met) changes nothing, as it changes nothing in the kernel."""
+    b, nh, hd = q.shape
+    page_size, nkv = k_pool.shape[1], k_pool.shape[2]
     cols = page_table.shape[1]
-    rows = page_table.long()
-    k = k_pool[rows].reshape(b, cols * page_size, nkv, hd)  # each row's pages side by side: a slot per row
-    v = v_pool[rows].reshape(b, cols * page_size, nkv, hd)
-    return reference_decode_attention(q, k, v, torch.arange(b, device=q.device), prefix_len, own_len,
-                                      prefix_cols * page_size, scale)
+    k_flat, v_flat = k_pool.reshape(-1, nkv, hd), v_pool.reshape(-1, nkv, hd)
+    table = page_table.long()
+    plen, total = prefix_len[:, None], (prefix_len + own_len)[:, None]
+    qf = q.float().reshape(b, nkv, nh // nkv, hd) * scale
+    m = torch.full((b, nkv, nh // nkv), float("-inf"), device=q.device)
+    denom = torch.zeros_like(m)
+    acc = torch.zeros(b, nkv, nh // nkv, hd, device=q.device)
+    for start in range(0, cols * page_size, REFERENCE_BLOCK):
+        j = torch.arange(start, start + REFERENCE_BLOCK, device=q.device)[None, :]
+        in_prefix = j < plen
+        at = torch.where(in_prefix, j, (j - plen).clamp(min=0))  # the position within the prompt or the row's own
+        col = torch.where(in_prefix, at // page_size, prefix_cols + at // page_size).clamp(max=cols - 1)
+        slot = table.gather(1, col) * page_size + at % page_size
+        k, v = k_flat[slot].float(), v_flat[slot].float()  # [B, block, nkv, hd]
+        s = torch.einsum("bgrd,bjgd->bgrj", qf, k).masked_fill(~(j < total)[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha = torch.exp(m - m_new).nan_to_num(0.0)  # a row's first block: nothing held yet
+        p = torch.exp(s - m_new[..., None]).nan_to_num(0.0)
+        denom = denom * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + torch.einsum("bgrj,bjgd->bgrd", p, v)
+        m = m_new
+    return (acc / denom[..., None]).reshape(b, nh, hd).to(q.dtype)
 
 
 def split_tokens_for(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
@@ -160,7 +168,10 @@ def paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len, p
                            split_tokens: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                            merge_block: int = 16):
     """The kernel version of :func:`reference_paged_decode_attention` (same arguments and result); the split
-    and merge as in :func:`decode_attention`. A row holds at most `page_table.shape[1] * page_size` positions."""
+    and merge as in :func:`decode_attention`. A row holds at most `page_table.shape[1] * page_size` positions.
+    The merge sums a row's splits in blocks of `merge_block`, whatever the table's width: a block sized from
+    the width (as before 2026-11-27) summed in another order in an engine whose table a longer prompt had
+    widened, and its log-probs came out apart from a fresh engine's."""
     b, nh, hd = q.shape
     page_size, nkv = k_pool.shape[1], k_pool.shape[2]
     rep = nh // nkv
@@ -183,9 +194,9 @@ def paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len, p
     out = torch.empty(b, nh, hd, dtype=q.dtype, device=q.device)
     _merge_kernel[(b, nh)](o_part, lse, out, prefix_len, own_len, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), int(split_tokens),
-                           SPLIT_BLOCK=min(merge_block, triton.next_power_of_2(splits)), HD=hd, num_warps=4)
+                           SPLIT_BLOCK=merge_block, HD=hd, num_warps=4)
     return out
 
 
-__all__ = ["reference_decode_attention", "paged_decode_attention",
+__all__ = ["REFERENCE_BLOCK", "paged_decode_attention",
            "reference_paged_decode_attention", "split_tokens_for", "triton_available"]
