@@ -112,6 +112,81 @@ def patch(module) -> None:
     mcd.finalize_model_grads = _finalize_model_grads
 
 
+# -- the engine's side: what each generate call started from, how it was scheduled, what it drew -------------
+ENGINE_STATE = ("prefix_cols", "own_cols", "rows", "_chunk_split_tokens", "compiled", "use_graphs", "use_triton")
+ENGINE_SCHEDULE = ("prefills", "prefill_tokens", "prefill_pack_max", "decode_steps", "row_steps", "chunks",
+                   "max_active", "compactions", "preemptions", "reprefill_tokens", "peak_pages_used", "aborted",
+                   "new_tokens")
+
+
+def _engine_call_name(requests, sampling) -> str:
+    """The same call in two runs: its rollout and first sample (the samples' keys: an engine's share of a
+    rollout), size and token cap."""
+    _, rollout, prompt, sample = requests[0].key
+    return f"rollout{rollout}-from{prompt}.{sample}-n{len(requests)}-max{sampling.max_new_tokens}"
+
+
+def _engine_call_start(engine) -> dict:
+    dec = engine.decoder
+    out = {f"weights/{name}": fingerprint(t) for name, t in engine.model.state_dict().items()}
+    out.update({f"state/{k}": str(getattr(dec, k, None)) for k in ENGINE_STATE})
+    out["state/graphs"] = str(len(dec.graphs))
+    out["state/pool_used"] = str(None if dec.pool is None else dec.pool.used)
+    out["state/table"] = str(None if getattr(dec, "table", None) is None else tuple(dec.table.shape))
+    return out
+
+
+def _engine_call_end(engine, results) -> dict:
+    stats = engine.decoder.stats
+    out = {f"schedule/{k}": str(stats.get(k)) for k in ENGINE_SCHEDULE}
+    for i, r in enumerate(results):
+        out[f"tokens/{i}"] = hashlib.sha256(json.dumps(r.response_ids).encode()).hexdigest()[:16]
+        out[f"logprobs/{i}"] = hashlib.sha256(struct.pack(f"<{len(r.response_logprobs)}d",
+                                                          *r.response_logprobs)).hexdigest()[:16]
+    return out
+
+
+def _decoder_steps(self, requests, sampling):
+    """The engine's generate, recorded: stage ``engine``, the call's name as its step."""
+    name, start = _engine_call_name(requests, sampling), _engine_call_start(self)
+    results = yield from _PLAIN["decoder_steps"](self, requests, sampling)
+    line = {"stage": "engine", "step": name, "dp": 0, "tp": 0,
+            "digests": {**start, **_engine_call_end(self, results)}}
+    folder = Path(os.environ[ENV])
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"engine-{os.getpid()}.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+    return results
+
+
+def patch_engine(module) -> None:
+    """``module`` is runtime.rollout.builtin: its engine's paged generate wrapped to record (stage ``engine``)."""
+    if "decoder_steps" not in _PLAIN:
+        _PLAIN["decoder_steps"] = module.BuiltinEngine._decoder_steps
+    module.BuiltinEngine._decoder_steps = _decoder_steps
+
+
+def engine_difference(run: dict, reference: dict) -> dict:
+    """Each generate call both runs made (by name; the last process's where a rebuilt engine made it again):
+    what differs between them, grouped (the engine's weights as the call began, its state then, the call's
+    schedule, the tokens and log-probs it drew)."""
+    def calls(trace: dict) -> dict:
+        return {k[1]: v for k, v in trace.items() if k[0] == "engine"}
+    mine, theirs = calls(run), calls(reference)
+    out = {}
+    for name in sorted(set(mine) & set(theirs)):
+        a, b = mine[name], theirs[name]
+        differ = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        groups: dict = {}
+        for k in differ:
+            groups.setdefault(k.split("/")[0], []).append(k.split("/", 1)[1])
+        out[name] = {g: (v if g in ("state", "schedule") else len(v)) for g, v in groups.items()} or "same"
+        for g in ("state", "schedule"):
+            if g in groups:
+                out[name][g] = {k: (a.get(f"{g}/{k}"), b.get(f"{g}/{k}")) for k in groups[g]}
+    return out
+
+
 def read(folder: Path) -> dict:
     """(stage, step, dp, tp) -> {parameter: fingerprint}; a step recorded twice (by a killed process and its
     rebuilt successor) keeps the last process's line."""
@@ -129,7 +204,8 @@ def read(folder: Path) -> dict:
 def first_difference(run: dict, reference: dict) -> dict:
     """The first (step, stage) where ``run`` and ``reference`` differ, with the parameters that differ there, in the
     order a step makes them (the state at entry, a rank's own gradients, the reduced ones); None if none does."""
-    keys = sorted(set(run) & set(reference), key=lambda k: (k[1], STAGES.index(k[0]), k[2], k[3]))
+    keys = sorted((k for k in set(run) & set(reference) if k[0] in STAGES),
+                  key=lambda k: (k[1], STAGES.index(k[0]), k[2], k[3]))
 
     def differ(k) -> list[str]:
         return sorted(n for n in set(run[k]) | set(reference[k]) if run[k].get(n) != reference[k].get(n))

@@ -660,9 +660,12 @@ def compare_with(res: dict, ref: dict, ref_tensors=None, run_tensors=None) -> di
     else:
         checkpoint = compare_tensors(run_tensors, ref_tensors)
         trace, tuned = grad_trace.read(Path(ref["grad_trace"])), tuned_configs(Path(ref["root"]).parent)
+    run_trace = grad_trace.read(Path(res["grad_trace"]))
     return {**compare_facts(res["facts"], ref["facts"]), "checkpoint": checkpoint,
             # step by step: where the runs' parameters or gradients first differ (bench/grad_trace.py)
-            "grad_trace": grad_trace.first_difference(grad_trace.read(Path(res["grad_trace"])), trace),
+            "grad_trace": grad_trace.first_difference(run_trace, trace),
+            # each generate call both made: the engine's weights, state, schedule and draws (bench/grad_trace.py)
+            "engine_calls": grad_trace.engine_difference(run_trace, trace),
             "tuned_configs": compare_tuned(tuned_configs(Path(res["root"]).parent), tuned),
             "reference_machine": "another" if ref.get("carried") else "this"}
 
@@ -893,6 +896,8 @@ def print_table(summary: dict) -> None:
                     f"first differ at step {f['step']} {f['stage']} (dp {f['dp']}, tp {f['tp']}), {f['count']} tensors: "
                     f"{f['parameters'][:4]}; tensors differing at that step: "
                     f"{ {k: n for k, n in (f.get('differ_at_that_step') or {}).items() if n} }"))
+            for call, what in (r.get("engine_calls") or {}).items():
+                print(f"  {'':13s} engine {call}: {what}")
             if r.get("tuned_configs"):
                 t = r["tuned_configs"]
                 print(f"  {'':13s} autotuned by timing: {t['tuned_both']} kernels in both runs, {t['kept_another']} kept "

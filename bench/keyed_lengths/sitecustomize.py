@@ -7,7 +7,8 @@ On only while GRPOFLOW_BENCH_KEYED_LENGTHS holds the schedule as JSON (max_new, 
 generate call at exactly max_new new tokens is forced; others (eval at another length) are left alone. The
 patch is applied when runtime.rollout.paged_decode is first imported, so processes that never decode pay
 nothing. With GRPOFLOW_BENCH_GRAD_TRACE set it also patches the trainer module the same way
-(bench/grad_trace.py: fingerprints of every step's parameters and gradients). Another sitecustomize later on
+(bench/grad_trace.py: fingerprints of every step's parameters and gradients) and the built-in engine
+(each generate call's weights, state, schedule and draws). Another sitecustomize later on
 sys.path (the gpu-cap tool's) still runs after this one.
 """
 import importlib.abc
@@ -42,6 +43,11 @@ def _patch_grad_trace(module) -> None:
     grad_trace.patch(module)
 
 
+def _patch_engine_trace(module) -> None:
+    import grad_trace
+    grad_trace.patch_engine(module)
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     def __init__(self, patches: dict):
         self.patches = patches  # module name -> what to do to it once it is loaded
@@ -72,6 +78,7 @@ if os.environ.get("GRPOFLOW_BENCH_GRAD_TRACE"):  # bench/grad_trace.py
     if os.path.dirname(_HERE) not in sys.path:  # importable in every process: Ray unpickles its functions by name
         sys.path.append(os.path.dirname(_HERE))
     _patches["runtime.trainer.megatron_trainer"] = _patch_grad_trace
+    _patches["runtime.rollout.builtin"] = _patch_engine_trace
 if _patches:
     sys.meta_path.insert(0, _PatchOnImport(_patches))
 
