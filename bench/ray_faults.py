@@ -212,19 +212,22 @@ def marked(mark: str) -> list[dict]:
     return out
 
 
-def _ray_process(p: dict) -> bool:
-    # Ray's workers, its binaries and scripts wherever Ray is installed (site-packages here, /tmp/site on the GPU machine)
-    return p["cmd"].startswith("ray::") or re.search(r"/ray/(core|autoscaler|dashboard|_private)/", p["cmd"]) is not None
+def _follows_slowly(p: dict) -> bool:
+    """Ray's workers, binaries and scripts (wherever Ray is installed: site-packages here, /tmp/site on the GPU
+    machine), and inductor's compile workers: they look for their parent once a minute (torch's watchdog), so
+    after a SIGKILL they linger up to 60 s (2 x H200: 64 of them at 48 s)."""
+    return (p["cmd"].startswith("ray::") or re.search(r"/ray/(core|autoscaler|dashboard|_private)/", p["cmd"]) is not None
+            or "torch/_inductor/compile_worker" in p["cmd"])
 
 
 def wait_gone(mark: str, timeout_s: float = GONE_WAIT_S, settle_s: float = 30.0) -> tuple[list[dict], float]:
     """Wait until no process of the run is left (each dies of its own: Ray's fate-sharing, an actor's owner
-    gone), or until only processes other than Ray's are left and the same ones have stayed for settle_s
-    (orphans that will not go; Ray's agents get the whole timeout_s: under load they took over 30 s to
-    follow a killed driver); returns what is left and how long it took."""
+    gone), or until only processes other than Ray's and inductor's are left and the same ones have stayed for
+    settle_s (orphans that will not go; `_follows_slowly` get the whole timeout_s: under load Ray's agents took
+    over 30 s to follow a killed driver); returns what is left and how long it took."""
     t0 = time.monotonic()
     left, since = marked(mark), time.monotonic()
-    while left and time.monotonic() - t0 < timeout_s and (any(map(_ray_process, left))
+    while left and time.monotonic() - t0 < timeout_s and (any(map(_follows_slowly, left))
                                                           or time.monotonic() - since < settle_s):
         time.sleep(0.2)
         now = marked(mark)
