@@ -19,7 +19,12 @@ the next rollout's keys, so other lengths) and an evaluation (2 samples a prompt
 kept, as a split engine keeps them from rollout 0 to rollout 1 (a colocated engine frees its pool and graphs after
 each turn); `histrel` the same with the pool and graphs freed between the two (compiled code kept). Against `plain`
 (a fresh engine's first rollout): on 2 x H200 (2026-11-27) a split run whose engine was rebuilt at rollout 1 (engine-
-or trainer-kill) ended 3.81e-6 off the unbroken one, first apart at step 1, and a colocated one bitwise.
+or trainer-kill) ended 3.81e-6 off the unbroken one, first apart at step 1, and a colocated one bitwise; in the
+next runs the rebuilt engine's rollout-1 log-probs were what differed, while `hist`, `histrel` were bitwise with
+`plain` here. Here the engine shares its process with the trainer, which fixes cuBLAS's workspace for the process
+(train.deterministic); a Ray engine actor is a process of its own. `solo` and `solohist` are `plain` and `hist` with
+the engine alone in its process (no trainer made: the engine's own weights load, no trainer log-probs), compared with
+each other.
 
 The trainer, the same way: each `step-*` section is a fresh process with fresh caches that runs two rollouts of the
 one-GPU layout from the converted checkpoint, each with its update, and fingerprints every optimizer step's parameters
@@ -34,10 +39,12 @@ variants were bitwise from one fresh process to the next: one process alone meet
     python3 bench/engine_repeat.py --out $OUT        # one GPU: setup, plain and timed twice each, 317 s
     python3 bench/engine_repeat.py --sections setup,gen-ind-a,gen-ind-b,gen-det-a --out $OUT
     python3 bench/engine_repeat.py --sections setup,step-plain-a,step-tnorm-a,step-plain-b,step-tnorm-b --out $OUT
+    python3 bench/engine_repeat.py --sections setup,gen-solo-a,gen-solohist-a --out $OUT   # the engine's history alone
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import json
@@ -60,8 +67,9 @@ import norm_history  # noqa: E402  (the trainer's norm as it was compiled before
 import ray_faults  # noqa: E402  (its shapes and configs)
 import ray_pipeline as rp  # noqa: E402  (the keyed-length hook, the converted inputs)
 
-VARIANTS = ("plain", "timed", "det", "ind", "hist", "histrel")
-HISTORY = ("hist", "histrel")
+VARIANTS = ("plain", "timed", "det", "ind", "hist", "histrel", "solo", "solohist")
+HISTORY = ("hist", "histrel", "solohist")
+SOLO = ("solo", "solohist")  # the engine alone in its process, as a Ray engine actor is: no trainer fixed cuBLAS
 STEP_VARIANTS = ("plain", "tnorm")
 SECTIONS = ("setup", *(f"gen-{v}-{r}" for v in VARIANTS for r in "ab"),
             *(f"step-{v}-{r}" for v in STEP_VARIANTS for r in "ab"))
@@ -157,7 +165,11 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
     from runtime.rollout.base import SampleRequest, SamplingParams
     from runtime.trainer.batch import TrainBatch
     sess = session(S, W, name, ["rollout.deterministic=false"] if variant == "timed" else [])
-    sess.ensure_at(None)
+    if variant in SOLO:  # the converted model's weights as the engine loads them; no trainer made in this process
+        engine = sess.cluster.engine(sess.rd.local(sess.rd.hf_model))
+    else:
+        sess.ensure_at(None)
+        engine = sess.engine
     rows, _ = sess.dataset.batch(sess.dataset.initial_cursor(sess.cfg.train.seed), sess.cfg.rollout.rollout_batch_size)
     prompts = [sess.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     n = sess.cfg.rollout.n_samples_per_prompt
@@ -175,16 +187,16 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
     for i in range(2):  # the first compiles and tunes, the second is warm
         sync()
         t0 = time.time()
-        with sess.engine_turn():
+        with (sess.engine_turn() if variant not in SOLO else contextlib.nullcontext()):
             if i == 0 and variant in HISTORY:  # another rollout and an evaluation before, in this turn
-                sess.engine.generate(earlier, params)
-                sess.engine.generate(evaluation, eval_params)
+                engine.generate(earlier, params)
+                engine.generate(evaluation, eval_params)
                 if variant == "histrel":
-                    sess.engine.release_memory()
-                    sess.engine.resume_memory()
+                    engine.release_memory()
+                    engine.resume_memory()
                 sync()
                 t0 = time.time()
-            gens.append(sess.engine.generate(reqs, params))
+            gens.append(engine.generate(reqs, params))
         sync()
         times.append(time.time() - t0)
     samples = gens[0]
@@ -192,7 +204,9 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
                        prompt_lens=[len(s.prompt_ids) for s in samples], advantages=[0.0] * len(samples),
                        loss_masks=[[1] * len(s.response_ids) for s in samples],
                        rollout_logprobs=[s.response_logprobs for s in samples])
-    trainer = sess.trainer.compute_logprobs(batch)
+    trainer = sess.trainer.compute_logprobs(batch) if variant not in SOLO else []  # no trainer
+    if variant in SOLO:
+        engine.kill()
     sess.close()
     dump = {"tokens": [s.response_ids for s in samples], "engine": [s.response_logprobs for s in samples],
             "engine_again": [s.response_logprobs for s in gens[1]], "trainer": trainer}
@@ -221,8 +235,9 @@ def pairs(names: list[str]) -> list[tuple[str, str]]:
     for n in names:
         firsts.setdefault(n.split("-")[1], n)
     out = [(n, firsts[n.split("-")[1]]) for n in names if n != firsts[n.split("-")[1]]]
-    if "plain" in firsts:
-        out += [(f, firsts["plain"]) for v, f in firsts.items() if v != "plain"]
+    for base in ("plain", "solo"):  # the solo variants against solo's first (other weights' path), the rest plain's
+        if base in firsts:
+            out += [(f, firsts[base]) for v, f in firsts.items() if v != base and (v in SOLO) == (base == "solo")]
     return out
 
 
