@@ -241,6 +241,13 @@ def test_grad_trace_fingerprints_tell_one_ulp_and_place_the_first_difference():
     run[("batch", 1, 0, 0)], ref[("batch", 1, 0, 0)] = gt.batch_digests(nudged), gt.batch_digests(batch)
     first = gt.first_difference(run, ref)["first"]
     assert (first["step"], first["stage"], first["parameters"]) == (1, "batch", ["rollout_logprobs/1"])
+    # the engine's generate calls (named, not numbered) are compared apart: what differs, grouped
+    call = {"weights/w": "1:1", "state/graphs": "0", "schedule/chunks": "9", "tokens/0": "a", "logprobs/0": "b"}
+    ref[("engine", "rollout1-from0.0-n8-max16", 0, 0)] = call
+    run[("engine", "rollout1-from0.0-n8-max16", 0, 0)] = {**call, "state/graphs": "7", "logprobs/0": "c"}
+    assert gt.first_difference(run, ref)["first"]["stage"] == "batch"
+    assert gt.engine_difference(run, ref) == {"rollout1-from0.0-n8-max16": {"state": {"graphs": ("7", "0")}, "logprobs": 1}}
+    assert gt.engine_difference(ref, ref) == {"rollout1-from0.0-n8-max16": "same"}
 
 
 def test_ray_faults_names_the_kernels_whose_timed_configuration_differs_from_the_reference(tmp_path):
