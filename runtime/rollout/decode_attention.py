@@ -167,11 +167,10 @@ if triton is not None:
 def paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len, prefix_cols: int, scale: float,
                            split_tokens: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                            merge_block: int = 16):
-    """The kernel version of :func:`reference_paged_decode_attention` (same arguments and result); the split
-    and merge as in :func:`decode_attention`. A row holds at most `page_table.shape[1] * page_size` positions.
-    The merge sums a row's splits in blocks of `merge_block`, whatever the table's width: a block sized from
-    the width (as before 2026-11-27) summed in another order in an engine whose table a longer prompt had
-    widened, and its log-probs came out apart from a fresh engine's."""
+    """The kernel version of :func:`reference_paged_decode_attention` (same arguments and result), the split
+    and the merge described above. A row holds at most `page_table.shape[1] * page_size` positions. The merge
+    sums a row's splits in blocks of `merge_block` whatever the table's width: a block sized from the width (as
+    before 2026-11-27) would sum in another order in an engine whose table a longer prompt had widened."""
     b, nh, hd = q.shape
     page_size, nkv = k_pool.shape[1], k_pool.shape[2]
     rep = nh // nkv
