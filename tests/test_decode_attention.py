@@ -92,9 +92,9 @@ if __name__ == "__main__":
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the kernel's own reduction order: a GPU")
 def test_on_a_gpu_a_wider_table_changes_no_bit():
-    """The merge summed a row's splits in blocks sized from the table's width; a split engine whose table a
-    longer prompt had widened drew rollout 1 a few ulps from a fresh engine (2 x H200). Here 8 splits of the
-    narrow table's capacity and 9 of the wide one's, with rows of every length up to it."""
+    """The merge summed a row's splits in blocks sized from the table's width, so an engine whose table a longer
+    prompt had widened could sum in another order than a fresh engine. Here 8 splits of the narrow table's
+    capacity and 9 of the wide one's (a block of 8 against 16 before), with rows of every length up to it."""
     import torch
 
     from runtime.rollout.decode_attention import paged_decode_attention
