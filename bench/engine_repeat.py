@@ -248,11 +248,12 @@ def compare(kept: Path, names: list[str]) -> dict:
     out = {}
     for a, b in pairs(list(dumps)):
         da, db = dumps[a], dumps[b]
+        scored = ("engine", "trainer") if da["trainer"] and db["trainer"] else ("engine",)  # solo: no trainer
         out[f"{a} vs {b}"] = {
             "same_tokens": da["tokens"] == db["tokens"],
             "tokens_differ_rows": sum(x != y for x, y in zip(da["tokens"], db["tokens"])),
-            **{f"{k}_bitwise": da[k] == db[k] for k in ("engine", "trainer")},
-            **{f"{k}_max_abs": _max_abs(da[k], db[k]) for k in ("engine", "trainer")}}
+            **{f"{k}_bitwise": da[k] == db[k] for k in scored},
+            **{f"{k}_max_abs": _max_abs(da[k], db[k]) for k in scored}}
     return out
 
 

@@ -910,7 +910,7 @@ def print_table(summary: dict) -> None:
             if recompiled := r.get("recompile_reasons") or r.get("recompiled"):  # the reasons since 2026-11-27
                 print(f"  {'':13s} dynamo recompiled (with the guards that failed): {recompiled}")
             if left := r.get("left_after_driver_kill"):
-                kinds = sorted({p["cmd"].split(" ")[-1][:60] if "compile_worker" in p["cmd"] else p["cmd"][:60] for p in left})
+                kinds = sorted({"inductor compile worker" if "compile_worker" in p["cmd"] else p["cmd"][:60] for p in left})
                 print(f"  {'':13s} outlived the driver: {len(left)} processes: {kinds}")
             if v := r.get("vs_another_machine"):
                 print(f"  {'':13s} against another machine's unbroken-a: " + (
