@@ -57,8 +57,8 @@ SHAPES = {
                 median=10, sigma=0.8, min_len=2, kv_gib=0.002, page_size=4, cap_gib=None,
                 fixed=dict(prompts=2, samples=2, prompt_len=8, new=8, reps=1)),
 }
-SECTIONS = ("paged", "capped", "kernels")  # and "sweep", asked for by name
-SECTION_MAX_S = {"paged": 200, "capped": 150, "kernels": 90, "sweep": 300}
+SECTIONS = ("paged", "capped", "kernels")  # and "sweep" and "merge", asked for by name
+SECTION_MAX_S = {"paged": 200, "capped": 150, "kernels": 90, "sweep": 300, "merge": 200}
 # the fixed-slot decoder on this schedule (H100, same KV GiB, CUDA graphs), before it was deleted
 FIXED_SLOT_TOK_S = {"file": "bench/results/rollout_bench_H100_2026-11-23_run2.json", "tok_s": 6808, "new_tokens": 809287}
 SEED = 18
@@ -503,10 +503,24 @@ def sec_sweep(S, W: Path) -> dict:
     """The paged kernel's launch settings (tokens per block, warps, pipeline stages) at three points of the
     realistic rollout: its start (384 rows just past their prompts), its middle (128 rows at the mean length)
     and its tail (8 rows far out); ms per decode step, CUDA graphs on."""
+    settings = [{"block_n": bn, "num_warps": w, "num_stages": st} for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]
+    return {"name": "sweep", **_kernel_settings(S, W, settings)}
+
+
+def sec_merge(S, W: Path) -> dict:
+    """The merge's splits per block at the sweep's three points: the fixed 16 (since 2026-11-27: a table widened by
+    a longer prompt must not change the order it sums in) against the smaller blocks the table's width chose
+    before (min(16, next power of two of the splits); the point's `splits` says which one that was)."""
+    return {"name": "merge", **_kernel_settings(S, W, [{"merge_block": mb} for mb in (2, 4, 8, 16)])}
+
+
+def _kernel_settings(S, W: Path, settings: list[dict]) -> dict:
+    """ms per decode step at the rollout's start, middle and tail for each of `settings` (keyword arguments of
+    the paged kernel), CUDA graphs on; each point also with the splits the kernel ran."""
     import functools
 
     import runtime.rollout.paged_decode as paged_decode
-    from runtime.rollout.decode_attention import paged_decode_attention
+    from runtime.rollout.decode_attention import paged_decode_attention, split_tokens_for
     from runtime.rollout.kv_pages import pages_for
     make_model(S, W)
     lengths = schedule(S)
@@ -517,13 +531,16 @@ def sec_sweep(S, W: Path) -> dict:
     n = len(lengths)
     points = {"start": (n, min(128, S["max_new"] // 4)), "middle": (min(n, 128), int(sum(lengths) / n)),
               "tail": (min(n, 8), 2 * max(lengths) // 3)}
-    settings = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]
+    splits = {}
+    for name, (n, own) in points.items():
+        capacity = dec.table.shape[1] * S["page_size"]
+        st = split_tokens_for(n, dec.nkv, S["prompt_len"] + own + 16, dec.device)
+        splits[name] = -(-capacity // st)
     rows = []
-    for bn, w, st in settings:
-        paged_decode.paged_decode_attention = functools.partial(paged_decode_attention, block_n=bn, num_warps=w,
-                                                                num_stages=st)
+    for setting in settings:
+        paged_decode.paged_decode_attention = functools.partial(paged_decode_attention, **setting)
         dec.graphs.clear()
-        row = {"block_n": bn, "num_warps": w, "num_stages": st}
+        row = dict(setting)
         for name, (n, own) in points.items():
             try:
                 row[name] = step_latency(S, eng, n, own, S["samples"])["ms_per_step"]
@@ -535,11 +552,11 @@ def sec_sweep(S, W: Path) -> dict:
         print("SWEEP", json.dumps(row), flush=True)
     paged_decode.paged_decode_attention = paged_decode_attention
     eng.shutdown()
-    return {"name": "sweep", "points": {k: {"rows": n, "own_tokens": o} for k, (n, o) in points.items()},
-            "default": {"block_n": 64, "num_warps": 4, "num_stages": 2}, "rows": rows}
+    return {"points": {k: {"rows": n, "own_tokens": o, "splits": splits[k]} for k, (n, o) in points.items()},
+            "default": {"block_n": 64, "num_warps": 4, "num_stages": 2, "merge_block": 16}, "rows": rows}
 
 
-FUNCS = {"paged": sec_paged, "capped": sec_capped, "kernels": sec_kernels, "sweep": sec_sweep}
+FUNCS = {"paged": sec_paged, "capped": sec_capped, "kernels": sec_kernels, "sweep": sec_sweep, "merge": sec_merge}
 
 
 def cuda_context_gib() -> float:
