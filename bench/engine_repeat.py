@@ -24,7 +24,12 @@ next runs the rebuilt engine's rollout-1 log-probs were what differed, while `hi
 `plain` here. Here the engine shares its process with the trainer, which fixes cuBLAS's workspace for the process
 (train.deterministic); a Ray engine actor is a process of its own. `solo` and `solohist` are `plain` and `hist` with
 the engine alone in its process (no trainer made: the engine's own weights load, no trainer log-probs), compared with
-each other.
+each other: bitwise on an H200 (2026-11-27, results/engine_repeat_NVIDIA_H200_2026-11-27_solo.json). `wide` and
+`widehist` are those with the prompts the recipe's over-sampling draws (96 requests over 64 rows: prompts admitted as
+rows free, rows compacted, as ray_faults' rollouts are): bitwise on an H100 (`..._wide.json`). `sync` and `synchist`
+are the wide pair with new weights copied in place (each tensor x 1.01, `update_weights`) before the compared rollout:
+the rebuilt engine gets them before its first call, the unbroken one after its history, as the split layout's engine
+does between rollout 0 and rollout 1 (not yet run on a GPU).
 
 The trainer, the same way: each `step-*` section is a fresh process with fresh caches that runs two rollouts of the
 one-GPU layout from the converted checkpoint, each with its update, and fingerprints every optimizer step's parameters
@@ -40,6 +45,7 @@ variants were bitwise from one fresh process to the next: one process alone meet
     python3 bench/engine_repeat.py --sections setup,gen-ind-a,gen-ind-b,gen-det-a --out $OUT
     python3 bench/engine_repeat.py --sections setup,step-plain-a,step-tnorm-a,step-plain-b,step-tnorm-b --out $OUT
     python3 bench/engine_repeat.py --sections setup,gen-solo-a,gen-solohist-a --out $OUT   # the engine's history alone
+    python3 bench/engine_repeat.py --sections setup,gen-sync-a,gen-synchist-a --out $OUT   # and new weights after it
 """
 from __future__ import annotations
 
@@ -67,9 +73,12 @@ import norm_history  # noqa: E402  (the trainer's norm as it was compiled before
 import ray_faults  # noqa: E402  (its shapes and configs)
 import ray_pipeline as rp  # noqa: E402  (the keyed-length hook, the converted inputs)
 
-VARIANTS = ("plain", "timed", "det", "ind", "hist", "histrel", "solo", "solohist")
-HISTORY = ("hist", "histrel", "solohist")
-SOLO = ("solo", "solohist")  # the engine alone in its process, as a Ray engine actor is: no trainer fixed cuBLAS
+VARIANTS = ("plain", "timed", "det", "ind", "hist", "histrel", "solo", "solohist", "wide", "widehist", "sync",
+            "synchist")
+HISTORY = ("hist", "histrel", "solohist", "widehist", "synchist")
+SOLO = ("solo", "solohist", "wide", "widehist", "sync", "synchist")  # the engine alone, as a Ray engine actor is
+WIDE = ("wide", "widehist", "sync", "synchist")  # the prompts over-sampling draws: more rows than the engine holds
+SYNC = ("sync", "synchist")  # new weights (copied in place, as a weight sync does) before the compared rollout
 STEP_VARIANTS = ("plain", "tnorm")
 SECTIONS = ("setup", *(f"gen-{v}-{r}" for v in VARIANTS for r in "ab"),
             *(f"step-{v}-{r}" for v in STEP_VARIANTS for r in "ab"))
@@ -170,7 +179,10 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
     else:
         sess.ensure_at(None)
         engine = sess.engine
-    rows, _ = sess.dataset.batch(sess.dataset.initial_cursor(sess.cfg.train.seed), sess.cfg.rollout.rollout_batch_size)
+    n_prompts = sess.cfg.rollout.rollout_batch_size
+    if variant in WIDE:  # as dynamic sampling draws them (runtime/grpo/collect.py)
+        n_prompts = max(n_prompts, int(n_prompts * sess.cfg.rollout.over_sampling_factor))
+    rows, _ = sess.dataset.batch(sess.dataset.initial_cursor(sess.cfg.train.seed), n_prompts)
     prompts = [sess.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     n = sess.cfg.rollout.n_samples_per_prompt
     reqs = [SampleRequest(prompt_ids=p, key=(sess.cfg.train.seed, 0, i, j)) for i, p in enumerate(prompts) for j in range(n)]
@@ -181,6 +193,10 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
     evaluation = [SampleRequest(prompt_ids=p, key=(sess.cfg.train.seed, -1, i, j)) for i, p in enumerate(prompts)
                   for j in range(2)]
     eval_params = SamplingParams(**sess.cfg.eval_sampling())
+    if variant in SYNC:
+        updated = updated_weights(sess.rd.local(sess.rd.hf_model))
+        if variant == "sync":  # a rebuilt engine: the new weights before its first call
+            engine.update_weights(updated, 1)
     gens, times = [], []
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     recompiled = recompiles()
@@ -194,6 +210,8 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
                 if variant == "histrel":
                     engine.release_memory()
                     engine.resume_memory()
+                if variant == "synchist":  # the unbroken engine: rollout 0 and the evaluation on the old weights
+                    engine.update_weights(updated, 1)
                 sync()
                 t0 = time.time()
             gens.append(engine.generate(reqs, params))
@@ -222,6 +240,15 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
             "recompiles": recompiled}
 
 
+def updated_weights(model_dir: str) -> dict:
+    """The model's weights each scaled by 1.01 (in their own dtype): every tensor new, the same in every process."""
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        out.update({k: (v.float() * 1.01).to(v.dtype) for k, v in load_file(str(f)).items()})
+    return out
+
+
 def _max_abs(a: list[list[float]], b: list[list[float]]) -> float | None:
     if [len(r) for r in a] != [len(r) for r in b]:
         return None
@@ -235,9 +262,11 @@ def pairs(names: list[str]) -> list[tuple[str, str]]:
     for n in names:
         firsts.setdefault(n.split("-")[1], n)
     out = [(n, firsts[n.split("-")[1]]) for n in names if n != firsts[n.split("-")[1]]]
-    for base in ("plain", "solo"):  # the solo variants against solo's first (other weights' path), the rest plain's
+    def family(v: str) -> str:  # solo: another weights' path; wide: other requests
+        return "sync" if v in SYNC else "wide" if v in WIDE else "solo" if v in SOLO else "plain"
+    for base in ("plain", "solo", "wide", "sync"):
         if base in firsts:
-            out += [(f, firsts[base]) for v, f in firsts.items() if v != base and (v in SOLO) == (base == "solo")]
+            out += [(f, firsts[base]) for v, f in firsts.items() if v != base and family(v) == base]
     return out
 
 
