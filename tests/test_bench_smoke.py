@@ -368,6 +368,10 @@ def test_engine_repeat_compares_fresh_processes_bit_for_bit(tmp_path):
     assert ulp_vs_plain["same_tokens"] and not ulp_vs_plain["engine_bitwise"] and ulp_vs_plain["trainer_bitwise"]
     assert 0 < ulp_vs_plain["engine_max_abs"] < 1e-15
     assert got["gen-timed-b vs gen-timed-a"]["tokens_differ_rows"] == 1
+    # the engine alone, the over-sampled requests, new weights: each family against its own first, never across
+    families = ["gen-solo-a", "gen-solohist-a", "gen-wide-a", "gen-widehist-a", "gen-sync-a", "gen-synchist-a"]
+    assert set(er.pairs(families)) == {("gen-solohist-a", "gen-solo-a"), ("gen-widehist-a", "gen-wide-a"),
+                                       ("gen-synchist-a", "gen-sync-a")}
 
 
 def test_ray_faults_reads_each_recompile_and_alert_once_whatever_colour_a_worker_gave_its_line():
