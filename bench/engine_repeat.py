@@ -29,7 +29,8 @@ each other: bitwise on an H200 (2026-11-27, results/engine_repeat_NVIDIA_H200_20
 rows free, rows compacted, as ray_faults' rollouts are): bitwise on an H100 (`..._wide.json`). `sync` and `synchist`
 are the wide pair with new weights copied in place (each tensor x 1.01, `update_weights`) before the compared rollout:
 the rebuilt engine gets them before its first call, the unbroken one after its history, as the split layout's engine
-does between rollout 0 and rollout 1 (not yet run on a GPU).
+does between rollout 0 and rollout 1, and `syncrel` is synchist with the pool and graphs freed after the update (not
+yet run on a GPU).
 
 The trainer, the same way: each `step-*` section is a fresh process with fresh caches that runs two rollouts of the
 one-GPU layout from the converted checkpoint, each with its update, and fingerprints every optimizer step's parameters
@@ -74,11 +75,12 @@ import ray_faults  # noqa: E402  (its shapes and configs)
 import ray_pipeline as rp  # noqa: E402  (the keyed-length hook, the converted inputs)
 
 VARIANTS = ("plain", "timed", "det", "ind", "hist", "histrel", "solo", "solohist", "wide", "widehist", "sync",
-            "synchist")
-HISTORY = ("hist", "histrel", "solohist", "widehist", "synchist")
-SOLO = ("solo", "solohist", "wide", "widehist", "sync", "synchist")  # the engine alone, as a Ray engine actor is
-WIDE = ("wide", "widehist", "sync", "synchist")  # the prompts over-sampling draws: more rows than the engine holds
-SYNC = ("sync", "synchist")  # new weights (copied in place, as a weight sync does) before the compared rollout
+            "synchist", "syncrel")
+HISTORY = ("hist", "histrel", "solohist", "widehist", "synchist", "syncrel")
+RELEASED = ("histrel", "syncrel")  # the pool and graphs freed after the history (compiled code kept)
+SOLO = ("solo", "solohist", "wide", "widehist", "sync", "synchist", "syncrel")  # the engine alone, as an actor is
+WIDE = ("wide", "widehist", "sync", "synchist", "syncrel")  # the prompts over-sampling draws: more than the rows
+SYNC = ("sync", "synchist", "syncrel")  # new weights (copied in place, as a weight sync does) before the rollout
 STEP_VARIANTS = ("plain", "tnorm")
 SECTIONS = ("setup", *(f"gen-{v}-{r}" for v in VARIANTS for r in "ab"),
             *(f"step-{v}-{r}" for v in STEP_VARIANTS for r in "ab"))
@@ -207,11 +209,11 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
             if i == 0 and variant in HISTORY:  # another rollout and an evaluation before, in this turn
                 engine.generate(earlier, params)
                 engine.generate(evaluation, eval_params)
-                if variant == "histrel":
+                if variant in SYNC:  # the unbroken engine: rollout 0 and the evaluation on the old weights
+                    engine.update_weights(updated, 1)
+                if variant in RELEASED:
                     engine.release_memory()
                     engine.resume_memory()
-                if variant == "synchist":  # the unbroken engine: rollout 0 and the evaluation on the old weights
-                    engine.update_weights(updated, 1)
                 sync()
                 t0 = time.time()
             gens.append(engine.generate(reqs, params))
