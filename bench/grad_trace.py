@@ -12,7 +12,9 @@ equal bits give equal fingerprints and one flipped bit changes them. Before them
 to train on, each sample's tokens and the engine's log-probs of them apart (``tokens/7``, ``rollout_logprobs/7``),
 with its advantages: a step whose batch differs says so there (other tokens, or the same tokens with other
 log-probs: the engine), where the mean length and reward of a rollout cannot (the bench's keyed lengths and
-length reward make them equal whatever the tokens).
+length reward make them equal whatever the tokens). And ``engine``, one line per generate call of the built-in
+engine (:func:`patch_engine`): its weights' fingerprints and state as the call began, its schedule, and each
+sample's tokens and log-probs (also their first 1, 16 and 256: where in a sample two runs part).
 """
 from __future__ import annotations
 
@@ -141,9 +143,17 @@ def _engine_call_end(engine, results) -> dict:
     out = {f"schedule/{k}": str(stats.get(k)) for k in ENGINE_SCHEDULE}
     for i, r in enumerate(results):
         out[f"tokens/{i}"] = hashlib.sha256(json.dumps(r.response_ids).encode()).hexdigest()[:16]
-        out[f"logprobs/{i}"] = hashlib.sha256(struct.pack(f"<{len(r.response_logprobs)}d",
-                                                          *r.response_logprobs)).hexdigest()[:16]
+        out[f"logprobs/{i}"] = _float_digest(r.response_logprobs)
+        for k in LOGPROB_PREFIXES:  # where in a sample two runs part: its first k log-probs
+            out[f"logprobs_first/{k}/{i}"] = _float_digest(r.response_logprobs[:k])
     return out
+
+
+LOGPROB_PREFIXES = (1, 16, 256)
+
+
+def _float_digest(values: list[float]) -> str:
+    return hashlib.sha256(struct.pack(f"<{len(values)}d", *values)).hexdigest()[:16]
 
 
 def _decoder_steps(self, requests, sampling):
@@ -180,10 +190,16 @@ def engine_difference(run: dict, reference: dict) -> dict:
         groups: dict = {}
         for k in differ:
             groups.setdefault(k.split("/")[0], []).append(k.split("/", 1)[1])
+        first = groups.pop("logprobs_first", [])
         out[name] = {g: (v if g in ("state", "schedule") else len(v)) for g, v in groups.items()} or "same"
         for g in ("state", "schedule"):
             if g in groups:
                 out[name][g] = {k: (a.get(f"{g}/{k}"), b.get(f"{g}/{k}")) for k in groups[g]}
+        if "logprobs" in groups:
+            # which samples, and how many of them already apart in their first 1, 16, 256 log-probs
+            out[name]["samples_apart"] = sorted(int(i) for i in groups["logprobs"])
+            out[name]["apart_within_first"] = {k: sum(1 for f in first if f.split("/")[0] == str(k))
+                                               for k in LOGPROB_PREFIXES}
     return out
 
 

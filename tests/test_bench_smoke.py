@@ -246,8 +246,20 @@ def test_grad_trace_fingerprints_tell_one_ulp_and_place_the_first_difference():
     ref[("engine", "rollout1-from0.0-n8-max16", 0, 0)] = call
     run[("engine", "rollout1-from0.0-n8-max16", 0, 0)] = {**call, "state/graphs": "7", "logprobs/0": "c"}
     assert gt.first_difference(run, ref)["first"]["stage"] == "batch"
-    assert gt.engine_difference(run, ref) == {"rollout1-from0.0-n8-max16": {"state": {"graphs": ("7", "0")}, "logprobs": 1}}
+    assert gt.engine_difference(run, ref) == {"rollout1-from0.0-n8-max16": {
+        "state": {"graphs": ("7", "0")}, "logprobs": 1, "samples_apart": [0], "apart_within_first": {1: 0, 16: 0, 256: 0}}}
     assert gt.engine_difference(ref, ref) == {"rollout1-from0.0-n8-max16": "same"}
+    # the draws as the engine recorded them: which samples part, and within which of their first 1, 16, 256 log-probs
+    from types import SimpleNamespace
+    engine = SimpleNamespace(decoder=SimpleNamespace(stats={"chunks": 9}))
+    lps = [[-0.5] * 300, [-0.25] * 40, [-1.0] * 3]
+    moved = [list(lps[0]), list(lps[1]), list(lps[2])]
+    moved[0][200], moved[1][0] = -0.5000001, -0.2500001
+    for trace, drawn in ((ref, lps), (run, moved)):
+        trace[("engine", "rollout2-from0.0-n3-max300", 0, 0)] = gt._engine_call_end(
+            engine, [SimpleNamespace(response_ids=[7] * len(x), response_logprobs=x) for x in drawn])
+    assert gt.engine_difference(run, ref)["rollout2-from0.0-n3-max300"] == {
+        "logprobs": 2, "samples_apart": [0, 1], "apart_within_first": {1: 1, 16: 1, 256: 2}}
 
 
 def test_ray_faults_names_the_kernels_whose_timed_configuration_differs_from_the_reference(tmp_path):
