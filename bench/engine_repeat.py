@@ -264,7 +264,7 @@ def pairs(names: list[str]) -> list[tuple[str, str]]:
     for n in names:
         firsts.setdefault(n.split("-")[1], n)
     out = [(n, firsts[n.split("-")[1]]) for n in names if n != firsts[n.split("-")[1]]]
-    def family(v: str) -> str:  # solo: another weights' path; wide: other requests
+    def family(v: str) -> str:  # solo: another weights' path; wide: other requests; sync: other weights
         return "sync" if v in SYNC else "wide" if v in WIDE else "solo" if v in SOLO else "plain"
     for base in ("plain", "solo", "wide", "sync"):
         if base in firsts:

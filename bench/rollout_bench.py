@@ -531,11 +531,10 @@ def _kernel_settings(S, W: Path, settings: list[dict]) -> dict:
     n = len(lengths)
     points = {"start": (n, min(128, S["max_new"] // 4)), "middle": (min(n, 128), int(sum(lengths) / n)),
               "tail": (min(n, 8), 2 * max(lengths) // 3)}
-    splits = {}
-    for name, (n, own) in points.items():
-        capacity = dec.table.shape[1] * S["page_size"]
-        st = split_tokens_for(n, dec.nkv, S["prompt_len"] + own + 16, dec.device)
-        splits[name] = -(-capacity // st)
+    capacity = dec.table.shape[1] * S["page_size"]
+    # the split step_latency's 16 steps run with: the kernel's splits are the table's capacity over it
+    splits = {name: -(-capacity // split_tokens_for(k, dec.nkv, S["prompt_len"] + own + 16, dec.device))
+              for name, (k, own) in points.items()}
     rows = []
     for setting in settings:
         paged_decode.paged_decode_attention = functools.partial(paged_decode_attention, **setting)
