@@ -45,14 +45,21 @@ def fingerprint(t) -> str:
     return f"{plain}:{weighted}"
 
 
+def _float_digest(values: list[float]) -> str:
+    """Floats by their bits, as a sha256 prefix."""
+    return hashlib.sha256(struct.pack(f"<{len(values)}d", *values)).hexdigest()[:16]
+
+
+def _tokens_digest(tokens: list[int]) -> str:
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+
+
 def batch_digests(batch) -> dict[str, str]:
     """Each sample's tokens and rollout log-probs (their float bits), and the advantages, as sha256 prefixes."""
-    def floats(xs) -> str:
-        return hashlib.sha256(struct.pack(f"<{len(xs)}d", *xs)).hexdigest()[:16]
-    out = {"advantages": floats(batch.advantages)}
+    out = {"advantages": _float_digest(batch.advantages)}
     for i, (tokens, logprobs) in enumerate(zip(batch.tokens, batch.rollout_logprobs)):
-        out[f"tokens/{i}"] = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
-        out[f"rollout_logprobs/{i}"] = floats(logprobs)
+        out[f"tokens/{i}"] = _tokens_digest(tokens)
+        out[f"rollout_logprobs/{i}"] = _float_digest(logprobs)
     return out
 
 
@@ -142,7 +149,7 @@ def _engine_call_end(engine, results) -> dict:
     stats = engine.decoder.stats
     out = {f"schedule/{k}": str(stats.get(k)) for k in ENGINE_SCHEDULE}
     for i, r in enumerate(results):
-        out[f"tokens/{i}"] = hashlib.sha256(json.dumps(r.response_ids).encode()).hexdigest()[:16]
+        out[f"tokens/{i}"] = _tokens_digest(r.response_ids)
         out[f"logprobs/{i}"] = _float_digest(r.response_logprobs)
         for k in LOGPROB_PREFIXES:  # where in a sample two runs part: its first k log-probs
             out[f"logprobs_first/{k}/{i}"] = _float_digest(r.response_logprobs[:k])
@@ -150,10 +157,6 @@ def _engine_call_end(engine, results) -> dict:
 
 
 LOGPROB_PREFIXES = (1, 16, 256)
-
-
-def _float_digest(values: list[float]) -> str:
-    return hashlib.sha256(struct.pack(f"<{len(values)}d", *values)).hexdigest()[:16]
 
 
 def _decoder_steps(self, requests, sampling):

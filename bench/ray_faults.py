@@ -217,7 +217,11 @@ def _follows_slowly(p: dict) -> bool:
     machine), and inductor's compile workers: they look for their parent once a minute (torch's watchdog), so
     after a SIGKILL they linger up to 60 s (2 x H200: 64 of them at 48 s)."""
     return (p["cmd"].startswith("ray::") or re.search(r"/ray/(core|autoscaler|dashboard|_private)/", p["cmd"]) is not None
-            or "torch/_inductor/compile_worker" in p["cmd"])
+            or _is_compile_worker(p))
+
+
+def _is_compile_worker(p: dict) -> bool:
+    return "torch/_inductor/compile_worker" in p["cmd"]
 
 
 def wait_gone(mark: str, timeout_s: float = GONE_WAIT_S, settle_s: float = 30.0) -> tuple[list[dict], float]:
@@ -910,7 +914,7 @@ def print_table(summary: dict) -> None:
             if recompiled := r.get("recompile_reasons") or r.get("recompiled"):  # the reasons since 2026-11-27
                 print(f"  {'':13s} dynamo recompiled (with the guards that failed): {recompiled}")
             if left := r.get("left_after_driver_kill"):
-                kinds = sorted({"inductor compile worker" if "compile_worker" in p["cmd"] else p["cmd"][:60] for p in left})
+                kinds = sorted({"inductor compile worker" if _is_compile_worker(p) else p["cmd"][:60] for p in left})
                 print(f"  {'':13s} outlived the driver: {len(left)} processes: {kinds}")
             if v := r.get("vs_another_machine"):
                 print(f"  {'':13s} against another machine's unbroken-a: " + (

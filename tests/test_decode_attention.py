@@ -18,7 +18,6 @@ def _check_paged() -> None:
 
     import torch.nn.functional as F
 
-    from runtime.rollout import decode_attention
     from runtime.rollout.decode_attention import paged_decode_attention, reference_paged_decode_attention
 
     torch.manual_seed(0)
@@ -63,11 +62,10 @@ def _check_paged() -> None:
             assert torch.equal(paged_decode_attention(q, k, v, wide, plen, own, prefix_cols + 2, hd ** -0.5, **kw),
                                paged_decode_attention(q, k, v, table, plen, own, prefix_cols, hd ** -0.5, **kw))
         for block in (16, 256):  # the reference's running softmax over 3 and 5 blocks, or one
-            decode_attention.REFERENCE_BLOCK = block
             narrow = reference_paged_decode_attention(q.float(), k.float(), v.float(), table, plen, own, prefix_cols,
-                                                      hd ** -0.5)
+                                                      hd ** -0.5, block=block)
             assert torch.equal(reference_paged_decode_attention(q.float(), k.float(), v.float(), wide, plen, own,
-                                                                prefix_cols + 2, hd ** -0.5), narrow)
+                                                                prefix_cols + 2, hd ** -0.5, block=block), narrow)
             assert (narrow - ref).abs().max() < 1e-6
     # the paged reference is plain attention over [the row's prompt pages, its own pages]
     b = 1

@@ -37,14 +37,14 @@ REFERENCE_BLOCK = 256  # positions per step of the reference's running softmax
 
 
 def reference_paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len, prefix_cols: int,
-                                     scale: float):
+                                     scale: float, block: int = REFERENCE_BLOCK):
     """The paged cache: q [B, nh, hd]; pools [pages, page_size, nkv, hd]; page_table [B, cols] (int) whose
     columns [0, prefix_cols) hold the row's prompt pages and the rest its own pages; prefix_len/own_len [B]
     (long) -> [B, nh, hd]. Row b attends to prompt positions [0, prefix_len[b]) and own positions
     [0, own_len[b]), each read through its pages.
 
     Each row's positions are taken in order from the start (its own tokens right after its prompt), in
-    blocks of `REFERENCE_BLOCK` under a running softmax: a block past every row's length leaves the result's
+    blocks of `block` positions under a running softmax: a block past every row's length leaves the result's
     bits as they are, so how wide the table is (the engine widens it for the longest prompt and response it
     has met) changes nothing, as it changes nothing in the kernel."""
     b, nh, hd = q.shape
@@ -57,8 +57,8 @@ def reference_paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, 
     m = torch.full((b, nkv, nh // nkv), float("-inf"), device=q.device)
     denom = torch.zeros_like(m)
     acc = torch.zeros(b, nkv, nh // nkv, hd, device=q.device)
-    for start in range(0, cols * page_size, REFERENCE_BLOCK):
-        j = torch.arange(start, start + REFERENCE_BLOCK, device=q.device)[None, :]
+    for start in range(0, cols * page_size, block):
+        j = torch.arange(start, start + block, device=q.device)[None, :]
         in_prefix = j < plen
         at = torch.where(in_prefix, j, (j - plen).clamp(min=0))  # the position within the prompt or the row's own
         col = torch.where(in_prefix, at // page_size, prefix_cols + at // page_size).clamp(max=cols - 1)
