@@ -29,8 +29,13 @@ each other: bitwise on an H200 (2026-11-27, results/engine_repeat_NVIDIA_H200_20
 rows free, rows compacted, as ray_faults' rollouts are): bitwise on an H100 (`..._wide.json`). `sync` and `synchist`
 are the wide pair with new weights copied in place (each tensor x 1.01, `update_weights`) before the compared rollout:
 the rebuilt engine gets them before its first call, the unbroken one after its history, as the split layout's engine
-does between rollout 0 and rollout 1, and `syncrel` is synchist with the pool and graphs freed after the update (not
-yet run on a GPU).
+does between rollout 0 and rollout 1, and `syncrel` is synchist with the pool and graphs freed after the update.
+The `next` family has the prompts as the run has them: the compared rollout is rollout 1's (the dataset's next rows,
+its keys), the history rollout 0's rows and the eval set's prompts; `next`/`nexthist` on the same weights,
+`nextsync`/`nextsynchist` with the update as above (the split engine's whole story but the NCCL receive). On two
+H100s (2026-11-27) the sync and next families were bitwise, pair by pair (results/engine_repeat_NVIDIA_H100_80GB_HBM3_
+2026-11-27_next-sync.json): this emulation's first prefill was never the 2048-token pack that made the split run's
+difference (bench/first_prefill.py).
 
 The trainer, the same way: each `step-*` section is a fresh process with fresh caches that runs two rollouts of the
 one-GPU layout from the converted checkpoint, each with its update, and fingerprints every optimizer step's parameters
@@ -47,6 +52,7 @@ variants were bitwise from one fresh process to the next: one process alone meet
     python3 bench/engine_repeat.py --sections setup,step-plain-a,step-tnorm-a,step-plain-b,step-tnorm-b --out $OUT
     python3 bench/engine_repeat.py --sections setup,gen-solo-a,gen-solohist-a --out $OUT   # the engine's history alone
     python3 bench/engine_repeat.py --sections setup,gen-sync-a,gen-synchist-a --out $OUT   # and new weights after it
+    python3 bench/engine_repeat.py --sections setup,gen-next-a,gen-nexthist-a,gen-nextsync-a,gen-nextsynchist-a --out $OUT
 """
 from __future__ import annotations
 
@@ -75,12 +81,17 @@ import ray_faults  # noqa: E402  (its shapes and configs)
 import ray_pipeline as rp  # noqa: E402  (the keyed-length hook, the converted inputs)
 
 VARIANTS = ("plain", "timed", "det", "ind", "hist", "histrel", "solo", "solohist", "wide", "widehist", "sync",
-            "synchist", "syncrel")
-HISTORY = ("hist", "histrel", "solohist", "widehist", "synchist", "syncrel")
+            "synchist", "syncrel", "next", "nexthist", "nextsync", "nextsynchist")
+HISTORY = ("hist", "histrel", "solohist", "widehist", "synchist", "syncrel", "nexthist", "nextsynchist")
 RELEASED = ("histrel", "syncrel")  # the pool and graphs freed after the history (compiled code kept)
-SOLO = ("solo", "solohist", "wide", "widehist", "sync", "synchist", "syncrel")  # the engine alone, as an actor is
-WIDE = ("wide", "widehist", "sync", "synchist", "syncrel")  # the prompts over-sampling draws: more than the rows
-SYNC = ("sync", "synchist", "syncrel")  # new weights (copied in place, as a weight sync does) before the rollout
+NEXT = ("next", "nexthist", "nextsync", "nextsynchist")  # rollout 1's prompts; the history rollout 0's and the eval's
+SYNC = ("sync", "synchist", "syncrel", "nextsync", "nextsynchist")  # new weights (copied in place, as a weight sync
+# does) before the rollout
+WIDE = ("wide", "widehist", "sync", "synchist", "syncrel", *NEXT)  # the prompts over-sampling draws: more than the rows
+SOLO = ("solo", "solohist", *WIDE)  # the engine alone, as an actor is
+# each variant is compared with its family's first variant (`pairs`): the same requests and weights, another history
+FAMILY = {"solohist": "solo", "widehist": "wide", "synchist": "sync", "syncrel": "sync", "nexthist": "next",
+          "nextsynchist": "nextsync", **{v: "plain" for v in ("timed", "det", "ind", "hist", "histrel")}}
 STEP_VARIANTS = ("plain", "tnorm")
 SECTIONS = ("setup", *(f"gen-{v}-{r}" for v in VARIANTS for r in "ab"),
             *(f"step-{v}-{r}" for v in STEP_VARIANTS for r in "ab"))
@@ -184,20 +195,32 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
     n_prompts = sess.cfg.rollout.rollout_batch_size
     if variant in WIDE:  # as dynamic sampling draws them (runtime/grpo/collect.py)
         n_prompts = max(n_prompts, int(n_prompts * sess.cfg.rollout.over_sampling_factor))
-    rows, _ = sess.dataset.batch(sess.dataset.initial_cursor(sess.cfg.train.seed), n_prompts)
-    prompts = [sess.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
-    n = sess.cfg.rollout.n_samples_per_prompt
-    reqs = [SampleRequest(prompt_ids=p, key=(sess.cfg.train.seed, 0, i, j)) for i, p in enumerate(prompts) for j in range(n)]
+    def ids(rows: list[dict]) -> list[list[int]]:
+        return [sess.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+
+    def requests(prompts: list[list[int]], rollout: int, n: int) -> list:
+        return [SampleRequest(prompt_ids=p, key=(sess.cfg.train.seed, rollout, i, j)) for i, p in enumerate(prompts)
+                for j in range(n)]
+
+    seed, n = sess.cfg.train.seed, sess.cfg.rollout.n_samples_per_prompt
+    rows, cursor = sess.dataset.batch(sess.dataset.initial_cursor(seed), n_prompts)
     params = SamplingParams(temperature=sess.cfg.rollout.temperature, max_new_tokens=sess.cfg.rollout.max_new_tokens)
-    # a split engine's history before rollout 1: rollout 0 (here the next rollout's keys: other lengths), then the
-    # evaluation (2 samples of each prompt, its own token cap)
-    earlier = [SampleRequest(prompt_ids=r.prompt_ids, key=(r.key[0], 1, *r.key[2:])) for r in reqs]
-    evaluation = [SampleRequest(prompt_ids=p, key=(sess.cfg.train.seed, -1, i, j)) for i, p in enumerate(prompts)
-                  for j in range(2)]
+    # a split engine's history before rollout 1: rollout 0, then the evaluation (2 samples of each prompt, its own
+    # token cap). next: as the run has them (rollout 1 the next rows; the eval set's prompts); the others: the same
+    # prompts throughout, rollout 0 with the next rollout's keys (other lengths)
+    if variant in NEXT:
+        reqs = requests(ids(sess.dataset.batch(cursor, n_prompts)[0]), 1, n)
+        earlier = requests(ids(rows), 0, n)
+        eval_rows = [json.loads(line) for line in (W / "data" / "eval.jsonl").read_text().splitlines() if line]
+        evaluation = requests(ids(eval_rows), -1, 2)
+    else:
+        reqs = requests(ids(rows), 0, n)
+        earlier = requests(ids(rows), 1, n)
+        evaluation = requests(ids(rows), -1, 2)
     eval_params = SamplingParams(**sess.cfg.eval_sampling())
     if variant in SYNC:
         updated = updated_weights(sess.rd.local(sess.rd.hf_model))
-        if variant == "sync":  # a rebuilt engine: the new weights before its first call
+        if variant not in HISTORY:  # a rebuilt engine: the new weights before its first call
             engine.update_weights(updated, 1)
     gens, times = [], []
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -259,17 +282,12 @@ def _max_abs(a: list[list[float]], b: list[list[float]]) -> float | None:
 
 def pairs(names: list[str]) -> list[tuple[str, str]]:
     """Each section (`kind-variant-repeat`) with the first section of its variant, and each variant's first with
-    plain's."""
+    its family's first (`FAMILY`)."""
     firsts: dict = {}
     for n in names:
         firsts.setdefault(n.split("-")[1], n)
     out = [(n, firsts[n.split("-")[1]]) for n in names if n != firsts[n.split("-")[1]]]
-    def family(v: str) -> str:  # solo: another weights' path; wide: other requests; sync: other weights
-        return "sync" if v in SYNC else "wide" if v in WIDE else "solo" if v in SOLO else "plain"
-    for base in ("plain", "solo", "wide", "sync"):
-        if base in firsts:
-            out += [(f, firsts[base]) for v, f in firsts.items() if v != base and family(v) == base]
-    return out
+    return out + [(f, firsts[FAMILY[v]]) for v, f in firsts.items() if FAMILY.get(v) in firsts]
 
 
 def compare(kept: Path, names: list[str]) -> dict:

@@ -7,6 +7,7 @@ against the engine, and the real train stage.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -207,7 +208,7 @@ def test_glm9b_host_optimizer_bench_cpu_mode_runs(tmp_path):
         assert r[name]["vs_rerun_max_abs_diff"] <= r["bound_per_update"]
 
 
-def test_grad_trace_fingerprints_tell_one_ulp_and_place_the_first_difference():
+def test_grad_trace_fingerprints_tell_one_ulp_and_place_the_first_difference(tmp_path):
     """bench/grad_trace.py (ray_faults' step-by-step comparison): a fingerprint is the same for the same bits (another
     tensor, bf16 too), changes for one ulp or two swapped values, and the first difference is found in a step's
     order (parameters, a rank's gradients, the reduced ones), not in the dictionary's."""
@@ -260,6 +261,22 @@ def test_grad_trace_fingerprints_tell_one_ulp_and_place_the_first_difference():
             engine, [SimpleNamespace(response_ids=[7] * len(x), response_logprobs=x) for x in drawn])
     assert gt.engine_difference(run, ref)["rollout2-from0.0-n3-max300"] == {
         "logprobs": 2, "samples_apart": [0, 1], "apart_within_first": {1: 1, 16: 1, 256: 2}}
+    # the draws whole: where each sample parts and by how much; a rebuilt engine's draws of a call replace its killed one's
+    name = "rollout2-from0.0-n3-max300"
+    mine, theirs = tmp_path / "run", tmp_path / "ref"
+    for folder in (mine, theirs):
+        folder.mkdir()
+    gt.write_draws(theirs, name, [SimpleNamespace(response_ids=[7] * len(x), response_logprobs=x) for x in lps])
+    killed = gt.write_draws(mine, name, [SimpleNamespace(response_ids=[7] * len(x), response_logprobs=x) for x in lps])
+    killed.rename(mine / f"draws-1-{name}.json")
+    os.utime(mine / f"draws-1-{name}.json", (1, 1))  # older than the rebuilt engine's
+    retoken = [[7] * 300, [7] * 39 + [8], [7] * 3]
+    gt.write_draws(mine, name, [SimpleNamespace(response_ids=t, response_logprobs=x) for t, x in zip(retoken, moved)])
+    got = gt.draws_difference(mine, theirs)[name]
+    assert (got["samples"], got["apart"], got["first_apart_at"]) == (3, 2, {"min": 0, "median": 200, "max": 200})
+    assert [(d["sample"], d["logprob_at"], d["tokens_at"]) for d in got["each"]] == [(0, 200, None), (1, 0, 39)]
+    assert got["each"][0]["delta_at"] == got["each"][0]["max_delta"] == abs(-0.5000001 + 0.5)
+    assert gt.draws_difference(theirs, theirs)[name]["apart"] == 0
 
 
 def test_ray_faults_names_the_kernels_whose_timed_configuration_differs_from_the_reference(tmp_path):
@@ -381,9 +398,11 @@ def test_engine_repeat_compares_fresh_processes_bit_for_bit(tmp_path):
     assert 0 < ulp_vs_plain["engine_max_abs"] < 1e-15
     assert got["gen-timed-b vs gen-timed-a"]["tokens_differ_rows"] == 1
     # the engine alone, the over-sampled requests, new weights: each family against its own first, never across
-    families = ["gen-solo-a", "gen-solohist-a", "gen-wide-a", "gen-widehist-a", "gen-sync-a", "gen-synchist-a"]
+    families = ["gen-solo-a", "gen-solohist-a", "gen-wide-a", "gen-widehist-a", "gen-sync-a", "gen-synchist-a",
+                "gen-next-a", "gen-nexthist-a", "gen-nextsync-a", "gen-nextsynchist-a"]
     assert set(er.pairs(families)) == {("gen-solohist-a", "gen-solo-a"), ("gen-widehist-a", "gen-wide-a"),
-                                       ("gen-synchist-a", "gen-sync-a")}
+                                       ("gen-synchist-a", "gen-sync-a"), ("gen-nexthist-a", "gen-next-a"),
+                                       ("gen-nextsynchist-a", "gen-nextsync-a")}
 
 
 def test_ray_faults_reads_each_recompile_and_alert_once_whatever_colour_a_worker_gave_its_line():
