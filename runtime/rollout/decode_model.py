@@ -6,7 +6,10 @@ so the engine's `update_weights` (which copies into `model.state_dict()` tensors
 decoder in place and captured CUDA graphs stay valid. The per-layer pieces (norm + fused QKV +
 q/k-norm + RoPE; o-proj + residual + norm + fused gate/up + SwiGLU + down) go through torch.compile
 on CUDA (dynamic shapes: one compile serves prefill and every decode batch size; a failure inside a compiled
-piece is raised as the "compile" feature's, `speed_features`). GLM4 differs in three
+piece is raised as the "compile" feature's, `speed_features`). They are compiled on a shape of their own before
+any real call (`settle_compiled`): Inductor picks a reduction's blocks and warps from the sizes it compiles on, so a
+piece compiled on whatever call came first would give other bits to the same call in an engine whose first call was
+another (a rebuilt engine against the one it replaces). GLM4 differs in three
 places, each a setting of the same pieces: RoPE on the first `partial_rotary_factor` of each head with
 interleaved pairs, a norm after the attention and after the MLP (before each residual add), and q/k/v
 biases (which Qwen2 has too).
@@ -101,6 +104,16 @@ def _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, 
         k = _rms(k, kn_w, eps)
     rope = _rope_interleaved if interleaved else _rope
     return rope(q, cos, sin), rope(k, cos, sin), v.reshape(-1, nkv, hd).contiguous()
+
+
+SETTLE_TOKENS = 2048  # the token count the per-layer pieces are compiled on (`FusedModel.settle_compiled`)
+
+
+def settled_shapes():
+    """Dynamo without duck sizing, for a compile on `settle_compiled`'s shape: with it, a token count equal to one of
+    the weights' sizes (a prefill of exactly nh * hd tokens) would be taken for that size and fixed in the graph."""
+    import torch.fx.experimental._config as fx_config
+    return fx_config.patch(use_duck_shape=False)
 
 
 def _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps: float, ffn: int,
@@ -203,7 +216,7 @@ class FusedModel:
     ``lora`` (``train.lora``): the adapters' buffers (runtime/rollout/lora_forward.py), added in the forward."""
 
     def __init__(self, model, *, compile: bool | None = None, lora=None, shared_base: dict | None = None,
-                 deterministic: bool = True):
+                 deterministic: bool = True, settle_rows: int = 64):
         reason = unsupported_config_reason(model.config) if shared_base is not None else unsupported_reason(model)
         if reason:
             raise ValueError(f"fast decode path: {reason}")
@@ -219,6 +232,9 @@ class FusedModel:
         self.scale = self.hd ** -0.5
         self.n_layers = cfg.num_hidden_layers
         self.compiled = cuda if compile is None else bool(compile)
+        # the rows the head and the samplers are compiled on (`settle_compiled`): a decode step's most
+        self.settle_rows = max(int(settle_rows), 2)  # 0 and 1 would be fixed in the graph
+        self._settled: set = set()
         # inductor's deterministic mode: one configuration per kernel, none timed (rollout.deterministic)
         self.compile_options = {"deterministic": True} if deterministic else None
         inner = model.model
@@ -332,6 +348,39 @@ class FusedModel:
         self._pre, self._post, self._head, self._plain = pre, post, head, plain_sample
         self._gumbel = gumbel_noise
 
+    @torch.inference_mode()
+    def settle_compiled(self, samplers: tuple = ()) -> None:
+        """Compile the per-layer pieces on `SETTLE_TOKENS` tokens of zeros, the head and each of ``samplers``
+        (``(key, fn)``, a sampler as `_sampler` makes it, once per key) on `settle_rows` rows, before their first
+        real call, so that every engine of the same model and settings runs the same kernels whatever it is asked
+        first (nothing when not compiled: eager kernels do not depend on it). The layers' size is a prefill's, the
+        head's a decode step's (a prefill's logits would take GiBs); on an H100 (Qwen3-0.6B, bench/results/
+        first_prefill_*) a decode step of 64 rows and a 2048-token prefill took as long as before, within noise."""
+        if not self.compiled:
+            return
+        rows, dev = self.settle_rows, self.device
+        todo = [("layers", None)] if "layers" not in self._settled else []
+        todo += [(key, fn) for key, fn in samplers if key not in self._settled]
+        if not todo:
+            return
+        with settled_shapes():
+            for key, fn in todo:
+                if key == "layers":
+                    n, w = SETTLE_TOKENS, self.layers[0]
+                    h = torch.zeros(n, self.embed.shape[1], dtype=self.dtype, device=dev)
+                    cos, sin = self.rope_tables(torch.arange(n, device=dev))
+                    self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, *w.pre_lora)
+                    self._post(h, torch.zeros(n, self.nh * self.hd, dtype=self.dtype, device=dev), w.o_w, w.o_b,
+                               w.ln2, w.gu_w, w.down_w, w.pa, w.pm, *w.post_lora)
+                    del h
+                    self._head(torch.zeros(rows, self.embed.shape[1], dtype=self.dtype, device=dev), self.norm, self.lm)
+                else:
+                    logits = self._head(torch.zeros(rows, self.embed.shape[1], dtype=self.dtype, device=dev),
+                                        self.norm, self.lm)
+                    fn(logits, torch.zeros(rows, dtype=torch.long, device=dev),
+                       torch.zeros(rows, dtype=torch.long, device=dev))
+                self._settled.add(key)
+
     def rope_tables(self, pos: torch.Tensor):
         return _cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype, self.interleaved)
 
@@ -339,6 +388,7 @@ class FusedModel:
     def sequence_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab] of one sequence (positions from 0) by this forward, adapters included: the
         engine's teacher-forced log-probs where HF's forward would miss them (LoRA, a shared base)."""
+        self.settle_compiled()
         cos, sin = self.rope_tables(torch.arange(ids.shape[0], device=self.device))
         h = F.embedding(ids, self.embed)
         for w in self.layers:

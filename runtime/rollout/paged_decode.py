@@ -86,7 +86,8 @@ class PagedDecoder(FusedModel):
         the run's plan is for (`cluster.gpu_memory_gb`), named when the device runs out of memory. lora,
         shared_base: `FusedModel`'s (the adapters' buffers are static: the captured graphs read them as they
         are updated)."""
-        super().__init__(model, compile=compile, lora=lora, shared_base=shared_base, deterministic=deterministic)
+        super().__init__(model, compile=compile, lora=lora, shared_base=shared_base, deterministic=deterministic,
+                         settle_rows=max_rows)
         cuda = self.device.type == "cuda"
         self.max_rows = int(max_rows)
         self.kv_cache_gb = kv_cache_gb
@@ -417,6 +418,7 @@ class PagedDecoder(FusedModel):
         self._ensure_rows(pages_for(max(len(p) for p in prompts), P), pages_for(max_new + self.sync_every, P))
         pool, R, dev = self.pool, self.rows, self.device
         step_fn, skey, prefill_fn = self._sampler(sampling)
+        self.settle_compiled(((("step", skey), step_fn), (("prefill", skey), prefill_fn)))
         key_hash = key_hash.to(dev)
         out_ids: list[list[int]] = [[] for _ in range(n)]
         out_lp: list[list[float]] = [[] for _ in range(n)]
