@@ -57,8 +57,8 @@ SHAPES = {
                 median=10, sigma=0.8, min_len=2, kv_gib=0.002, page_size=4, cap_gib=None,
                 fixed=dict(prompts=2, samples=2, prompt_len=8, new=8, reps=1)),
 }
-SECTIONS = ("paged", "capped", "kernels")  # and "sweep" and "merge", asked for by name
-SECTION_MAX_S = {"paged": 200, "capped": 150, "kernels": 90, "sweep": 300, "merge": 200}
+SECTIONS = ("paged", "capped", "kernels")  # and "sweep", "merge" and "settle", asked for by name
+SECTION_MAX_S = {"paged": 200, "capped": 150, "kernels": 90, "sweep": 300, "merge": 200, "settle": 150}
 # the fixed-slot decoder on this schedule (H100, same KV GiB, CUDA graphs), before it was deleted
 FIXED_SLOT_TOK_S = {"file": "bench/results/rollout_bench_H100_2026-11-23_run2.json", "tok_s": 6808, "new_tokens": 809287}
 SEED = 18
@@ -321,6 +321,7 @@ def step_latency(S, eng, rows: int, own_len: int, group: int, steps: int = 16, p
         held = _place_rows(dec, rows, S["prompt_len"], own_len, group)
         try:
             dec._chunk_split_tokens = split_tokens_for(rows, dec.nkv, S["prompt_len"] + own_len + steps, dec.device)
+            dec.settle_compiled(((("step", skey), step_fn),))  # the kernels the engine's generate runs
             dec.chunk_i.zero_()
             dec._run_step(b, step_fn, skey)  # capture this shape's graph if new
             dec.chunk_i.zero_()
@@ -555,7 +556,19 @@ def _kernel_settings(S, W: Path, settings: list[dict]) -> dict:
             "default": {"block_n": 64, "num_warps": 4, "num_stages": 2, "merge_block": 16}, "rows": rows}
 
 
-FUNCS = {"paged": sec_paged, "capped": sec_capped, "kernels": sec_kernels, "sweep": sec_sweep, "merge": sec_merge}
+def sec_settle(S, W: Path) -> dict:
+    """ms per decode step at the sweep's three points with the engine's pieces compiled on their own shape before
+    any call (`FusedModel.settle_compiled`, as shipped since 2026-11-27), or with ROLLOUT_BENCH_UNSETTLED=1 on the
+    first call's (the start point's rows), as before: what compiling on the settle shape costs a decode step."""
+    unsettled = os.environ.get("ROLLOUT_BENCH_UNSETTLED") == "1"
+    if unsettled:
+        from runtime.rollout.decode_model import FusedModel
+        FusedModel.settle_compiled = lambda self, samplers=(): None
+    return {"name": "settle", "unsettled": unsettled, **_kernel_settings(S, W, [{}])}
+
+
+FUNCS = {"paged": sec_paged, "capped": sec_capped, "kernels": sec_kernels, "sweep": sec_sweep, "merge": sec_merge,
+         "settle": sec_settle}
 
 
 def cuda_context_gib() -> float:
