@@ -106,16 +106,6 @@ def _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, 
     return rope(q, cos, sin), rope(k, cos, sin), v.reshape(-1, nkv, hd).contiguous()
 
 
-SETTLE_TOKENS = 2048  # the token count the per-layer pieces are compiled on (`FusedModel.settle_compiled`)
-
-
-def settled_shapes():
-    """Dynamo without duck sizing, for a compile on `settle_compiled`'s shape: with it, a token count equal to one of
-    the weights' sizes (a prefill of exactly nh * hd tokens) would be taken for that size and fixed in the graph."""
-    import torch.fx.experimental._config as fx_config
-    return fx_config.patch(use_duck_shape=False)
-
-
 def _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps: float, ffn: int,
                o_a=None, o_lb=None, gu_a=None, gu_lb=None, dn_a=None, dn_lb=None, lscale: float = 1.0):
     """o-proj, residual, norm, SwiGLU MLP, residual; `pa_w` / `pm_w` (GLM4): norms of the attention's and
@@ -170,6 +160,16 @@ def _sdpa_prefill(q, k, v, lens: list[int], scale: float):
         out.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)[0].transpose(0, 1))
         start += n
     return torch.cat(out, 0)
+
+
+SETTLE_TOKENS = 2048  # the token count the per-layer pieces are compiled on (`FusedModel.settle_compiled`)
+
+
+def settled_shapes():
+    """Dynamo without duck sizing, for a compile on `settle_compiled`'s shape: with it, a token count equal to one of
+    the weights' sizes (a prefill of exactly nh * hd tokens) would be taken for that size and fixed in the graph."""
+    import torch.fx.experimental._config as fx_config
+    return fx_config.patch(use_duck_shape=False)
 
 
 @dataclass
@@ -354,8 +354,9 @@ class FusedModel:
         (``(key, fn)``, a sampler as `_sampler` makes it, once per key) on `settle_rows` rows, before their first
         real call, so that every engine of the same model and settings runs the same kernels whatever it is asked
         first (nothing when not compiled: eager kernels do not depend on it). The layers' size is a prefill's, the
-        head's a decode step's (a prefill's logits would take GiBs); on an H100 (Qwen3-0.6B, bench/results/
-        first_prefill_*) a decode step of 64 rows and a 2048-token prefill took as long as before, within noise."""
+        head's a decode step's (a prefill's logits would take GiBs). On an H100 (Qwen3-0.6B) a decode step at the
+        recipe's points took as long as when compiled on the first call, within 0.5 % (bench/results/
+        rollout_bench_*_settle.json)."""
         if not self.compiled:
             return
         rows, dev = self.settle_rows, self.device
