@@ -184,7 +184,7 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
     elif variant == "ind":
         import torch._inductor.config as inductor_config
         inductor_config.deterministic = True
-    from runtime.rollout.base import SampleRequest, SamplingParams
+    from runtime.rollout.base import SamplingParams, keyed_requests
     from runtime.trainer.batch import TrainBatch
     sess = session(S, W, name, ["rollout.deterministic=false"] if variant == "timed" else [])
     if variant in SOLO:  # the converted model's weights as the engine loads them; no trainer made in this process
@@ -195,28 +195,27 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
     n_prompts = sess.cfg.rollout.rollout_batch_size
     if variant in WIDE:  # as dynamic sampling draws them (runtime/grpo/collect.py)
         n_prompts = max(n_prompts, int(n_prompts * sess.cfg.rollout.over_sampling_factor))
+    seed, n = sess.cfg.train.seed, sess.cfg.rollout.n_samples_per_prompt
+
     def ids(rows: list[dict]) -> list[list[int]]:
         return [sess.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
 
-    def requests(prompts: list[list[int]], rollout: int, n: int) -> list:
-        return [SampleRequest(prompt_ids=p, key=(sess.cfg.train.seed, rollout, i, j)) for i, p in enumerate(prompts)
-                for j in range(n)]
+    def requests(prompts: list[list[int]], slot: int, n: int) -> list:  # keyed as the run keys them, flat
+        return [r for group in keyed_requests(prompts, seed=seed, slot=slot, n=n) for r in group]
 
-    seed, n = sess.cfg.train.seed, sess.cfg.rollout.n_samples_per_prompt
     rows, cursor = sess.dataset.batch(sess.dataset.initial_cursor(seed), n_prompts)
+    prompts = ids(rows)
     params = SamplingParams(temperature=sess.cfg.rollout.temperature, max_new_tokens=sess.cfg.rollout.max_new_tokens)
     # a split engine's history before rollout 1: rollout 0, then the evaluation (2 samples of each prompt, its own
     # token cap). next: as the run has them (rollout 1 the next rows; the eval set's prompts); the others: the same
     # prompts throughout, rollout 0 with the next rollout's keys (other lengths)
     if variant in NEXT:
         reqs = requests(ids(sess.dataset.batch(cursor, n_prompts)[0]), 1, n)
-        earlier = requests(ids(rows), 0, n)
+        earlier = requests(prompts, 0, n)
         eval_rows = [json.loads(line) for line in (W / "data" / "eval.jsonl").read_text().splitlines() if line]
         evaluation = requests(ids(eval_rows), -1, 2)
     else:
-        reqs = requests(ids(rows), 0, n)
-        earlier = requests(ids(rows), 1, n)
-        evaluation = requests(ids(rows), -1, 2)
+        reqs, earlier, evaluation = requests(prompts, 0, n), requests(prompts, 1, n), requests(prompts, -1, 2)
     eval_params = SamplingParams(**sess.cfg.eval_sampling())
     if variant in SYNC:
         updated = updated_weights(sess.rd.local(sess.rd.hf_model))

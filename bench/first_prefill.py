@@ -29,8 +29,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+BENCH = Path(__file__).resolve().parent
+for p in (ROOT, BENCH):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import engine_repeat  # noqa: E402  (dynamo's recompiles, as logged)
+import grad_trace  # noqa: E402  (two calls' draws compared)
 
 CASES = ("settled-fresh", "settled-history", "unsettled-fresh", "unsettled-history")
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -49,14 +54,7 @@ def run_case(case: str, out: Path, cpu: bool) -> dict:
     variant, first = case.split("-")
     if variant == "unsettled":
         FusedModel.settle_compiled = lambda self, samplers=(): None
-    recompiled: list[str] = []
-    import logging
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            recompiled.append(record.getMessage().splitlines()[0])
-    torch._logging.set_logs(recompiles=True)
-    logging.getLogger("torch._dynamo").addHandler(Keep())
+    recompiled = engine_repeat.recompiles()
     torch.manual_seed(0)
     cfg = Qwen3Config(**(TINY if cpu else QWEN3_0_6B))
     model = Qwen3ForCausalLM(cfg).to("cpu" if cpu else "cuda", torch.float32 if cpu else torch.bfloat16).eval()
@@ -81,19 +79,9 @@ def run_case(case: str, out: Path, cpu: bool) -> dict:
         sync()
         st = dec.stats
         times.append((st["decode_s"] / max(st["decode_steps"], 1) * 1e3, st["prefill_s"] * 1e3))
-    (out / f"{case}.json").write_text(json.dumps({"ids": ids, "lps": lps}))
+    (out / f"{case}.json").write_text(json.dumps({"tokens": ids, "logprobs": lps}))
     return {"case": case, "first_pack_tokens": first_pack, "nh_x_hd": dec.nh * dec.hd, "recompiled": recompiled,
             "ms_per_decode_step": sorted(t[0] for t in times)[1], "prefill_ms": sorted(t[1] for t in times)[1]}
-
-
-def apart(a: dict, b: dict) -> dict:
-    at = []
-    for la, lb in zip(a["lps"], b["lps"]):
-        j = next((j for j, (x, y) in enumerate(zip(la, lb)) if x != y), None)
-        if j is not None:
-            at.append(j)
-    return {"samples": len(a["lps"]), "apart": len(at), "tokens_apart": sum(x != y for x, y in zip(a["ids"], b["ids"])),
-            "first_apart_at": sorted(at)[:1] + sorted(at)[-1:] if at else None}
 
 
 def main(argv=None) -> int:
@@ -120,7 +108,7 @@ def main(argv=None) -> int:
             res[case]["wall_s"] = round(time.time() - t0, 1)
             print(json.dumps(res[case])[:600], flush=True)
     dumps = {c: json.loads((out / f"{c}.json").read_text()) for c in CASES if (out / f"{c}.json").exists()}
-    compare = {v: apart(dumps[f"{v}-fresh"], dumps[f"{v}-history"]) for v in ("settled", "unsettled")
+    compare = {v: grad_trace.draws_apart(dumps[f"{v}-fresh"], dumps[f"{v}-history"]) for v in ("settled", "unsettled")
                if f"{v}-fresh" in dumps and f"{v}-history" in dumps}
     summary = {"benchmark": "first_prefill", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                "device": "cpu" if a.cpu else torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": res,
@@ -128,7 +116,8 @@ def main(argv=None) -> int:
     for c in CASES:
         (out / f"{c}.json").unlink(missing_ok=True)
     (out / "first_prefill.json").write_text(json.dumps(summary, indent=1))
-    print("fresh vs history:", json.dumps(compare))
+    print("fresh vs history:", json.dumps({v: {k: c[k] for k in ("samples", "apart", "first_apart_at")}
+                                            for v, c in compare.items()}))
     return 0
 
 
