@@ -64,7 +64,8 @@ trace, tuned kernels and the sha256 of every final tensor, per layout and --set 
 on another machine of the same GPU model and torch passes it as `--references FILE` and its cases are compared with
 it, tensors by digest (bitwise, or which tensors differ: for max |delta| run unbroken-a on that machine). An unbroken-a
 run beside a carried reference is compared with it too (`vs_another_machine`): whether a reference holds across
-machines at all.
+machines at all. `--merge` of calls that each ran unbroken-a compares the later ones with the first the same way
+(`unbroken-a again`): the noise floor where no unbroken-b ran.
 
 An unbroken run is 224-240 s (H100 and H200): ~40 s starting the CLI (Prefect, Ray), the conversion, ~40 s
 building the actors, ~14 s per checkpoint (model and optimizer, ~8 GB), the engine's warm-up and the trainer's
@@ -679,6 +680,17 @@ def compare_with(res: dict, ref: dict, ref_tensors=None, run_tensors=None) -> di
             "reference_machine": "another" if ref.get("carried") else "this"}
 
 
+def compare_exports(run: dict, reference: dict) -> dict:
+    """Two calls' unbroken-a of one layout and --set group as their OUT/references.json keep them (each call's
+    machine fresh, or one machine twice): the final tensors by digest, the step trace, the facts, the tuned kernels."""
+    return {**compare_facts(run["facts"], reference["facts"]),
+            "checkpoint": compare_fingerprints(run["checkpoint_fingerprints"], reference["checkpoint_fingerprints"]),
+            "grad_trace": grad_trace.first_difference(grad_trace.from_lines(run["grad_trace"]),
+                                                      grad_trace.from_lines(reference["grad_trace"])),
+            "tuned_configs": compare_tuned(run["tuned"], reference["tuned"]),
+            "same_machine": run["gpus"] == reference["gpus"]}
+
+
 def sec_case(S, W: Path, layout: str, case: str, refs: References, limit_s: float, keep_roots: bool) -> dict:
     res = run_case(S, W, layout, case, limit_s, refs.sets)
     res["gpus"] = gpu_ids()
@@ -806,7 +818,7 @@ def _steady(facts: dict) -> dict:
             if mv.get(m)}
 
 
-def summarize(res: dict, env: dict | None) -> dict:
+def summarize(res: dict, env: dict | None, exports: list[dict] = ()) -> dict:
     out = {"benchmark": "ray_faults", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "device": (env or {}).get("gpu", "cpu"), "env": env, "sections": res, "layouts": {}}
     for r in res.values():
@@ -838,11 +850,30 @@ def summarize(res: dict, env: dict | None) -> dict:
                 "first_step_difference": carried["grad_trace"]["first"],
                 "same_lengths_and_rewards": carried.get("same_lengths_and_rewards"),
                 "same_metric_points": carried["same_metric_points"], "metric_values_differ": carried["metric_values_differ"]}
+    firsts: dict[str, dict] = {}
+    for doc in exports:  # each call's unbroken-a after the first call's: the same config run again from nothing
+        for ref in doc.values():
+            group = ref["layout"] + (f" [{', '.join(ref['sets'])}]" if ref["sets"] else "")
+            if group not in firsts:
+                firsts[group] = ref
+                continue
+            vs = compare_exports(ref, firsts[group])
+            out["layouts"].setdefault(group, {}).setdefault("unbroken-a again", []).append({
+                "bitwise": vs["checkpoint"]["bitwise"], "tensors_differ": vs["checkpoint"]["differ_count"],
+                "tensors": vs["checkpoint"]["tensors"], "first_step_difference": vs["grad_trace"]["first"],
+                "steps_compared": vs["grad_trace"]["compared"], "same_machine": vs["same_machine"],
+                "kept_another_tuning": vs["tuned_configs"]["kept_another"],
+                **{k: vs[k] for k in ("same_metric_points", "metric_values_differ", "same_registry", "same_best",
+                                      "same_lengths_and_rewards")}})
     for row in out["layouts"].values():
         floor = row.get("unbroken-b") or {}
+        again = (row.get("unbroken-a again") or [None])[0]
         if floor.get("status") == "ok":
             row["noise_floor"] = {"bitwise": floor.get("bitwise"), "max_abs_delta": floor.get("max_abs_delta"),
                                   "same_machine_as_reference": floor.get("reference_machine", "this") == "this"}
+        elif again:  # without an unbroken-b: another call's unbroken-a, compared by digest
+            row["noise_floor"] = {"bitwise": again["bitwise"], "max_abs_delta": None,
+                                  "same_machine_as_reference": again["same_machine"], "by": "unbroken-a of two calls"}
     out["nondeterminism"] = {"noise_floor": {g: row.get("noise_floor") for g, row in out["layouts"].items()},
                              "candidates": CANDIDATES, "settings_cost": settings_cost(res)}
     return out
@@ -926,6 +957,12 @@ def print_table(summary: dict) -> None:
                 print(f"  {'':13s} against another machine's unbroken-a: " + (
                     "bitwise" if v["bitwise"] else f"{v['tensors_differ']} tensors differ") +
                     f"; first step difference {v['first_step_difference']}; points same {v['same_metric_points']}")
+        for v in row.get("unbroken-a again") or []:
+            print(f"  unbroken-a again ({'this' if v['same_machine'] else 'another'} machine, by digest): " + (
+                "bitwise" if v["bitwise"] else f"{v['tensors_differ']} of {v['tensors']} tensors differ") +
+                f"; first step difference {v['first_step_difference']} ({v['steps_compared']} stages); points same "
+                f"{v['same_metric_points']}; metric values differ {v['metric_values_differ']}; registry same "
+                f"{v['same_registry']}; tuned kernels that kept another configuration {v['kept_another_tuning']}")
     for g, c in summary["nondeterminism"]["settings_cost"].items():
         print(f"[{g}] steady step {c['steady_step_s']} s vs {c['plain_steady_step_s']} s plain ({c['step_cost_pct']:+.1f} %), "
               f"train {c['steady_train_s']} s vs {c['plain_steady_train_s']} s ({c['train_cost_pct']:+.1f} %); "
@@ -960,7 +997,8 @@ def main(argv=None) -> int:
             p = Path(d) / "ray_faults.json"
             if p.exists():
                 env = env or json.loads(p.read_text()).get("env")
-        summary = summarize(res, env)
+        exports = [json.loads(p.read_text()) for d in a.merge if (p := Path(d) / "references.json").exists()]
+        summary = summarize(res, env, exports)
         gpu_grpo.save_summary(summary, out, "ray_faults", a.results_dir, cpu=False)
         print_table(summary)
         return 0

@@ -373,6 +373,36 @@ def test_ray_faults_carries_a_reference_to_another_machine_by_digests(tmp_path, 
     assert plain.get("colocated") is None
 
 
+def test_ray_faults_merge_compares_each_calls_unbroken_run_with_the_first_calls_by_digest():
+    """--merge of calls that each ran unbroken-a (a fresh machine each): the later ones against the first by their
+    exported fingerprints, step trace and facts; that is the layout's noise floor where no unbroken-b ran."""
+    import torch
+    sys.path.insert(0, str(ROOT / "bench"))
+    import ray_faults as rf
+
+    state = {"model.w": torch.arange(8.0), "optimizer.m": torch.ones(4)}
+    facts = {"metric_values": {"loss": [0.5, 0.25], "step_time_s": [9.0, 3.0]}, "metric_points": {"loss": [0, 1]},
+             "registry": [{"rollout": 1, "source": "s", "source_exists": True}], "best_rollout": 1,
+             "rollouts": [{"response_len_mean": 4.0, "reward_mean": 0.5}], "final_rollout": 2, "lease_held": False,
+             "temp_leftovers": [], "mlflow_status": "FINISHED", "mlflow_runs": 1}
+
+    def export(gpus, tensors, step_time):
+        f = {**facts, "metric_values": {**facts["metric_values"], "step_time_s": [step_time, 3.0]}}
+        return {"split": {"layout": "split", "sets": [], "gpus": gpus, "facts": f, "grad_trace": [],
+                          "checkpoint_fingerprints": rf.tensor_fingerprints(tensors), "tuned": {}}}
+
+    moved = {**state, "optimizer.m": torch.ones(4).nextafter(torch.tensor(2.0))}
+    same = rf.summarize({}, None, [export(["g0"], state, 9.0), export(["g1"], state, 7.5)])
+    again = same["layouts"]["split"]["unbroken-a again"]
+    assert len(again) == 1 and again[0]["bitwise"] and not again[0]["same_machine"] and again[0]["metric_values_differ"] == []
+    assert same["nondeterminism"]["noise_floor"]["split"] == {"bitwise": True, "max_abs_delta": None,
+                                                              "same_machine_as_reference": False,
+                                                              "by": "unbroken-a of two calls"}
+    apart = rf.summarize({}, None, [export(["g0"], state, 9.0), export(["g0"], moved, 9.0)])["layouts"]["split"]
+    assert not apart["unbroken-a again"][0]["bitwise"] and apart["unbroken-a again"][0]["tensors_differ"] == 1
+    assert apart["noise_floor"]["bitwise"] is False and apart["noise_floor"]["same_machine_as_reference"]
+
+
 def test_engine_repeat_compares_fresh_processes_bit_for_bit(tmp_path):
     """bench/engine_repeat.py's verdict (the engine's bits from one fresh process to the next): a section is compared
     with the first of its variant, and each variant's first with plain's; one ulp of one log-prob is not equal, and
