@@ -808,7 +808,11 @@ def _layout_case(r: dict) -> tuple[str, str]:
 
 def _group(r: dict) -> str:
     """A summary row: the layout, and the run's --set overrides when it had any (each its own reference)."""
-    return _layout_case(r)[0] + (f" [{', '.join(r['sets'])}]" if r.get("sets") else "")
+    return group_name(_layout_case(r)[0], r.get("sets"))
+
+
+def group_name(layout: str, sets: list[str] | None) -> str:
+    return layout + (f" [{', '.join(sets)}]" if sets else "")
 
 
 def _steady(facts: dict) -> dict:
@@ -853,7 +857,7 @@ def summarize(res: dict, env: dict | None, exports: list[dict] = ()) -> dict:
     firsts: dict[str, dict] = {}
     for doc in exports:  # each call's unbroken-a after the first call's: the same config run again from nothing
         for ref in doc.values():
-            group = ref["layout"] + (f" [{', '.join(ref['sets'])}]" if ref["sets"] else "")
+            group = group_name(ref["layout"], ref["sets"])
             if group not in firsts:
                 firsts[group] = ref
                 continue
