@@ -357,30 +357,31 @@ class FusedModel:
         head's a decode step's (a prefill's logits would take GiBs). On an H100 (Qwen3-0.6B) a decode step at the
         recipe's points took as long as when compiled on the first call, within 0.5 % (bench/results/
         rollout_bench_*_settle.json)."""
-        if not self.compiled:
-            return
-        rows, dev = self.settle_rows, self.device
         todo = [("layers", None)] if "layers" not in self._settled else []
         todo += [(key, fn) for key, fn in samplers if key not in self._settled]
-        if not todo:
+        if not self.compiled or not todo:
             return
+        dev = self.device
+        head_in = torch.zeros(self.settle_rows, self.embed.shape[1], dtype=self.dtype, device=dev)
+        # the samplers' key hashes and positions: two tensors, as a real call passes (one for both would be an alias
+        # that dynamo guards on, and a real call would recompile)
+        key_hash, position = (torch.zeros(self.settle_rows, dtype=torch.long, device=dev) for _ in range(2))
         with settled_shapes():
             for key, fn in todo:
-                if key == "layers":
-                    n, w = SETTLE_TOKENS, self.layers[0]
-                    h = torch.zeros(n, self.embed.shape[1], dtype=self.dtype, device=dev)
-                    cos, sin = self.rope_tables(torch.arange(n, device=dev))
-                    self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, *w.pre_lora)
-                    self._post(h, torch.zeros(n, self.nh * self.hd, dtype=self.dtype, device=dev), w.o_w, w.o_b,
-                               w.ln2, w.gu_w, w.down_w, w.pa, w.pm, *w.post_lora)
-                    del h
-                    self._head(torch.zeros(rows, self.embed.shape[1], dtype=self.dtype, device=dev), self.norm, self.lm)
-                else:
-                    logits = self._head(torch.zeros(rows, self.embed.shape[1], dtype=self.dtype, device=dev),
-                                        self.norm, self.lm)
-                    fn(logits, torch.zeros(rows, dtype=torch.long, device=dev),
-                       torch.zeros(rows, dtype=torch.long, device=dev))
+                if fn is None:
+                    self._settle_layers()
+                logits = self._head(head_in, self.norm, self.lm)
+                if fn is not None:
+                    fn(logits, key_hash, position)
                 self._settled.add(key)
+
+    def _settle_layers(self) -> None:
+        n, w, dev = SETTLE_TOKENS, self.layers[0], self.device
+        h = torch.zeros(n, self.embed.shape[1], dtype=self.dtype, device=dev)
+        cos, sin = self.rope_tables(torch.arange(n, device=dev))
+        self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, *w.pre_lora)
+        self._post(h, torch.zeros(n, self.nh * self.hd, dtype=self.dtype, device=dev), w.o_w, w.o_b,
+                   w.ln2, w.gu_w, w.down_w, w.pa, w.pm, *w.post_lora)
 
     def rope_tables(self, pos: torch.Tensor):
         return _cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype, self.interleaved)
