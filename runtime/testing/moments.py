@@ -9,8 +9,9 @@
   a test can restart a run from that boundary without re-running what came before.
 
 - ``GRPOFLOW_TEST_PAUSE_AT=<name>[#<k>]`` with ``GRPOFLOW_TEST_PAUSE_DIR``: on reaching it, write
-  ``<dir>/<label>.reached`` (this process's pid and Ray node id) and wait until ``<dir>/<label>.go``
-  exists — a test does something to the cluster at exactly that point (removes this node), then lets go.
+  ``<dir>/<label>.reached`` (this process's pid and Ray node id; of the first to reach it, where several
+  processes do) and wait until ``<dir>/<label>.go`` exists — a test does something to the cluster at exactly
+  that point (removes this node), then lets go.
 
 A moment reached many times within one call (a decode chunk) passes its place there as ``index``; it is
 then named ``<name>-<index>`` (``decode-chunk-8``: the 8th decode chunk of a generate call), the name made
@@ -61,6 +62,7 @@ def _snapshot(name: str) -> None:
 def _pause(label: str) -> None:
     import json
     import sys
+    import tempfile
     import time
     where = os.environ["GRPOFLOW_TEST_PAUSE_DIR"]
     node = None
@@ -70,8 +72,17 @@ def _pause(label: str) -> None:
     safe = label.replace("/", "_").replace(":", "_")
     if os.path.exists(os.path.join(where, f"{safe}.go")):
         return  # paused once already (another process: a rebuilt actor counts its hits afresh)
-    with open(os.path.join(where, f"{safe}.reached.tmp"), "w") as f:
-        json.dump({"pid": os.getpid(), "node_id": node}, f)
-    os.replace(os.path.join(where, f"{safe}.reached.tmp"), os.path.join(where, f"{safe}.reached"))
+    # Colocated engines reach the same moment together: each writes a file of its own, and the first to
+    # link it under the shared name is the one reported; the others wait for the same `.go`.
+    fd, tmp = tempfile.mkstemp(dir=where, prefix=f"{safe}.", suffix=".reached.tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"pid": os.getpid(), "node_id": node}, f)
+        try:
+            os.link(tmp, os.path.join(where, f"{safe}.reached"))
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(tmp)
     while not os.path.exists(os.path.join(where, f"{safe}.go")):
         time.sleep(0.05)  # waiting for the test's event, not for time to pass
