@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import Counter
 
 from tests.waiting import wait_reached
 
@@ -12,8 +11,6 @@ def test_two_reaching_one_pause_together_both_wait_and_the_first_to_publish_is_r
     """Both write their record before either publishes it (a barrier, not a sleep): the interleaving in which, on
     2 x H100, the second engine's publish found its temp file already moved and the run failed."""
     from runtime.testing import moments
-    monkeypatch.setattr(moments, "_hits", Counter())
-    monkeypatch.setenv("GRPOFLOW_TEST_PAUSE_AT", "decode-chunk-8#1")
     monkeypatch.setenv("GRPOFLOW_TEST_PAUSE_DIR", str(tmp_path))
     both_written = threading.Barrier(2, timeout=60)
     plain_dump = json.dump
@@ -27,13 +24,13 @@ def test_two_reaching_one_pause_together_both_wait_and_the_first_to_publish_is_r
 
     def engine():
         try:
-            moments._pause("decode-chunk-8#1")  # per-process hit counts: each thread stands for a process
+            moments._pause("decode-chunk-8#1")  # each thread stands for an engine process
         except BaseException as e:  # noqa: BLE001 - the test reports it
             errors.append(e)
     threads = [threading.Thread(target=engine) for _ in range(2)]
     for t in threads:
         t.start()
-    record = wait_reached(tmp_path / "decode-chunk-8#1.reached")
+    record = wait_reached(tmp_path / "decode-chunk-8#1.reached", timeout_s=60)
     (tmp_path / "decode-chunk-8#1.go").touch()
     for t in threads:
         t.join(timeout=60)
