@@ -822,6 +822,14 @@ def _steady(facts: dict) -> dict:
             if mv.get(m)}
 
 
+def _by_digest(vs: dict) -> dict:
+    """A run against an unbroken-a of another call (carried, or exported beside it), as a summary row keeps it."""
+    return {"bitwise": vs["checkpoint"]["bitwise"], "tensors_differ": vs["checkpoint"]["differ_count"],
+            "first_step_difference": vs["grad_trace"]["first"],
+            "same_lengths_and_rewards": vs.get("same_lengths_and_rewards"),
+            "same_metric_points": vs["same_metric_points"], "metric_values_differ": vs["metric_values_differ"]}
+
+
 def summarize(res: dict, env: dict | None, exports: list[dict] = ()) -> dict:
     out = {"benchmark": "ray_faults", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "device": (env or {}).get("gpu", "cpu"), "env": env, "sections": res, "layouts": {}}
@@ -849,11 +857,7 @@ def summarize(res: dict, env: dict | None, exports: list[dict] = ()) -> dict:
         if "after_driver_kill" in r:
             row[case]["left_after_driver_kill"] = r["after_driver_kill"]["left"]
         if carried := r.get("vs_carried"):  # this machine's unbroken-a against another machine's
-            row[case]["vs_another_machine"] = {
-                "bitwise": carried["checkpoint"]["bitwise"], "tensors_differ": carried["checkpoint"]["differ_count"],
-                "first_step_difference": carried["grad_trace"]["first"],
-                "same_lengths_and_rewards": carried.get("same_lengths_and_rewards"),
-                "same_metric_points": carried["same_metric_points"], "metric_values_differ": carried["metric_values_differ"]}
+            row[case]["vs_another_machine"] = _by_digest(carried)
     firsts: dict[str, dict] = {}
     for doc in exports:  # each call's unbroken-a after the first call's: the same config run again from nothing
         for ref in doc.values():
@@ -863,12 +867,9 @@ def summarize(res: dict, env: dict | None, exports: list[dict] = ()) -> dict:
                 continue
             vs = compare_exports(ref, firsts[group])
             out["layouts"].setdefault(group, {}).setdefault("unbroken-a again", []).append({
-                "bitwise": vs["checkpoint"]["bitwise"], "tensors_differ": vs["checkpoint"]["differ_count"],
-                "tensors": vs["checkpoint"]["tensors"], "first_step_difference": vs["grad_trace"]["first"],
-                "steps_compared": vs["grad_trace"]["compared"], "same_machine": vs["same_machine"],
-                "kept_another_tuning": vs["tuned_configs"]["kept_another"],
-                **{k: vs[k] for k in ("same_metric_points", "metric_values_differ", "same_registry", "same_best",
-                                      "same_lengths_and_rewards")}})
+                **_by_digest(vs), "tensors": vs["checkpoint"]["tensors"], "steps_compared": vs["grad_trace"]["compared"],
+                "same_machine": vs["same_machine"], "kept_another_tuning": vs["tuned_configs"]["kept_another"],
+                "same_registry": vs["same_registry"], "same_best": vs["same_best"]})
     for row in out["layouts"].values():
         floor = row.get("unbroken-b") or {}
         again = (row.get("unbroken-a again") or [None])[0]
