@@ -316,6 +316,10 @@ class EvalSection(Section):
 class CheckpointSection(Section):
     interval: int = Field(2, gt=0, description="rollouts per chunk and checkpoint")
     keep_last: int = Field(3, gt=0)
+    # The checkpoint is written by a background writer beside the next chunk's rollouts (the loop stalls only
+    # for a host copy of the state); it is durable (manifest last, `latest` moved) before the next checkpoint
+    # starts and before the run finishes. false: written inside the step, as before.
+    background: bool = True
 
 
 class TrackingSection(Section):
@@ -323,6 +327,10 @@ class TrackingSection(Section):
     uri: str | None = None  # None: sqlite under storage.root (or storage.state_dir when root is remote)
     experiment: str = "grpoflow"
     registered_model: str | None = None  # None: <config name>
+    # HF exports kept on disk besides the `best` and `latest` versions': those of the last N registered
+    # versions. Older versions stay in the registry with their metrics and lineage, their artifacts removed.
+    # None: every export is kept.
+    keep_exports: int | None = Field(2, ge=0)
 
 
 class ClusterSection(Section):
