@@ -130,8 +130,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _print_plan(cfg) -> None:
     from runtime.plan.summary import plan_lines
+    from runtime.secrets import redact_text
     for line in plan_lines(cfg):
-        print(line)
+        print(redact_text(line))
 
 
 def _headline(res: dict) -> str:
@@ -340,7 +341,7 @@ def _setup_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging(args.log_level)
-    from runtime.errors import TransientError, UserError
+    from runtime.errors import TransientError, UserError, error_line
     from runtime.run.directory import resume_command
 
     resume_with = None  # how to continue the run this command works on, once it has an id
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         _summary(result, root, report)
         return 0
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {error_line(err)}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         # every write that matters is atomic and the lease is released on the way out
@@ -413,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except TransientError as err:
         # still failing after the task's retries: nothing is lost, `grpoflow resume` continues later
-        print(f"error: {' '.join(str(err).split())} (still failing after retries; resume the run later)",
+        print(f"error: {error_line(err)} (still failing after retries; resume the run later)",
               file=sys.stderr)
         return 3
     except Exception as err:
@@ -421,8 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         if not _is_transient(err):
             raise
         # a lost Ray actor or node, a dropped connection: the same, said in one line
-        first = " ".join(str(err).split())[:300]
-        print(f"error: {type(err).__name__}: {first} (still failing after retries; resume the run later)",
+        print(f"error: {type(err).__name__}: {error_line(err, 300)} (still failing after retries; resume the run later)",
               file=sys.stderr)
         return 3
 
