@@ -326,10 +326,16 @@ def _resume(args) -> dict | None:
     return grpo_pipeline(overrides=hold(args.overrides), run_id=args.run_id, root=root, resume=True)
 
 
+class _MaskedFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        from runtime.secrets import redact_text
+        return redact_text(super().format(record))
+
+
 def _setup_logging(level: str) -> None:
     """One handler for grpoflow's loggers (named by module: runtime.*, tasks.*, flows.*, cli.*)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    handler.setFormatter(_MaskedFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     for name in ("runtime", "tasks", "flows", "cli", "deployments"):
         logger = logging.getLogger(name)
         logger.setLevel(level)
