@@ -224,6 +224,8 @@ class AlgorithmSection(Section):
         return self
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the optimizer's dtype
+
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # train.lr when LoRA is on and the config sets none: about 10x the full-parameter rate of the recipes
 # (1e-6), where LoRA's best rate sits (docs/lora.md)
@@ -251,7 +253,8 @@ class TrainSection(Section):
     global_batch_size: int = Field(64, gt=0, description="samples per optimizer step")
     num_steps_per_rollout: int = Field(1, gt=0)
     micro_batch_size: int = Field(16, gt=0)
-    lr: float = Field(1e-3, ge=0, description="0 trains nothing (a control run)")
+    # 0 trains nothing (a control run); above float32's largest the optimizer's step cannot be taken at all
+    lr: float = Field(1e-3, ge=0)
     min_lr: float = Field(0.0, ge=0, description="the decay's floor; at most lr")
     lr_warmup_steps: int = Field(0, ge=0)
     lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
@@ -311,6 +314,14 @@ class TrainSection(Section):
     # flash2 (torch's FlashAttention, whose deterministic backward it selects). CPU kernels are deterministic either way.
     deterministic: bool = True
     lora: LoraSection = LoraSection()
+
+    @field_validator("lr")
+    @classmethod
+    def _lr_in_float32(cls, v: float) -> float:
+        if v > FLOAT32_MAX:
+            raise ValueError(f"{v:g} is past float32's largest value (3.4e38), the optimizer's dtype; learning "
+                             f"rates are about 1e-6 to 1e-3")
+        return v
 
     @model_validator(mode="after")
     def _deterministic_attention(self) -> "TrainSection":
@@ -608,8 +619,8 @@ def _check_unique_keys(node, prefix: str = "", visited: set | None = None) -> No
 MAX_YAML_VALUES = 100_000
 
 
-class AliasBombError(yaml.YAMLError):
-    """YAML whose aliases expand past MAX_YAML_VALUES values, or refer to themselves."""
+class OversizedYamlError(yaml.YAMLError):
+    """YAML whose aliases expand past MAX_YAML_VALUES values or refer to themselves, or that nests too deeply."""
 
 
 def _check_expansion(root) -> None:
@@ -620,13 +631,13 @@ def _check_expansion(root) -> None:
         if id(node) in sizes:
             return sizes[id(node)]
         if id(node) in open_nodes:
-            raise AliasBombError("an alias refers to the node that contains it (a recursive structure)")
+            raise OversizedYamlError("an alias refers to the node that contains it (a recursive structure)")
         open_nodes.add(id(node))
         children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
                     else node.value if isinstance(node, yaml.SequenceNode) else [])
         total = 1 + sum(size(child) for child in children)
         if total > MAX_YAML_VALUES:
-            raise AliasBombError(f"its aliases expand to more than {MAX_YAML_VALUES:,} values")
+            raise OversizedYamlError(f"its aliases expand to more than {MAX_YAML_VALUES:,} values")
         open_nodes.discard(id(node))
         sizes[id(node)] = total
         return total
@@ -636,7 +647,7 @@ def _check_expansion(root) -> None:
 
 def load_yaml(text: str) -> Any:
     """``yaml.safe_load`` that refuses a key given twice in one mapping (:class:`DuplicateKeyError`) and aliases
-    that expand past MAX_YAML_VALUES values (:class:`AliasBombError`). Every config a user or a run wrote (config
+    that expand past MAX_YAML_VALUES values (:class:`OversizedYamlError`). Every config a user or a run wrote (config
     files, frozen configs, --set values) is read with it."""
     loader = yaml.SafeLoader(text)
     try:
@@ -646,6 +657,8 @@ def load_yaml(text: str) -> Any:
         _check_expansion(node)
         _check_unique_keys(node)
         return loader.construct_document(node)
+    except RecursionError:  # the composer, the checks and the constructor all recurse per level
+        raise OversizedYamlError("it nests lists or mappings too deeply to be read") from None
     finally:
         loader.dispose()
 
@@ -665,7 +678,7 @@ def apply_overrides(tree: dict, overrides: list[str] | None) -> dict:
             value = load_yaml(raw) if raw != "" else None
         except DuplicateKeyError as err:
             raise ConfigError(f"--set {key.strip()}: {err.key} is given twice in the value; keep one of them") from None
-        except AliasBombError as err:
+        except OversizedYamlError as err:
             raise ConfigError(f"--set {key.strip()}: {err}; write the value out") from None
         except yaml.YAMLError:
             value = raw
@@ -753,7 +766,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> GrpoCon
         raise ConfigError(f"{path}: not UTF-8 text; give a YAML config file") from None
     except DuplicateKeyError as err:
         raise duplicate_key_error(str(path), err) from None
-    except AliasBombError as err:
+    except OversizedYamlError as err:
         raise ConfigError(f"{path}: {err}; write the values out instead of nesting aliases") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
