@@ -100,3 +100,17 @@ def test_a_secret_in_a_finished_run_is_in_no_record(prefect_harness, capsys, tmp
     assert "--api-key" in params["rollout.sglang.launch"], params.get("rollout.sglang.launch")
     assert not [k for k, v in params.items() if secret in v]
     assert secret.encode() not in _tree_bytes(root)  # frozen config, lease, MLflow store, checkpoints, exports
+
+
+@pytest.mark.parametrize("command", ["resume", "runs", "report"])
+def test_credentials_in_a_root_argument_are_refused_masked(command, capsys):
+    """--root is no config field: the storage layer refuses credentials in any S3 URI it is handed."""
+    secret = _secret()
+    root = f"s3://alice:{secret}@bucket/x"
+    args = {"resume": ["resume", "r1", "--root", root], "runs": ["runs", "--root", root],
+            "report": ["report", "r1", "--root", root]}[command]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "s3://alice:***@bucket/x" in lines[0] and "credentials do not belong" in lines[0], lines
+    assert secret not in out + err

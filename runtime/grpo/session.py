@@ -230,10 +230,10 @@ def check_finite(rollout_id: int, train: dict[str, Any], cfg: GrpoConfig) -> Non
         what = f"{bad_weights} weight tensor(s) hold inf or NaN after the update"
     else:
         return
+    clip = "" if cfg.train.clip_grad > 0 else " or set train.clip_grad (e.g. 1.0; 0 is off)"
     raise TrainingDiverged(
         f"rollout {rollout_id}: training diverged: {what} (train.lr={cfg.train.lr:g}); the run stopped before "
-        f"anything of it was saved or registered; lower train.lr (or set train.clip_grad > 0, now "
-        f"{cfg.train.clip_grad:g}) and start a new run")
+        f"anything of it was saved or registered; lower train.lr{clip} and start a new run")
 
 
 def _chunk_metrics(rd: RunDir, end: int) -> list[dict]:
