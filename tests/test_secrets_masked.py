@@ -114,3 +114,27 @@ def test_credentials_in_a_root_argument_are_refused_masked(command, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "s3://alice:***@bucket/x" in lines[0] and "credentials do not belong" in lines[0], lines
     assert secret not in out + err
+
+
+def test_a_tasks_exception_is_masked_before_prefect_stores_it(tmp_path):
+    """Any exception leaving a task or the flow (tasks.common.masked_errors), not only our one-line errors: its
+    message, an OSError's file name and the exceptions it chains from hold no secret of the loaded config, even
+    where a library quotes the secret without its URI; its type is kept (retries are decided by type)."""
+    from runtime.config import load_config
+    from tasks.common import masked_errors
+    secret = _secret()
+    load_config("configs/tiny.yaml", [f"data.train.source=s3://bucket/train.jsonl?x-amz-security-token={secret}"])
+
+    @masked_errors
+    def fetch_like():
+        try:
+            raise FileNotFoundError(2, "No such file", f"/cache/bucket/train.jsonl?x-amz-security-token={secret}")
+        except FileNotFoundError as err:
+            raise ValueError(f'Invalid bucket name "{secret}@bucket"') from err
+
+    with pytest.raises(ValueError) as caught:
+        fetch_like()
+    cause = caught.value.__cause__
+    assert isinstance(cause, FileNotFoundError) and cause.filename.endswith("x-amz-security-token=***")
+    assert str(caught.value) == 'Invalid bucket name "***@bucket"'
+    assert secret not in str(caught.value) + str(cause)
