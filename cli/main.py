@@ -362,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
             check_trainable(cfg)
             _print_plan(cfg)
             memory, does_not_fit = memory_report(cfg, args.gpu_mem_gb, args.host_mem_gb)
+            from runtime.secrets import redact_text
             for line in placement + memory:
-                print(line)
+                print(redact_text(line))
             if does_not_fit:
                 raise ConfigError(f"{args.config}: {does_not_fit}")
             print("config is valid")

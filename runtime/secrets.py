@@ -19,7 +19,7 @@ REDACTED = "***"
 # ("hf_token", "api_key", "password"); "max_new_tokens", "input_key" and "top_k" do not.
 _SECRET_KEY = re.compile(
     r"(^|[_-])(token|secret|password|passwd|credentials?|api[_-]?key|access[_-]?key|secret[_-]?key|"
-    r"private[_-]?key|auth)$|^key$|secret|password|credential", re.I)
+    r"private[_-]?key|auth|signature)$|^key$|secret|password|credential", re.I)
 # In a list of command-line args (rollout.sglang.launch): the value after a secret-looking flag.
 _SECRET_FLAG = re.compile(r"^--?[\w-]*(token|secret|password|passwd|credential|api[_-]?key|access[_-]?key)[\w-]*$", re.I)
 
@@ -71,7 +71,7 @@ def redact_uri(uri: str) -> str:
 # ---- free text: every line printed, every message stored (errors, Prefect states, MLflow) -------------
 _URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>()\[\]{},;]+")
 _known: set[str] = set()  # secrets of the configs this process loaded, masked wherever they appear
-_MIN_KNOWN = 4  # shorter "secrets" (a password "x") would mask ordinary text
+_MIN_KNOWN = 6  # shorter "secrets" (a password "model") would mask ordinary words
 
 
 def remember(tree: dict) -> None:
