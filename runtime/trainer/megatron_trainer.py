@@ -354,12 +354,13 @@ class MegatronTrainer:
         return out
 
     def _nonfinite_weights(self) -> int:
-        """Trained weight tensors holding an inf or NaN after the update, over every rank (each holds its TP
+        """Trained weight tensors holding an inf or NaN after the update, the most on any rank (each holds its TP
         shard): the session stops the run on any before they reach the engine or a checkpoint."""
         flags = [torch.isfinite(p.detach()).all() for p in self.model.parameters() if p.requires_grad]
-        bad = (~torch.stack(flags)).sum().to(torch.int64) if flags else torch.zeros((), dtype=torch.int64)
+        bad = (~torch.stack(flags)).sum().to(torch.int64) if flags else torch.zeros((), dtype=torch.int64,
+                                                                                   device=self._device_obj())
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(bad)
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         return int(bad)
 
     # -- colocated hand-off: the trainer's state off the GPU while the engine generates --------------
