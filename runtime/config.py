@@ -645,10 +645,26 @@ def _check_expansion(root) -> None:
     size(root)
 
 
+MAX_YAML_DEPTH = 100  # PyYAML reads flow collections ([...], {...}) in time quadratic in their depth
+
+
+def _check_flow_depth(text: str) -> None:
+    depth = deepest = 0
+    for ch in text:  # brackets inside quoted strings count too: no config has a hundred of them open
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth = max(depth - 1, 0)
+    if deepest > MAX_YAML_DEPTH:
+        raise OversizedYamlError(f"it nests lists or mappings more than {MAX_YAML_DEPTH} deep")
+
+
 def load_yaml(text: str) -> Any:
     """``yaml.safe_load`` that refuses a key given twice in one mapping (:class:`DuplicateKeyError`) and aliases
     that expand past MAX_YAML_VALUES values (:class:`OversizedYamlError`). Every config a user or a run wrote (config
     files, frozen configs, --set values) is read with it."""
+    _check_flow_depth(text)
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
