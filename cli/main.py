@@ -130,8 +130,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _print_plan(cfg) -> None:
     from runtime.plan.summary import plan_lines
+    from runtime.secrets import redact_text
     for line in plan_lines(cfg):
-        print(line)
+        print(redact_text(line))
 
 
 def _headline(res: dict) -> str:
@@ -325,10 +326,16 @@ def _resume(args) -> dict | None:
     return grpo_pipeline(overrides=hold(args.overrides), run_id=args.run_id, root=root, resume=True)
 
 
+class _MaskedFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        from runtime.secrets import redact_text
+        return redact_text(super().format(record))
+
+
 def _setup_logging(level: str) -> None:
     """One handler for grpoflow's loggers (named by module: runtime.*, tasks.*, flows.*, cli.*)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    handler.setFormatter(_MaskedFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     for name in ("runtime", "tasks", "flows", "cli", "deployments"):
         logger = logging.getLogger(name)
         logger.setLevel(level)
@@ -340,7 +347,7 @@ def _setup_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging(args.log_level)
-    from runtime.errors import TransientError, UserError
+    from runtime.errors import TransientError, UserError, error_line
     from runtime.run.directory import resume_command
 
     resume_with = None  # how to continue the run this command works on, once it has an id
@@ -355,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
             check_trainable(cfg)
             _print_plan(cfg)
             memory, does_not_fit = memory_report(cfg, args.gpu_mem_gb, args.host_mem_gb)
+            from runtime.secrets import redact_text
             for line in placement + memory:
-                print(line)
+                print(redact_text(line))
             if does_not_fit:
                 raise ConfigError(f"{args.config}: {does_not_fit}")
             print("config is valid")
@@ -404,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         _summary(result, root, report)
         return 0
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {error_line(err)}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         # every write that matters is atomic and the lease is released on the way out
@@ -413,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except TransientError as err:
         # still failing after the task's retries: nothing is lost, `grpoflow resume` continues later
-        print(f"error: {' '.join(str(err).split())} (still failing after retries; resume the run later)",
+        print(f"error: {error_line(err)} (still failing after retries; resume the run later)",
               file=sys.stderr)
         return 3
     except Exception as err:
@@ -421,8 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         if not _is_transient(err):
             raise
         # a lost Ray actor or node, a dropped connection: the same, said in one line
-        first = " ".join(str(err).split())[:300]
-        print(f"error: {type(err).__name__}: {first} (still failing after retries; resume the run later)",
+        print(f"error: {type(err).__name__}: {error_line(err, 300)} (still failing after retries; resume the run later)",
               file=sys.stderr)
         return 3
 

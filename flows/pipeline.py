@@ -14,6 +14,7 @@ from runtime.run.leftovers import remove_temp_leftovers
 from runtime.run.lease import RunLease
 from runtime.secrets import reveal
 from runtime.testing.moments import moment
+from tasks.common import masked_errors
 from tasks.stages import convert_task, fetch_task, prepare_task
 from tasks.train import train_stage
 
@@ -34,6 +35,7 @@ def _tracking_store(cfg) -> None:
 
 
 @flow(name="grpo-pipeline")
+@masked_errors
 def grpo_pipeline(config_path: str | None = None, overrides: list[str] | None = None,
                   run_id: str | None = None, root: str | None = None, resume: bool = False) -> dict:
     """Run (or resume) one grpoflow run. Finished stages and chunks are read from the run directory and skipped."""

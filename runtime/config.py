@@ -16,7 +16,8 @@ from runtime.errors import ConfigError
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: no float setting has a meaning at inf or nan (`train.lr: .inf` trained a NaN model)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -33,17 +34,35 @@ def _check_scheme(uri: str, allowed: tuple[str, ...], forms: str) -> str:
 _SOURCE_SCHEMES = ("hf", "s3", "builtin", "file")
 
 
+def _no_credentials(uri: str) -> str:
+    """Refuse a password in a source URI: it would be printed in the plan and stored with the run, and no reader
+    takes it from there (botocore reads `user:pw@bucket` as a bucket name)."""
+    from urllib.parse import urlsplit
+
+    from runtime.secrets import redact_uri
+    try:
+        parts = urlsplit(uri)
+        userinfo = parts.password or (parts.scheme.lower() == "s3" and "@" in parts.netloc)
+    except ValueError:
+        return uri
+    if userinfo:
+        raise ValueError(f"{redact_uri(uri)}: credentials do not belong in the URI (it is printed and stored with the run); "
+                         f"remove them and set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) for s3://, "
+                         f"HF_TOKEN for hf://")
+    return uri
+
+
 class ModelSection(Section):
     source: str = Field("builtin://tiny-qwen3", description="hf://org/name[@rev], a local dir, s3://..., or builtin://tiny-qwen3")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    parity_tolerance: float = 1e-4
+    parity_tolerance: float = Field(1e-4, gt=0)
     builtin_seed: int = 0
 
     @field_validator("source")
     @classmethod
     def _known_scheme(cls, v: str) -> str:
-        return _check_scheme(v, _SOURCE_SCHEMES, "hf://org/name[@revision], s3://bucket/prefix, builtin://tiny-qwen3 "
-                                                 "or a local directory")
+        return _no_credentials(_check_scheme(v, _SOURCE_SCHEMES, "hf://org/name[@revision], s3://bucket/prefix, "
+                                                                 "builtin://tiny-qwen3 or a local directory"))
 
 
 class DatasetSection(Section):
@@ -57,8 +76,8 @@ class DatasetSection(Section):
     @field_validator("source")
     @classmethod
     def _known_scheme(cls, v: str) -> str:
-        return _check_scheme(v, _SOURCE_SCHEMES, "hf://org/name[@revision], s3://bucket/key, builtin://arith/<split> "
-                                                 "or a local file")
+        return _no_credentials(_check_scheme(v, _SOURCE_SCHEMES, "hf://org/name[@revision], s3://bucket/key, "
+                                                                 "builtin://arith/<split> or a local file"))
 
 
 class DataSection(Section):
@@ -66,7 +85,7 @@ class DataSection(Section):
     eval: dict[str, DatasetSection] = Field(default_factory=lambda: {"arith": DatasetSection(source="builtin://arith/eval")})
     apply_chat_template: bool = True
     system_prompt: str | None = None
-    max_prompt_len: int = 1024
+    max_prompt_len: int = Field(1024, gt=0, description="prompts longer than this many tokens are left out at prepare")
     shuffle: bool = True
 
 
@@ -175,15 +194,15 @@ class RolloutSection(Section):
 
 class AlgorithmSection(Section):
     normalize_adv_std: bool = True  # False = Dr.GRPO
-    eps_clip: float = Field(0.2, ge=0)
-    eps_clip_high: float | None = None  # None: = eps_clip; DAPO's clip-higher uses 0.28
+    eps_clip: float = Field(0.2, ge=0, lt=1, description="the ratio is clipped below at 1 - eps_clip")
+    eps_clip_high: float | None = Field(None, ge=0, description="None: = eps_clip; DAPO's clip-higher uses 0.28")
     # runtime/algo/losses.py:aggregate; seq_mean_token_sum_norm is Dr.GRPO's (divides by loss_norm_tokens)
     loss_agg: Literal["token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = "token_mean"
     loss_norm_tokens: int | None = Field(None, gt=0, description="seq_mean_token_sum_norm's constant; None: rollout.max_new_tokens")
     kl_coef: float = Field(0.0, ge=0)
     kl_type: Literal["k1", "k2", "k3"] = "k3"
     kl_clamp: float | None = Field(None, gt=0, description="cap on k3's value (verl: 10); None: off")
-    entropy_coef: float = 0.0
+    entropy_coef: float = Field(0.0, ge=0)
     use_tis: bool = False
     tis_cap: float = Field(2.0, gt=0)
     # truncate: weight min(ratio, tis_cap) (TIS); mask: weight ratio where ratio <= tis_cap, else 0 (MIS)
@@ -204,6 +223,8 @@ class AlgorithmSection(Section):
             raise ValueError(f"kl_clamp caps the k3 estimator only; unset it or use kl_type k3 (not {self.kl_type})")
         return self
 
+
+FLOAT32_MAX = 3.4028234663852886e38  # the optimizer's dtype
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # train.lr when LoRA is on and the config sets none: about 10x the full-parameter rate of the recipes
@@ -232,14 +253,15 @@ class TrainSection(Section):
     global_batch_size: int = Field(64, gt=0, description="samples per optimizer step")
     num_steps_per_rollout: int = Field(1, gt=0)
     micro_batch_size: int = Field(16, gt=0)
+    # 0 trains nothing (a control run); above float32's largest the optimizer's step cannot be taken at all
     lr: float = Field(1e-3, ge=0)
-    min_lr: float = 0.0
+    min_lr: float = Field(0.0, ge=0, description="the decay's floor; at most lr")
     lr_warmup_steps: int = Field(0, ge=0)
     lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
-    clip_grad: float = 1.0
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.98, ge=0, lt=1)
+    clip_grad: float = Field(1.0, ge=0, description="max grad norm; 0: off")
     tensor_parallel: int = Field(1, gt=0)
     data_parallel: int = Field(1, gt=0, description="unset: cluster.trainer_gpus / tensor_parallel (1 without GPUs)")
     seed: int = 1234
@@ -293,8 +315,19 @@ class TrainSection(Section):
     deterministic: bool = True
     lora: LoraSection = LoraSection()
 
+    @field_validator("lr")
+    @classmethod
+    def _lr_in_float32(cls, v: float) -> float:
+        if v > FLOAT32_MAX:
+            raise ValueError(f"{v:g} is past float32's largest value (3.4e38), the optimizer's dtype; learning "
+                             f"rates are about 1e-6 to 1e-3")
+        return v
+
     @model_validator(mode="after")
     def _deterministic_attention(self) -> "TrainSection":
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr={self.min_lr:g} is above train.lr={self.lr:g}; the decay's floor must be "
+                             f"at most lr: lower min_lr")
         if self.deterministic and self.packed_attention == "fa4":
             raise ValueError("train.packed_attention=fa4 has no deterministic backward and train.deterministic (on by "
                              "default) needs one: set train.deterministic=false to train with fa4, or "
@@ -303,7 +336,7 @@ class TrainSection(Section):
 
 
 class EvalSection(Section):
-    interval: int | None = Field(None, description="rollouts between evals; a multiple of checkpoint.interval")
+    interval: int | None = Field(None, gt=0, description="rollouts between evals; a multiple of checkpoint.interval")
     before_train: bool = False
     n_samples_per_prompt: int = Field(4, gt=0)
     pass_k: list[int] = Field(default_factory=lambda: [1])
@@ -340,7 +373,7 @@ class ClusterSection(Section):
     trainer_gpus: int = Field(0, ge=0, description="= data_parallel × tensor_parallel; 0: one device, no GPU accounting")
     rollout_gpus: int = Field(0, ge=0)
     weight_sync: Literal["auto", "direct", "broadcast"] = "auto"  # see runtime/placement/layout.py:weight_sync_mode
-    num_cpus: int | None = None
+    num_cpus: int | None = Field(None, gt=0)
     placement_timeout_s: float = Field(60.0, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Memory of one GPU of the target machine, in GiB (24 for an RTX 4090): the plan `grpoflow validate`
@@ -371,7 +404,7 @@ class StorageSection(Section):
     @field_validator("root")
     @classmethod
     def _known_scheme(cls, v: str) -> str:
-        return _check_scheme(v, ("s3", "file"), "a local directory or s3://bucket/prefix")
+        return _no_credentials(_check_scheme(v, ("s3", "file"), "a local directory or s3://bucket/prefix"))
 
     @field_validator("state_dir")
     @classmethod
@@ -401,6 +434,12 @@ class GrpoConfig(Section):
             if isinstance(gpus, int) and isinstance(tp, int) and gpus > 0 and tp > 0 and gpus % tp == 0:
                 data = {**data, "train": {**train, "data_parallel": gpus // tp}}
         return data
+
+    @model_validator(mode="after")
+    def _remember_secrets(self) -> "GrpoConfig":
+        from runtime.secrets import remember
+        remember(self.model_dump(mode="json"))  # masked wherever they would be printed or stored
+        return self
 
     @model_validator(mode="after")
     def _derive_loss_norm_tokens(self) -> "GrpoConfig":
@@ -575,16 +614,67 @@ def _check_unique_keys(node, prefix: str = "", visited: set | None = None) -> No
             _check_unique_keys(item, f"{prefix}{i}.", visited)
 
 
+# A config is a few hundred values; aliases can multiply a 1.5 KB file into billions (each level of an "alias
+# bomb" repeats the last nine times), which every later reader (validation, its error line) would expand.
+MAX_YAML_VALUES = 100_000
+
+
+class OversizedYamlError(yaml.YAMLError):
+    """YAML whose aliases expand past MAX_YAML_VALUES values or refer to themselves, or that nests too deeply."""
+
+
+def _check_expansion(root) -> None:
+    sizes: dict[int, int] = {}  # node -> values it expands to, each shared node counted once per use
+    open_nodes: set[int] = set()
+
+    def size(node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in open_nodes:
+            raise OversizedYamlError("an alias refers to the node that contains it (a recursive structure)")
+        open_nodes.add(id(node))
+        children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                    else node.value if isinstance(node, yaml.SequenceNode) else [])
+        total = 1 + sum(size(child) for child in children)
+        if total > MAX_YAML_VALUES:
+            raise OversizedYamlError(f"its aliases expand to more than {MAX_YAML_VALUES:,} values")
+        open_nodes.discard(id(node))
+        sizes[id(node)] = total
+        return total
+
+    size(root)
+
+
+MAX_YAML_DEPTH = 100  # PyYAML reads flow collections ([...], {...}) in time quadratic in their depth
+
+
+def _check_flow_depth(text: str) -> None:
+    depth = deepest = 0
+    for ch in text:  # brackets inside quoted strings count too: no config has a hundred of them open
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth = max(depth - 1, 0)
+    if deepest > MAX_YAML_DEPTH:
+        raise OversizedYamlError(f"it nests lists or mappings more than {MAX_YAML_DEPTH} deep")
+
+
 def load_yaml(text: str) -> Any:
-    """``yaml.safe_load`` that refuses a key given twice in one mapping (:class:`DuplicateKeyError`). Every
-    config a user or a run wrote (config files, frozen configs, --set values) is read with it."""
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (:class:`DuplicateKeyError`) and aliases
+    that expand past MAX_YAML_VALUES values (:class:`OversizedYamlError`). Every config a user or a run wrote (config
+    files, frozen configs, --set values) is read with it."""
+    _check_flow_depth(text)
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None
+        _check_expansion(node)
         _check_unique_keys(node)
         return loader.construct_document(node)
+    except RecursionError:  # the composer, the checks and the constructor all recurse per level
+        raise OversizedYamlError("it nests lists or mappings too deeply to be read") from None
     finally:
         loader.dispose()
 
@@ -604,6 +694,8 @@ def apply_overrides(tree: dict, overrides: list[str] | None) -> dict:
             value = load_yaml(raw) if raw != "" else None
         except DuplicateKeyError as err:
             raise ConfigError(f"--set {key.strip()}: {err.key} is given twice in the value; keep one of them") from None
+        except OversizedYamlError as err:
+            raise ConfigError(f"--set {key.strip()}: {err}; write the value out") from None
         except yaml.YAMLError:
             value = raw
         _set_path(tree, key.strip(), value)
@@ -623,8 +715,16 @@ def _explain(err: ValidationError, source: str) -> str:
         msg = msg[len("Value error, "):]
         return f"{source}: {msg}" if not loc else f"{source}: {loc}: {msg}"
     inp = e.get("input")
-    shown = f" (got {inp!r})" if inp is not None and not isinstance(inp, dict) else ""
-    return f"{source}: {loc}: {msg}{shown}"
+    shown = f" (got {_shown(inp)})" if inp is not None and not isinstance(inp, dict) else ""
+    fix = "; give a finite number" if e["type"] == "finite_number" else ""
+    return f"{source}: {loc}: {msg}{shown}{fix}"
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """A wrong value as the error line quotes it: its repr, cut (a list built by YAML aliases can be megabytes)."""
+    from runtime.secrets import redact_value
+    text = repr(redact_value(value))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _known_keys(loc: tuple) -> list[str]:
@@ -682,6 +782,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> GrpoCon
         raise ConfigError(f"{path}: not UTF-8 text; give a YAML config file") from None
     except DuplicateKeyError as err:
         raise duplicate_key_error(str(path), err) from None
+    except OversizedYamlError as err:
+        raise ConfigError(f"{path}: {err}; write the values out instead of nesting aliases") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""

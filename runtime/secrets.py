@@ -19,7 +19,7 @@ REDACTED = "***"
 # ("hf_token", "api_key", "password"); "max_new_tokens", "input_key" and "top_k" do not.
 _SECRET_KEY = re.compile(
     r"(^|[_-])(token|secret|password|passwd|credentials?|api[_-]?key|access[_-]?key|secret[_-]?key|"
-    r"private[_-]?key|auth)$|^key$|secret|password|credential", re.I)
+    r"private[_-]?key|auth|signature)$|^key$|secret|password|credential", re.I)
 # In a list of command-line args (rollout.sglang.launch): the value after a secret-looking flag.
 _SECRET_FLAG = re.compile(r"^--?[\w-]*(token|secret|password|passwd|credential|api[_-]?key|access[_-]?key)[\w-]*$", re.I)
 
@@ -28,22 +28,103 @@ def is_secret_key(key: str) -> bool:
     return bool(_SECRET_KEY.search(str(key).rsplit(".", 1)[-1]))
 
 
+def _token_userinfo(parts: urllib.parse.SplitResult) -> bool:
+    # hf://name@revision is a model and its revision, not a user
+    return "@" in parts.netloc and parts.scheme.lower() not in ("hf", "builtin") and bool(parts.username)
+
+
+def uri_secrets(uri: str) -> list[str]:
+    """The secret parts of a URI: its password (or a user part alone: a token), the values of secret-named
+    query parameters."""
+    try:
+        parts = urllib.parse.urlsplit(str(uri))
+        found = [parts.password or parts.username if parts.password or _token_userinfo(parts) else None]
+        found = [f for f in found if f]
+    except ValueError:
+        return []
+    found += [v for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True) if is_secret_key(k) and v]
+    return found
+
+
 def redact_uri(uri: str) -> str:
-    """``scheme://user:password@host/...`` -> ``scheme://user:***@host/...``; anything else unchanged."""
+    """``scheme://user:password@host/...`` -> ``scheme://user:***@host/...``, a secret-named query parameter's
+    value -> ``***``; anything else unchanged."""
     text = str(uri)
     try:
         parts = urllib.parse.urlsplit(text)
+        password = parts.password
     except ValueError:
         return text
-    if parts.password:
-        netloc = parts.netloc.rsplit("@", 1)
-        user = (parts.username or "")
-        return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:{REDACTED}@{netloc[-1]}"))
+    host = parts.netloc.rsplit("@", 1)[-1]
+    if password:
+        parts = parts._replace(netloc=f"{parts.username or ''}:{REDACTED}@{host}")
+    elif _token_userinfo(parts):
+        password = parts.username  # a user part alone is a token (s3://KEY@bucket, https://TOKEN@host)
+        parts = parts._replace(netloc=f"{REDACTED}@{host}")
     query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
     if any(is_secret_key(k) for k, _ in query):
         q = urllib.parse.urlencode([(k, REDACTED if is_secret_key(k) else v) for k, v in query], safe="*")
-        return urllib.parse.urlunsplit(parts._replace(query=q))
-    return text
+        parts = parts._replace(query=q)
+    return urllib.parse.urlunsplit(parts) if password or parts.query != urllib.parse.urlsplit(text).query else text
+
+
+# ---- free text: every line printed, every message stored (errors, Prefect states, MLflow) -------------
+_URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>()\[\]{},;]+")
+_known: set[str] = set()  # secrets of the configs this process loaded, masked wherever they appear
+_MIN_KNOWN = 6  # shorter "secrets" (a password "model") would mask ordinary words
+
+
+def remember(tree: dict) -> None:
+    """Note the secrets of a config tree (``model_dump``), so :func:`redact_text` masks them even where a
+    library quotes them without their URI (botocore's "Invalid bucket name 'user:pw@bucket'")."""
+    for key, value in _leaves(tree):
+        if isinstance(value, str):
+            if is_secret_key(key):
+                _known.add(value)
+            _known.update(uri_secrets(value) if "://" in value else ())
+        elif isinstance(value, (list, tuple)):
+            for plain, masked in zip(value, redact_value(list(value))):
+                if plain != masked and isinstance(plain, str):
+                    _known.add(plain.split("=", 1)[-1])
+                _known.update(uri_secrets(plain) if isinstance(plain, str) and "://" in plain else ())
+    _known.difference_update({s for s in _known if len(s) < _MIN_KNOWN})
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def redact_text(text: str) -> str:
+    """Any text with its secrets masked: the URIs in it (:func:`redact_uri`) and every secret a loaded config
+    held (:func:`remember`). The one mask for what grpoflow prints or hands to Prefect and MLflow."""
+    out = _URI_IN_TEXT.sub(lambda m: redact_uri(m.group(0)), str(text))
+    for secret in sorted(_known, key=len, reverse=True):
+        for form in (secret, urllib.parse.quote(secret, safe=""), urllib.parse.quote_plus(secret)):
+            out = out.replace(form, REDACTED)
+    return out
+
+
+def redact_exception(exc: BaseException) -> BaseException:
+    """``exc`` with its secrets masked in place (its type kept: retries are decided by type), before Prefect
+    stores its message as a task's or flow's state, or the CLI prints it."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        try:
+            link.args = tuple(redact_text(a) if isinstance(a, str) else a for a in link.args)
+            if isinstance(link, OSError):
+                for attr in ("filename", "filename2"):
+                    if isinstance(getattr(link, attr, None), str):
+                        setattr(link, attr, redact_text(getattr(link, attr)))
+        except (AttributeError, TypeError):  # an exception type whose args cannot be set: its message stays
+            pass
+        link = link.__cause__ or link.__context__
+    return exc
 
 
 def redact_value(value: Any) -> Any:
@@ -92,7 +173,7 @@ def masked_fields(tree: dict, prefix: str = "") -> list[str]:
             found += masked_fields(v, key + ".")
         elif v == REDACTED or (isinstance(v, (list, tuple)) and any(str(i) == REDACTED or str(i).endswith("=" + REDACTED)
                                                                     for i in v)) \
-                or (isinstance(v, str) and f":{REDACTED}@" in v):
+                or (isinstance(v, str) and (f"{REDACTED}@" in v or f"={REDACTED}" in v)):
             found.append(key)
     return found
 

@@ -1,9 +1,11 @@
 """What every grpoflow task shares: retry only on transient trouble, and stage cache keys."""
 from __future__ import annotations
 
+import functools
 import os
 
 from runtime.errors import TransientError
+from runtime.secrets import redact_exception
 
 RETRIES = int(os.environ.get("GRPOFLOW_TASK_RETRIES", "2"))
 
@@ -28,3 +30,16 @@ def retry_on_transient(task, task_run, state) -> bool:
     except BaseException as exc:  # noqa: BLE001 - we classify, never swallow
         return _is_transient(exc)
     return False
+
+
+def masked_errors(fn):
+    """``fn`` whose exceptions carry no secret (runtime.secrets): Prefect stores a failure's message in the task's
+    or flow's state and its events, and the CLI prints it. Under ``@task``/``@flow``, keeping ``fn``'s signature."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as err:
+            redact_exception(err)
+            raise
+    return wrapper

@@ -11,7 +11,7 @@ from runtime import storage
 from runtime.config import GrpoConfig
 from runtime.run.directory import RunDir
 
-from tasks.common import RETRIES, retry_delay_s, retry_on_transient
+from tasks.common import RETRIES, masked_errors, retry_delay_s, retry_on_transient
 
 
 def _stage_key(stage: str, inputs_of):
@@ -35,15 +35,18 @@ _common = dict(retries=RETRIES, retry_delay_seconds=retry_delay_s(), retry_condi
 
 
 @task(name="fetch", cache_key_fn=_stage_key("fetch", stages.fetch_inputs), **_common)
+@masked_errors
 def fetch_task(cfg: GrpoConfig, rd: RunDir) -> dict:
     return stages.fetch(cfg, rd)
 
 
 @task(name="convert", cache_key_fn=_stage_key("convert", stages.convert_inputs), **_common)
+@masked_errors
 def convert_task(cfg: GrpoConfig, rd: RunDir, fetched: dict) -> dict:
     return stages.convert(cfg, rd, fetched)
 
 
 @task(name="prepare", cache_key_fn=_stage_key("prepare", stages.prepare_inputs), **_common)
+@masked_errors
 def prepare_task(cfg: GrpoConfig, rd: RunDir, fetched: dict) -> dict:
     return stages.prepare(cfg, rd, fetched)

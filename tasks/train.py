@@ -12,7 +12,7 @@ from runtime.grpo.session import TrainSession
 from runtime.run.directory import RunDir
 from runtime.tracking.progress_table import RolloutTable
 
-from tasks.common import RETRIES, retry_delay_s, retry_on_transient
+from tasks.common import RETRIES, masked_errors, retry_delay_s, retry_on_transient
 
 # No Prefect cache: whether a chunk, eval or registration is done is read from the run directory.
 _retrying = dict(retries=RETRIES, retry_delay_seconds=retry_delay_s(), retry_condition_fn=retry_on_transient,
@@ -20,26 +20,31 @@ _retrying = dict(retries=RETRIES, retry_delay_seconds=retry_delay_s(), retry_con
 
 
 @task(name="start-session", **_retrying)
+@masked_errors
 def start_session(cfg: GrpoConfig, rd: RunDir) -> TrainSession:
     return TrainSession(cfg, rd)  # a Ray cluster that times out starting up is tried again
 
 
 @task(name="train-chunk", task_run_name="train-chunk-{start}-{end}", **_retrying)
+@masked_errors
 def train_chunk(session: TrainSession, start: int, end: int, table: RolloutTable) -> dict:
     return session.run_chunk(start, end, on_rollout=table.row)
 
 
 @task(name="log-metrics", task_run_name="log-metrics-{end}", **_retrying)
+@masked_errors
 def log_metrics_task(tracking: LazyTracker, metrics: list[dict], end: int) -> int:
     return tracking.get().log_rollout_metrics(metrics)  # steps already logged are skipped
 
 
 @task(name="evaluate", task_run_name="evaluate-{rollout}", **_retrying)
+@masked_errors
 def evaluate_task(session: TrainSession, rollout: int) -> dict:
     return session.evaluate(rollout)
 
 
 @task(name="register", task_run_name="register-{rollout}", **_retrying)
+@masked_errors
 def register_task(cfg: GrpoConfig, rd: RunDir, tracking: LazyTracker, rollout: int, results: dict) -> dict | None:
     return register_eval_point(cfg, rd, tracking.get(), rollout, results)
 

@@ -8,8 +8,11 @@ from runtime.config import GrpoConfig
 
 
 def check_trainable(cfg: GrpoConfig) -> None:
-    """Raise ConfigError (one line) for a reward or custom rollout that cannot be loaded."""
+    """Raise ConfigError (one line) for a reward or custom rollout that cannot be loaded, or prompts and responses
+    that cannot fit the model's positions (where its config is known before the fetch)."""
+    from runtime.inputs.context import check_context
     from runtime.rewards.catalog import get_reward_fn
+    check_context(cfg)
     get_reward_fn(cfg.rollout.reward)
     if cfg.rollout.custom_rollout:
         from runtime.rollout.custom import load_custom_rollout

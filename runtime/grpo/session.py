@@ -137,6 +137,7 @@ class TrainSession:
             batch = self.collector.collect(rollout_id, self.state["cursor"], self.state.get("partial"))
             adv = advantages(batch, c.rollout.n_samples_per_prompt, c.algorithm.normalize_adv_std)
         train = self.trainer.train(to_train_batch(batch, adv))
+        check_finite(rollout_id, train, c)  # before the weights reach the engine, a checkpoint or the registry
         t_sync = time.time()
         self.weights.push(version=rollout_id + 1)
         sync_s = time.time() - t_sync
@@ -211,6 +212,28 @@ class TrainSession:
                     reward_timeout_s=c.rollout.reward_timeout_s)
         save_eval(self.rd, rollout, results)
         return results
+
+
+def check_finite(rollout_id: int, train: dict[str, Any], cfg: GrpoConfig) -> None:
+    """Raise TrainingDiverged (one line: the rollout, the quantity, the fix) when the update made the loss, the
+    gradient norm or any weight inf or NaN: nothing after it is worth saving, pushing or registering."""
+    import math
+
+    from runtime.errors import TrainingDiverged
+    bad_weights = train.pop("nonfinite_weights", 0)
+    grad_norm = train.get("grad_norm")
+    if not math.isfinite(train["loss"]):
+        what = f"the loss is {train['loss']}"
+    elif cfg.train.clip_grad > 0 and grad_norm is not None and not math.isfinite(grad_norm):
+        what = f"the gradient norm is {grad_norm}"  # megatron reports none without clipping
+    elif bad_weights:
+        what = f"{bad_weights} weight tensor(s) hold inf or NaN after the update"
+    else:
+        return
+    clip = "" if cfg.train.clip_grad > 0 else " or set train.clip_grad (e.g. 1.0; 0 is off)"
+    raise TrainingDiverged(
+        f"rollout {rollout_id}: training diverged: {what} (train.lr={cfg.train.lr:g}); the run stopped before "
+        f"anything of it was saved or registered; lower train.lr{clip} and start a new run")
 
 
 def _chunk_metrics(rd: RunDir, end: int) -> list[dict]:

@@ -267,11 +267,13 @@ def check_dataset(source_file_uri: str, *, fmt: str = "auto", input_key: str | N
 def prepare_dataset(source_file_uri: str, out_parquet_uri: str, *, fmt: str = "auto", input_key: str | None = None,
                     label_key: str | None = None, metadata_key: str | None = "metadata", tokenizer=None,
                     apply_chat_template: bool = True, system_prompt: str | None = None,
-                    max_prompt_len: int = 1024, field: str = "data.train") -> dict:
+                    max_prompt_len: int = 1024, field: str = "data.train", max_new_tokens: int | None = None,
+                    max_positions: int | None = None, response_key: str = "rollout.max_new_tokens") -> dict:
     """Turn one input file into the prepared parquet; returns a JSON-able report.
 
     ``field`` is the config section the dataset came from (``data.train``, ``data.eval.<name>``); the
-    error messages name it so the user knows what to change. Everything is validated before the
+    error messages name it so the user knows what to change. With ``max_positions`` (the model's) a kept prompt
+    that leaves fewer than ``max_new_tokens`` (set by ``response_key``) of them is refused. Everything is validated before the
     output is written (atomically), so a failed prepare never replaces a good earlier output.
     """
     path = str(source_file_uri)
@@ -300,6 +302,10 @@ def prepare_dataset(source_file_uri: str, out_parquet_uri: str, *, fmt: str = "a
     if not kept:
         raise DataError(f"{path}: 0 rows left after filtering ({too_long} longer than "
                         f"data.max_prompt_len={max_prompt_len}); raise max_prompt_len")
+    if tokenizer is not None and max_new_tokens is not None:
+        from runtime.inputs.context import check_prompts_fit
+        check_prompts_fit(path, [r["prompt_tokens"] for r in kept], max_new_tokens=max_new_tokens,
+                          positions=max_positions, response_key=response_key)
 
     table = _prepared_table(kept)
     buf = io.BytesIO()

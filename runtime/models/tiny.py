@@ -41,6 +41,7 @@ _PRETOKENIZE_REGEX = (
 
 # 256 byte symbols + 3 specials + ~125 merges: small enough that a random model emits digits often.
 DEFAULT_VOCAB_SIZE = 384
+MAX_POSITIONS = 2048  # max_position_embeddings: a prompt and its response together
 
 _WORDS = (
     "the answer is what plus minus times divided by sum of difference product number numbers "
@@ -200,7 +201,7 @@ def build_tiny_qwen3(
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         hidden_act="silu",
-        max_position_embeddings=2048,
+        max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-6,
         initializer_range=0.02,
         tie_word_embeddings=tie_word_embeddings,

@@ -120,14 +120,21 @@ def prepare(cfg: GrpoConfig, rd: RunDir, fetched: dict) -> dict:
     inputs = prepare_inputs(cfg)
 
     def work() -> dict:
+        from runtime.inputs.context import longest_response, positions_of
+        from runtime.models import load_hf_config
         tokenizer = AutoTokenizer.from_pretrained(rd.local(rd.hf_model))
         common = dict(tokenizer=tokenizer, apply_chat_template=d.apply_chat_template,
-                      system_prompt=d.system_prompt, max_prompt_len=d.max_prompt_len)
+                      system_prompt=d.system_prompt, max_prompt_len=d.max_prompt_len,
+                      max_positions=positions_of(load_hf_config(rd.local(rd.hf_model))))
 
         def one(spec, src: str, out: str, field: str) -> dict:
+            evals = field.startswith("data.eval") and cfg.eval.max_new_tokens is not None
             try:
                 return prepare_dataset(src, out, fmt=spec.format, input_key=spec.input_key, label_key=spec.label_key,
-                                       metadata_key=spec.metadata_key, field=field, **common)
+                                       metadata_key=spec.metadata_key, field=field,
+                                       max_new_tokens=longest_response(cfg, field),
+                                       response_key="eval.max_new_tokens" if evals else "rollout.max_new_tokens",
+                                       **common)
             except DataError as err:
                 # Name the user's file, not our fetched copy of it.
                 raise DataError(str(err).replace(str(src), spec.source)) from None

@@ -58,6 +58,10 @@ def join(base: str, *parts: str) -> str:
 
 def fs_for(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     uri = str(uri)
+    if is_remote(uri) and "@" in urlsplit(uri).netloc:  # a --root given on the command line, not checked by the config
+        from runtime.secrets import redact_uri
+        raise ConfigError(f"{redact_uri(uri)}: credentials do not belong in the URI (it is printed and stored); "
+                          f"remove them and set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) instead")
     if is_remote(uri):
         # No listings cache: another process (a resumed run, a reader) changes the store under us, and a
         # stale listing would hide a new `latest` or show a deleted checkpoint.

@@ -349,8 +349,19 @@ class MegatronTrainer:
         out["optimizer_step_s"] = optimizer_s  # within train_time_s; on the host with train.optimizer_on_host
         if self.host_optimizer is not None:
             out.update(self.host_optimizer.pop_metrics())
+        out["nonfinite_weights"] = self._nonfinite_weights()
         moment("train-step-done")  # weights updated in memory, nothing saved
         return out
+
+    def _nonfinite_weights(self) -> int:
+        """Trained weight tensors holding an inf or NaN after the update, the most on any rank (each holds its TP
+        shard): the session stops the run on any before they reach the engine or a checkpoint."""
+        flags = [torch.isfinite(p.detach()).all() for p in self.model.parameters() if p.requires_grad]
+        bad = (~torch.stack(flags)).sum().to(torch.int64) if flags else torch.zeros((), dtype=torch.int64,
+                                                                                   device=self._device_obj())
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return int(bad)
 
     # -- colocated hand-off: the trainer's state off the GPU while the engine generates --------------
     def offload_state(self, force: bool = False) -> dict[str, float]:
