@@ -448,3 +448,31 @@ def test_ray_faults_reads_each_recompile_and_alert_once_whatever_colour_a_worker
         "nondeterministic_ops": ["embedding_dense_backward"], "recompiled": ["head (/w/runtime/rollout/decode_model.py:329)"],
         "recompile_reasons": {"head (/w/runtime/rollout/decode_model.py:329)": [
             "tensor 'h' size mismatch at index 0. expected 8, actual 1"]}}
+
+
+# ---- bench/harness.py: the results already in bench/results stay readable ---------------------------------
+
+MERGING = ("glm9b_host_optimizer", "lora_grpo", "partial_rollout", "ray_faults", "ray_pipeline")
+
+
+def test_every_merge_reads_the_committed_results(tmp_path, capsys):
+    """Each script's --merge over an OUT dir rebuilt from a committed summary (results.jsonl and the summary JSON, as
+    the call left them): every section of the call is in the one summary, on the call's device. (~30 s)"""
+    from unittest import mock
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import importlib
+    for script in MERGING:
+        calls = [json.loads(p.read_text()) for p in sorted((ROOT / "bench" / "results").glob(f"{script}_*.json"))
+                 if not p.name.startswith("ray_faults_references")]
+        # the newest whose recorded machine names its GPU (the merged summary's device is read from it)
+        call = [c for c in calls if (c.get("env") or {}).get("gpu", "cpu") == c["device"]][-1]
+        folder, out = tmp_path / script / "call", tmp_path / script / "out"
+        folder.mkdir(parents=True)
+        (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in call["sections"].values()))
+        (folder / f"{script}.json").write_text(json.dumps(call))
+        with mock.patch.dict(os.environ):  # a script's main sets its environment for its section processes
+            assert importlib.import_module(script).main(["--merge", str(folder), "--out", str(out)]) == 0, script
+        merged = json.loads(next(out.glob("*.json")).read_text())
+        assert set(call["sections"]) <= set(merged["sections"]) and merged["device"] == call["device"], script
+        assert capsys.readouterr().out, script  # the table printed
