@@ -34,8 +34,12 @@ torch's determinism alerts and dynamo's recompiles from the logs (`log_signals`)
 Every unbroken-a also writes OUT/references.json (facts, step trace, tuned kernels, the sha256 of every final tensor,
 per layout and --set group): `--references FILE` on another machine of the same GPU model and torch compares with it
 by digest; `--merge` of calls that each ran unbroken-a compares the later ones with the first (`unbroken-a again`).
-Before each case the time left under --deadline is checked against this call's unbroken wall x COST; a case that
-would not fit is SKIPPED with the reason. `CANDIDATES`: where the GPU path may be nondeterministic, for the summary's
+An unbroken run's wall: ~40 s starting the CLI (Prefect, Ray), the conversion, ~40 s building the actors, ~14 s per
+checkpoint (model and optimizer, ~8 GB), the engine's warm-up and the trainer's compiles in rollout 0, ~10 s generating
+per rollout; a kill case's section 1.45-1.56 x that. Before each case the time left under --deadline is checked
+against this call's unbroken wall x COST; a case that would not fit is SKIPPED with the reason. TORCH_LOGS=recompiles
+is set for every run (logging only: a split run's engine recompiles its head, post and sampler, a colocated one does
+not). `CANDIDATES`: where the GPU path may be nondeterministic, for the summary's
 `nondeterminism` field (filled from a GPU run, never invented); `--set train.deterministic=false` keys its own
 reference, and `nondeterminism.settings_cost` compares its steady step with every plain unbroken run on the same GPUs.
 
