@@ -219,11 +219,8 @@ def sec_engine(S, W: Path) -> dict:
     res["warmup_stats"] = {k: v for k, v in eng.decoder.stats.items() if k in ("graph_capture_s", "prefill_s", "decode_s")}
     times, stats = [], []
     for _ in range(S["decode_reps"]):
-        sync(S)
-        t0 = time.perf_counter()
-        out = eng.generate(reqs, sp)
-        sync(S)
-        times.append(time.perf_counter() - t0)
+        dt, out = H.timed(S, lambda: eng.generate(reqs, sp))
+        times.append(dt)
         stats.append(dict(eng.decoder.stats))
     t = statistics.median(times)
     st = stats[times.index(min(times, key=lambda x: abs(x - t)))]

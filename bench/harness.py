@@ -1,7 +1,7 @@
 """What every GPU scenario under bench/ runs on: one place for the machinery, so a scenario file holds only what
 it measures (its sections, its summary, its table).
 
-- the call: `parser` (the flags every scenario shares), `places` (OUT and the work dir), `prepare_env`
+- the call: `parser` (the flags every scenario shares), `start` (OUT and the work dir made, `prepare_env`)
 - sections under deadlines: `run_section` (one section in this process, its result line appended at once),
   `run_sections_in_processes` (each section a process of its own under what is left of the deadline: a crash or
   a hang costs only that section), `run_in_turn` (one section after another, each told its budget),
@@ -9,10 +9,11 @@ it measures (its sections, its summary, its table).
 - results: OUT/results.jsonl (a line per section) read by `read_results`, merged over calls by `merge_results`;
   the summary (`summary_head`, `save_summary`: OUT/<bench>.json and a copy named by device and date) and
   `exit_code` (a failed section fails the CPU smoke)
-- machine facts: `env_info`, `gpu_ids`, `gpu_models`, `gpu_apps`, `gpu_gib`, peak memory
+- machine facts: `env_info`, `gpu_ids`, `gpu_models`, `gpu_apps`, `gpu_gib`, `Meter`, peak memory, `timed`
 - tensors: `checkpoint_tensors`, `compare_tensors`, `tensor_fingerprints`, `compare_fingerprints`
 - what a run left: `rollout_rows`, `prefect_task_times`, `model_versions` (MLflow as it serves them)
-- the train stage over a setup's inputs: `write_prompts`, `run_dir_over`, `engine_warm_up`
+- a setup and the train stage over it: `fresh_setup`, `copy_tokenizer`, `word_rows`, `write_prompts`, `run_dir_over`,
+  `setup_inputs`, `samples_batch`, `engine_warm_up`
 - printing: `print_pairs` (a label and its value), `print_columns` (a table), `failed_rows`
 
 On the GPU machine, what `grpoflow run` needs beyond the image travels as one carry (bench/gpu_carry.py):
@@ -312,6 +313,15 @@ def sync(S) -> None:
     if S["device"] == "cuda":
         import torch
         torch.cuda.synchronize()
+
+
+def timed(S, fn) -> tuple[float, object]:
+    """fn's seconds between two device syncs (its queued work included), and what it returned."""
+    sync(S)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(S)
+    return time.perf_counter() - t0, out
 
 
 def reset_peak(S) -> None:

@@ -214,11 +214,8 @@ def fixed_shape(S, eng, checks: bool = True) -> dict:
         warm = time.perf_counter() - t0
         times = []
         for _ in range(F["reps"]):
-            sync(S)
-            t0 = time.perf_counter()
-            out = eng.generate(reqs, sp)
-            sync(S)
-            times.append(time.perf_counter() - t0)
+            dt, out = H.timed(S, lambda: eng.generate(reqs, sp))
+            times.append(dt)
         assert all(len(r.response_ids) == F["new"] for r in out)
         st = dict(eng.decoder.stats)
         t = statistics.median(times)
