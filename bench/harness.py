@@ -46,7 +46,8 @@ for _p in (ROOT, BENCH):
 
 def parser(doc: str, bench: str, deadline: float | None, *, cpu_help: str = "tiny shapes on CPU (CI smoke)",
            sections: tuple | None = None, sections_default: str | None = None, section: bool = True,
-           results_dir: bool = True, merge: str | None = None) -> argparse.ArgumentParser:
+           results_dir: bool = True, merge: str | None = None,
+           deadline_help: str = "seconds for the whole call") -> argparse.ArgumentParser:
     """The flags every scenario shares: --cpu, --sections, --section (one section, in this process), --work,
     --out, --results-dir, --deadline and, where the scenario merges calls, --merge."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
@@ -59,7 +60,7 @@ def parser(doc: str, bench: str, deadline: float | None, *, cpu_help: str = "tin
     ap.add_argument("--out", default=os.environ.get("OUT") or f"/tmp/{bench}_out")
     if results_dir:
         ap.add_argument("--results-dir", default=None, help="also copy the summary JSON here (e.g. bench/results)")
-    ap.add_argument("--deadline", type=float, default=deadline, help="seconds for the whole call")
+    ap.add_argument("--deadline", type=float, default=deadline, help=deadline_help)
     if merge:
         ap.add_argument("--merge", nargs="+", default=None, help=merge)
     return ap

@@ -774,7 +774,8 @@ def print_table(summary: dict) -> None:
 # -- driver ------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = H.parser(__doc__, "ray_faults", None, cpu_help="tiny shapes, Ray on CPU: the wiring", section=False,
-                  merge="OUT dirs of earlier calls: one summary of all")
+                  merge="OUT dirs of earlier calls: one summary of all",
+                  deadline_help="seconds for this call (GPU 560, CPU 1800)")
     ap.add_argument("--layouts", default=None, help=f"comma list of {tuple(rp.LAYOUTS)} (CPU: colocated)")
     ap.add_argument("--cases", default=None, help=f"comma list of {CASES} (CPU: unbroken-a,engine-kill,driver-kill)")
     ap.add_argument("--set", action="append", default=[], help="an override for every run of this call")
