@@ -1,9 +1,7 @@
 """The built-in engine's output, run to run (issue 37): same tokens, same log-prob bits?
 
-Two unbroken runs of `grpoflow run` under Ray ended apart (bench/ray_faults.py) with their first difference at step 0's
-local gradients, before anything was killed, while their samples matched: the step-0 metrics that read the rollout's
-log-probs (tis_weight, train_rollout_logp_absdiff) differed and the ones the trainer alone makes (entropy, loss) did
-not. This isolates the engine: each `gen-*` section is a fresh process (the trainer and the built-in engine of the
+Why (bench/README.md, `ray_faults.py`): two unbroken runs under Ray first parted at step 0's local gradients, the
+rollout's log-probs moved and the trainer's did not. This isolates the engine: each `gen-*` section is a fresh process (the trainer and the built-in engine of the
 one-GPU layout, `cluster.backend: local`) with a fresh inductor and Triton cache, as a new machine's first run has,
 that generates ray_faults' rollout (8 prompts x 8 samples, keyed lengths to 2048 tokens) twice and has the trainer
 score the first. The summary compares every section's tokens, engine log-probs and trainer log-probs bit for bit
@@ -17,25 +15,18 @@ deterministic mode for the whole process: what `rollout.deterministic` gives the
 The engine's history, as the split layout's engine has one: `hist` generates another rollout first (the same prompts,
 the next rollout's keys, so other lengths) and an evaluation (2 samples a prompt, its own token cap) in the same turn, its page pool, captured CUDA graphs and compiled code
 kept, as a split engine keeps them from rollout 0 to rollout 1 (a colocated engine frees its pool and graphs after
-each turn); `histrel` the same with the pool and graphs freed between the two (compiled code kept). Against `plain`
-(a fresh engine's first rollout): on 2 x H200 (2026-11-27) a split run whose engine was rebuilt at rollout 1 (engine-
-or trainer-kill) ended 3.81e-6 off the unbroken one, first apart at step 1, and a colocated one bitwise; in the
-next runs the rebuilt engine's rollout-1 log-probs were what differed, while `hist`, `histrel` were bitwise with
-`plain` here. Here the engine shares its process with the trainer, which fixes cuBLAS's workspace for the process
+each turn); `histrel` the same with the pool and graphs freed between the two (compiled code kept). Here the engine shares its process with the trainer, which fixes cuBLAS's workspace for the process
 (train.deterministic); a Ray engine actor is a process of its own. `solo` and `solohist` are `plain` and `hist` with
 the engine alone in its process (no trainer made: the engine's own weights load, no trainer log-probs), compared with
-each other: bitwise on an H200 (2026-11-27, results/engine_repeat_NVIDIA_H200_2026-11-27_solo.json). `wide` and
+each other. `wide` and
 `widehist` are those with the prompts the recipe's over-sampling draws (96 requests over 64 rows: prompts admitted as
-rows free, rows compacted, as ray_faults' rollouts are): bitwise on an H100 (`..._wide.json`). `sync` and `synchist`
+rows free, rows compacted, as ray_faults' rollouts are). `sync` and `synchist`
 are the wide pair with new weights copied in place (each tensor x 1.01, `update_weights`) before the compared rollout:
 the rebuilt engine gets them before its first call, the unbroken one after its history, as the split layout's engine
 does between rollout 0 and rollout 1, and `syncrel` is synchist with the pool and graphs freed after the update.
 The `next` family has the prompts as the run has them: the compared rollout is rollout 1's (the dataset's next rows,
 its keys), the history rollout 0's rows and the eval set's prompts; `next`/`nexthist` on the same weights,
-`nextsync`/`nextsynchist` with the update as above (the split engine's whole story but the NCCL receive). On two
-H100s (2026-11-27) the sync and next families were bitwise, pair by pair (results/engine_repeat_NVIDIA_H100_80GB_HBM3_
-2026-11-27_next-sync.json): this emulation's first prefill was never the 2048-token pack that made the split run's
-difference (bench/first_prefill.py).
+`nextsync`/`nextsynchist` with the update as above (the split engine's whole story but the NCCL receive).
 
 The trainer, the same way: each `step-*` section is a fresh process with fresh caches that runs two rollouts of the
 one-GPU layout from the converted checkpoint, each with its update, and fingerprints every optimizer step's parameters
@@ -43,9 +34,8 @@ and gradients (bench/grad_trace.py); the summary's `compare_steps` says where tw
 `plain` (as the product runs: `train.deterministic` on, the trainer's norm compiled in pieces that keep the tokens
 apart, its weight gradient summed by torch: `fusions.deterministic_norm`), `tnorm` (the whole norm as one compiled
 graph, torch's deterministic mode alone, as before 2026-11-27: how ray_faults' colocated runs from empty caches ended
-1.5e-9 apart on Adam's state of 4 norm weights). Step and train times per rollout (the second warm). On an H100
-(2026-11-27, results/engine_repeat_NVIDIA_H100_80GB_HBM3_2026-11-27_steps.json, before `deterministic_norm`) both
-variants were bitwise from one fresh process to the next: one process alone meets no other's compiled norm.
+1.5e-9 apart on Adam's state of 4 norm weights). Step and train times per rollout (the second warm).
+What each pair gave on GPUs, and the results files: bench/README.md (`engine_repeat.py`, `ray_faults.py`).
 
     python3 bench/engine_repeat.py --out $OUT        # one GPU: setup, plain and timed twice each, 317 s
     python3 bench/engine_repeat.py --sections setup,gen-ind-a,gen-ind-b,gen-det-a --out $OUT
@@ -56,9 +46,7 @@ variants were bitwise from one fresh process to the next: one process alone meet
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
 import hashlib
 import json
 import os
@@ -68,17 +56,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for p in (ROOT, BENCH):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-import gpu_grpo  # noqa: E402  (the section runner, results)
-import grad_trace  # noqa: E402  (fingerprints of every step's parameters and gradients)
-import norm_history  # noqa: E402  (the trainer's norm as it was compiled before)
-import ray_faults  # noqa: E402  (its shapes and configs)
-import ray_pipeline as rp  # noqa: E402  (the keyed-length hook, the converted inputs)
+import grad_trace  # fingerprints of every step's parameters and gradients
+import harness as H
+import norm_history  # the trainer's norm as it was compiled before
+import ray_faults  # its shapes and configs
+import ray_pipeline as rp  # the keyed-length hook, the converted inputs
 
 VARIANTS = ("plain", "timed", "det", "ind", "hist", "histrel", "solo", "solohist", "wide", "widehist", "sync",
             "synchist", "syncrel", "next", "nexthist", "nextsync", "nextsynchist")
@@ -128,7 +110,7 @@ def session(S, W: Path, name: str, sets: list[str]):
     tree["storage"] = {"root": str(W / f"root-{name}")}
     tree["tracking"] = {"enabled": False}
     cfg = config_with_overrides(tree, sets, "local")
-    rd = gpu_grpo.run_dir_over(Path(cfg.storage.root), "local", rp.standalone_inputs(S, W))
+    rd = H.run_dir_over(Path(cfg.storage.root), "local", rp.standalone_inputs(S, W))
     return TrainSession(cfg, rd)
 
 
@@ -185,7 +167,6 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
         import torch._inductor.config as inductor_config
         inductor_config.deterministic = True
     from runtime.rollout.base import SamplingParams, keyed_requests
-    from runtime.trainer.batch import TrainBatch
     sess = session(S, W, name, ["rollout.deterministic=false"] if variant == "timed" else [])
     if variant in SOLO:  # the converted model's weights as the engine loads them; no trainer made in this process
         engine = sess.cluster.engine(sess.rd.local(sess.rd.hf_model))
@@ -242,10 +223,7 @@ def sec_gen(S, W: Path, kept: Path, name: str) -> dict:
         sync()
         times.append(time.time() - t0)
     samples = gens[0]
-    batch = TrainBatch(tokens=[s.prompt_ids + s.response_ids for s in samples],
-                       prompt_lens=[len(s.prompt_ids) for s in samples], advantages=[0.0] * len(samples),
-                       loss_masks=[[1] * len(s.response_ids) for s in samples],
-                       rollout_logprobs=[s.response_logprobs for s in samples])
+    batch = H.samples_batch(samples)
     trainer = sess.trainer.compute_logprobs(batch) if variant not in SOLO else []  # no trainer
     if variant in SOLO:
         engine.kill()
@@ -315,8 +293,7 @@ def compare_steps(kept: Path, names: list[str]) -> dict:
 
 def summarize(res: dict, kept: Path, env: dict) -> dict:
     ok = [n for n in res if res[n].get("status") == "ok"]
-    return {"benchmark": "engine_repeat", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "device": env.get("gpu", "cpu"), "env": env, "sections": res,
+    return {**H.summary_head("engine_repeat", env), "sections": res,
             "compare": compare(kept, [n for n in ok if n.startswith("gen-")]),
             "compare_steps": compare_steps(kept, [n for n in ok if n.startswith("step-")])}
 
@@ -339,34 +316,25 @@ def print_table(summary: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU: the wiring")
-    ap.add_argument("--sections", default=",".join(DEFAULT), help=f"comma list of {SECTIONS}")
-    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--work", default="/tmp/engine_repeat_work")
-    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/engine_repeat_out")
-    ap.add_argument("--deadline", type=float, default=570.0)
+    ap = H.parser(__doc__, "engine_repeat", 570.0, cpu_help="tiny shapes on CPU: the wiring", sections=SECTIONS,
+                  sections_default=",".join(DEFAULT), results_dir=False)
     a = ap.parse_args(argv)
-    out, W = Path(a.out), Path(a.work)
-    out.mkdir(parents=True, exist_ok=True)
-    W.mkdir(parents=True, exist_ok=True)
+    out, W = H.start(a, "engine_repeat")
     S = ray_faults.shapes(cpu=a.cpu)
-    gpu_grpo.prepare_env()
     os.environ.update(rp.hook_env(S))  # the keyed lengths of the fault runs
     if a.section:
         sec = sec_step if a.section.startswith("step-") else sec_gen
         # dumps and traces go to out: a call cut short still brings back what its finished sections made
         fn = sec_setup if a.section == "setup" else (lambda S, W: sec(S, W, out, a.section))
-        r = gpu_grpo.run_section(a.section, S, W, out, fn=fn)
-        return 0 if r["status"] == "ok" else 1
-    (out / "results.jsonl").unlink(missing_ok=True)
-    sections = [s for s in a.sections.split(",") if s]
+        return H.section_exit(H.run_section(a.section, S, W, out, fn))
+    H.clear_results(out)
+    sections = H.sections_of(a, DEFAULT)
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         ap.error(f"unknown sections {unknown}: {SECTIONS}")
-    gpu_grpo.run_sections_in_processes(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S,
-                                       extra_args=("--cpu",) if a.cpu else ())
-    summary = summarize(gpu_grpo.read_results(out), out, gpu_grpo.env_info(S["model"]))
+    H.run_sections_in_processes(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S,
+                                extra_args=("--cpu",) if a.cpu else ())
+    summary = summarize(H.read_results(out), out, H.env_info(S["model"]))
     (out / "engine_repeat.json").write_text(json.dumps(summary, indent=1, default=str))
     print_table(summary)
     return 0

@@ -28,14 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for p in (ROOT, BENCH):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-import engine_repeat  # noqa: E402  (dynamo's recompiles, as logged)
-import grad_trace  # noqa: E402  (two calls' draws compared)
+import engine_repeat  # dynamo's recompiles, as logged
+import grad_trace  # two calls' draws compared
 
 CASES = ("settled-fresh", "settled-history", "unsettled-fresh", "unsettled-history")
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,

@@ -19,13 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import torch
 
-import torch  # noqa: E402
-
-import rollout_bench as rb  # noqa: E402  (the keyed length schedule and request builder)
+import rollout_bench as rb  # the keyed length schedule and request builder
+from harness import ROOT
 
 GLM4_9B = json.loads((ROOT / "runtime" / "models" / "known_configs" / "GLM-4-9B-0414.json").read_text())
 TINY = dict(GLM4_9B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

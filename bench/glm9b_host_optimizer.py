@@ -50,8 +50,6 @@ section), OUT/glm9b_host_optimizer.json (summary), with --results-dir a copy nam
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import shutil
@@ -63,14 +61,9 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for _p in (ROOT, BENCH):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-import gpu_grpo  # noqa: E402  (the section runner, prompts, env info)
-import rollout_bench  # noqa: E402  (the keyed length schedule)
+import harness as H
+import rollout_bench  # the keyed length schedule
+from harness import ROOT
 
 CONFIG = ROOT / "configs" / "glm-z1-9b-dapo-2xh100.yaml"
 GLM4_9B = json.loads((ROOT / "runtime" / "models" / "known_configs" / "GLM-4-9B-0414.json").read_text())
@@ -288,12 +281,9 @@ def sec_setup(S, W: Path) -> dict:
     from runtime.mcore import env as menv
     from runtime.mcore.convert import _load_mapped_weights, save_model_torch_dist
     from runtime.models import get_adapter
-    from runtime.models.tiny import _WORDS, build_tiny_qwen3
 
     t0 = time.time()
-    for d in ("tok", "hf", "td", "data"):
-        shutil.rmtree(W / d, ignore_errors=True)
-    build_tiny_qwen3(W / "tok")
+    H.fresh_setup(W)
     tok = AutoTokenizer.from_pretrained(W / "tok")
     cfg_dict = model_config(S)
     cfg_dict.update(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -304,9 +294,7 @@ def sec_setup(S, W: Path) -> dict:
                                                do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
     t_build = time.time() - t0
     model.save_pretrained(W / "hf", max_shard_size="5GB")
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (W / "tok" / f).exists():
-            shutil.copyfile(W / "tok" / f, W / "hf" / f)
+    H.copy_tokenizer(W)
     t_hf = time.time() - t0 - t_build
     # megatron's bf16 model from the same tensors, on the device (no fp32 copy, no trip through the host)
     hf_config = model.config
@@ -327,13 +315,8 @@ def sec_setup(S, W: Path) -> dict:
     save_model_torch_dist(gpt, W / "td")
     t_td = time.time() - t1
     del gpt
-    rng = random.Random(36)
-    rows = []
-    for i in range(S["rows"]):
-        words = [rng.choice(_WORDS) for _ in range(S["prompt_len"] + 16)]
-        ids = tok(" ".join(words))["input_ids"][:S["prompt_len"]]
-        rows.append({"prompt": tok.decode(ids), "label": str(i % 10)})
-    prep = gpu_grpo.write_prompts(W, "prompts", rows, tok, max_prompt_len=S["max_prompt_len"])
+    rows = H.word_rows(tok, random.Random(36), S["rows"], S["prompt_len"], S["prompt_len"] + 16)
+    prep = H.write_prompts(W, "prompts", rows, tok, max_prompt_len=S["max_prompt_len"])
     size = lambda d: round(sum(f.stat().st_size for f in (W / d).rglob("*") if f.is_file()) / 2**30, 2)  # noqa: E731
     return {"name": "setup", "params": n_params, "build_s": round(t_build, 1), "hf_save_s": round(t_hf, 1),
             "torch_dist_save_s": round(t_td, 1), "hf_GiB": size("hf"), "torch_dist_GiB": size("td"),
@@ -361,8 +344,8 @@ def bench_config(S, W: Path, sets: list[str]):
     tree["eval"] = {"interval": None}
     tree["tracking"] = {"enabled": False}
     gpus = 2 if S["device"] == "cuda" else 0
-    tree["cluster"].update(backend="local", device=S["device"], trainer_gpus=gpus, gpu_memory_gb=gpu_gib(S),
-                           host_memory_gb=round(_meminfo()["MemTotal"] / 2**30, 1))
+    tree["cluster"].update(backend="local", device=S["device"], trainer_gpus=gpus, gpu_memory_gb=H.gpu_gib(S),
+                           host_memory_gb=round(H.host_meminfo()["MemTotal"] / 2**30, 1))
     tree["storage"] = {"root": str(W / "root")}
     cfg = config_with_overrides(tree, sets, "bench")
     if S["device"] == "cuda":
@@ -370,21 +353,6 @@ def bench_config(S, W: Path, sets: list[str]):
         choices = plan_choices(cfg, hf_config)
         cfg = config_with_overrides(tree, sets + [f"{k}={v}" for k, v in choices.items()], "bench")
     return cfg
-
-
-def gpu_gib(S) -> float | None:
-    if S["device"] != "cuda":
-        return None
-    import torch
-    return round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2)
-
-
-def _meminfo() -> dict[str, int]:
-    out = {}
-    for line in open("/proc/meminfo"):
-        k, v = line.split(":", 1)
-        out[k] = int(v.split()[0]) * 1024
-    return out
 
 
 class NodeSampler:
@@ -406,7 +374,7 @@ class NodeSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            m = _meminfo()
+            m = H.host_meminfo()
             row = {"t": time.time(), "host_used": m["MemTotal"] - m["MemAvailable"]}
             if self.smi:
                 try:
@@ -449,7 +417,7 @@ def sec_stage(S, W: Path, sets: list[str], budget_s: float) -> dict:
     res: dict = {"name": "stage", "sets": list(sets)}
     cfg = bench_config(S, W, sets)
     root = Path(cfg.storage.root)
-    rd = gpu_grpo.run_dir_over(root, "bench", (W / "hf", W / "td", W / "data" / "prompts.parquet"))
+    rd = H.run_dir_over(root, "bench", H.setup_inputs(W))
     mem_dir = W / "mem"
     shutil.rmtree(mem_dir, ignore_errors=True)
     mem_dir.mkdir(parents=True)
@@ -476,7 +444,7 @@ def sec_stage(S, W: Path, sets: list[str], budget_s: float) -> dict:
             pids[role] = list(getattr(handle.group, "pids", None) or [os.getpid()])
         res["pids"] = pids
         t0 = time.time()
-        with gpu_grpo.engine_warm_up(sess, 32):
+        with H.engine_warm_up(sess, 32):
             pass
         res["engine_warmup_s"] = round(time.time() - t0, 1)
         trainer_group = sess.trainer.group
@@ -793,14 +761,9 @@ def sec_resume(S, W: Path) -> dict:
 # ---- driver ---------------------------------------------------------------------------------------------
 
 def summarize(S, res: dict, env: dict | None = None) -> dict:
-    info = env or gpu_grpo.env_info(dict(S, vocab=0))
-    if S["device"] == "cuda":
-        import torch
-        info["gpus"] = torch.cuda.device_count()
-    info["host_memory_GiB"] = round(_meminfo()["MemTotal"] / 2**30, 1)
-    return {"benchmark": "glm9b_host_optimizer",
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "device": info.get("gpu", "cpu"), "env": info, "config": str(CONFIG.relative_to(ROOT)),
+    info = env or H.env_info(dict(S, vocab=0))
+    info.update(H.gpu_count(S), host_memory_GiB=round(H.host_meminfo()["MemTotal"] / 2**30, 1))
+    return {**H.summary_head("glm9b_host_optimizer", info), "config": str(CONFIG.relative_to(ROOT)),
             "shapes": {k: v for k, v in S.items() if k != "model"}, "sections": res}
 
 
@@ -839,28 +802,16 @@ def print_table(summary: dict) -> None:
             worst = {k: f"{v:.3g}" for a in r[n].get("at_load", []) for k, v in a["worst3"].items() if v}
             if worst:
                 rows.append((f"  {n} at load, worst", str(worst)[:200]))
-    for name, sec in s.items():
-        if sec.get("status") != "ok":
-            rows.append((f"{name} {sec.get('status')}", str(sec.get("error", ""))[:200]))
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k.ljust(width)}  {v}")
+    H.print_pairs(rows + H.failed_rows(s))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="tiny GLM4 on CPU (CI smoke)")
-    ap.add_argument("--sections", default=None, help=f"comma list of {SECTIONS}")
-    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--work", default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/glm9b_host_optimizer_out")
+    ap = H.parser(__doc__, "glm9b_host_optimizer", 575.0, cpu_help="tiny GLM4 on CPU (CI smoke)", sections=SECTIONS,
+                  merge="OUT dirs of earlier calls: one summary of their sections")
     ap.add_argument("--set", dest="sets", action="append", default=None, help="config override for the stage")
     ap.add_argument("--rollouts", type=int, default=None, help="at most this many rollouts in the stage")
     ap.add_argument("--resume-tp", type=int, default=None, help="the resume section's TP size (GPU default 2)")
     ap.add_argument("--resume-layers", type=int, default=None, help="the resume section's depth (GPU default 4)")
-    ap.add_argument("--merge", nargs="+", default=None, help="OUT dirs of earlier calls: one summary of their sections")
-    ap.add_argument("--results-dir", default=None)
-    ap.add_argument("--deadline", type=float, default=575.0)
     ap.add_argument("--deterministic", choices=("true", "false"), default="true",
                     help="train.deterministic (default true, as the product's: torch's deterministic kernels while "
                          "the trainer computes); the ops without one are listed")
@@ -872,49 +823,30 @@ def main(argv=None) -> int:
         if getattr(a, key) is not None:
             S[key] = getattr(a, key)
     sets = S["sets"] + (a.sets or [])
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    W = Path(a.work or ("/tmp/glm9b_host_optimizer_work" + ("_cpu" if a.cpu else "")))
-    W.mkdir(parents=True, exist_ok=True)
+    out, W = H.places(a, "glm9b_host_optimizer")
     # this call's flag, inherited by the section processes (which keep it) and the ranks they spawn
     os.environ.setdefault(ENV_DETERMINISTIC, str(W / "nondeterministic_ops") if a.deterministic == "true" else "off")
     sets.append(f"train.deterministic={str(_alerts_dir() is not None).lower()}")
-    gpu_grpo.prepare_env()
+    H.prepare_env()
     env = None
     if a.merge:
-        res: dict = {}
-        for d in a.merge:
-            res.update({k: v for k, v in gpu_grpo.read_results(Path(d)).items() if v.get("status") == "ok" or k not in res})
-        envs = [json.loads(p.read_text())["env"] for d in a.merge if (p := Path(d) / "glm9b_host_optimizer.json").exists()]
-        env = envs[0] if envs else None
+        res, env = H.merge_results(a.merge, keep="ok"), H.merged_env(a.merge, "glm9b_host_optimizer")
     elif a.section:
-        if a.cpu:
-            import torch
-            torch.set_num_threads(1)
-        left = float(os.environ.get("SECTION_BUDGET_S", a.deadline))
+        left = H.section_budget(a)
         fn = {"setup": sec_setup, "stage": lambda S, W: sec_stage(S, W, sets, left - 20), "resume": sec_resume}[a.section]
-        r = gpu_grpo.run_section(a.section, S, W, out, fn=fn)
-        return 0 if r["status"] == "ok" else 1
+        return H.section_exit(H.run_section(a.section, S, W, out, fn))
     else:
-        sections = [x for x in (a.sections.split(",") if a.sections else SECTIONS) if x]
+        sections = H.sections_of(a, SECTIONS)
         if "stage" in sections and "setup" not in sections and not (W / "td" / "metadata.json").exists():
             sections.insert(sections.index("stage"), "setup")  # a fresh machine: the model first
             print(f"no model under {W}: running setup first", flush=True)
-        (out / "results.jsonl").unlink(missing_ok=True)
-        t_start = time.time()
-        for name in sections:
-            left = a.deadline - (time.time() - t_start)
-            os.environ["SECTION_BUDGET_S"] = str(int(min(SECTION_MAX_S[name], left)))
-            extra = ("--cpu",) if a.cpu else ()
-            extra += tuple(x for s in (a.sets or []) for x in ("--set", s))
-            extra += ("--rollouts", str(S["rollouts"]), "--resume-tp", str(S["resume_tp"]),
-                      "--resume-layers", str(S["resume_layers"]))
-            gpu_grpo.run_sections_in_processes(Path(__file__), [name], W, out, left, SECTION_MAX_S, extra_args=extra)
-        res = gpu_grpo.read_results(out)
-    summary = summarize(S, res, env)
-    gpu_grpo.save_summary(summary, out, "glm9b_host_optimizer", a.results_dir, a.cpu)
-    print_table(summary)
-    return gpu_grpo.exit_code(summary, a.cpu)
+        H.clear_results(out)
+        extra = (("--cpu",) if a.cpu else ()) + H.set_args(a.sets or [])
+        extra += ("--rollouts", str(S["rollouts"]), "--resume-tp", str(S["resume_tp"]),
+                  "--resume-layers", str(S["resume_layers"]))
+        H.run_in_turn(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S, extra)
+        res = H.read_results(out)
+    return H.finish(summarize(S, res, env), out, "glm9b_host_optimizer", a.results_dir, a.cpu, print_table)
 
 
 if __name__ == "__main__":

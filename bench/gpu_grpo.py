@@ -21,22 +21,16 @@ OUT/gpu_grpo.json and, with --results-dir, a copy in bench/results/.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
+import importlib.util
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
-import traceback
-from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import harness as H
+from harness import peak_gib, reset_peak, run_dir_over, sync, write_prompts
 
 # Measured in this environment (shared/anchors, H100, 2026-11-22): the references for the ratios.
 ANCHORS = {"hf_generate_tok_s": 3937, "megatron_local_train_tok_s": 35500, "hf_train_tok_s": 46700,
@@ -63,21 +57,6 @@ def _torch():
     return torch
 
 
-def sync(S):
-    if S["device"] == "cuda":
-        _torch().cuda.synchronize()
-
-
-def peak_gib(S) -> float:
-    torch = _torch()
-    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if S["device"] == "cuda" else 0.0
-
-
-def reset_peak(S) -> None:
-    if S["device"] == "cuda":
-        _torch().cuda.reset_peak_memory_stats()
-
-
 def dtype_of(S):
     torch = _torch()
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[S["dtype"]]
@@ -98,26 +77,6 @@ def prompts_ids(S, n: int, seed: int = 0) -> list[list[int]]:
     torch = _torch()
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, S["vocab"], (n, S["prompt_len"]), generator=g).tolist()
-
-
-def env_info(S) -> dict:
-    import platform
-    torch = _torch()
-    info = {"python": platform.python_version(), "torch": torch.__version__, "mode": S["device"]}
-    try:
-        import transformers
-        info["transformers"] = transformers.__version__
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        import megatron.core
-        info["megatron_core"] = getattr(megatron.core, "__version__", "?")
-    except Exception:  # noqa: BLE001
-        pass
-    if S["device"] == "cuda" and torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, sms=p.multi_processor_count, mem_GiB=round(p.total_memory / 2**30, 1))
-    return info
 
 
 def kernel_profile(S, fn, top: int = 14) -> dict | None:
@@ -163,12 +122,10 @@ def sec_setup(S, W: Path, convert: bool = True) -> dict:
     from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     from runtime.mcore.convert import hf_to_torch_dist
-    from runtime.models.tiny import _WORDS, build_tiny_qwen3
+    from runtime.models.tiny import _WORDS
 
     t0 = time.time()
-    for d in ("tok", "hf", "td", "data"):
-        shutil.rmtree(W / d, ignore_errors=True)
-    tok_info = build_tiny_qwen3(W / "tok")
+    tok_info = H.fresh_setup(W)
     tok = AutoTokenizer.from_pretrained(W / "tok")
     cfg = Qwen3Config(vocab_size=S["vocab"], hidden_size=S["hidden"], intermediate_size=S["ffn"],
                       num_hidden_layers=S["layers"], num_attention_heads=S["heads"],
@@ -184,9 +141,7 @@ def sec_setup(S, W: Path, convert: bool = True) -> dict:
     model = model.to(dtype_of(S))
     model.save_pretrained(W / "hf")
     del model
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (W / "tok" / f).exists():
-            shutil.copyfile(W / "tok" / f, W / "hf" / f)
+    H.copy_tokenizer(W)
     GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=True,
                      temperature=1.0, top_p=1.0, top_k=0).save_pretrained(W / "hf")
     if S["device"] == "cuda":
@@ -264,11 +219,8 @@ def sec_engine(S, W: Path) -> dict:
     res["warmup_stats"] = {k: v for k, v in eng.decoder.stats.items() if k in ("graph_capture_s", "prefill_s", "decode_s")}
     times, stats = [], []
     for _ in range(S["decode_reps"]):
-        sync(S)
-        t0 = time.perf_counter()
-        out = eng.generate(reqs, sp)
-        sync(S)
-        times.append(time.perf_counter() - t0)
+        dt, out = H.timed(S, lambda: eng.generate(reqs, sp))
+        times.append(dt)
         stats.append(dict(eng.decoder.stats))
     t = statistics.median(times)
     st = stats[times.index(min(times, key=lambda x: abs(x - t)))]
@@ -360,10 +312,7 @@ def sec_trainer(S, W: Path) -> dict:
     new = min(R, 128)
     samples = eng.generate(_requests(S, S["prompts"], S["samples"], rollout=2, seed=2),
                            SamplingParams(temperature=1.0, max_new_tokens=new))
-    batch = TrainBatch(tokens=[s.prompt_ids + s.response_ids for s in samples],
-                       prompt_lens=[len(s.prompt_ids) for s in samples], advantages=[0.0] * len(samples),
-                       loss_masks=[[1] * len(s.response_ids) for s in samples],
-                       rollout_logprobs=[s.response_logprobs for s in samples])
+    batch = H.samples_batch(samples)
     trainer_lp = tr.compute_logprobs(batch)
     diffs = [abs(a - b) for s, t in zip(samples, trainer_lp) for a, b in zip(s.response_logprobs, t)]
     res["engine_vs_trainer_logprobs"] = {"tokens": len(diffs), "max_abs_diff": max(diffs),
@@ -449,31 +398,6 @@ def stage_config(S, W: Path) -> dict:
         "cluster": {"backend": "local", "device": S["device"]},
         "storage": {"root": str(W / "root")},
     }
-
-
-def run_dir_over(root: Path, run_id: str, inputs: tuple[Path, Path, Path]):
-    """A fresh run directory whose model (HF, torch_dist) and train data are links to what setup built:
-    the train stage then skips fetch, convert and prepare."""
-    from runtime.run.directory import RunDir
-    shutil.rmtree(root, ignore_errors=True)
-    rd = RunDir(str(root), run_id)
-    for link, target in zip((rd.hf_model, rd.torch_dist, rd.train_data), inputs):
-        Path(link).parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(target, link)
-    return rd
-
-
-@contextmanager
-def engine_warm_up(sess, prompt_len: int):
-    """The session's engine compiled and its first graphs captured on 16 short requests, inside the session's
-    memory hand-off as a rollout generates (the trainer's state off the GPU, the KV pool in: beside the trainer's
-    state the pool need not fit, and on 2 x H100 GLM-Z1-9B's did not). Yields what the hand-off moved, before the
-    pool is released again."""
-    from runtime.rollout.base import SampleRequest, SamplingParams
-    warm = [SampleRequest(prompt_ids=list(range(3, 3 + prompt_len)), key=(1, 0, i, 0)) for i in range(16)]
-    with sess.engine_turn() as moved:
-        sess.engine.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=32))
-        yield moved
 
 
 def sec_stage(S, W: Path) -> dict:
@@ -588,70 +512,6 @@ def sec_trl(S, W: Path) -> dict:
 FUNCS = {"setup": sec_setup, "engine": sec_engine, "trainer": sec_trainer, "stage": sec_stage, "trl": sec_trl}
 
 
-# ---- driver -------------------------------------------------------------------------------------------
-
-def prepare_env() -> None:
-    """Offline, quiet tokenizers, and this repo importable by section processes."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-
-
-def run_section(name: str, S: dict, W: Path, out: Path, fn=None) -> dict:
-    """Run one section (FUNCS[name], or fn), append its result line to OUT/results.jsonl."""
-    t0 = time.time()
-    try:
-        r = (fn or FUNCS[name])(S, W)
-        r.setdefault("status", "ok")  # a section that measured up to a failure says FAILED itself
-    except Exception as e:  # noqa: BLE001 - one section's failure is recorded, the rest still run
-        traceback.print_exc()
-        r = {"name": name, "status": "FAILED", "error": f"{type(e).__name__}: {e}"[:2000]}
-    r["section_s"] = round(time.time() - t0, 1)
-    with open(out / "results.jsonl", "a") as f:
-        f.write(json.dumps(r, default=str) + "\n")
-    print("RESULT", json.dumps(r, default=str), flush=True)
-    return r
-
-
-def write_prompts(W: Path, stem: str, rows: list[dict], tok, max_prompt_len: int) -> dict:
-    """rows as W/data/<stem>.jsonl, prepared into W/data/<stem>.parquet (slime format); the prepare report."""
-    from runtime.inputs.datasets import prepare_dataset
-    (W / "data").mkdir(parents=True, exist_ok=True)
-    with open(W / "data" / f"{stem}.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    return prepare_dataset(str(W / "data" / f"{stem}.jsonl"), str(W / "data" / f"{stem}.parquet"), fmt="slime",
-                           tokenizer=tok, apply_chat_template=False, max_prompt_len=max_prompt_len)
-
-
-def save_summary(summary: dict, out: Path, bench: str, results_dir: str | None, cpu: bool) -> None:
-    """<out>/<bench>.json, and with results_dir a copy named by device and date (the CPU smoke: one fixed name)."""
-    text = json.dumps(summary, indent=1, default=str)
-    (out / f"{bench}.json").write_text(text)
-    if results_dir:
-        dev = summary["device"].replace(" ", "_")
-        name = f"{bench}_{dev}_{summary['date'][:10]}.json" if not cpu else f"{bench}_cpu_smoke.json"
-        Path(results_dir).mkdir(parents=True, exist_ok=True)
-        (Path(results_dir) / name).write_text(text)
-
-
-def exit_code(summary: dict, cpu: bool) -> int:
-    """A failed section fails the CPU smoke; on a GPU the summary says which failed and why."""
-    return 1 if cpu and any(r.get("status") != "ok" for r in summary["sections"].values()) else 0
-
-
-def read_results(out: Path) -> dict:
-    res = {}
-    if (out / "results.jsonl").exists():
-        for line in open(out / "results.jsonl"):
-            try:
-                r = json.loads(line)
-                res[r["name"]] = r
-            except Exception:  # noqa: BLE001
-                pass
-    return res
-
-
 def summarize(S: dict, res: dict, info: dict) -> dict:
     def get(sec, key):
         r = res.get(sec) or {}
@@ -672,8 +532,7 @@ def summarize(S: dict, res: dict, info: dict) -> dict:
         ratios["step_speedup_vs_trl_anchor"] = round(ANCHORS["trl_s_per_step"] / step, 2)
     targets = {"decode_tok_s>=25000": bool(e_tok and e_tok >= 25000), "train_tok_s>=80000": bool(tr_tok and tr_tok >= 80000),
                "step>=4x_trl": bool(ratios.get("step_speedup_vs_trl", ratios.get("step_speedup_vs_trl_anchor", 0)) >= 4)}
-    return {"benchmark": "gpu_grpo", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "device": info.get("gpu", "cpu"), "env": info, "shapes": S, "anchors": ANCHORS, "ratios": ratios,
+    return {**H.summary_head("gpu_grpo", info), "shapes": S, "anchors": ANCHORS, "ratios": ratios,
             "targets_met": targets if S["device"] == "cuda" else None, "sections": res}
 
 
@@ -692,89 +551,32 @@ def print_table(summary: dict) -> None:
             ("stage peak GiB", g("stage", "peak_mem_GiB")),
             ("TRL s/step / generate tok/s", f'{g("trl", "median_s_per_step_after_first")} / {g("trl", "gen_tok_s_generate_only")}'),
             ("ratios", json.dumps(summary["ratios"]))]
-    for name, sec in s.items():
-        if sec.get("status") != "ok":
-            rows.append((f"{name} FAILED", str(sec.get("error", ""))[:200]))
-    width = max(len(r[0]) for r in rows)
-    for k, v in rows:
-        print(f"{k.ljust(width)}  {v}")
-
-
-def run_sections_in_processes(script: Path, sections: list[str], W: Path, out: Path, deadline: float,
-                              max_s: dict, min_s: dict | None = None, extra_args: tuple = ()) -> None:
-    """Each section as `script --section NAME` in its own process under what is left of `deadline` (a
-    crash or a hang costs only that section); a section that wrote no result is recorded as FAILED, one
-    with too little time left as SKIPPED. Output goes to out/log.txt."""
-    t_start = time.time()
-    for name in sections:
-        left = deadline - (time.time() - t_start)
-        limit = int(min(max_s.get(name, 120), left))
-        if limit < max(20, (min_s or {}).get(name, 0)):
-            rec = {"name": name, "status": "SKIPPED", "error": "no time left in this run"}
-            with open(out / "results.jsonl", "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            continue
-        print(f"=== {name} (limit {limit}s) at {time.time() - t_start:.0f}s", flush=True)
-        cmd = [sys.executable, str(Path(script).resolve()), "--section", name, "--work", str(W), "--out", str(out),
-               *extra_args]
-        with open(out / "log.txt", "a") as log:
-            log.write(f"\n===== {name} =====\n")
-            log.flush()
-            try:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=limit,
-                                    start_new_session=True).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        if name not in read_results(out):
-            rec = {"name": name, "status": "FAILED", "error": f"section process ended with {rc} (see log.txt)"}
-            with open(out / "results.jsonl", "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        print(f"=== {name} rc={rc} at {time.time() - t_start:.0f}s", flush=True)
+    H.print_pairs(rows + H.failed_rows(s, label="{name} FAILED"))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (CI smoke)")
-    ap.add_argument("--sections", default=None, help=f"comma list of {SECTIONS}")
-    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)  # one section, in this process
-    ap.add_argument("--work", default=None, help="scratch dir (model, checkpoints)")
-    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu_grpo_out")
-    ap.add_argument("--results-dir", default=None, help="also copy the summary JSON here (e.g. bench/results)")
-    ap.add_argument("--deadline", type=float, default=570.0, help="seconds for the whole run (GPU mode)")
+    ap = H.parser(__doc__, "gpu_grpo", 570.0, sections=SECTIONS)
     ap.add_argument("--in-process", action="store_true", help="run every section in this process")
     a = ap.parse_args(argv)
     S = dict(SHAPES["cpu" if a.cpu else "gpu"])
-    W = Path(a.work or ("/tmp/gpu_grpo_work" + ("_cpu" if a.cpu else "")))
-    out = Path(a.out)
-    W.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    prepare_env()
+    out, W = H.start(a, "gpu_grpo")
     if a.section:
-        if a.cpu:
-            _torch().set_num_threads(1)
-        r = run_section(a.section, S, W, out)
-        return 0 if r["status"] == "ok" else 1
-    sections = [x for x in (a.sections.split(",") if a.sections else SECTIONS) if x]
+        H.section_budget(a)
+        return H.section_exit(H.run_section(a.section, S, W, out, FUNCS[a.section]))
+    sections = H.sections_of(a, SECTIONS)
     if a.cpu:
-        sections = [x for x in sections if x != "trl" or _has("trl")]
+        sections = [x for x in sections if x != "trl" or importlib.util.find_spec("trl") is not None]
     t_start = time.time()
-    (out / "results.jsonl").unlink(missing_ok=True)
+    H.clear_results(out)
     if a.cpu or a.in_process:
-        _torch().set_num_threads(1) if a.cpu else None
+        H.section_budget(a)
         for name in sections:
-            run_section(name, S, W, out)
+            H.run_section(name, S, W, out, FUNCS[name])
     else:
-        run_sections_in_processes(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S, SECTION_MIN_S)
-    summary = summarize(S, read_results(out), env_info(S))
+        H.run_sections_in_processes(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S, SECTION_MIN_S)
+    summary = summarize(S, H.read_results(out), H.env_info(S))
     summary["total_s"] = round(time.time() - t_start, 1)
-    save_summary(summary, out, "gpu_grpo", a.results_dir, a.cpu)
-    print_table(summary)
-    return exit_code(summary, a.cpu)
-
-
-def _has(mod: str) -> bool:
-    import importlib.util
-    return importlib.util.find_spec(mod) is not None
+    return H.finish(summary, out, "gpu_grpo", a.results_dir, a.cpu, print_table)
 
 
 if __name__ == "__main__":

@@ -34,23 +34,15 @@ OUT/lora_grpo.json (with --results-dir a copy named by device, model and date).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for p in (ROOT, BENCH):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-import gpu_grpo  # noqa: E402  (section processes, results, summary files)
-import rollout_bench  # noqa: E402  (the keyed length schedule)
+import harness as H
+import rollout_bench  # the keyed length schedule
+from harness import ROOT
 
 GIB = 2**30
 KNOWN = ROOT / "runtime" / "models" / "known_configs"
@@ -104,24 +96,20 @@ def sec_setup(S, W: Path, mode: dict) -> dict:
 
     from runtime.mcore.convert import save_model_torch_dist
     from runtime.mcore.env import build_gpt_model
-    from runtime.models.tiny import _WORDS, build_tiny_qwen3
+    from runtime.models.tiny import _WORDS
     t0 = time.time()
-    for d in ("tok", "hf", "td", "data"):
-        shutil.rmtree(W / d, ignore_errors=True)
-    build_tiny_qwen3(W / "tok")
+    H.fresh_setup(W)
     hf_config, tok = hf_config_of(mode, S["device"] == "cpu", W / "tok")
     (W / "hf").mkdir(parents=True)
     hf_config.save_pretrained(W / "hf")
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (W / "tok" / f).exists():
-            shutil.copyfile(W / "tok" / f, W / "hf" / f)
+    H.copy_tokenizer(W)
     GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=True).save_pretrained(W / "hf")
     dtype = torch.bfloat16 if S["device"] == "cuda" else torch.float32
     t1 = time.time()
     model = build_gpt_model(hf_config, dtype=dtype, device=S["device"], init_weights=True)
-    gpu_grpo.sync(S)
+    H.sync(S)
     built = {"params": sum(p.numel() for p in model.parameters()), "build_s": round(time.time() - t1, 1),
-             "peak_GiB": rollout_bench.peak_gib(S)}
+             "peak_GiB": H.peak_gib(S)}
     t2 = time.time()
     save_model_torch_dist(model, W / "td")
     built["save_s"] = round(time.time() - t2, 1)
@@ -134,7 +122,7 @@ def sec_setup(S, W: Path, mode: dict) -> dict:
         while len(tok(text)["input_ids"]) < S["prompt_len"]:
             text += " ".join(rng.choice(_WORDS) for _ in range(64)) + " "
         rows.append({"prompt": tok.decode(tok(text)["input_ids"][:S["prompt_len"]]), "label": str(i % 10)})
-    prep = gpu_grpo.write_prompts(W, "prompts", rows, tok, max_prompt_len=S["prompt_len"])
+    prep = H.write_prompts(W, "prompts", rows, tok, max_prompt_len=S["prompt_len"])
     return {"name": "setup", "model_type": hf_config.model_type, "base": built, "prompts": prep.get("rows"),
             "s": round(time.time() - t0, 1)}
 
@@ -180,33 +168,6 @@ def gpu_gib() -> float:
     return float(cap) if cap else torch.cuda.get_device_properties(0).total_memory / GIB
 
 
-class Phases:
-    """Allocator statistics around the train stage's phases (CUDA; None on CPU)."""
-
-    def __init__(self, cuda: bool):
-        import torch
-        self.torch, self.cuda = torch, cuda
-
-    def now(self) -> dict:
-        if not self.cuda:
-            return {}
-        t = self.torch.cuda
-        t.synchronize()
-        return {"allocated": t.memory_allocated(), "reserved": t.memory_reserved()}
-
-    def reset(self) -> None:
-        if self.cuda:
-            self.torch.cuda.synchronize()
-            self.torch.cuda.reset_peak_memory_stats()
-
-    def peak(self) -> dict:
-        if not self.cuda:
-            return {}
-        t = self.torch.cuda
-        t.synchronize()
-        return {"peak": t.max_memory_allocated(), "peak_reserved": t.max_memory_reserved()}
-
-
 def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: float, chunks: bool = False) -> dict:
     """`rollouts` rollouts of the train stage. ``chunks``: each one a chunk of its own, checkpointed as the
     pipeline does (TrainSession.run_chunk: the adapters, their optimizer state, the run state), and the run
@@ -220,7 +181,7 @@ def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: 
     from runtime.run.directory import RunDir
     from runtime.plan.memory import estimate_for_config
     cuda = S["device"] == "cuda"
-    P = Phases(cuda)
+    P = H.Meter(S["device"])
     context = None
     if cuda:
         torch.zeros(1, device="cuda")
@@ -234,7 +195,7 @@ def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: 
     rd = RunDir(str(root), "bench")
     ckpt = checkpoint.latest(rd) if chunks and Path(rd.path).exists() else None
     if ckpt is None:
-        rd = gpu_grpo.run_dir_over(root, "bench", (W / "hf", W / "td", W / "data" / "prompts.parquet"))
+        rd = H.run_dir_over(root, "bench", H.setup_inputs(W))
     start = ckpt.rollout if ckpt else 0
     calls = force_keyed_lengths(S)
     res: dict = {"name": "stage", "config": mode["config"], "sets": sets, "lora": cfg.train.lora.model_dump(),
@@ -258,11 +219,11 @@ def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: 
     tr = sess.trainer.group.members[0]  # local backend: the trainer object in this process
     eng = sess.engine.group.members[0]
     res["build"] = {"s": round(time.time() - t0, 1), "allocated": built.get("allocated"),
-                    "peak": P.peak().get("peak"), "shares_base": eng.health()["shares_base"],
+                    "peak": P.peaks().get("peak"), "shares_base": eng.health()["shares_base"],
                     "trainer": _trainer_bytes(tr), "engine_allocated": _delta(engine_build),
                     "adapter_buffers": eng.decoder.adapters.nbytes() if eng.decoder.adapters else 0}
     t0 = time.time()
-    with gpu_grpo.engine_warm_up(sess, S["prompt_len"]):
+    with H.engine_warm_up(sess, S["prompt_len"]):
         pass
     res["engine_warmup_s"] = round(time.time() - t0, 1)
     phase: dict = {}
@@ -295,7 +256,7 @@ def sec_stage(S, W: Path, mode: dict, sets: list[str], rollouts: int, budget_s: 
     return res
 
 
-def _wrap(sess, P: Phases, phase: dict) -> None:
+def _wrap(sess, P: H.Meter, phase: dict) -> None:
     """Record the memory and time of the rollout's phases: generation (collect), the state's round trip, the update."""
     collect, handle = sess.collector.collect, sess.trainer
 
@@ -305,7 +266,7 @@ def _wrap(sess, P: Phases, phase: dict) -> None:
             P.reset()
             t0 = time.time()
             out = fn(*a, **k)
-            phase[name] = {"s": round(time.time() - t0, 3), **{f"{k}_before": v for k, v in before.items()}, **P.peak()}
+            phase[name] = {"s": round(time.time() - t0, 3), **{f"{k}_before": v for k, v in before.items()}, **P.peaks()}
             if name == "generate":  # the KV pool is allocated now; the loop releases it right after
                 phase[name]["kv_cache"] = sess.engine.group.members[0].decoder.kv_cache_bytes()
                 phase["logp_gap"] = _logp_gap(sess, out)
@@ -441,28 +402,20 @@ def print_table(summary: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = H.parser(__doc__, "lora_grpo", 540.0, sections=SECTIONS, merge="OUT dirs of the calls of one run: one summary")
     ap.add_argument("--model", choices=sorted(MODES), default="glm")
-    ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (CI smoke)")
     ap.add_argument("--lora", choices=("on", "off"), default="on", help="off: the full-parameter baseline")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per rollout (GLM default 8; the seed's 16)")
     ap.add_argument("--rollouts", type=int, default=3, help="at most; at least 2 unless the deadline stops it")
-    ap.add_argument("--sections", default=None)
-    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--set", dest="sets", action="append", default=[])
-    ap.add_argument("--work", default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/lora_grpo_out")
-    ap.add_argument("--results-dir", default=None)
-    ap.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole run (one device call < 600)")
     ap.add_argument("--chunks", action="store_true",
                     help="each rollout checkpointed; the stage continues W's run from its newest checkpoint")
-    ap.add_argument("--merge", nargs="+", default=None, help="OUT dirs of the calls of one run: one summary")
     a = ap.parse_args(argv)
     if a.merge:
         summary = merge(a.merge)
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        gpu_grpo.save_summary(summary, out, f"lora_grpo_{summary['model']}", a.results_dir, False)
+        H.save_summary(summary, out, f"lora_grpo_{summary['model']}", a.results_dir, False)
         print_table(summary)
         return 0
     mode = MODES[a.model]
@@ -474,41 +427,25 @@ def main(argv=None) -> int:
     if a.cpu:
         sets += CPU_SETS
     sets += a.sets
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    W = Path(a.work or f"/tmp/lora_grpo_work_{a.model}" + ("_cpu" if a.cpu else ""))
-    W.mkdir(parents=True, exist_ok=True)
-    gpu_grpo.prepare_env()
+    out, W = H.start(a, "lora_grpo", f"lora_grpo_work_{a.model}")
     if a.section:
-        if a.cpu:
-            import torch
-            torch.set_num_threads(1)
-        left = float(os.environ.get("SECTION_BUDGET_S", a.deadline))
+        left = H.section_budget(a)
         fn = {"setup": lambda S, W: sec_setup(S, W, mode),
               "stage": lambda S, W: sec_stage(S, W, mode, sets, a.rollouts, left - 20, a.chunks)}[a.section]
-        r = gpu_grpo.run_section(a.section, S, W, out, fn=fn)
-        return 0 if r["status"] == "ok" else 1
-    sections = [x for x in (a.sections.split(",") if a.sections else SECTIONS) if x]
-    (out / "results.jsonl").unlink(missing_ok=True)
+        return H.section_exit(H.run_section(a.section, S, W, out, fn))
+    H.clear_results(out)
     t_start = time.time()
-    for name in sections:
-        left = a.deadline - (time.time() - t_start)
-        os.environ["SECTION_BUDGET_S"] = str(int(min(SECTION_MAX_S[name], left)))
-        extra = ("--model", a.model, "--lora", a.lora, "--rollouts", str(a.rollouts)) + (("--cpu",) if a.cpu else ())
-        extra += (("--prompts", str(a.prompts)) if a.prompts else ()) + tuple(x for s in a.sets for x in ("--set", s))
-        extra += ("--chunks",) if a.chunks else ()
-        gpu_grpo.run_sections_in_processes(Path(__file__), [name], W, out, left, SECTION_MAX_S, extra_args=extra)
-    res = gpu_grpo.read_results(out)
-    info = gpu_grpo.env_info({"device": S["device"]}) if not a.cpu else {"mode": "cpu"}
-    summary = {"benchmark": "lora_grpo", "model": a.model, "lora": a.lora,
-               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               "device": info.get("gpu", "cpu"), "env": info, "gpu_cap_gib": os.environ.get("GPU_CAP_GIB"),
-               "sets": sets, "total_s": round(time.time() - t_start, 1), "sections": res}
-    gpu_grpo.save_summary(summary, out, f"lora_grpo_{a.model}" + ("" if a.lora == "on" else "_full"), a.results_dir,
-                          a.cpu)
+    extra = ("--model", a.model, "--lora", a.lora, "--rollouts", str(a.rollouts)) + (("--cpu",) if a.cpu else ())
+    extra += (("--prompts", str(a.prompts)) if a.prompts else ()) + H.set_args(a.sets) + (("--chunks",) if a.chunks else ())
+    H.run_in_turn(Path(__file__), H.sections_of(a, SECTIONS), W, out, a.deadline, SECTION_MAX_S, extra)
+    info = H.env_info({"device": S["device"]}) if not a.cpu else {"mode": "cpu"}
+    summary = {**H.summary_head("lora_grpo", info), "model": a.model, "lora": a.lora,
+               "gpu_cap_gib": os.environ.get("GPU_CAP_GIB"), "sets": sets, "total_s": round(time.time() - t_start, 1),
+               "sections": H.read_results(out)}
+    H.save_summary(summary, out, f"lora_grpo_{a.model}" + ("" if a.lora == "on" else "_full"), a.results_dir, a.cpu)
     (out / "lora_grpo.json").write_text(json.dumps(summary, indent=1, default=str))
     print_table(summary)
-    return gpu_grpo.exit_code(summary, a.cpu)
+    return H.exit_code(summary, a.cpu)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import math
 import os
@@ -37,14 +36,10 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-BENCH = Path(__file__).resolve().parent
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-import gpu_grpo  # noqa: E402  (its setup section builds the random model and its torch_dist copy)
+import gpu_grpo  # its setup section builds the random model and its torch_dist copy
+import harness as H
+from gpu_grpo import _torch
+from harness import ROOT, Meter
 
 GIB = 2**30
 DEFAULT_CONFIG = ROOT / "configs" / "qwen3-0.6b-dapo.yaml"
@@ -52,48 +47,6 @@ DEFAULT_CONFIG = ROOT / "configs" / "qwen3-0.6b-dapo.yaml"
 CPU_OVERRIDES = ["data.max_prompt_len=12", "rollout.max_new_tokens=8", "rollout.rollout_batch_size=2",
                  "rollout.n_samples_per_prompt=2", "train.global_batch_size=4", "train.micro_batch_size=2",
                  "model.dtype=float32"]
-
-
-def _torch():
-    import torch
-    return torch
-
-
-class Meter:
-    """Allocator statistics on CUDA; None everywhere on CPU (there the run only checks the code paths)."""
-
-    def __init__(self, device: str):
-        self.cuda = device == "cuda"
-        self.torch = _torch()
-
-    def sync(self):
-        if self.cuda:
-            self.torch.cuda.synchronize()
-
-    def allocated(self):
-        return self.torch.cuda.memory_allocated() if self.cuda else None
-
-    def reserved(self):
-        return self.torch.cuda.memory_reserved() if self.cuda else None
-
-    def peak(self):
-        return self.torch.cuda.max_memory_allocated() if self.cuda else None
-
-    def peak_reserved(self):
-        return self.torch.cuda.max_memory_reserved() if self.cuda else None
-
-    def reset(self):
-        if self.cuda:
-            self.sync()
-            self.torch.cuda.reset_peak_memory_stats()
-
-    def free_total(self):
-        return self.torch.cuda.mem_get_info() if self.cuda else (None, None)
-
-    def cleanup(self):
-        gc.collect()
-        if self.cuda:
-            self.torch.cuda.empty_cache()
 
 
 def gib(x):
@@ -502,11 +455,6 @@ def print_table(cmp: dict, est: dict, log) -> None:
         f"total within ±10%: {tot['within_10pct']}")
 
 
-def _env(device: str) -> dict:
-    S = {"device": device}
-    return gpu_grpo.env_info(S)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -535,8 +483,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # 'setup': the child process
     args = ap.parse_args(argv)
     args.t_start = time.time()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    H.prepare_env()
     S = shapes(args.device)
     W = Path(args.work or f"/tmp/memory_check_{args.device}")
     if args.stage == "setup":
@@ -558,7 +505,7 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu for the smoke mode", file=sys.stderr)
         return 2
-    info = _env(args.device)
+    info = H.env_info({"device": args.device})
     date = datetime.datetime.now(datetime.timezone.utc)
     device_name = info.get("gpu", "cpu")
     out = Path(args.out) if args.out else (

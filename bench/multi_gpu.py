@@ -23,20 +23,14 @@ The verdict compares every replay to 1gpu_a: within twice the 1gpu_a-vs-1gpu_b g
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench import gpu_grpo as g  # noqa: E402
+import harness as H
+import gpu_grpo as g
 
 LAYOUTS = {"1gpu_a": (1, 1), "1gpu_b": (1, 1), "dp2": (2, 1), "tp2": (1, 2), "split": (1, 1)}
 ENGINE_LAYOUTS = ("1gpu_a", "1gpu_b", "split")  # replays that also sync an engine and read its log-probs
@@ -53,19 +47,12 @@ def _cfg(S, W: Path, train: dict | None = None, **cluster) -> dict:
     return cfg
 
 
-def sec_setup(S, W: Path) -> dict:
-    r = g.sec_setup(S, W)
-    r["name"] = "setup"
-    return r
-
-
 def sec_record(S, W: Path) -> dict:
     import torch
 
     from bench.trivial_reward import length_mod13
     from runtime.algo import group_advantages
     from runtime.rollout.base import SamplingParams
-    from runtime.trainer.batch import TrainBatch
 
     t0 = time.time()
     eng = g._engine(S, W)
@@ -73,17 +60,14 @@ def sec_record(S, W: Path) -> dict:
     sp = SamplingParams(temperature=1.0, max_new_tokens=S["new"])
     batches, tok_s = [], []
     for r in range(S["rollouts"]):
-        g.sync(S)
+        H.sync(S)
         t1 = time.perf_counter()
         out = eng.generate(g._requests(S, S["prompts"], S["samples"], rollout=r, seed=r), sp)
-        g.sync(S)
+        H.sync(S)
         tok_s.append(sum(len(s.response_ids) for s in out) / (time.perf_counter() - t1))
         rewards = torch.tensor([length_mod13(eng.tokenizer.decode(s.response_ids), "") for s in out])
         adv = group_advantages(rewards, S["samples"], normalize_std=True)
-        batches.append(TrainBatch(tokens=[s.prompt_ids + s.response_ids for s in out],
-                                  prompt_lens=[len(s.prompt_ids) for s in out], advantages=adv.tolist(),
-                                  loss_masks=[[1] * len(s.response_ids) for s in out],
-                                  rollout_logprobs=[list(s.response_logprobs) for s in out]))
+        batches.append(H.samples_batch(out, adv.tolist()))
     torch.save(batches, W / "batches.pt")
     return {"name": "record", "rollouts": len(batches), "samples": len(batches[0]),
             "tokens_per_sample": len(batches[0].tokens[0]), "engine_tok_s": [round(x) for x in tok_s],
@@ -127,10 +111,10 @@ def sec_replay(S, W: Path, layout: str) -> dict:
             logprobs.append(trainer.compute_logprobs(b))
             metrics.append(trainer.train(b))
             if sync is not None:
-                g.sync(S)
+                H.sync(S)
                 t1 = time.perf_counter()
                 sync.push(i + 1)
-                g.sync(S)
+                H.sync(S)
                 sync_s.append(time.perf_counter() - t1)
                 engine_lp.append([engine.logprobs_of(p, r) for p, r in rows])
         logprobs.append(trainer.compute_logprobs(batches[0]))
@@ -152,7 +136,7 @@ def _stage(S, W: Path, name: str, cluster: dict, train: dict | None = None) -> d
 
     cfg = config_from_dict(_cfg(S, W, train, **cluster), "bench")
     root = W / f"root_{name}"
-    rd = g.run_dir_over(root, "bench", (W / "hf", W / "td", W / "data" / "train.parquet"))
+    rd = H.run_dir_over(root, "bench", (W / "hf", W / "td", W / "data" / "train.parquet"))
     t0 = time.time()
     sess = TrainSession(cfg, rd)
     rows = []
@@ -195,11 +179,7 @@ def sec_stage_dp2(S, W: Path) -> dict:
 def _run(name: str, S, W: Path) -> dict:
     if name.startswith("replay_"):
         return sec_replay(S, W, name[len("replay_"):])
-    return {"setup": sec_setup, "record": sec_record, "stage_split": sec_stage_split, "stage_dp2": sec_stage_dp2}[name](S, W)
-
-
-def run_section(name: str, S, W: Path, out: Path) -> dict:
-    return g.run_section(name, S, W, out, fn=lambda S, W: _run(name, S, W))
+    return {"setup": g.sec_setup, "record": sec_record, "stage_split": sec_stage_split, "stage_dp2": sec_stage_dp2}[name](S, W)
 
 
 def compare(W: Path) -> dict:
@@ -252,51 +232,28 @@ def compare(W: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (CI smoke)")
-    ap.add_argument("--sections", default=None, help=f"comma list of {SECTIONS}")
-    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--work", default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/multi_gpu_out")
-    ap.add_argument("--results-dir", default=None)
-    ap.add_argument("--deadline", type=float, default=560.0)
-    a = ap.parse_args(argv)
+    a = H.parser(__doc__, "multi_gpu", 560.0, sections=SECTIONS).parse_args(argv)
     S = dict(g.SHAPES["cpu" if a.cpu else "gpu"])
-    W = Path(a.work or ("/tmp/multi_gpu_work" + ("_cpu" if a.cpu else "")))
-    out = Path(a.out)
-    W.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    g.prepare_env()
+    out, W = H.start(a, "multi_gpu")
     if a.section:
-        r = run_section(a.section, S, W, out)
-        return 0 if r["status"] == "ok" else 1
-    sections = [x for x in (a.sections.split(",") if a.sections else SECTIONS) if x]
+        return H.section_exit(H.run_section(a.section, S, W, out, lambda S, W: _run(a.section, S, W)))
     t_start = time.time()
-    (out / "results.jsonl").unlink(missing_ok=True)
-    g.run_sections_in_processes(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S,
+    H.clear_results(out)
+    H.run_sections_in_processes(Path(__file__), H.sections_of(a, SECTIONS), W, out, a.deadline, SECTION_MAX_S,
                                 extra_args=("--cpu",) if a.cpu else ())
-    res = g.read_results(out)
-    info = g.env_info(S)
-    if S["device"] == "cuda":
-        import torch
-        info["gpus"] = torch.cuda.device_count()
-    summary = {"benchmark": "multi_gpu", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               "device": info.get("gpu", "cpu"), "env": info, "shapes": S, "lr": LR, "comparison": compare(W),
+    res = H.read_results(out)
+    info = {**H.env_info(S), **H.gpu_count(S)}
+    summary = {**H.summary_head("multi_gpu", info), "shapes": S, "lr": LR, "comparison": compare(W),
                "sections": res, "total_s": round(time.time() - t_start, 1)}
-    (out / "multi_gpu.json").write_text(json.dumps(summary, indent=1, default=str))
-    if a.results_dir:
-        name = (f"multi_gpu_{info.get('gpus', 1)}x{summary['device'].replace(' ', '_')}_{summary['date'][:10]}.json"
-                if not a.cpu else "multi_gpu_cpu_smoke.json")
-        Path(a.results_dir).mkdir(parents=True, exist_ok=True)
-        (Path(a.results_dir) / name).write_text(json.dumps(summary, indent=1, default=str))
+    H.save_summary(summary, out, "multi_gpu", a.results_dir, a.cpu, name=None if a.cpu else
+                   f"multi_gpu_{info.get('gpus', 1)}x{summary['device'].replace(' ', '_')}_{summary['date'][:10]}.json")
     for name, r in res.items():
         keys = ("status", "train_tok_s_steady", "loss", "rollout_tok_s", "train_tok_s", "weight_sync_s",
                 "engine_vs_trainer_logp_absdiff_max", "engine_tok_s", "error")
         print(f"{name:18s}", json.dumps({k: r[k] for k in keys if k in r}, default=str)[:300])
     for name, c in summary["comparison"].items():
         print(f"vs 1gpu_a {name:8s}", json.dumps(c))
-    failed = [n for n, r in res.items() if r.get("status") != "ok"]
-    return 1 if failed and a.cpu else 0
+    return H.exit_code(summary, a.cpu)
 
 
 if __name__ == "__main__":

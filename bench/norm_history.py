@@ -21,12 +21,8 @@ deterministic mode, as before). Each case also lists the Triton kernels Inductor
 choose from (more than one: chosen by timing) and the one it launches. Timings: each target call's forward +
 backward, median of 20 (CUDA events).
 
-Found on an H100 (torch 2.11): on 2026-11-26 and 27 (results/norm_history_NVIDIA_H100_80GB_HBM3_2026-11-2?.json, bf16
-weights only) first calls of 3000 and 12000 tokens gave the same bits for the one-graph norms, with or without another
-stream busy with matmuls while they compiled: a different split of an fp32 sum rarely moves a bf16 gradient. Pinning
-the size hint instead (``torch._dynamo.mark_dynamic(rows, 0, hint_override=12000)``) is no way out: dynamo's guard
-check fails on the frame it just compiled ("Guard failed on the same frame it was created": an Inductor guard taken
-on the hint, ``5120 <= x.size()[0]``, fails for a real 5000 rows), on torch 2.11 with Triton and on 2.13 on CPU.
+What an H100 gave (the same bits whatever the first call; pinning the size hint breaks dynamo's guard check):
+bench/README.md, `norm_history.py`.
 
     python3 bench/norm_history.py --out $OUT     # one GPU, ~90 s
 """

@@ -36,8 +36,6 @@ date and, for another config or a capped allocator, both).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import statistics
@@ -45,14 +43,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for p in (ROOT, BENCH):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-import gpu_grpo  # noqa: E402  (the random model and its torch_dist copy, the section runner)
-import rollout_bench  # noqa: E402  (the keyed length schedule)
+import gpu_grpo  # the random model and its torch_dist copy
+import harness as H
+import rollout_bench  # the keyed length schedule
+from harness import ROOT
 
 RECIPE = ROOT / "configs" / "qwen3-0.6b-dapo.yaml"
 SECTIONS = ("setup", "off", "on")
@@ -79,17 +73,11 @@ def sec_setup(S, W: Path) -> dict:
     import random
 
     from transformers import AutoTokenizer
-
-    from runtime.models.tiny import _WORDS
     t0 = time.time()
     r = gpu_grpo.sec_setup(S["model"], W)
     tok = AutoTokenizer.from_pretrained(W / "hf")
-    rng = random.Random(21)
-    rows = []
-    for i in range(S["rows"]):
-        ids = tok(" ".join(rng.choice(_WORDS) for _ in range(S["prompt_len"] + 8)))["input_ids"][:S["prompt_len"]]
-        rows.append({"prompt": tok.decode(ids), "label": str(i % 10)})
-    prep = gpu_grpo.write_prompts(W, "prompts", rows, tok, max_prompt_len=2 * S["prompt_len"])
+    rows = H.word_rows(tok, random.Random(21), S["rows"], S["prompt_len"], S["prompt_len"] + 8)
+    prep = H.write_prompts(W, "prompts", rows, tok, max_prompt_len=2 * S["prompt_len"])
     return {"name": "setup", "model": r, "prompts": prep.get("rows"), "s": round(time.time() - t0, 1)}
 
 
@@ -182,13 +170,13 @@ def run_mode(S, W: Path, partial: bool, sets: list[str], budget_s: float, first:
     from runtime.grpo.session import TrainSession
     cfg, plan = bench_config(S, W, partial, sets, config)
     root = Path(cfg.storage.root)
-    rd = gpu_grpo.run_dir_over(root, "bench", (W / "hf", W / "td", W / "data" / "prompts.parquet"))
+    rd = H.run_dir_over(root, "bench", H.setup_inputs(W))
     calls = force_keyed_lengths(S)
     sess = TrainSession(cfg, rd)
     sess.ensure_at(None)
     engine = sess.engine.group.members[0]  # cluster.backend local: the built-in engine in this process
     t0 = time.time()
-    with gpu_grpo.engine_warm_up(sess, S["prompt_len"]) as moved:
+    with H.engine_warm_up(sess, S["prompt_len"]) as moved:
         pool_during = engine.decoder.kv_cache_bytes()
     res: dict = {"name": "on" if partial else "off", "partial": partial, "setup_s": round(t0 - t_start, 1),
                  "engine_warmup_s": round(time.time() - t0, 1), "plan_kv_cache_gb": cfg.rollout.kv_cache_gb,
@@ -205,7 +193,7 @@ def run_mode(S, W: Path, partial: bool, sets: list[str], budget_s: float, first:
             res["stopped_early"] = f"no time for rollout {rid} within {budget_s:.0f} s (a step takes ~{expect:.0f} s)"
             break
         n_calls = len(calls)
-        rollout_bench.reset_peak(S)
+        H.reset_peak(S)
         m = sess.rollout(rid)
         step_times.append(m["step_time_s"])
         dec = calls[n_calls:]
@@ -222,7 +210,7 @@ def run_mode(S, W: Path, partial: bool, sets: list[str], budget_s: float, first:
         row["engine_s"] = round(sum(c["total_s"] or 0 for c in dec), 2)
         row["preemptions"] = sum(c["preemptions"] or 0 for c in dec)
         row["trained_tok_s"] = round(row["trained_response_tokens"] / m["step_time_s"])
-        row.update(peak_memory(S))
+        row.update(H.peak_memory(S))
         res["rollouts"].append(row)
         print("ROLLOUT", json.dumps(row), flush=True)
         res["counted_from"] = first + (S["on_warmup"] if partial else 0)
@@ -237,15 +225,6 @@ def run_mode(S, W: Path, partial: bool, sets: list[str], budget_s: float, first:
     res["steady"] = steady_of(res)
     sess.close()
     return res
-
-
-def peak_memory(S) -> dict:
-    """The peak GPU memory since the last reset: allocated and reserved (the CUDA context not counted)."""
-    if S["device"] != "cuda":
-        return {"peak_allocated_GiB": 0.0, "peak_reserved_GiB": 0.0}
-    import torch
-    return {"peak_allocated_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            "peak_reserved_GiB": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
 
 
 def steady_of(res: dict) -> dict | None:
@@ -276,7 +255,7 @@ def merge(dirs: list[str]) -> dict:
     """The sections of several calls' OUT dirs; the rollouts of one mode run in several calls are pooled."""
     res: dict = {}
     for d in dirs:
-        for name, sec in gpu_grpo.read_results(Path(d)).items():
+        for name, sec in H.read_results(Path(d)).items():
             for r in sec.get("rollouts", []):  # each call's own warm-up rollouts stay out of the pool's count
                 r.setdefault("counted", r["rollout"] >= sec["counted_from"])
             if name in res and name != "setup" and sec.get("status") == "ok" and res[name].get("status") == "ok":
@@ -288,22 +267,15 @@ def merge(dirs: list[str]) -> dict:
     return res
 
 
-def merged_env(dirs: list[str]) -> dict | None:
-    """The machine the merged calls ran on (their own summaries say), not the one merging them."""
-    envs = [json.loads(p.read_text())["env"] for d in dirs if (p := Path(d) / "partial_rollout.json").exists()]
-    return envs[0] if envs else None
-
-
 def summarize(S, res: dict, env: dict | None = None) -> dict:
-    info = env or {**gpu_grpo.env_info(dict(S["model"])), "gpu_cap_gib": os.environ.get("GPU_CAP_GIB")}
+    info = env or {**H.env_info(dict(S["model"])), "gpu_cap_gib": os.environ.get("GPU_CAP_GIB")}
     off, on = ((res.get(k) or {}).get("steady") for k in ("off", "on"))
     ratios = {}
     if off and on:
         ratios = {"trained_tok_s_on_vs_off": round(on["trained_tok_s"] / off["trained_tok_s"], 2),
                   "step_time_on_vs_off": round(on["step_time_s"] / off["step_time_s"], 2),
                   "rollout_time_on_vs_off": round(on["rollout_time_s"] / off["rollout_time_s"], 2)}
-    return {"benchmark": "partial_rollout", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "device": info.get("gpu", "cpu"), "env": info, "shapes": {k: v for k, v in S.items() if k != "model"},
+    return {**H.summary_head("partial_rollout", info), "shapes": {k: v for k, v in S.items() if k != "model"},
             "ratios": ratios, "targets_met": ({"trained_tok_s>=1.3x": ratios["trained_tok_s_on_vs_off"] >= 1.3}
                                               if ratios and S["device"] == "cuda" else None),
             "sections": res}
@@ -318,7 +290,7 @@ def print_table(summary: dict) -> None:
                          st["train_time_s"], st["slot_use"], st["never_trained_tokens"]))
         else:
             rows.append((name, "-", "-", "-", "-", "-", "-", str((summary["sections"].get(name) or {}).get("error", "not run"))[:80]))
-    _print_rows(rows)
+    H.print_columns(rows)
     print("ratios", json.dumps(summary["ratios"]))
     for name in ("off", "on"):
         sec = summary["sections"].get(name) or {}
@@ -331,7 +303,7 @@ def print_table(summary: dict) -> None:
         rows += [(r["rollout"], r["step_time_s"], r.get("generate_time_s"), r.get("train_time_s"), r.get("weight_sync_s"),
                   r["preemptions"], r["trained_tok_s"], r.get("peak_allocated_GiB"), r.get("peak_reserved_GiB"))
                  for r in sec["rollouts"]]
-        _print_rows(rows)
+        H.print_columns(rows)
         plan, warm = sec.get("plan") or {}, sec.get("warmup_handoff") or {}
         print(f"plan: {plan.get('config')}, card {plan.get('card_gib')} GiB ({plan.get('card_from')}), KV pool "
               f"{plan.get('kv_cache_gb')} GiB, estimate {plan.get('at_rollout')} GiB generating / {plan.get('at_training')} "
@@ -341,97 +313,67 @@ def print_table(summary: dict) -> None:
               f"KV pool {warm.get('kv_pool_GiB_during')} GiB while warming, {warm.get('kv_pool_GiB_after')} GiB after")
 
 
-def _print_rows(rows: list[tuple]) -> None:
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)))
-
-
 def keep_progress(out: Path, names: list[str]) -> None:
     """A section whose process was cut at its time limit and left rollouts in its progress file: that
     file's result (the rollouts it finished) as the section's. (A section that failed stays failed.)"""
-    res = gpu_grpo.read_results(out)
+    res = H.read_results(out)
     for name in names:
         progress = out / f"{name}.progress.json"
         cut = (res.get(name) or {}).get("error") == "section process ended with timeout (see log.txt)"
         if cut and progress.exists():
             rec = json.loads(progress.read_text())
             rec["error_of_the_process"] = (res.get(name) or {}).get("error")
-            with open(out / "results.jsonl", "a") as f:
-                f.write(json.dumps(rec, default=str) + "\n")
+            H.append_result(out, rec)
 
 
-def save_copy(summary: dict, results_dir: str, config: Path) -> None:
-    """The summary in results_dir, named by device and date, and by the config and the allocator cap when
+def copy_name(summary: dict, config: Path) -> str:
+    """The summary's copy in --results-dir: named by device and date, and by the config and the allocator cap when
     they are not the recipe's and the card's."""
     name = "partial_rollout_" + summary["device"].replace(" ", "_")
     if config.resolve() != RECIPE.resolve():
         name += "_" + config.stem
     if summary["env"].get("gpu_cap_gib"):
         name += f"_cap{summary['env']['gpu_cap_gib']}"
-    Path(results_dir).mkdir(parents=True, exist_ok=True)
-    (Path(results_dir) / f"{name}_{summary['date'][:10]}.json").write_text(json.dumps(summary, indent=1, default=str))
+    return f"{name}_{summary['date'][:10]}.json"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (CI smoke)")
-    ap.add_argument("--sections", default=None, help=f"comma list of {SECTIONS}")
-    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--work", default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/partial_rollout_out")
+    ap = H.parser(__doc__, "partial_rollout", 570.0, sections=SECTIONS,
+                  merge="OUT dirs of earlier calls: one summary of their sections")
     ap.add_argument("--config", default=str(RECIPE), help="the recipe's config to run (default: the 80 GiB recipe)")
     ap.add_argument("--set", dest="sets", action="append", default=None,
                     help="config override (default: the recipe's packing; none for another --config)")
-    ap.add_argument("--merge", nargs="+", default=None, help="OUT dirs of earlier calls: one summary of their sections")
-    ap.add_argument("--results-dir", default=None)
-    ap.add_argument("--deadline", type=float, default=570.0)
     ap.add_argument("--first-rollout", type=int, default=0, help="the first rollout id (a later one: more steps alike, other keyed lengths)")
     a = ap.parse_args(argv)
     S = shapes(a.cpu)
     config = Path(a.config)
     sets = a.sets if a.sets is not None else default_sets(a.cpu, config)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    W = Path(a.work or ("/tmp/partial_rollout_work" + ("_cpu" if a.cpu else "")))
-    W.mkdir(parents=True, exist_ok=True)
-    gpu_grpo.prepare_env()
+    out, W = H.start(a, "partial_rollout")
     env = None
     if a.merge:
-        res, env = merge(a.merge), merged_env(a.merge)
+        res, env = merge(a.merge), H.merged_env(a.merge, "partial_rollout")
     elif a.section:
-        if a.cpu:
-            import torch
-            torch.set_num_threads(1)
-        left = float(os.environ.get("SECTION_BUDGET_S", a.deadline))
+        left = H.section_budget(a)
         progress = out / f"{a.section}.progress.json"
         fn = {"setup": sec_setup,
               "off": lambda S, W: run_mode(S, W, False, sets, left - 15, a.first_rollout, config, progress),
               "on": lambda S, W: run_mode(S, W, True, sets, left - 15, a.first_rollout, config, progress)}[a.section]
-        r = gpu_grpo.run_section(a.section, S, W, out, fn=fn)
-        return 0 if r["status"] == "ok" else 1
+        return H.section_exit(H.run_section(a.section, S, W, out, fn))
     else:
-        sections = [x for x in (a.sections.split(",") if a.sections else SECTIONS) if x]
-        (out / "results.jsonl").unlink(missing_ok=True)
+        sections = H.sections_of(a, SECTIONS)
+        H.clear_results(out)
         for name in sections:
             (out / f"{name}.progress.json").unlink(missing_ok=True)
-        t_start = time.time()
-        for name in sections:
-            left = a.deadline - (time.time() - t_start)
-            os.environ["SECTION_BUDGET_S"] = str(int(min(SECTION_MAX_S[name], left)))
-            extra = ("--cpu",) if a.cpu else ()
-            extra += tuple(x for s in sets for x in ("--set", s)) + ("--first-rollout", str(a.first_rollout))
-            extra += ("--config", str(config))
-            gpu_grpo.run_sections_in_processes(Path(__file__), [name], W, out, left, SECTION_MAX_S,
-                                               extra_args=extra)
+        extra = ("--cpu",) if a.cpu else ()
+        extra += H.set_args(sets) + ("--first-rollout", str(a.first_rollout), "--config", str(config))
+        H.run_in_turn(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S, extra)
         keep_progress(out, sections)
-        res = gpu_grpo.read_results(out)
+        res = H.read_results(out)
     summary = summarize(S, res, env)
-    gpu_grpo.save_summary(summary, out, "partial_rollout", a.results_dir if a.cpu else None, a.cpu)
-    if a.results_dir and not a.cpu:
-        save_copy(summary, a.results_dir, config)
+    H.save_summary(summary, out, "partial_rollout", a.results_dir, a.cpu,
+                   name=None if a.cpu else copy_name(summary, config))
     print_table(summary)
-    return gpu_grpo.exit_code(summary, a.cpu)
+    return H.exit_code(summary, a.cpu)
 
 
 if __name__ == "__main__":

@@ -16,115 +16,41 @@ and MLflow store), 2 chunks of 1 rollout with an eval and a registered version a
   marker, `os.kill(pid, SIGKILL)`, then lets the others go. The chunk task meets ActorDiedError, retries,
   and rebuilds the actors from checkpoints/latest (tasks/common.py, runtime/grpo/session.py).
 - `trainer-kill`: the same at `train-grads-accumulated#2`: a trainer rank in rollout 1's update, every
-  micro-batch's backward done, its gradients neither reduced over the DP group nor applied (with DP 2 the
-  other rank then meets a dead peer in the reduction: NCCL on GPUs, gloo on CPU).
+  micro-batch's backward done, its gradients neither reduced over the DP group nor applied.
 - `driver-kill`: the `grpoflow run` process itself SIGKILLed (its pid only, not its group) at the engine's
   moment, mid-chunk; what outlives it is recorded (and then killed by pid), then
   `python -m cli.main resume RUN_ID --root ROOT` finishes the run.
 Each case compiles as on a fresh node: Inductor's and Triton's caches of its own (`compile_caches`; the resume's
-apart from its run's), so no case reuses kernels, or configurations timed, that another case's processes made.
-On CPU (2 cores under other work) every recovered run ended bitwise-equal to unbroken-a, with its metric
-points, versions and lease (README's section). Ray workers sit in process groups of their own (checked:
-pgid = pid; gcs_server and the raylet share the driver's), so GRPOFLOW_TEST_KILL_AT's killpg would end
-just the worker too; the pause file keeps the kill in the bench, by pid, after the event.
+apart from its run's). Ray workers sit in process groups of their own (pgid = pid; gcs_server and the raylet share
+the driver's), so GRPOFLOW_TEST_KILL_AT's killpg would end just the worker too; the pause file keeps the kill in the
+bench, by pid, after the event.
 
-Each recovered run against unbroken-a: the final checkpoint (every model and optimizer tensor of
-rollout 2: bitwise, else max |delta| per tensor, against the noise floor), the MLflow metric points (the
-same steps per metric, no duplicates) and the values that do not measure time, the registered versions
-(rollouts, count, sources present), the MLflow run FINISHED, the lease released, no temp names left,
-the Prefect tasks that retried; and nothing of the run left: no process whose environment carries the
-run's marker (GRPOFLOW_BENCH_FAULT_RUN, /proc scanned until none is left, at most 90 s), and on GPUs
-`nvidia-smi --query-compute-apps` empty.
+Each recovered run against unbroken-a: the final checkpoint (every model and optimizer tensor: bitwise, else max
+|delta| per tensor), the MLflow metric points and the values that do not measure time, the registered versions, the
+MLflow run FINISHED, the lease released, no temp names left, the Prefect tasks that retried; nothing of the run left
+(no process whose environment carries GRPOFLOW_BENCH_FAULT_RUN, at most 90 s; on GPUs no nvidia-smi compute app);
+torch's determinism alerts and dynamo's recompiles from the logs (`log_signals`), and each trainer rank's step trace
+(bench/grad_trace.py), which says where a run that ends off the reference first left it (`first_step_difference`).
+Every unbroken-a also writes OUT/references.json (facts, step trace, tuned kernels, the sha256 of every final tensor,
+per layout and --set group): `--references FILE` on another machine of the same GPU model and torch compares with it
+by digest; `--merge` of calls that each ran unbroken-a compares the later ones with the first (`unbroken-a again`).
+An unbroken run's wall: ~40 s starting the CLI (Prefect, Ray), the conversion, ~40 s building the actors, ~14 s per
+checkpoint (model and optimizer, ~8 GB), the engine's warm-up and the trainer's compiles in rollout 0, ~10 s generating
+per rollout; a kill case's section 1.45-1.56 x that. Before each case the time left under --deadline is checked
+against this call's unbroken wall x COST; a case that would not fit is SKIPPED with the reason. TORCH_LOGS=recompiles
+is set for every run (logging only: a split run's engine recompiles its head, post and sampler, a colocated one does
+not). `CANDIDATES`: where the GPU path may be nondeterministic, for the summary's
+`nondeterminism` field (filled from a GPU run, never invented); `--set train.deterministic=false` keys its own
+reference, and `nondeterminism.settings_cost` compares its steady step with every plain unbroken run on the same GPUs.
 
-Shapes (GPU): the random Qwen3-0.6B-shaped model (bf16) of ray_pipeline's setup, the recipe
-(configs/qwen3-0.6b-dapo.yaml: dynamic sampling with 1.5x over-sampling, TIS, packed micro-batches) at
-8 prompts x 8 samples, 256-token prompts, <= 2048 new tokens, each sample stopped at the keyed schedule
-scaled to that cap (log-normal, median 425, sigma 0.8: bench/keyed_lengths), eval 8 prompts x 2 samples
-of <= 256 tokens. Layouts as ray_pipeline: `colocated` (trainer DP 2, one engine per GPU sharing it, CUDA
-IPC), `split` (trainer GPU 0, engine GPU 1, NCCL broadcast). CPU: the tiny model, ray_pipeline's CPU sets; its
-split keeps the engine's actor apart from the trainer's (not colocated), as on GPUs.
-
-On nvidia-h100-x2 (carry `.carry`, made here by `python3 bench/gpu_carry.py prepare`; every command begins
-`[ -d /tmp/site/ray ] || python3 bench/gpu_carry.py install; export PYTHONPATH=/tmp/site:$PYTHONPATH
-PYTHONUNBUFFERED=1;`), one call each, timeout_s 600, the next call made at once, without a pause to read the last
-one (the machine keeps /tmp, where the setup and the reference live, only 30 s after a call; a later call on a
-fresh machine finds no reference). Measured (call walls with the transfers; 2026-11-27 from empty compile caches per
-case, trainer-kill 2026-11-26 with shared ones):
-
-    python3 bench/ray_faults.py --layouts colocated --cases unbroken-a --deadline 420 --out $OUT  # fresh: 330 s
-    python3 bench/ray_faults.py --layouts colocated --cases engine-kill --deadline 480 --out $OUT # warm: 365 s
-    python3 bench/ray_faults.py --layouts colocated --cases trainer-kill --out $OUT              # warm: 388 s
-    python3 bench/ray_faults.py --layouts colocated --cases driver-kill --deadline 540 --out $OUT # warm: 515 s
-    python3 bench/ray_faults.py --layouts colocated --cases unbroken-b --deadline 345 --out $OUT  # warm: 279 s
-    (the same with --layouts split), then here:
-    python bench/ray_faults.py --merge OUT1 OUT2 ... --results-dir bench/results
-
-A fresh machine need not run a reference of its own: every unbroken-a also writes OUT/references.json (its facts, step
-trace, tuned kernels and the sha256 of every final tensor, per layout and --set group), kept in bench/results; a call
-on another machine of the same GPU model and torch passes it as `--references FILE` and its cases are compared with
-it, tensors by digest (bitwise, or which tensors differ: for max |delta| run unbroken-a on that machine). An unbroken-a
-run beside a carried reference is compared with it too (`vs_another_machine`): whether a reference holds across
-machines at all. `--merge` of calls that each ran unbroken-a compares the later ones with the first the same way
-(`unbroken-a again`): the noise floor where no unbroken-b ran.
-
-An unbroken run is 224-240 s (H100 and H200): ~40 s starting the CLI (Prefect, Ray), the conversion, ~40 s
-building the actors, ~14 s per checkpoint (model and optimizer, ~8 GB), the engine's warm-up and the trainer's
-compiles in rollout 0, ~10 s generating per rollout. A case's section (run, checks, the comparison's ~19 s) took
-326 s (engine-kill) and 374 s (trainer-kill): 1.45 and 1.56 x the unbroken run's wall (COST holds 1.6). Before each
-case the bench checks the time left under --deadline (560 s) against this call's measured unbroken time x COST and
-skips (SKIPPED, with the reason) a case that would not fit: no kill case fits beside a fresh reference, so a fresh
-machine runs `--cases unbroken-a` alone and the next call, at once, one kill case. One layout (reference + 3 kills)
-is ~25 min of device time with the machine's start. Results: OUT/results.jsonl (a line per case as it ends) and
-OUT/ray_faults.json. Each case also keeps what its processes logged about their kernels (`log_signals`): torch's
-alerts where warn-only deterministic mode ran an op without a deterministic kernel, and dynamo's recompiles with the
-guards that failed (TORCH_LOGS=recompiles, set for every run: logging only: a split run's engine recompiles its
-head, post and sampler, a colocated one does not), and every trainer rank fingerprints what it trained on, its
-parameters and gradients at each optimizer step (bench/grad_trace.py), so a case that ends off the reference says
-where it first left it: the batch a step trained on, the state it began from, a rank's own gradients, or only the
-reduced ones (`first_step_difference`).
-
-First GPU kills, colocated, `train.deterministic` on (the default), each against an unbroken-a of its own machine
-(results/ray_faults_*_2026-11-26_colocated-engine-kill.json and _colocated-trainer-kill.json):
-- trainer-kill (2 x H100): the final checkpoint bitwise equal, 40 of 40 tensors.
-- engine-kill (2 x H200): every model tensor bitwise equal; 2 of 40 tensors 1 ulp off, Adam's two moments of the k
-  norm weights (exp_avg max |delta| 2.96e-12 of 6.75e-5, exp_avg_sq 1.6e-17 of 5.5e-9).
-Both: same response lengths and rewards, metric points, registered versions and best alias, MLflow FINISHED, lease
-released, no process left, no GPU app. engine-kill again (2 x H100, 2026-11-27,
-results/ray_faults_NVIDIA_H100_80GB_HBM3_2026-11-27_colocated-engine-kill-timed-engine.json): 3.81e-6 off on the
-weights, 35 tensors, and the step trace put the first difference at step 0's local gradients, before the kill, with
-step 0's TIS weights different and its entropy and loss not: the two runs' rollout log-probs differed with the same
-tokens. bench/engine_repeat.py found why: the built-in engine's compiled pieces time several Inductor configurations
-of each reduction at their first call and keep the fastest, so a fresh process may sum in another order (two fresh
-processes on an H100: log-probs 9.5e-7 apart, and once other tokens in 50 of 64 samples). `rollout.deterministic`
-(on by default since) compiles them in Inductor's deterministic mode: the same bits in every pair, no measurable
-decode cost. With both switches two unbroken runs of the one-GPU layout ended bitwise
-(results/ray_faults_NVIDIA_H100_80GB_HBM3_2026-11-27_one-gpu-unbroken.json). That also explains the H200's 1 ulp and
-the trainer-kill's bitwise end (its run and its reference presumably timed the same configurations).
-
-Nondeterminism on the GPU path (summary field `nondeterminism`, filled from a GPU run, never invented):
-where unbroken-b differs from unbroken-a the path is not run-to-run deterministic, and a recovered
-run can only be compared against that floor. Candidates (`CANDIDATES`), by where they sit: the trainer's packed
-attention backward (FlashAttention-2 varlen as torch ships it, `aten._flash_attention_backward`:
-dQ accumulated with atomic adds across key blocks), the embedding's backward (`embedding_dense_backward`
-on CUDA: atomic adds), Inductor-generated kernels with atomic reductions (the compiled RoPE / SwiGLU /
-norm fusions), NCCL's reductions over DP 2 (a fixed order for a fixed topology and algorithm); the engine's
-compiled pieces (reductions whose configuration is chosen by timing: found), its split-KV decode attention
-(runtime/rollout/decode_attention.py: the split count is chosen per chunk from the active rows and the longest
-context, the partial results combined in a fixed order), its cuBLAS GEMMs at the bucket's row count, CUDA graphs.
-The engine samples by keyed Gumbel-max, so a logit that moves by one ulp at a near-tie changes a token, and every
-update after it.
-
-Issue 37 item 2: two switches, both on by default. `train.deterministic` (runtime/mcore/determinism.py: torch's
-deterministic kernels while the trainer computes, its backward strict, cuBLAS's fixed workspace, the norm as
-fusions.deterministic_norm): with it a colocated pair from empty caches ended bitwise (2026-11-27) at 1.6 % of a
-step against a plain run (`--set train.deterministic=false` keys its own reference; the summary's
-`nondeterminism.settings_cost` compares a --set group's steady step with every plain unbroken run on the same GPUs).
-`rollout.deterministic` (above): the engine's compiled pieces with no timed configuration.
+Shapes (GPU): ray_pipeline's random Qwen3-0.6B-shaped model and recipe at 8 prompts x 8 samples, 256-token prompts,
+<= 2048 new tokens at the keyed schedule (bench/keyed_lengths); layouts as ray_pipeline's. How to run it on the GPU
+machine (one case a call, the carry of bench/gpu_carry.py), the measurements and their results files:
+bench/README.md, `ray_faults.py`.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -137,15 +63,11 @@ import traceback
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for p in (ROOT, BENCH):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-import gpu_grpo  # noqa: E402  (results.jsonl, summaries)
-import grad_trace  # noqa: E402  (fingerprints of every step's parameters and gradients)
-import ray_pipeline as rp  # noqa: E402  (the setup, the layouts' configs, the keyed-length hook, read-backs)
+import grad_trace  # fingerprints of every step's parameters and gradients
+import harness as H
+import ray_pipeline as rp  # the setup, the layouts' configs, the keyed-length hook
+from harness import (ROOT, checkpoint_tensors, compare_fingerprints, compare_tensors, gpu_apps, gpu_ids,
+                     gpu_models, tensor_fingerprints, torch_version)
 
 RUN = "fault"
 MARK = "GRPOFLOW_BENCH_FAULT_RUN"  # every process of a bench run inherits it: what is left is found by it
@@ -251,62 +173,6 @@ def kill_pids(procs: list[dict]) -> list[int]:
         except OSError:
             pass
     return killed
-
-
-_PROBE = ("import json, torch; n = torch.cuda.device_count(); print(json.dumps({'uuids': [str(torch.cuda."
-          "get_device_properties(i).uuid) for i in range(n)], 'names': [torch.cuda.get_device_name(i) for i in "
-          "range(n)], 'used_GiB': [round((lambda f, t: (t - f) / 2**30)(*torch.cuda.mem_get_info(i)), 2) "
-          "for i in range(n)]}))")
-
-
-def _probe() -> dict | None:
-    """The GPUs as a fresh process sees them (without nvidia-smi): this process makes no CUDA context."""
-    r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True)
-    try:
-        return json.loads(r.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return None
-
-
-def _gpu_field(smi_field: str, probe_key: str) -> list[str]:
-    """One field per GPU, by nvidia-smi or else a fresh process (no CUDA context here); ["cpu"] without GPUs."""
-    if shutil.which("nvidia-smi") is not None:
-        r = subprocess.run(["nvidia-smi", f"--query-gpu={smi_field}", "--format=csv,noheader"], capture_output=True,
-                           text=True)
-        return [line.strip() for line in r.stdout.splitlines() if line.strip()] or ["cpu"]
-    import importlib.util
-    if importlib.util.find_spec("torch") is None:
-        return ["cpu"]
-    return (_probe() or {}).get(probe_key) or ["cpu"]
-
-
-def gpu_ids() -> list[str]:
-    """This machine's GPUs by UUID, found without a CUDA context in this process, so that `gpu_apps` lists
-    only what the runs left; ["cpu"] without GPUs."""
-    return _gpu_field("uuid", "uuids")
-
-
-def gpu_models() -> list[str]:
-    """This machine's GPU models (their names), what a reference carried from another machine must match."""
-    return _gpu_field("name", "names")
-
-
-def torch_version() -> str:
-    import torch
-    return torch.__version__
-
-
-def gpu_apps() -> list[str] | None:
-    """What holds GPU memory after a run: nvidia-smi's compute apps (expected: none); without nvidia-smi,
-    the memory in use per GPU as a fresh process sees it (its own context included, ~0.5 GiB); None on CPU."""
-    if gpu_ids() == ["cpu"]:
-        return None
-    if shutil.which("nvidia-smi") is None:
-        probe = _probe() or {}
-        return [f"GPU {i}: {u} GiB in use, seen by a fresh process" for i, u in enumerate(probe.get("used_GiB", []))]
-    r = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"],
-                       capture_output=True, text=True)
-    return [line.strip() for line in r.stdout.splitlines() if line.strip()]
 
 
 def wait_for_file(path: Path, proc: subprocess.Popen, deadline: float) -> dict:
@@ -493,17 +359,14 @@ def run_facts(root: Path, model: str, prefect_home: Path) -> dict:
     run = client.get_run(doc["mlflow_run_id"])
     history = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
                for k in run.data.metrics}
-    versions = []
-    for v in client.search_model_versions(f"name = '{model}'"):
-        src = v.source[len("file://"):] if v.source.startswith("file://") else v.source
-        versions.append({"version": int(v.version), "rollout": int(v.tags.get("grpoflow.rollout", -1)),
-                         "source": os.path.relpath(src, root), "source_exists": Path(src).exists()})
-    versions.sort(key=lambda v: v["version"])
+    versions = [{"version": int(v.version), "rollout": int(v.tags.get("grpoflow.rollout", -1)),
+                 "source": os.path.relpath(src, root), "source_exists": Path(src).exists()}
+                for v, src in H.model_versions(client, model)]
     try:
         best = int(client.get_registered_model(model).aliases["best"])
     except Exception:  # noqa: BLE001 - no alias: recorded as None
         best = None
-    tasks = rp.prefect_task_times(prefect_home)
+    tasks = H.prefect_task_times(prefect_home)
     return {"final_rollout": final.rollout if final else None, "final_checkpoint": final.path if final else None,
             "lease_held": Path(rd.sub("lease.json")).exists(),
             "temp_leftovers": [str(p) for p in temp_leftovers(rd)],
@@ -512,73 +375,9 @@ def run_facts(root: Path, model: str, prefect_home: Path) -> dict:
             "metric_values": {k: [v for _, v in h] for k, h in sorted(history.items())},
             "registry": versions,
             "best_rollout": next((v["rollout"] for v in versions if v["version"] == best), None),
-            "rollouts": rp.rollout_rows(Path(rd.path)),
+            "rollouts": H.rollout_rows(Path(rd.path)),
             "prefect_tasks": tasks,
             "retried_tasks": sorted(t["task"] for t in tasks if (t["run_count"] or 0) > 1)}
-
-
-def checkpoint_tensors(path: str | Path) -> dict:
-    """Every tensor of a torch_dist checkpoint (model and optimizer), read without megatron, in memory."""
-    import torch
-    from torch.distributed.checkpoint import FileSystemReader
-    try:
-        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    except ImportError:  # another torch: through a file, as torch's own converter does
-        import tempfile
-
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-        with tempfile.TemporaryDirectory() as d:
-            dcp_to_torch_save(str(Path(path) / "model"), f"{d}/all.pt")
-            state = torch.load(f"{d}/all.pt", weights_only=False)
-    else:
-        state: dict = {}
-        _load_state_dict(state, storage_reader=FileSystemReader(str(Path(path) / "model")),
-                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return {k: v for k, v in state.items() if torch.is_tensor(v)}
-
-
-def tensor_fingerprints(tensors: dict) -> dict:
-    """Each tensor's sha256 over its bytes: equal bits, equal digest (what a reference carries to another machine)."""
-    import hashlib
-    from concurrent.futures import ThreadPoolExecutor
-
-    import torch
-
-    def digest(t) -> str:  # hashlib lets go of the GIL on large buffers: the tensors in parallel
-        return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        return dict(zip(tensors, pool.map(digest, tensors.values())))
-
-
-def compare_fingerprints(a: dict, b: dict) -> dict:
-    """compare_tensors by digest: which tensors differ, not by how much (their values stayed on the other machine)."""
-    differ = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
-    return {"same_keys": a.keys() == b.keys(), "tensors": len(a), "bitwise_equal": len(a.keys() & b.keys()) - len(differ),
-            "differ": [{"tensor": k, "max_abs_delta": None} for k in differ[:8]], "bitwise": a.keys() == b.keys() and not differ,
-            "max_abs_delta": None, "differ_count": len(differ), "by": "sha256"}
-
-
-def compare_tensors(a: dict, b: dict) -> dict:
-    """Bitwise equal, or max |a - b| per tensor: totals for the model's weights and the optimizer's state."""
-    import torch
-    out = {"same_keys": a.keys() == b.keys(), "tensors": len(a), "bitwise_equal": 0, "differ": []}
-    groups = {"model": 0.0, "optimizer": 0.0}
-    for k in sorted(a.keys() & b.keys()):
-        x, y = a[k], b[k]
-        if x.shape == y.shape and torch.equal(x, y):
-            out["bitwise_equal"] += 1
-            continue
-        d = float((x.double() - y.double()).abs().max()) if x.shape == y.shape else float("inf")
-        scale = float(y.double().abs().max()) if y.numel() else 0.0
-        out["differ"].append({"tensor": k, "max_abs_delta": d, "ref_max_abs": scale})
-        g = "optimizer" if "optimizer" in k else "model"
-        groups[g] = max(groups[g], d)
-    out["bitwise"] = out["same_keys"] and not out["differ"]
-    out["max_abs_delta"] = groups
-    out["differ_count"] = len(out["differ"])
-    out["differ"] = sorted(out["differ"], key=lambda r: -r["max_abs_delta"])[:8]  # the worst, not all
-    return out
 
 
 def _measures_time(metric: str) -> bool:
@@ -749,8 +548,7 @@ def record(out: Path, name: str, fn) -> dict:
         traceback.print_exc()
         r = {"name": name, "status": "FAILED", "error": f"{type(e).__name__}: {e}"[:2000]}
     r["section_s"] = round(time.time() - t0, 1)
-    with open(out / "results.jsonl", "a") as f:
-        f.write(json.dumps(r, default=str) + "\n")
+    H.append_result(out, r)
     print("RESULT", name, r["status"], r["section_s"], "s", r.get("error", "")[:300], flush=True)
     return r
 
@@ -831,8 +629,7 @@ def _by_digest(vs: dict) -> dict:
 
 
 def summarize(res: dict, env: dict | None, exports: list[dict] = ()) -> dict:
-    out = {"benchmark": "ray_faults", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-           "device": (env or {}).get("gpu", "cpu"), "env": env, "sections": res, "layouts": {}}
+    out = {**H.summary_head("ray_faults", env or {}), "env": env, "sections": res, "layouts": {}}
     for r in res.values():
         if ":" not in r.get("name", "") or r.get("status") == "SKIPPED":
             continue
@@ -976,56 +773,42 @@ def print_table(summary: dict) -> None:
 
 # -- driver ------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="tiny shapes, Ray on CPU: the wiring")
+    ap = H.parser(__doc__, "ray_faults", None, cpu_help="tiny shapes, Ray on CPU: the wiring", section=False,
+                  merge="OUT dirs of earlier calls: one summary of all",
+                  deadline_help="seconds for this call (GPU 560, CPU 1800)")
     ap.add_argument("--layouts", default=None, help=f"comma list of {tuple(rp.LAYOUTS)} (CPU: colocated)")
     ap.add_argument("--cases", default=None, help=f"comma list of {CASES} (CPU: unbroken-a,engine-kill,driver-kill)")
-    ap.add_argument("--work", default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/ray_faults_out")
-    ap.add_argument("--results-dir", default=None)
-    ap.add_argument("--deadline", type=float, default=None, help="seconds for this call (GPU 560, CPU 1800)")
     ap.add_argument("--set", action="append", default=[], help="an override for every run of this call")
     ap.add_argument("--keep-roots", action="store_true", help="keep every case's storage root (GPU: ~16 GB each)")
     ap.add_argument("--references", default=None,
                     help="an earlier call's OUT/references.json: the reference where this machine has none")
-    ap.add_argument("--merge", nargs="+", default=None, help="OUT dirs of earlier calls: one summary of all")
     ap.add_argument("--section", default=None, help=argparse.SUPPRESS)  # setup, in a process of its own
     a = ap.parse_args(argv)
     t_start = time.monotonic()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if a.merge:
-        res, env = {}, None
-        for d in a.merge:  # a name met again (each call's own unbroken-a) is kept under name@folder
-            for name, r in gpu_grpo.read_results(Path(d)).items():
-                res[name if name not in res else f"{name}@{Path(d).name}"] = r
-            p = Path(d) / "ray_faults.json"
-            if p.exists():
-                env = env or json.loads(p.read_text()).get("env")
+    if a.merge:  # a name met again (each call's own unbroken-a) is kept under name@folder
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
         exports = [json.loads(p.read_text()) for d in a.merge if (p := Path(d) / "references.json").exists()]
-        summary = summarize(res, env, exports)
-        gpu_grpo.save_summary(summary, out, "ray_faults", a.results_dir, cpu=False)
+        summary = summarize(H.merge_results(a.merge, keep="both"), H.merged_env(a.merge, "ray_faults"), exports)
+        H.save_summary(summary, out, "ray_faults", a.results_dir, cpu=False)
         print_table(summary)
         return 0
     S = shapes(a.cpu)
     deadline = a.deadline or (1800.0 if a.cpu else 560.0)
-    W = Path(a.work or ("/tmp/ray_faults_work" + ("_cpu" if a.cpu else "")))
-    W.mkdir(parents=True, exist_ok=True)
-    gpu_grpo.prepare_env()
+    out, W = H.start(a, "ray_faults")
     layouts = (a.layouts or "colocated").split(",")
     cases = (a.cases or ("unbroken-a,engine-kill,driver-kill" if a.cpu else ",".join(CASES))).split(",")
     unknown = [x for x in layouts if x not in rp.LAYOUTS] + [x for x in cases if x not in CASES]
     if unknown:
         ap.error(f"unknown layout or case: {unknown}")
     if a.section == "setup":
-        r = gpu_grpo.run_section("setup", S, W, out, fn=lambda S, W: {**sec_setup(S, W), "gpus": gpu_ids()})
-        return 0 if r["status"] == "ok" else 1
-    (out / "results.jsonl").unlink(missing_ok=True)
+        return H.section_exit(H.run_section("setup", S, W, out, lambda S, W: {**sec_setup(S, W), "gpus": gpu_ids()}))
+    H.clear_results(out)
     if not (all((W / f"faults-{lay}.yaml").exists() for lay in layouts) and (W / "hf").exists()):
         # in a process of its own: the model is made on the GPU, and this process must hold no CUDA context
-        gpu_grpo.run_sections_in_processes(Path(__file__), ["setup"], W, out, 300, {"setup": 300},
-                                           extra_args=("--cpu",) if a.cpu else ())
-        if gpu_grpo.read_results(out).get("setup", {}).get("status") != "ok":
+        H.run_sections_in_processes(Path(__file__), ["setup"], W, out, 300, {"setup": 300},
+                                    extra_args=("--cpu",) if a.cpu else ())
+        if H.read_results(out).get("setup", {}).get("status") != "ok":
             print((out / "log.txt").read_text()[-3000:])
             return 1
     refs = References(W, a.set, carried=Path(a.references) if a.references else None, export=out / "references.json")
@@ -1044,24 +827,20 @@ def main(argv=None) -> int:
             if left < max(need, 30.0):
                 rec = {"name": f"{lay}:{case}", "status": "SKIPPED",
                        "error": f"needs ~{need:.0f} s (unbroken {max(walls or [0]):.0f} s x {COST[case]}), {left:.0f} s left"}
-                with open(out / "results.jsonl", "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                H.append_result(out, rec)
                 print("SKIPPED", rec, flush=True)
                 continue
             if case != "unbroken-a" and refs.get(lay) is None:
-                with open(out / "results.jsonl", "a") as f:
-                    f.write(json.dumps({"name": f"{lay}:{case}", "status": "FAILED", "error": "no reference run"}) + "\n")
+                H.append_result(out, {"name": f"{lay}:{case}", "status": "FAILED", "error": "no reference run"})
                 continue
             print(f"=== {lay}:{case} ({left:.0f} s left)", flush=True)
             r = record(out, f"{lay}:{case}", lambda lay=lay, case=case, left=left:
                        sec_case(S, W, lay, case, refs, left, a.keep_roots))
             if r["status"] == "ok" and case.startswith("unbroken"):
                 walls.append(r["wall_s"])
-    summary = summarize(gpu_grpo.read_results(out), gpu_grpo.env_info(S["model"]))
+    summary = summarize(H.read_results(out), H.env_info(S["model"]))
     summary["total_s"] = round(time.monotonic() - t_start, 1)
-    gpu_grpo.save_summary(summary, out, "ray_faults", a.results_dir, a.cpu)
-    print_table(summary)
-    return gpu_grpo.exit_code(summary, a.cpu)
+    return H.finish(summary, out, "ray_faults", a.results_dir, a.cpu, print_table)
 
 
 if __name__ == "__main__":

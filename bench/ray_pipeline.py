@@ -32,25 +32,18 @@ device and date). On the GPU machine this needs Ray, Prefect, MLflow and their d
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import shutil
-import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for p in (ROOT, BENCH):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-import gpu_grpo  # noqa: E402  (the random model, the section runner)
-import rollout_bench  # noqa: E402  (the keyed length schedule)
+import gpu_grpo  # the random model
+import harness as H
+import rollout_bench  # the keyed length schedule
+from harness import BENCH, ROLLOUT_KEYS, ROOT, prefect_task_times, rollout_rows
 
 RECIPE = ROOT / "configs" / "qwen3-0.6b-dapo.yaml"
 HOOK = BENCH / "keyed_lengths"
@@ -109,23 +102,14 @@ def sec_setup(S, W: Path) -> dict:
 
     from transformers import AutoTokenizer
 
-    from runtime.models.tiny import _WORDS
     t0 = time.time()
     r = gpu_grpo.sec_setup(S["model"], W, convert=False)  # the pipeline converts
     tok = AutoTokenizer.from_pretrained(W / "hf")
     rng = random.Random(34)
-
-    def rows(n: int, seed_offset: int) -> list[dict]:
-        out = []
-        for i in range(n):
-            ids = tok(" ".join(rng.choice(_WORDS) for _ in range(S["prompt_len"] + 8)))["input_ids"][:S["prompt_len"]]
-            out.append({"prompt": tok.decode(ids), "label": str((i + seed_offset) % 10)})
-        return out
-
     (W / "data").mkdir(parents=True, exist_ok=True)
     for stem, n, off in (("train", S["rows"], 0), ("eval", S["eval_rows"], 7)):
         with open(W / "data" / f"{stem}.jsonl", "w") as f:
-            for row in rows(n, off):
+            for row in H.word_rows(tok, rng, n, S["prompt_len"], S["prompt_len"] + 8, off):
                 f.write(json.dumps(row) + "\n")
     for layout in LAYOUTS:
         (W / f"{layout}.yaml").write_text(layout_config_yaml(S, W, layout))
@@ -206,39 +190,6 @@ def _frozen(rd: Path) -> dict:
     return yaml.safe_load((rd / "config.yaml").read_text())
 
 
-ROLLOUT_KEYS = ("rollout", "step_time_s", "generate_time_s", "reward_time_s", "train_time_s", "weight_sync_s",
-                "checkpoint_s", "rollout_tok_s", "train_tok_s", "train_tokens", "response_len_mean", "reward_mean",
-                "train_rollout_logp_absdiff")
-
-
-def rollout_rows(rd: Path) -> list[dict]:
-    """Per rollout, as the run's checkpoints recorded it (trainer_state.json of each chunk)."""
-    rows = []
-    for ck in sorted((rd / "checkpoints").glob("rollout_*"), key=lambda p: int(p.name.split("_")[1])):
-        state = ck / "trainer_state.json"
-        if state.exists():
-            for m in json.loads(state.read_text()).get("metrics", []):
-                rows.append({k: (round(m[k], 4) if isinstance(m[k], float) else m[k]) for k in ROLLOUT_KEYS if k in m})
-    return rows
-
-
-def prefect_task_times(prefect_home: Path) -> list[dict]:
-    """Every task run of the flow as Prefect's API recorded it: name, state, wall seconds, how many times it ran."""
-    db = prefect_home / "prefect.db"
-    if not db.exists():
-        return []
-    with sqlite3.connect(db) as con:
-        rows = con.execute("SELECT name, state_name, start_time, end_time, run_count FROM task_run "
-                           "ORDER BY start_time").fetchall()
-    out = []
-    for name, state, start, end, runs in rows:
-        secs = None
-        if start and end:
-            secs = (datetime.datetime.fromisoformat(end) - datetime.datetime.fromisoformat(start)).total_seconds()
-        out.append({"task": name, "state": state, "s": None if secs is None else round(secs, 2), "run_count": runs})
-    return out
-
-
 def registry_versions(rd: Path, model: str) -> list[dict]:
     """The registered versions as the run's MLflow store serves them, and whether each source exists."""
     from mlflow.tracking import MlflowClient
@@ -246,13 +197,8 @@ def registry_versions(rd: Path, model: str) -> list[dict]:
     from runtime.config import config_from_dict
     from runtime.tracking.mlflow_tracker import default_tracking_uri
     uri = default_tracking_uri(config_from_dict(_frozen(rd), "frozen"))
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    out = []
-    for v in client.search_model_versions(f"name='{model}'"):
-        src = v.source[len("file://"):] if v.source.startswith("file://") else v.source
-        out.append({"version": int(v.version), "source": v.source, "source_exists": Path(src).exists(),
-                    "tags": dict(v.tags)})
-    return sorted(out, key=lambda r: r["version"])
+    return [{"version": int(v.version), "source": v.source, "source_exists": Path(src).exists(), "tags": dict(v.tags)}
+            for v, src in H.model_versions(MlflowClient(tracking_uri=uri, registry_uri=uri), model)]
 
 
 # -- the same rollouts under the local backend ----------------------------------------------------------
@@ -284,7 +230,7 @@ def local_session(S, W: Path, layout: str, sets: list[str] = ()):
     inputs = (src.hf_model, src.torch_dist, src.train_data)
     if not all(Path(p).exists() for p in inputs):  # no Ray run on this machine: convert and prepare here
         inputs = standalone_inputs(S, W)
-    rd = gpu_grpo.run_dir_over(root, "local", inputs)
+    rd = H.run_dir_over(root, "local", inputs)
     return TrainSession(cfg, rd)
 
 
@@ -322,17 +268,13 @@ def sec_local(S, W: Path, layout: str) -> dict:
 def logprob_gap(sess, n_prompts: int, max_new: int) -> dict:
     """The engine's log-probs of its own samples against the trainer's, on the weights it last received."""
     from runtime.rollout.base import SampleRequest, SamplingParams
-    from runtime.trainer.batch import TrainBatch
     rows, _ = sess.dataset.batch(sess.dataset.initial_cursor(99), n_prompts)
     prompts = [sess.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     reqs = [SampleRequest(prompt_ids=p, key=(99, 0, i, j)) for i, p in enumerate(prompts) for j in range(2)]
     with sess.engine_turn():  # the GPU handed to the engine, as in a rollout
         samples = sess.engine.generate(reqs, SamplingParams(temperature=sess.cfg.rollout.temperature,
                                                             max_new_tokens=max_new))
-    batch = TrainBatch(tokens=[s.prompt_ids + s.response_ids for s in samples],
-                       prompt_lens=[len(s.prompt_ids) for s in samples], advantages=[0.0] * len(samples),
-                       loss_masks=[[1] * len(s.response_ids) for s in samples],
-                       rollout_logprobs=[s.response_logprobs for s in samples])
+    batch = H.samples_batch(samples)
     trainer = sess.trainer.compute_logprobs(batch)
     gaps = [abs(a - b) for s, t in zip(samples, trainer) for a, b in zip(s.response_logprobs, t)]
     return {"tokens": len(gaps), "max": round(max(gaps), 5), "mean": round(sum(gaps) / len(gaps), 6)}
@@ -407,8 +349,7 @@ def steady(rows: list[dict]) -> dict | None:
 
 
 def summarize(res: dict, env: dict | None) -> dict:
-    out = {"benchmark": "ray_pipeline", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-           "device": (env or {}).get("gpu", "cpu"), "env": env, "sections": res, "layouts": {}}
+    out = {**H.summary_head("ray_pipeline", env or {}), "env": env, "sections": res, "layouts": {}}
     for lay in LAYOUTS:
         ray_r, loc_r = res.get(_cli_section(lay)) or {}, res.get(f"local-{lay}") or {}
         row: dict = {}
@@ -461,57 +402,27 @@ def print_table(summary: dict) -> None:
             print(f"{name} {sec.get('status')}: {str(sec.get('error', ''))[:300]}")
 
 
-def merge(dirs: list[str]) -> dict:
-    res: dict = {}
-    env = None
-    for d in dirs:
-        res.update(gpu_grpo.read_results(Path(d)))
-        p = Path(d) / "ray_pipeline.json"
-        if p.exists():
-            env = env or json.loads(p.read_text()).get("env")
-    return summarize(res, env)
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (CI smoke)")
-    ap.add_argument("--sections", default=None, help=f"comma list of {SECTIONS}")
-    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--work", default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/ray_pipeline_out")
-    ap.add_argument("--results-dir", default=None)
-    ap.add_argument("--deadline", type=float, default=580.0)
-    ap.add_argument("--merge", nargs="+", default=None, help="OUT dirs of earlier calls: one summary of all")
-    a = ap.parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    a = H.parser(__doc__, "ray_pipeline", 580.0, sections=SECTIONS, merge="OUT dirs of earlier calls: one summary of all").parse_args(argv)
     if a.merge:
-        summary = merge(a.merge)
-        gpu_grpo.save_summary(summary, out, "ray_pipeline", a.results_dir, cpu=False)
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        summary = summarize(H.merge_results(a.merge), H.merged_env(a.merge, "ray_pipeline"))
+        H.save_summary(summary, out, "ray_pipeline", a.results_dir, cpu=False)
         print_table(summary)
         return 0
     S = shapes(a.cpu)
-    W = Path(a.work or ("/tmp/ray_pipeline_work" + ("_cpu" if a.cpu else "")))
-    W.mkdir(parents=True, exist_ok=True)
-    gpu_grpo.prepare_env()
+    out, W = H.start(a, "ray_pipeline")
     os.environ.update(hook_env(S))  # every section process and its children force the keyed lengths
     if a.section:
-        r = gpu_grpo.run_section(a.section, S, W, out, fn=on_machine(FUNCS[a.section]))
-        return 0 if r["status"] == "ok" else 1
-    sections = [x for x in (a.sections.split(",") if a.sections else
-                            (("setup", "ray-colocated", "local-colocated", "sync-colocated") if a.cpu else SECTIONS)) if x]
-    (out / "results.jsonl").unlink(missing_ok=True)
-    extra = ("--cpu",) if a.cpu else ()
-    t_start = time.time()
-    for name in sections:  # in order; a failed section ends the call (the later ones build on it)
-        gpu_grpo.run_sections_in_processes(Path(__file__), [name], W, out, a.deadline - (time.time() - t_start),
-                                           SECTION_MAX_S, extra_args=extra)
-        if gpu_grpo.read_results(out).get(name, {}).get("status") != "ok":
-            break
-    summary = summarize(gpu_grpo.read_results(out), gpu_grpo.env_info(S["model"]))
-    gpu_grpo.save_summary(summary, out, "ray_pipeline", a.results_dir, a.cpu)
-    print_table(summary)
-    return gpu_grpo.exit_code(summary, a.cpu)
+        return H.section_exit(H.run_section(a.section, S, W, out, on_machine(FUNCS[a.section])))
+    sections = H.sections_of(a, ("setup", "ray-colocated", "local-colocated", "sync-colocated") if a.cpu else SECTIONS)
+    H.clear_results(out)
+    # in order; a failed section ends the call (the later ones build on it)
+    H.run_in_turn(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S, ("--cpu",) if a.cpu else (),
+                  stop_at_failure=True)
+    summary = summarize(H.read_results(out), H.env_info(S["model"]))
+    return H.finish(summary, out, "ray_pipeline", a.results_dir, a.cpu, print_table)
 
 
 if __name__ == "__main__":

@@ -27,25 +27,17 @@ ratios, targets); with --results-dir a copy named by device and date.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for p in (ROOT, BENCH):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from gpu_grpo import _torch, kv_bytes_per_token, peak_gib, read_results, reset_peak, sync  # noqa: E402
-import gpu_grpo  # noqa: E402  (the section runner)
+import harness as H
+from gpu_grpo import _torch, kv_bytes_per_token
+from harness import ROOT, peak_gib, reset_peak, sync
 
 SHAPES = {
     "gpu": dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=3072, vocab=151936, dtype="bfloat16",
@@ -222,11 +214,8 @@ def fixed_shape(S, eng, checks: bool = True) -> dict:
         warm = time.perf_counter() - t0
         times = []
         for _ in range(F["reps"]):
-            sync(S)
-            t0 = time.perf_counter()
-            out = eng.generate(reqs, sp)
-            sync(S)
-            times.append(time.perf_counter() - t0)
+            dt, out = H.timed(S, lambda: eng.generate(reqs, sp))
+            times.append(dt)
         assert all(len(r.response_ids) == F["new"] for r in out)
         st = dict(eng.decoder.stats)
         t = statistics.median(times)
@@ -452,8 +441,8 @@ def sec_paged(S, W: Path) -> dict:
     res["load_s"] = round(time.time() - t0, 1)
     extras = os.environ.get("ROLLOUT_BENCH_EXTRAS", "1") != "0"  # 0: the two rows only (a short GPU call)
     res["realistic"] = run_schedule(S, eng, lengths)
-    with open(Path(os.environ.get("ROLLOUT_BENCH_OUT", W)) / "results.jsonl", "a") as f:  # kept if the rest is cut off
-        f.write(json.dumps({**res, "name": "paged_realistic_only", "status": "partial"}, default=str) + "\n")
+    # kept if the rest is cut off
+    H.append_result(Path(os.environ.get("ROLLOUT_BENCH_OUT", W)), {**res, "name": "paged_realistic_only", "status": "partial"})
     res["fixed_512"] = fixed_shape(S, eng)
     # the same engine waiting for every chunk's tokens before it queues the next (what queueing ahead saves)
     eng.decoder.overlap_chunks = False
@@ -631,8 +620,7 @@ def summarize(S, res: dict, info: dict) -> dict:
     fx = (pg.get("fixed_512") or {}).get("tok_s")
     if fx:
         targets["fixed_512>=30500"] = fx >= 30500
-    return {"benchmark": "rollout_bench", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "device": info.get("gpu", "cpu"), "env": info, "shapes": S,
+    return {**H.summary_head("rollout_bench", info), "shapes": S,
             "schedule": {"n": len(lengths), "total": sum(lengths), "mean": round(sum(lengths) / len(lengths), 1),
                          "p50": sorted(lengths)[len(lengths) // 2], "p90": sorted(lengths)[int(0.9 * len(lengths))],
                          "max": max(lengths), "at_cap": sum(x == S["max_new"] for x in lengths)},
@@ -660,85 +648,46 @@ def print_table(summary: dict) -> None:
             ("hand-off (release/resume/recapture s)", json.dumps((pg.get("fixed_512") or {}).get("handoff"))),
             ("floor", json.dumps(summary["floor"])),
             ("ratios", json.dumps(summary["ratios"])), ("targets", json.dumps(summary["targets_met"]))]
-    for name, sec in s.items():
-        if sec.get("status") != "ok":
-            rows.append((f"{name} {sec.get('status')}", str(sec.get("error", ""))[:300]))
-    width = max(len(r[0]) for r in rows)
-    for k, v in rows:
-        print(f"{k.ljust(width)}  {v}")
+    H.print_pairs(rows + H.failed_rows(s, 300))
 
 
 # ---- driver -----------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (CI smoke)")
-    ap.add_argument("--sections", default=",".join(SECTIONS))
-    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--work", default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/rollout_bench_out")
-    ap.add_argument("--results-dir", default=None, help="also copy the summary JSON here (e.g. bench/results)")
+    ap = H.parser(__doc__, "rollout_bench", 455.0, sections=SECTIONS, sections_default=",".join(SECTIONS))
     ap.add_argument("--gpu-cap-dir", default=str(ROOT / ".gpucap"), help="the gpu-cap tool (its sitecustomize.py)")
-    ap.add_argument("--deadline", type=float, default=455.0, help="seconds for the whole run (GPU mode)")
     ap.add_argument("--overlap-ab", action="store_true",
                     help="paged: also the realistic schedule waiting for every chunk before queueing the next")
     a = ap.parse_args(argv)
     S = dict(SHAPES["cpu" if a.cpu else "gpu"])
     if a.overlap_ab:
         os.environ["ROLLOUT_BENCH_OVERLAP_AB"] = "1"
-    W = Path(a.work or ("/tmp/rollout_bench_work" + ("_cpu" if a.cpu else "")))
-    out = Path(a.out)
-    W.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    out, W = H.start(a, "rollout_bench")
     if a.cpu:
         _torch().set_num_threads(1)
     os.environ["ROLLOUT_BENCH_OUT"] = str(out)
     if a.section:
-        return 0 if gpu_grpo.run_section(a.section, S, W, out, fn=FUNCS[a.section])["status"] == "ok" else 1
+        return H.section_exit(H.run_section(a.section, S, W, out, FUNCS[a.section]))
     t_start = time.time()
-    (out / "results.jsonl").unlink(missing_ok=True)
-    sections = [x for x in a.sections.split(",") if x]
+    H.clear_results(out)
+    sections = H.sections_of(a, SECTIONS)
     if a.cpu:
         for name in sections:
-            gpu_grpo.run_section(name, S, W, out, fn=FUNCS[name])
+            H.run_section(name, S, W, out, FUNCS[name])
     else:
-        for name in sections:
-            left = a.deadline - (time.time() - t_start)
-            limit = int(min(SECTION_MAX_S[name] + (120 if name == "paged" and a.overlap_ab else 0), left))
-            if limit < 30:
-                rec = {"name": name, "status": "SKIPPED", "error": "no time left in this run"}
-                with open(out / "results.jsonl", "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                continue
+        def env_of(name: str) -> dict:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
-            if name == "capped":
-                ctx = (read_results(out).get("paged") or {}).get("cuda_context_GiB") or 0.6
+            if name == "capped":  # under the card's cap less the CUDA context the paged section measured
+                ctx = (H.read_results(out).get("paged") or {}).get("cuda_context_GiB") or 0.6
                 env["GPU_CAP_GIB"] = str(round(S["cap_gib"] - ctx, 2))
                 env["PYTHONPATH"] = os.pathsep.join([a.gpu_cap_dir, env["PYTHONPATH"]])
-            print(f"=== {name} (limit {limit}s) at {time.time() - t_start:.0f}s", flush=True)
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--work", str(W), "--out", str(out)]
-            with open(out / "log.txt", "a") as log:
-                log.write(f"\n===== {name} =====\n")
-                log.flush()
-                try:
-                    rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=limit, env=env,
-                                        start_new_session=True).returncode
-                except subprocess.TimeoutExpired:
-                    rc = "timeout"
-            if name not in read_results(out):
-                with open(out / "results.jsonl", "a") as f:
-                    f.write(json.dumps({"name": name, "status": "FAILED", "error": f"process ended with {rc} (log.txt)"}) + "\n")
-            print(f"=== {name} rc={rc} at {time.time() - t_start:.0f}s", flush=True)
-    from bench.gpu_grpo import env_info
-    summary = summarize(S, read_results(out), env_info(S))
+            return env
+        max_s = {**SECTION_MAX_S, "paged": SECTION_MAX_S["paged"] + (120 if a.overlap_ab else 0)}
+        H.run_sections_in_processes(Path(__file__), sections, W, out, a.deadline, max_s, dict.fromkeys(sections, 30),
+                                    env_of=env_of)
+    summary = summarize(S, H.read_results(out), H.env_info(S))
     summary["total_s"] = round(time.time() - t_start, 1)
-    from bench.gpu_grpo import exit_code, save_summary
-    save_summary(summary, out, "rollout_bench", a.results_dir, a.cpu)
-    print_table(summary)
-    return exit_code(summary, a.cpu)
+    return H.finish(summary, out, "rollout_bench", a.results_dir, a.cpu, print_table)
 
 
 if __name__ == "__main__":

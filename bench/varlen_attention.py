@@ -15,17 +15,14 @@ import datetime
 import json
 import math
 import random
-import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from runtime.mcore.varlen_attention import KERNELS  # noqa: E402
+import harness  # noqa: F401  (this repository importable)
+from runtime.mcore.varlen_attention import KERNELS
 
 
 def recipe_lengths(budget: int, rng: random.Random, prompt: int = 1024, cap: int = 8192) -> list[int]:

@@ -448,3 +448,62 @@ def test_ray_faults_reads_each_recompile_and_alert_once_whatever_colour_a_worker
         "nondeterministic_ops": ["embedding_dense_backward"], "recompiled": ["head (/w/runtime/rollout/decode_model.py:329)"],
         "recompile_reasons": {"head (/w/runtime/rollout/decode_model.py:329)": [
             "tensor 'h' size mismatch at index 0. expected 8, actual 1"]}}
+
+
+# ---- bench/harness.py: the results already in bench/results stay readable ---------------------------------
+
+MERGING = ("glm9b_host_optimizer", "lora_grpo", "partial_rollout", "ray_faults", "ray_pipeline")
+
+
+def test_every_merge_reads_the_committed_results(tmp_path, capsys):
+    """Each script's --merge over an OUT dir rebuilt from a committed summary (results.jsonl and the summary JSON, as
+    the call left them): every section of the call is in the one summary, on the call's device. (~12 s)"""
+    from unittest import mock
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import importlib
+    for script in MERGING:
+        calls = [json.loads(p.read_text()) for p in sorted((ROOT / "bench" / "results").glob(f"{script}_*.json"))
+                 if not p.name.startswith("ray_faults_references")]
+        # the newest whose recorded machine names its GPU (the merged summary's device is read from it)
+        call = [c for c in calls if (c.get("env") or {}).get("gpu", "cpu") == c["device"]][-1]
+        folder, out = tmp_path / script / "call", tmp_path / script / "out"
+        folder.mkdir(parents=True)
+        (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in call["sections"].values()))
+        (folder / f"{script}.json").write_text(json.dumps(call))
+        with mock.patch.dict(os.environ):  # a script's main sets its environment for its section processes
+            assert importlib.import_module(script).main(["--merge", str(folder), "--out", str(out)]) == 0, script
+        merged = json.loads(next(out.glob("*.json")).read_text())
+        assert set(call["sections"]) <= set(merged["sections"]) and merged["device"] == call["device"], script
+        assert capsys.readouterr().out, script  # the table printed
+
+
+def test_sections_in_processes_record_how_each_ended_and_merge_over_calls(tmp_path):
+    """harness.run_sections_in_processes: a section that wrote its line is kept as it wrote it, one whose process
+    ended without a line is FAILED with the exit code, one the deadline leaves too little time is SKIPPED unstarted;
+    merge_results over two calls keeps the later line, the later ok one, or both (name@folder). (~7 s)"""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import harness
+
+    script = tmp_path / "sections.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'bench')!r})\nimport harness\nfrom pathlib import Path\n"
+                      "a = sys.argv\nname, out = a[a.index('--section') + 1], Path(a[a.index('--out') + 1])\n"
+                      "if name == 'dies':\n    sys.exit(3)\n"
+                      "harness.run_section(name, {}, None, out, lambda S, W: {'name': name, 'measured': 1})\n")
+    calls = []
+    for call, dies in (("call1", "ok"), ("call2", "dies")):
+        out = tmp_path / call
+        out.mkdir()
+        harness.run_sections_in_processes(script, [dies, "late"], tmp_path / "work", out, 600, {"late": 5})
+        calls.append(str(out))
+    res = harness.read_results(Path(calls[1]))
+    assert res["dies"]["status"] == "FAILED" and "ended with 3" in res["dies"]["error"]
+    assert res["late"] == {"name": "late", "status": "SKIPPED", "error": "no time left in this run"}
+    assert "===== late =====" not in (Path(calls[1]) / "log.txt").read_text()  # never started
+    assert harness.read_results(Path(calls[0]))["ok"]["measured"] == 1
+    (Path(calls[1]) / "results.jsonl").write_text(
+        (Path(calls[1]) / "results.jsonl").read_text().replace('"dies"', '"ok"'))  # the same section failed later
+    assert harness.merge_results(calls)["ok"]["status"] == "FAILED"
+    assert harness.merge_results(calls, keep="ok")["ok"]["status"] == "ok"
+    both = harness.merge_results(calls, keep="both")
+    assert both["ok"]["status"] == "ok" and both["ok@call2"]["status"] == "FAILED"
