@@ -43,7 +43,8 @@ for _p in (ROOT, BENCH):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-import ray_faults as rf  # noqa: E402  (processes by marker, checkpoint tensors, run facts and their comparison)
+import harness as H  # noqa: E402  (checkpoint tensors and their comparison, run read-backs)
+import ray_faults as rf  # noqa: E402  (processes by marker, run facts and their comparison)
 import ray_pipeline as rp  # noqa: E402  (the keyed-length hook, read-backs of a run directory)
 
 CONFIG = ROOT / "configs" / "glm-z1-9b-dapo-4xh200.yaml"
@@ -208,7 +209,7 @@ def sec_run(S, W: Path, case: str, rollouts: int, kill_at: str, deadline: float)
     rd = root / "runs" / rf.RUN
     res["stages_s"] = {st: json.loads((rd / "stages" / f"{st}.json").read_text())["result"].get("seconds")
                        for st in ("fetch", "prepare", "convert") if (rd / "stages" / f"{st}.json").exists()}
-    res["rollout_rows"] = rp.rollout_rows(rd)
+    res["rollout_rows"] = H.rollout_rows(rd)
     res["checkpoint_metrics"] = [{k: v for k, v in m.items() if "checkpoint" in k}
                                  for ck in sorted((rd / "checkpoints").glob("rollout_*/trainer_state.json"))
                                  for m in json.loads(ck.read_text()).get("metrics", [])]
@@ -231,7 +232,7 @@ def compare_kill(W: Path, res: dict) -> dict:
         from runtime.run.directory import RunDir
         a = checkpoint.latest(RunDir(str(run_root), rf.RUN))
         b = checkpoint.latest(RunDir(str(ref_root), rf.RUN))
-        out["tensors"] = rf.compare_tensors(rf.checkpoint_tensors(a.path), rf.checkpoint_tensors(b.path))
+        out["tensors"] = H.compare_tensors(H.checkpoint_tensors(a.path), H.checkpoint_tensors(b.path))
         ref_facts = json.loads((W / "unbroken-facts.json").read_text())
         out["facts"] = rf.compare_facts(res["facts"], ref_facts)
     except Exception:  # noqa: BLE001 - what could not be compared is reported
