@@ -16,8 +16,8 @@ import re
 
 from math_verify import parse, verify
 
-from runtime.rewards.answers import (CUT_OFF, answer_region, clean_answer, final_answer, has_math_delimiters, is_prose,
-                                     last_boxed)
+from runtime.rewards.answers import (CUT_OFF, FinalAnswer, answer_region, clean_answer, final_answers,
+                                     has_math_delimiters, is_prose, last_boxed, without_end_of_turn)
 from runtime.rewards.timeout import bounded
 from runtime.rewards.verify_timeouts import math_verify_timeout as _math_verify_timeout
 
@@ -64,12 +64,20 @@ def answer_equals_label(answer_text: str, label: str) -> bool:
 def extract_answer(response: str, finish_reason: str | None = None) -> list:
     """Parsed final answer of a response (empty when it states none), by the module docstring;
     finish_reason: why the sample ended ("stop", "length", "abort"), None when not known."""
+    response, finish_reason = without_end_of_turn(response, finish_reason)
     graded = answer_region(response, finish_reason)
     if graded is None:
         return []
-    answer = final_answer(graded, cut_off=None if finish_reason is None else finish_reason in CUT_OFF)
+    answer, alternatives = final_answers(graded, cut_off=None if finish_reason is None else finish_reason in CUT_OFF)
     if answer is None:
         return []
+    parsed = _parse_final(answer)
+    if any(not answers_match(parsed, _parse_final(other)) for other in alternatives):
+        return []  # a hedge: distinct answers offered as alternatives state none
+    return parsed
+
+
+def _parse_final(answer: FinalAnswer) -> list:
     if answer.source == "whole_response" and not _LATEX_MARKUP.search(answer.text):
         # one line of plain text (`so the total is 42`, a tiny model's `7`): math-verify's own reading
         return parse(answer.text.replace("\u2212", "-"), parsing_timeout=_math_verify_timeout())
