@@ -332,7 +332,7 @@ _TRAILING_UNIT_SYMBOL = re.compile(r"(?:(?<=\d)(?:\s|\\[,;: ]|~)+|\s*/\s*)(?:m|s
                                    + _POWER + r"\s*$")
 # Text set after a number (`12\,\text{m}^2`, `5\ \mathrm{km/h}`) is a unit, whatever its words.
 _TEXT_UNIT = re.compile(r"(?<=[\d}])(?:\s|\\[,;: ]|~)*(?:/|\\cdot)?\s*\\(?:text|textrm|mathrm|mbox|rm)\s*"
-                        r"\{\s*[A-Za-z][A-Za-z\s/.]*\}" + _POWER + r"\s*$")
+                        r"\{[\s~]*[A-Za-z][A-Za-z\s/.]*\}" + _POWER + r"\s*$")
 _TRAILING_SPACING = re.compile(r"(?:\s|\\[,;:! ]|~|\\quad)+$")
 # A repeating decimal: 0.\overline{3}, 0.1\overline{6}, 1.\bar{09}.
 _REPEATING_DECIMAL = re.compile(r"(-?)(\d*)\.(\d*)\\(?:overline|bar)\s*\{?(\d+)\}?")
