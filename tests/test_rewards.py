@@ -114,6 +114,7 @@ FINAL_STATEMENT_CASES = [
     (r"Either way, the answer is \boxed{44}.", "44", None, True),
     (r"\boxed{\frac{1}{2}} or equivalently \boxed{0.5}", "0.5", None, True),  # the same value twice
     (r"Case 1 gives \boxed{2}, case 2 gives \boxed{3}; in total \boxed{5}.", "5", None, True),
+    (r"\boxed{3} for part one. For part two (odd or even n) it is \boxed{5}.", "5", None, True),  # "or" elsewhere
     (r"\boxed{x = 2 \text{ or } x = -2}", "2, -2", None, True),  # one box: a solution set
     ("Answer: 3 or 4", "3", None, False),  # one answer line: a set, not 3
     # a box, then a different final statement
@@ -130,6 +131,7 @@ FINAL_STATEMENT_CASES = [
     (r"So \boxed{42}, but that is wrong.", "42", None, False),
     ("Answer: 42\nScratch that.", "42", "stop", False),
     (r"\boxed{42}. Is that wrong? No: 6 \times 7 = 42.", "42", None, True),  # a question, answered
+    (r"\boxed{42}. This is a mistake-free count.", "42", None, True),
     ("I thought 41 was a mistake. The answer is 24.", "24", None, True),
     # a negated answer
     ("Answer: not 42", "42", None, False),
@@ -138,6 +140,7 @@ FINAL_STATEMENT_CASES = [
     (r"Answer: $\ne 42$", "42", "stop", False),
     (r"\boxed{x \neq 42}", "42", None, False),
     ("The answer is not 24 but 42.", "42", None, True),
+    ("The answer is 42 (not counting the empty set).", "42", None, True),
 ]
 
 # Issue 62, class 12: how an answer's text is read (units, repeating decimals, a contrast, e-notation, an
@@ -189,6 +192,7 @@ def test_final_answer_reads_the_last_statement():
     assert final_answer("\\boxed{42}\nSo the answer is 24.") == ("24", "answer_phrase")
     assert final_answer("The answer is \\boxed{12}. Surely the answer is right.") == ("12", "box")
     assert final_answer("Answer: not 42") is None and final_answer("\\boxed{5}, but that is wrong.") is None
+    assert final_answer(r"\boxed{\text{not possible}}") == (r"\text{not possible}", "box")  # words, not a value
     assert final_answer("The answer is 42 rather than 24.") == ("42", "answer_phrase")
     answer, alternatives = final_answers(r"either \boxed{44} or \boxed{45}")
     assert answer == ("45", "box") and alternatives == [("44", "box")]

@@ -151,19 +151,19 @@ def _line_end(text: str, start: int) -> int:
     return len(text) if end < 0 else end
 
 
-# A word that offers what follows as an alternative to what came before it (`either \boxed{44} or \boxed{45}`),
-# found in the short stretch between two statements.
-_ALTERNATIVE = re.compile(r"\bor\b", re.IGNORECASE)
+# A short stretch between two statements that offers the second as an alternative to the first: it opens
+# with "or" (`either \boxed{44} or \boxed{45}`, `\boxed{7}, or possibly \boxed{8}`, `\boxed{44}. Or maybe`).
+_ALTERNATIVE = re.compile(r"[\s$.,;:)\]}*]*or\b", re.IGNORECASE)
 _ALTERNATIVE_GAP_CHARS = 80
 # The response taking back the statement just made (`\boxed{42}, but that was wrong`), within a few words of it.
 _RETRACTION = re.compile(
     r"\b(?:that|this|it|which)(?:'s|\s+is|\s+was)\s+(?:wrong|incorrect|not\s+(?:right|correct)|a\s+mistake"
-    r"|an\s+error)\b(?!\s*\?)|\bscratch\s+that\b", re.IGNORECASE)
+    r"|an\s+error)(?![\w-])(?!\s*\?)|\bscratch\s+that\b", re.IGNORECASE)
 _RETRACTION_REACH_CHARS = 40
 # A sentence that supposes an answer rather than stating it ("if the answer is 41, then ...").
 _HYPOTHETICAL = re.compile(r"\b(?:if|suppose|supposing|assume|assuming|whether|unless)\b", re.IGNORECASE)
-# An answer that says what the value is not: `not 42`, `\neq 42`, `≠ 42`.
-_NEGATION = re.compile(r"^(?:not\b|\\neq?(?![A-Za-z])|≠|!=)", re.IGNORECASE)
+# An answer that says what the value is not: `not 42`, `\neq 42`, `≠ 42` (`not possible` is words, not that).
+_NEGATION = re.compile(r"^(?:not\s+(?=[-\d$\\(.])|\\neq?(?![A-Za-z])|≠|!=)", re.IGNORECASE)
 # A contrast after the value (`42, not 24`, `42 (not 24)`, `42 rather than 24`) or before it (`not 24 but 42`).
 _CONTRAST_AFTER = re.compile(r"\s*(?:,\s*(?:and\s+)?not\b|\(\s*not\b|\brather\s+than\b|\binstead\s+of\b).*$",
                              re.IGNORECASE | re.DOTALL)
@@ -275,7 +275,7 @@ def final_answers(response: str, *, cut_off: bool | None = None) -> tuple[FinalA
     i = statements.index(final)
     while i > 0:
         gap = response[statements[i - 1].end:statements[i].start]
-        if len(gap) > _ALTERNATIVE_GAP_CHARS or not _ALTERNATIVE.search(gap):
+        if len(gap) > _ALTERNATIVE_GAP_CHARS or not _ALTERNATIVE.match(gap):
             break
         i -= 1
         if statements[i].answer is not None:
