@@ -125,6 +125,7 @@ FINAL_STATEMENT_CASES = [
     (r"The answer is \boxed{12}. I am confident the answer is correct.", "12", None, True),  # names no value
     ("\\boxed{42}\nCheck: if the answer is 41, then 6 \\times 7 would be 41, which is false.", "42", None, True),
     ("\\boxed{42}. Indeed the answer is 42.", "42", None, True),
+    (r"\boxed{5}. Note that the answer is at least 2, as shown above.", "5", None, True),  # a bound, no value
     # a retraction
     (r"I initially wrote \boxed{42}, but that was a mistake: the correct answer is 24.", "42", None, False),
     (r"I initially wrote \boxed{42}, but that was a mistake: the correct answer is 24.", "24", None, True),

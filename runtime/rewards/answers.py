@@ -2,13 +2,21 @@
 
 Pure string work shared by every built-in reward: where the answer is (a box, an `Answer:` line, an
 "answer is" sentence), whether it was cut off, and the clean-up that makes `\\$42`, `7 dollars`,
-`1{,}000` or `\\boxed 7.` read as the number they state.
+`45 km/h`, `1{,}000`, `0.\\overline{3}`, `1e3` or `\\boxed 7.` read as the number they state.
+
+Several statements (`final_answers`): the last one is the answer, and an "answer is" sentence after a
+box counts as one when it names a value (a retraction states what it ends on). The statements just
+before it that it is offered beside, joined by "or" (`either \\boxed{44} or \\boxed{45}`), are its
+alternatives: distinct ones make a hedge, which states nothing (`math_reward` asks math-verify whether
+they are distinct). A statement the response takes back right after it (`\\boxed{42}, but that is
+wrong`) or one that only says what the value is not (`not 42`, `\\neq 42`) states nothing.
 
 Cut off: the engine says why a sample ended (its finish reason: "stop", or "length" / "abort" when it was
 cut off). Without it (a direct call) a text that ends mid-sentence (`ends_mid_sentence`: "... the
-number of such pairs is 46, and the") counts as cut off. A cut-off statement states nothing: an
-`Answer:` line, an "answer is" sentence or a one-line response that runs to the cut, an unclosed box;
-a complete box, line or sentence before the cut still stands.
+number of such pairs is 46, and the") counts as cut off, and one that ends with an end-of-turn marker
+(`<|im_end|>`) as ended by the model. A cut-off statement states nothing: an `Answer:` line, an "answer
+is" sentence or a one-line response that runs to the cut, an unclosed box; a complete box, line or
+sentence before the cut still stands.
 """
 
 from __future__ import annotations
@@ -191,12 +199,19 @@ def _stated(text: str | None, source: str) -> FinalAnswer | None:
     return None if text is None else FinalAnswer(text, source)
 
 
+# Words that may come between "answer is" and the value it names ("the answer is actually 24").
+_LEADING_ADVERBS = re.compile(r"^(?:(?:actually|really|indeed|in\s+fact|therefore|thus|then|clearly|definitely"
+                              r"|simply|just|now)\b[\s,]*)+", re.IGNORECASE)
+# A text that opens with a value: a number, a formula, `x = ...`, a choice letter alone.
+_OPENS_WITH_VALUE = re.compile(r"(?:[-($]|\\[(\[])*\s*(?:\d|\.\d|\\[A-Za-z]|[π∞]|[A-Za-z]\s*=)|\(?[A-Za-z]\)?$")
+
+
 def _states_a_value(text: str) -> bool:
-    """Whether an "answer is" sentence's text names a value (`24`, `\\frac{1}{2}`, `(B)`), or denies one
-    (`not 42`), rather than judging the answer (`the answer is correct`)."""
-    cleaned = clean_answer(_CONTRAST_AFTER.sub("", text))
-    return bool(re.search(r"\d|\\|[π∞]", cleaned) or re.fullmatch(r"\(?[A-Za-z]\)?", cleaned)
-                or _NEGATION.match(cleaned))
+    """Whether an "answer is" sentence's text opens with a value (`24`, `actually 24`, `\\frac{1}{2}`,
+    `(B)`) or denies one (`not 42`), rather than judging or bounding the answer (`the answer is correct`,
+    `the answer is at least 2`)."""
+    cleaned = _LEADING_ADVERBS.sub("", clean_answer(_CONTRAST_AFTER.sub("", text)))
+    return bool(_OPENS_WITH_VALUE.match(cleaned) or _NEGATION.match(cleaned))
 
 
 def _box_and_line_statements(response: str, cut: bool) -> list[_Statement]:

@@ -1,10 +1,16 @@
 """`math` reward: the response's final answer graded against the label by math-verify (1.0 / 0.0).
 
-Which text is the final answer: `answers.final_answer` (the later of the last box and the last
-`Answer:` line; an unclosed last box states nothing), after the last `</think>` when there is one
-(`answers.answer_region`: thinking that never closed states nothing, and a sample that ran out of
-tokens states an answer only after a `</think>`). A statement cut off by the end of the sample states
-nothing: the finish reason says so when the caller passes it, else a text ending mid-sentence does.
+Which text is the final answer: `answers.final_answers` (the later of the last box and the last
+`Answer:` line, or a complete "answer is" sentence after it that names a value; an unclosed last box
+states nothing), after the last `</think>` when there is one (`answers.answer_region`: thinking that
+never closed states nothing, and a sample that ran out of tokens states an answer only after a
+`</think>`). A statement cut off by the end of the sample states nothing: the finish reason says so when
+the caller passes it, else a text ending mid-sentence does (one ending with an end-of-turn marker was
+ended by the model: `answers.without_end_of_turn`).
+Several final answers (docs/grading.md): a hedge, distinct answers offered as alternatives ("either
+\\boxed{44} or \\boxed{45}"), states nothing, so scores 0 whatever the label; math-verify says whether
+they are distinct (`\\boxed{\\frac12} or equivalently \\boxed{0.5}` is one answer). A retraction states
+what it ends on; a negated answer (`not 42`, `\\neq 42`) states no value.
 How it is read: `parse_answer` cleans it (`answers.clean_answer`) and gives it to math-verify as LaTeX,
 the way a box's content is read, because math-verify reads LaTeX only inside delimiters: a bare
 `2^{10}` as plain text is the number 2.
