@@ -168,6 +168,8 @@ _RETRACTION = re.compile(
     r"\b(?:that|this|it|which)(?:'s|\s+is|\s+was)\s+(?:wrong|incorrect|not\s+(?:right|correct)|a\s+mistake"
     r"|an\s+error)(?![\w-])(?!\s*\?)|\bscratch\s+that\b", re.IGNORECASE)
 _RETRACTION_REACH_CHARS = 40
+_SENTENCE_REACH_CHARS = 300  # how far back a supposition ("if ...") is looked for
+_LAST_STATEMENTS = 16
 # A sentence that supposes an answer rather than stating it ("if the answer is 41, then ...").
 _HYPOTHETICAL = re.compile(r"\b(?:if|suppose|supposing|assume|assuming|whether|unless)\b", re.IGNORECASE)
 # An answer that says what the value is not: `not 42`, `\neq 42`, `≠ 42` (`not possible` is words, not that).
@@ -215,9 +217,11 @@ def _states_a_value(text: str) -> bool:
 
 
 def _box_and_line_statements(response: str, cut: bool) -> list[_Statement]:
-    """Every box and `Answer:` line in order; a box on an `Answer:` line is that line's answer."""
+    """The last `_LAST_STATEMENTS` boxes and `Answer:` lines in order (only the final statement and the
+    ones offered beside it matter; reading every one would make a long response cost its length squared);
+    a box on an `Answer:` line is that line's answer."""
     lines = []
-    for match in ANSWER_LINE.finditer(response):
+    for match in list(ANSWER_LINE.finditer(response))[-_LAST_STATEMENTS:]:
         end = _line_end(response, match.end())
         text = response[match.end():end].strip()
         if _BOX in text:
@@ -228,7 +232,7 @@ def _box_and_line_statements(response: str, cut: bool) -> list[_Statement]:
             answer = _stated(text, "answer_line")
         lines.append(_Statement(match.start(), end, answer))
     boxes = []
-    for match in re.finditer(re.escape(_BOX), response):
+    for match in list(re.finditer(re.escape(_BOX), response))[-_LAST_STATEMENTS:]:
         if not any(line.start <= match.start() < line.end for line in lines):
             content, end = _box_at(response, match.start())
             boxes.append(_Statement(match.start(), end, _stated(content, "box")))
@@ -236,19 +240,19 @@ def _box_and_line_statements(response: str, cut: bool) -> list[_Statement]:
 
 
 def _phrase_statements(response: str, cut: bool, after: int = 0) -> list[_Statement]:
-    """Every "answer is" sentence starting at or after `after`, except one that supposes an answer
-    ("if the answer is 41"); a sentence that runs to the cut states nothing."""
+    """The last `_LAST_STATEMENTS` "answer is" sentences starting at or after `after`, except one that
+    supposes an answer ("if the answer is 41"); a sentence that runs to the cut states nothing."""
     found = []
-    for match in _ANSWER_PHRASE.finditer(response, after):
-        sentence_start = max(response.rfind(mark, 0, match.start()) for mark in (". ", "\n", "? ", "! "))
+    for match in list(_ANSWER_PHRASE.finditer(response, after))[-_LAST_STATEMENTS:]:
+        reach = max(after, match.start() - _SENTENCE_REACH_CHARS)
+        sentence_start = max(response.rfind(mark, reach, match.start()) for mark in (". ", "\n", "? ", "! "))
         if _HYPOTHETICAL.search(response, max(sentence_start, after), match.start()):
             continue
         start = match.end()
         line = response[start:_line_end(response, start)]
         sentence_end = _SENTENCE_END.search(line)
         stop = start + (sentence_end.start() if sentence_end else len(line))
-        rest = response[stop:]
-        if cut and "\n" not in rest and (not rest.strip() or rest == "."):
+        if cut and response.find("\n", stop) < 0 and (not response[stop:].strip() or response[stop:] == "."):
             answer = None  # the sentence runs to the cut (`46.` there could have been 46.5)
         else:
             answer = _stated(response[start:stop], "answer_phrase")
@@ -354,6 +358,7 @@ _REPEATING_DECIMAL = re.compile(r"(-?)(\d*)\.(\d*)\\(?:overline|bar)\s*\{?(\d+)\
 # A number in e-notation (1e3, 2.5E-4): not Euler's e.
 _E_NOTATION = re.compile(r"(?<![\w.\\{])(\d+(?:\.\d+)?)[eE]([+-]?\d+)(?![\w.])")
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
+_WHITESPACE = re.compile(r"\s+")
 
 
 def _unwrap_delimiters(s: str) -> str:
@@ -373,6 +378,7 @@ def clean_answer(text: str) -> str:
     A percent sign is a unit here: `300\\%` states 300 (math-verify alone would also accept 3).
     """
     s = text.replace("\\$", "").strip().replace("\u2212", "-")  # `\$` first: it is no delimiter
+    s = _WHITESPACE.sub(" ", s)  # one space for a run: the trailing patterns below scan runs (time squared)
     for _ in range(3):  # `**$42$.**`: emphasis, punctuation and delimiters nest in any order
         s = s.strip().strip("*").strip().rstrip(_SENTENCE_PUNCTUATION).strip()
         s = _unwrap_delimiters(s)
