@@ -107,15 +107,19 @@ def answer_region(response: str, finish_reason: str | None = None) -> str | None
 
 
 # End-of-turn markers left in a text decoded with its special tokens (`42<|im_end|>`, `</s>`).
-_END_OF_TURN = re.compile(r"(?:\s*(?:<\|[A-Za-z_]+\|>|<｜[^｜<>\n]{1,40}｜>|</s>|<eos>|<end_of_turn>))+\s*$")
+_END_OF_TURN = re.compile(r"(?:<\|[A-Za-z_]+\|>|<｜[^｜<>\n]{1,40}｜>|</s>|<eos>|<end_of_turn>)$")
 
 
 def without_end_of_turn(response: str, finish_reason: str | None) -> tuple[str, str | None]:
     """The response without the end-of-turn markers it ends with, and its finish reason: a text that
     ends with one was ended by the model, so without a finish reason it is "stop" (not cut off)."""
-    stripped = _END_OF_TURN.sub("", response)
-    if stripped == response:
+    stripped = response.rstrip()
+    marker = _END_OF_TURN.search(stripped)
+    if marker is None:
         return response, finish_reason
+    while marker is not None:  # (a search anchored at the end, not `\s*` before it: a space run costs its length)
+        stripped = stripped[:marker.start()].rstrip()
+        marker = _END_OF_TURN.search(stripped)
     return stripped, finish_reason if finish_reason is not None else "stop"
 
 
@@ -175,7 +179,7 @@ _HYPOTHETICAL = re.compile(r"\b(?:if|suppose|supposing|assume|assuming|whether|u
 # An answer that says what the value is not: `not 42`, `\neq 42`, `≠ 42` (`not possible` is words, not that).
 _NEGATION = re.compile(r"^(?:not\s+(?=[-\d$\\(.])|\\neq?(?![A-Za-z])|≠|!=)", re.IGNORECASE)
 # A contrast after the value (`42, not 24`, `42 (not 24)`, `42 rather than 24`) or before it (`not 24 but 42`).
-_CONTRAST_AFTER = re.compile(r"\s*(?:,\s*(?:and\s+)?not\b|\(\s*not\b|\brather\s+than\b|\binstead\s+of\b).*$",
+_CONTRAST_AFTER = re.compile(r"(?:,\s*(?:and\s+)?not\b|\(\s*not\b|\brather\s+than\b|\binstead\s+of\b).*$",
                              re.IGNORECASE | re.DOTALL)
 _CONTRAST_BEFORE = re.compile(r"^\s*not\b[^,;]*?,?\s*\bbut\s+", re.IGNORECASE)
 
@@ -359,6 +363,7 @@ _REPEATING_DECIMAL = re.compile(r"(-?)(\d*)\.(\d*)\\(?:overline|bar)\s*\{?(\d+)\
 _E_NOTATION = re.compile(r"(?<![\w.\\{])(\d+(?:\.\d+)?)[eE]([+-]?\d+)(?![\w.])")
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
 _WHITESPACE = re.compile(r"\s+")
+_TAIL_CHARS = 120
 
 
 def _unwrap_delimiters(s: str) -> str:
@@ -401,12 +406,13 @@ def clean_answer(text: str) -> str:
 
 
 def _drop_trailing(pattern: re.Pattern, s: str) -> str:
-    """s without what pattern matches at its end, repeatedly, unless nothing would be left."""
+    """s without what pattern (anchored at the end) matches there, repeatedly, unless nothing would be
+    left. Only the last `_TAIL_CHARS` are searched: a unit is short, and a long text costs no more."""
     while True:
-        stripped = pattern.sub("", s)
-        if stripped == s or not stripped.strip():
+        found = pattern.search(s, max(0, len(s) - _TAIL_CHARS))
+        if found is None or not s[:found.start()].strip():
             return s
-        s = stripped
+        s = s[:found.start()]
 
 
 def _as_fraction(repeating: re.Match) -> str:
