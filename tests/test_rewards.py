@@ -109,6 +109,8 @@ FINAL_STATEMENT_CASES = [
     (r"It is either \boxed{44} or \boxed{45}.", "45", None, False),
     (r"The answer is \boxed{7}, or possibly \boxed{8}.", "7", None, False),
     ("The answer is \\boxed{44}.\nOr maybe \\boxed{45}.", "45", "stop", False),
+    (r"It's \boxed{44} (or possibly \boxed{45}).", "44", None, False),
+    (r"$\boxed{44}$ \text{ or } $\boxed{45}$", "45", None, False),
     (r"So \boxed{3}, or perhaps the answer is 4.", "4", None, False),
     (r"\boxed{44}", "44", None, True),
     (r"Either way, the answer is \boxed{44}.", "44", None, True),
@@ -122,6 +124,7 @@ FINAL_STATEMENT_CASES = [
     ("So \\boxed{42}.\n\nOn reflection, the answer is 24.", "24", None, True),
     ("\\boxed{42}\nTherefore the final answer is $24$.", "42", "stop", False),
     ("Answer: 42\nHmm, the answer is actually 24.", "42", None, False),
+    ("\\boxed{42}\n\nHmm, the answer should be 24.", "24", None, True),
     (r"The answer is \boxed{12}. I am confident the answer is correct.", "12", None, True),  # names no value
     ("\\boxed{42}\nCheck: if the answer is 41, then 6 \\times 7 would be 41, which is false.", "42", None, True),
     ("\\boxed{42}. Indeed the answer is 42.", "42", None, True),
@@ -130,8 +133,13 @@ FINAL_STATEMENT_CASES = [
     (r"I initially wrote \boxed{42}, but that was a mistake: the correct answer is 24.", "42", None, False),
     (r"I initially wrote \boxed{42}, but that was a mistake: the correct answer is 24.", "24", None, True),
     (r"So \boxed{42}, but that is wrong.", "42", None, False),
+    (r"I initially wrote \boxed{42}, but I made an error. The correct value is 24.", "42", None, False),
+    (r"I initially wrote \boxed{42}, but I made an error. The correct value is 24.", "24", None, True),
+    (r"\boxed{42} is wrong; redoing it gives \boxed{24}.", "24", None, True),
+    (r"\boxed{42}, my mistake was in step 1 but it is fixed above.", "42", None, True),  # not the answer's
     ("Answer: 42\nScratch that.", "42", "stop", False),
     (r"\boxed{42}. Is that wrong? No: 6 \times 7 = 42.", "42", None, True),  # a question, answered
+    (r"\boxed{42}. Step 2 was wrong? No, it holds.", "42", None, True),
     (r"\boxed{42}. This is a mistake-free count.", "42", None, True),
     ("I thought 41 was a mistake. The answer is 24.", "24", None, True),
     # a negated answer

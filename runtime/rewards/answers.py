@@ -30,8 +30,9 @@ _SENTENCE_PUNCTUATION = ".,;:!?"
 
 # `Answer:` as DAPO's prompt asks for it (any case, markdown bold around it allowed).
 ANSWER_LINE = re.compile(r"answer\s*:", re.IGNORECASE)
-# "the answer is ...", "final answer is: ..."
-_ANSWER_PHRASE = re.compile(r"\banswer\s+is\b\s*:?", re.IGNORECASE)
+# "the answer is ...", "final answer is: ...", "the answer should be ...", "the correct value is ..."
+_ANSWER_PHRASE = re.compile(r"\b(?:answer|(?:correct|right|true)\s+(?:value|result|number|total|count))"
+                            r"\s+(?:is|should\s+be|must\s+be|would\s+be)\b\s*:?", re.IGNORECASE)
 # The end of a sentence: a period, then a space or the end (not the point of 0.5).
 _SENTENCE_END = re.compile(r"\.(?:\s|$)")
 # Finish reasons of a sample that was cut off (`runtime.rollout.base.SampleResult.finish_reason`).
@@ -165,12 +166,13 @@ def _line_end(text: str, start: int) -> int:
 
 # A short stretch between two statements that offers the second as an alternative to the first: it opens
 # with "or" (`either \boxed{44} or \boxed{45}`, `\boxed{7}, or possibly \boxed{8}`, `\boxed{44}. Or maybe`).
-_ALTERNATIVE = re.compile(r"[\s$.,;:)\]}*]*or\b", re.IGNORECASE)
+_ALTERNATIVE = re.compile(r"[\s$.,;:()\[\]}*]*(?:\\(?:text|mathrm)\{\s*)?or\b", re.IGNORECASE)
 _ALTERNATIVE_GAP_CHARS = 80
 # The response taking back the statement just made (`\boxed{42}, but that was wrong`), within a few words of it.
 _RETRACTION = re.compile(
     r"\b(?:that|this|it|which)(?:'s|\s+is|\s+was)\s+(?:wrong|incorrect|not\s+(?:right|correct)|a\s+mistake"
-    r"|an\s+error)(?![\w-])(?!\s*\?)|\bscratch\s+that\b", re.IGNORECASE)
+    r"|an\s+error)(?![\w-])(?!\s*\?)|\b(?:is|was)\s+(?:wrong|incorrect)\b(?!\s*\?)|\bscratch\s+that\b"
+    r"|\bI\s+(?:made\s+(?:a\s+mistake|an\s+error)|was\s+wrong)\b", re.IGNORECASE)
 _RETRACTION_REACH_CHARS = 40
 _SENTENCE_REACH_CHARS = 300  # how far back a supposition ("if ...") is looked for
 _LAST_STATEMENTS = 16
