@@ -140,6 +140,8 @@ FINAL_STATEMENT_CASES = [
     ("Answer: 42\nScratch that.", "42", "stop", False),
     (r"\boxed{42}. Is that wrong? No: 6 \times 7 = 42.", "42", None, True),  # a question, answered
     (r"\boxed{42}. Step 2 was wrong? No, it holds.", "42", None, True),
+    (r"\boxed{42}. The other option, 41, is wrong.", "42", None, True),
+    (r"$\boxed{42}$ is wrong.", "42", None, False),
     (r"\boxed{42}. This is a mistake-free count.", "42", None, True),
     ("I thought 41 was a mistake. The answer is 24.", "24", None, True),
     # a negated answer

@@ -171,9 +171,11 @@ _ALTERNATIVE_GAP_CHARS = 80
 # The response taking back the statement just made (`\boxed{42}, but that was wrong`), within a few words of it.
 _RETRACTION = re.compile(
     r"\b(?:that|this|it|which)(?:'s|\s+is|\s+was)\s+(?:wrong|incorrect|not\s+(?:right|correct)|a\s+mistake"
-    r"|an\s+error)(?![\w-])(?!\s*\?)|\b(?:is|was)\s+(?:wrong|incorrect)\b(?!\s*\?)|\bscratch\s+that\b"
-    r"|\bI\s+(?:made\s+(?:a\s+mistake|an\s+error)|was\s+wrong)\b", re.IGNORECASE)
+    r"|an\s+error)(?![\w-])(?!\s*\?)|\bscratch\s+that\b|\bI\s+(?:made\s+(?:a\s+mistake|an\s+error)|was\s+wrong)\b",
+    re.IGNORECASE)
 _RETRACTION_REACH_CHARS = 40
+# ... or said of the statement itself, right after it (`\boxed{42} is wrong`; not `..., 41, is wrong`)
+_RETRACTED_RIGHT_AFTER = re.compile(r"[\s$)]*(?:is|was)\s+(?:wrong|incorrect)\b(?!\s*\?)", re.IGNORECASE)
 _SENTENCE_REACH_CHARS = 300  # how far back a supposition ("if ...") is looked for
 _LAST_STATEMENTS = 16
 # A sentence that supposes an answer rather than stating it ("if the answer is 41, then ...").
@@ -245,9 +247,10 @@ def _box_and_line_statements(response: str, cut: bool) -> list[_Statement]:
     return sorted(lines + boxes, key=lambda s: s.start)
 
 
-def _phrase_statements(response: str, cut: bool, after: int = 0) -> list[_Statement]:
-    """The last `_LAST_STATEMENTS` "answer is" sentences starting at or after `after`, except one that
-    supposes an answer ("if the answer is 41"); a sentence that runs to the cut states nothing."""
+def _phrase_statements(response: str, cut: bool, after: int = 0) -> list[tuple[_Statement, str]]:
+    """(statement, its text) for the last `_LAST_STATEMENTS` "answer is" sentences starting at or after
+    `after`, except one that supposes an answer ("if the answer is 41"); a sentence that runs to the cut
+    states nothing."""
     found = []
     for match in list(_ANSWER_PHRASE.finditer(response, after))[-_LAST_STATEMENTS:]:
         reach = max(after, match.start() - _SENTENCE_REACH_CHARS)
@@ -293,8 +296,9 @@ def final_answers(response: str, *, cut_off: bool | None = None) -> tuple[FinalA
         return None, []
     if final.answer is None:
         return None, []
-    retraction = _RETRACTION.search(response, final.end)
-    if retraction is not None and retraction.start() - final.end <= _RETRACTION_REACH_CHARS:
+    retraction = _RETRACTION.search(response, final.end, final.end + 2 * _RETRACTION_REACH_CHARS)
+    if (retraction is not None and retraction.start() - final.end <= _RETRACTION_REACH_CHARS) \
+            or _RETRACTED_RIGHT_AFTER.match(response, final.end):
         return None, []  # taken back, and nothing stated after it
     alternatives = []
     i = statements.index(final)
