@@ -173,3 +173,22 @@ def test_save_and_load_eval_roundtrip(tmp_path):
     assert load_eval(rd, 4) == results
     assert json.loads(open(path).read())["rollout"] == 4
     assert not [p for p in (tmp_path / "runs" / "run-a" / "eval").iterdir() if p.name.startswith(".")]  # no temp left
+
+
+def test_a_check_cut_off_is_a_score_failure_without_a_timeout(monkeypatch):
+    """Checked one at a time (`reward_timeout_s=None`), a power tower sympy would evaluate for minutes is cut
+    off by the direct-call bound (lowered to 5 s here: a fresh worker's first check may take a second on a
+    loaded host) and counted in `score_failures`, as the timed scorer counts it, not only graded wrong."""
+    from runtime.rewards import math_reward, score_batch, timeout
+
+    def engine(requests, sampling):
+        texts = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{7}"]
+        return [SampleResult(prompt_ids=r.prompt_ids, response_ids=[1], response_logprobs=[0.0],
+                             text=texts[r.key[2]], finish_reason="stop") for r in requests]
+
+    monkeypatch.setattr(timeout, "DIRECT_CALL_TIMEOUT_S", 5.0)
+    kw = dict(n_samples=1, sampling=SamplingParams(max_new_tokens=8), seed=0, eval_point=0, ks=[1], max_prompts=2)
+    res = evaluate(engine, CharTokenizer(), ROWS, **kw, reward_timeout_s=None, details=True)
+    assert res["score_failures"] == 1 and [d["n_correct"] for d in res["details"]] == [0, 1]
+    # every worker ready again before the next test: the killed ones' replacements answer too
+    assert score_batch(math_reward, ["\\boxed{2}"] * 4, ["2"] * 4, timeout_s=60) == ([1.0] * 4, 0)

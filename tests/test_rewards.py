@@ -100,6 +100,122 @@ def test_math_reward(response, label, expected):
     assert is_correct(response, label) is (expected == 1.0)
 
 
+# Issue 62, class 11: which statement is the final answer. A hedge (distinct answers offered as alternatives)
+# states none; a retraction states what it ends on; a negated answer states no value. Each case: response,
+# label, finish reason, verdict by plain meaning; near-misses beside each rule keep the verdict they had.
+FINAL_STATEMENT_CASES = [
+    # a hedge
+    (r"It is either \boxed{44} or \boxed{45}.", "44", None, False),
+    (r"It is either \boxed{44} or \boxed{45}.", "45", None, False),
+    (r"The answer is \boxed{7}, or possibly \boxed{8}.", "7", None, False),
+    ("The answer is \\boxed{44}.\nOr maybe \\boxed{45}.", "45", "stop", False),
+    (r"It's \boxed{44} (or possibly \boxed{45}).", "44", None, False),
+    (r"$\boxed{44}$ \text{ or } $\boxed{45}$", "45", None, False),
+    (r"So \boxed{3}, or perhaps the answer is 4.", "4", None, False),
+    (r"\boxed{44}", "44", None, True),
+    (r"Either way, the answer is \boxed{44}.", "44", None, True),
+    (r"\boxed{\frac{1}{2}} or equivalently \boxed{0.5}", "0.5", None, True),  # the same value twice
+    (r"Case 1 gives \boxed{2}, case 2 gives \boxed{3}; in total \boxed{5}.", "5", None, True),
+    (r"\boxed{3} for part one. For part two (odd or even n) it is \boxed{5}.", "5", None, True),  # "or" elsewhere
+    (r"\boxed{x = 2 \text{ or } x = -2}", "2, -2", None, True),  # one box: a solution set
+    ("Answer: 3 or 4", "3", None, False),  # one answer line: a set, not 3
+    # a box, then a different final statement
+    ("So \\boxed{42}.\n\nOn reflection, the answer is 24.", "42", None, False),
+    ("So \\boxed{42}.\n\nOn reflection, the answer is 24.", "24", None, True),
+    ("\\boxed{42}\nTherefore the final answer is $24$.", "42", "stop", False),
+    ("Answer: 42\nHmm, the answer is actually 24.", "42", None, False),
+    ("\\boxed{42}\n\nHmm, the answer should be 24.", "24", None, True),
+    (r"The answer is \boxed{12}. I am confident the answer is correct.", "12", None, True),  # names no value
+    ("\\boxed{42}\nCheck: if the answer is 41, then 6 \\times 7 would be 41, which is false.", "42", None, True),
+    ("\\boxed{42}. Indeed the answer is 42.", "42", None, True),
+    (r"\boxed{5}. Note that the answer is at least 2, as shown above.", "5", None, True),  # a bound, no value
+    # a retraction
+    (r"I initially wrote \boxed{42}, but that was a mistake: the correct answer is 24.", "42", None, False),
+    (r"I initially wrote \boxed{42}, but that was a mistake: the correct answer is 24.", "24", None, True),
+    (r"So \boxed{42}, but that is wrong.", "42", None, False),
+    (r"I initially wrote \boxed{42}, but I made an error. The correct value is 24.", "42", None, False),
+    (r"I initially wrote \boxed{42}, but I made an error. The correct value is 24.", "24", None, True),
+    (r"\boxed{42} is wrong; redoing it gives \boxed{24}.", "24", None, True),
+    (r"\boxed{42}, my mistake was in step 1 but it is fixed above.", "42", None, True),  # not the answer's
+    ("Answer: 42\nScratch that.", "42", "stop", False),
+    (r"\boxed{42}. Is that wrong? No: 6 \times 7 = 42.", "42", None, True),  # a question, answered
+    (r"\boxed{42}. Step 2 was wrong? No, it holds.", "42", None, True),
+    (r"\boxed{42}. The other option, 41, is wrong.", "42", None, True),
+    (r"$\boxed{42}$ is wrong.", "42", None, False),
+    (r"\boxed{42}. This is a mistake-free count.", "42", None, True),
+    ("I thought 41 was a mistake. The answer is 24.", "24", None, True),
+    # a negated answer
+    ("Answer: not 42", "42", None, False),
+    (r"\boxed{\neq 42}", "42", None, False),
+    ("The answer is not 42.", "42", None, False),
+    (r"Answer: $\ne 42$", "42", "stop", False),
+    (r"\boxed{x \neq 42}", "42", None, False),
+    ("The answer is not 24 but 42.", "42", None, True),
+    ("The answer is 42 (not counting the empty set).", "42", None, True),
+]
+
+# Issue 62, class 12: how an answer's text is read (units, repeating decimals, a contrast, e-notation, an
+# end-of-turn marker), with near-misses.
+READING_CASES = [
+    (r"\boxed{12\,\text{m}^2}", "12", None, True),
+    (r"\boxed{12\,\text{m}^2}", "13", None, False),
+    (r"The area is \boxed{12 \mathrm{~cm}^2}.", "12", None, True),
+    ("Answer: 45 km/h", "45", None, True),
+    ("Answer: 9.8 m/s^2", "9.8", None, True),
+    (r"\boxed{45\ \mathrm{km/h}}", "45", None, True),
+    ("Answer: 12 m", "12", "stop", True),
+    ("Answer: 30°", "30", None, True),
+    (r"\boxed{30°}", "30", None, True),
+    ("Answer: 30°", "60", None, False),
+    (r"\boxed{2 x}", "2", None, False),  # a letter that is no unit stays a variable
+    ("Answer: 5 s", "5", None, True),
+    (r"\boxed{0.\overline{3}}", r"\frac{1}{3}", None, True),
+    (r"\boxed{0.1\overline{6}}", r"\frac{1}{6}", None, True),
+    (r"Answer: $1.\overline{09}$", r"\frac{12}{11}", None, True),
+    (r"\boxed{0.\overline{3}}", "0.3", None, False),
+    ("Answer: 0.3", r"\frac{1}{3}", None, False),
+    ("The answer is 42, not 24.", "42", None, True),
+    ("The answer is 42, not 24.", "24", None, False),
+    ("Answer: 42 (not 24)", "42", None, True),
+    ("Answer: 1e3", "1000", None, True),
+    ("Answer: 2.5e-3", "0.0025", None, True),
+    ("Answer: 1e3", "e^3", None, False),
+    (r"\boxed{e^{3}}", "e^3", None, True),
+    ("Answer: 42<|im_end|>", "42", None, True),
+    (r"\boxed{42}<|endoftext|>", "42", None, True),
+    ("Answer: 4<|im_end|>", "42", None, False),
+    ("the count is 46, and the", "46", None, False),  # still cut off mid-sentence
+]
+
+
+@pytest.mark.parametrize("cases", [FINAL_STATEMENT_CASES, READING_CASES], ids=["final_statement", "reading"])
+def test_math_reward_by_plain_meaning(cases):
+    """Scored as a rollout is (`score_batch`, each with its finish reason)."""
+    rewards, failed = score_batch(math_reward, [c[0] for c in cases], [c[1] for c in cases], timeout_s=60,
+                                  finish_reasons=[c[2] for c in cases])
+    assert failed == 0
+    assert [(c[0], c[1]) for c, r in zip(cases, rewards) if (r > 0) != c[3]] == []
+
+
+def test_final_answer_reads_the_last_statement():
+    from runtime.rewards.answers import final_answers
+
+    assert final_answer("\\boxed{42}\nSo the answer is 24.") == ("24", "answer_phrase")
+    assert final_answer("The answer is \\boxed{12}. Surely the answer is right.") == ("12", "box")
+    assert final_answer("Answer: not 42") is None and final_answer("\\boxed{5}, but that is wrong.") is None
+    assert final_answer(r"\boxed{\text{not possible}}") == (r"\text{not possible}", "box")  # words, not a value
+    assert final_answer("The answer is 42 rather than 24.") == ("42", "answer_phrase")
+    answer, alternatives = final_answers(r"either \boxed{44} or \boxed{45}")
+    assert answer == ("45", "box") and alternatives == [("44", "box")]
+    assert final_answers(r"first \boxed{44}, then \boxed{45}")[1] == []
+
+
+def test_dapo_and_deepscaler_read_units_and_end_of_turn_markers():
+    assert dapo_reward("Answer: 45 km/h<|im_end|>", "45") == 1.0
+    assert dapo_reward("Answer: 46 km/h<|im_end|>", "45") == -1.0
+    assert deepscaler_reward(r"</think>\boxed{0.\overline{3}}</s>", r"\frac{1}{3}") == 1.0
+
+
 def test_math_reward_works_off_the_main_thread():
     # math-verify's SIGALRM timeouts raise ValueError outside the main thread unless turned off
     results = []

@@ -84,10 +84,15 @@ def eval_key(seed: int, eval_point: int, prompt_index: int, sample_index: int) -
 
 def _score(texts: list[str], labels: list[str], finish_reasons: list[str], timeout_s: float | None
            ) -> tuple[list[bool], int]:
-    from runtime.rewards import is_correct, math_reward, score_batch
+    """Correct or not per answer, and how many checks failed (raised or ran out of time: counted wrong)."""
+    from runtime.rewards import math_reward, score_batch, timeout
 
-    if timeout_s is None:  # one at a time (each check is still bounded: `rewards.timeout.bounded`)
-        return [bool(is_correct(t, lab, f)) for t, lab, f in zip(texts, labels, finish_reasons)], 0
+    if timeout_s is None:
+        # one at a time, each under the bound a direct `is_correct` call has; a check cut off there is a
+        # failure to report, not only a wrong answer
+        scored = [score_batch(math_reward, [t], [lab], None, timeout.DIRECT_CALL_TIMEOUT_S, fail_value=0.0,
+                              finish_reasons=[f]) for t, lab, f in zip(texts, labels, finish_reasons)]
+        return [s >= 0.5 for (s,), _ in scored], sum(failed for _, failed in scored)
     scores, failed = score_batch(math_reward, texts, labels, None, timeout_s, fail_value=0.0,
                                  finish_reasons=finish_reasons)
     return [s >= 0.5 for s in scores], failed
@@ -110,7 +115,8 @@ def evaluate(engine_generate: EngineGenerate, tokenizer, rows: list[dict], *, n_
     math-verify version that scored them) and ``eval_time_s``; with ``details=True`` also ``details``: per
     prompt its label, the number correct and the first response. ``max_prompts`` keeps the first rows;
     ``batch_prompts`` bounds how many prompts go to the engine per call (results do not depend on
-    it: every sample's noise is keyed). ``reward_timeout_s=None`` checks answers one at a time. A sample
+    it: every sample's noise is keyed). ``reward_timeout_s=None`` checks answers one at a time, each
+    within ``rewards.timeout.DIRECT_CALL_TIMEOUT_S`` (a check cut off counts in ``score_failures``). A sample
     that ran out of tokens is graded knowing it (``is_correct``'s finish reason).
     """
     if isinstance(ks, int):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 from runtime.rewards.answers import (ANSWER_LINE, CUT_OFF, answer_region, box_contents, clean_answer,
-                                     ends_mid_sentence)
+                                     ends_mid_sentence, without_end_of_turn)
 from runtime.rewards.math_reward import answer_equals_label
 from runtime.rewards.timeout import bounded
 
@@ -46,6 +46,7 @@ def normalize_answer(answer: str) -> str:
 def dapo_answer(response: str, finish_reason: str | None = None) -> str | None:
     """The text of the last `Answer:` line of the last WINDOW_CHARS characters; None without one, when
     a box on it is unclosed, no answer region (`answers.answer_region`), or the line runs to the cut."""
+    response, finish_reason = without_end_of_turn(response, finish_reason)
     if answer_region(response, finish_reason) is None:
         return None
     window = response[-WINDOW_CHARS:]

@@ -10,7 +10,7 @@ With the finish reason: a sample that ran out of tokens without a `</think>` sco
 
 from __future__ import annotations
 
-from runtime.rewards.answers import answer_region, last_boxed
+from runtime.rewards.answers import answer_region, last_boxed, without_end_of_turn
 from runtime.rewards.math_reward import answer_equals_label
 from runtime.rewards.timeout import bounded
 
@@ -21,7 +21,7 @@ RULE_VERSION = "deepscaler-3"
 @bounded
 def deepscaler_reward(response: str, label: str, metadata: dict | None = None, *,
                       finish_reason: str | None = None) -> float:
-    graded = answer_region(response, finish_reason)
+    graded = answer_region(*without_end_of_turn(response, finish_reason))
     if graded is None:
         return 0.0
     boxed = last_boxed(graded)

@@ -1,10 +1,16 @@
 """`math` reward: the response's final answer graded against the label by math-verify (1.0 / 0.0).
 
-Which text is the final answer: `answers.final_answer` (the later of the last box and the last
-`Answer:` line; an unclosed last box states nothing), after the last `</think>` when there is one
-(`answers.answer_region`: thinking that never closed states nothing, and a sample that ran out of
-tokens states an answer only after a `</think>`). A statement cut off by the end of the sample states
-nothing: the finish reason says so when the caller passes it, else a text ending mid-sentence does.
+Which text is the final answer: `answers.final_answers` (the later of the last box and the last
+`Answer:` line, or a complete "answer is" sentence after it that names a value; an unclosed last box
+states nothing), after the last `</think>` when there is one (`answers.answer_region`: thinking that
+never closed states nothing, and a sample that ran out of tokens states an answer only after a
+`</think>`). A statement cut off by the end of the sample states nothing: the finish reason says so when
+the caller passes it, else a text ending mid-sentence does (one ending with an end-of-turn marker was
+ended by the model: `answers.without_end_of_turn`).
+Several final answers (docs/grading.md): a hedge, distinct answers offered as alternatives ("either
+\\boxed{44} or \\boxed{45}"), states nothing, so scores 0 whatever the label; math-verify says whether
+they are distinct (`\\boxed{\\frac12} or equivalently \\boxed{0.5}` is one answer). A retraction states
+what it ends on; a negated answer (`not 42`, `\\neq 42`) states no value.
 How it is read: `parse_answer` cleans it (`answers.clean_answer`) and gives it to math-verify as LaTeX,
 the way a box's content is read, because math-verify reads LaTeX only inside delimiters: a bare
 `2^{10}` as plain text is the number 2.
@@ -16,8 +22,8 @@ import re
 
 from math_verify import parse, verify
 
-from runtime.rewards.answers import (CUT_OFF, answer_region, clean_answer, final_answer, has_math_delimiters, is_prose,
-                                     last_boxed)
+from runtime.rewards.answers import (CUT_OFF, FinalAnswer, answer_region, clean_answer, final_answers,
+                                     has_math_delimiters, is_prose, last_boxed, without_end_of_turn)
 from runtime.rewards.timeout import bounded
 from runtime.rewards.verify_timeouts import math_verify_timeout as _math_verify_timeout
 
@@ -64,12 +70,20 @@ def answer_equals_label(answer_text: str, label: str) -> bool:
 def extract_answer(response: str, finish_reason: str | None = None) -> list:
     """Parsed final answer of a response (empty when it states none), by the module docstring;
     finish_reason: why the sample ended ("stop", "length", "abort"), None when not known."""
+    response, finish_reason = without_end_of_turn(response, finish_reason)
     graded = answer_region(response, finish_reason)
     if graded is None:
         return []
-    answer = final_answer(graded, cut_off=None if finish_reason is None else finish_reason in CUT_OFF)
+    answer, alternatives = final_answers(graded, cut_off=None if finish_reason is None else finish_reason in CUT_OFF)
     if answer is None:
         return []
+    parsed = _parse_final(answer)
+    if any(not answers_match(parsed, _parse_final(other)) for other in alternatives):
+        return []  # a hedge: distinct answers offered as alternatives state none
+    return parsed
+
+
+def _parse_final(answer: FinalAnswer) -> list:
     if answer.source == "whole_response" and not _LATEX_MARKUP.search(answer.text):
         # one line of plain text (`so the total is 42`, a tiny model's `7`): math-verify's own reading
         return parse(answer.text.replace("\u2212", "-"), parsing_timeout=_math_verify_timeout())
