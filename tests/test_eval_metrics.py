@@ -122,7 +122,7 @@ def test_evaluate_keys_counts_and_correctness_ignore_training_reward():
     # the rule and the math-verify version that scored them travel with the numbers
     from importlib.metadata import version
 
-    assert res["grader"] == {"grader": "math", "rule_version": "math-3", "math_verify_version": version("math-verify")}
+    assert res["grader"] == {"grader": "math", "rule_version": "math-4", "math_verify_version": version("math-verify")}
     assert [d["n_correct"] for d in res["details"]] == [3, 1, 3, 1, 3]
     assert res["details"][1]["correct"] == [True, False, False]
     # the loggable view drops the details; a JSON round trip keeps everything

@@ -333,9 +333,9 @@ def test_grader_record_names_the_rule_and_math_verify(custom_module):
     from runtime.rewards import grader_record
 
     mv = version("math-verify")
-    assert grader_record() == {"grader": "math", "rule_version": "math-3", "math_verify_version": mv}
-    assert grader_record(dapo_reward)["rule_version"] == "dapo-3"
-    assert grader_record("deepscaler")["rule_version"] == "deepscaler-3"
+    assert grader_record() == {"grader": "math", "rule_version": "math-4", "math_verify_version": mv}
+    assert grader_record(dapo_reward)["rule_version"] == "dapo-4"
+    assert grader_record("deepscaler")["rule_version"] == "deepscaler-4"
     custom = grader_record(custom_module.length_reward)
     assert custom["grader"] == f"{CUSTOM_MODULE}:length_reward" and custom["rule_version"] is None
 

@@ -243,7 +243,7 @@ def test_registration_is_idempotent_and_aliases_move_right(root, capsys):
     from importlib.metadata import version
 
     assert {k: v for k, v in v2.tags.items() if k.startswith("grpoflow.grader.")} == {
-        "grpoflow.grader.grader": "math", "grpoflow.grader.rule_version": "math-3",
+        "grpoflow.grader.grader": "math", "grpoflow.grader.rule_version": "math-4",
         "grpoflow.grader.math_verify_version": version("math-verify")}
 
     # the CLI views

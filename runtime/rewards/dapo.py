@@ -22,7 +22,7 @@ from runtime.rewards.math_reward import answer_equals_label
 from runtime.rewards.timeout import bounded
 
 FAIL_VALUE = -1.0
-RULE_VERSION = "dapo-3"
+RULE_VERSION = "dapo-4"
 WINDOW_CHARS = 300
 
 _LINE = re.compile(ANSWER_LINE.pattern + r"\s*([^\n]+)", re.IGNORECASE)

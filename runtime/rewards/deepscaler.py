@@ -15,7 +15,7 @@ from runtime.rewards.math_reward import answer_equals_label
 from runtime.rewards.timeout import bounded
 
 FAIL_VALUE = 0.0
-RULE_VERSION = "deepscaler-3"
+RULE_VERSION = "deepscaler-4"
 
 
 @bounded

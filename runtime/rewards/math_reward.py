@@ -28,7 +28,7 @@ from runtime.rewards.timeout import bounded
 from runtime.rewards.verify_timeouts import math_verify_timeout as _math_verify_timeout
 
 FAIL_VALUE = 0.0
-RULE_VERSION = "math-3"  # bump when a change can turn a score; recorded beside every eval (catalog.grader_record)
+RULE_VERSION = "math-4"  # bump when a change can turn a score; recorded beside every eval (catalog.grader_record)
 
 _LATEX_MARKUP = re.compile(r"[\\^{}$]")
 
