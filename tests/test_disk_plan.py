@@ -89,6 +89,18 @@ def test_validate_measures_this_machine_and_leaves_the_refusal_to_the_run(tmp_pa
     assert row.split()[1] == "595.38"
 
 
+def test_an_s3_root_counts_its_local_mirrors_where_state_dir_is(tmp_path, capsys):
+    """Under an s3:// root the writers build each checkpoint (and export) in a local mirror under storage.state_dir
+    and keep it: the disk row is checked there, with the same bytes."""
+    state = tmp_path / "state"
+    cfg = load_config(ROOT / QWEN, ["storage.root=s3://bucket/prefix", f"storage.state_dir={state}"])
+    assert disk.local_dir(cfg) == str(state / "scratch")
+    code = main(["validate", QWEN, "--set", "storage.root=s3://bucket/prefix", "--set", f"storage.state_dir={state}"])
+    out = capsys.readouterr().out
+    assert code == 0 and f"(free at {state / 'scratch'} on this machine" in out
+    assert "37.81 GiB" in out  # as a local root's
+
+
 def test_run_on_a_disk_too_small_is_refused_before_anything_is_written(prefect_harness, tiny_checkpoint, tmp_path,
                                                                        capsys):
     hf, _ = tiny_checkpoint

@@ -118,11 +118,12 @@ def disk_terms(cfg, hf_config, *, device: str) -> dict[str, Any]:
 
 
 def local_dir(cfg) -> str:
-    """The local directory whose disk holds the run's bytes: ``storage.root``, or ``storage.state_dir`` (the
-    mirrors) under an ``s3://`` root."""
+    """The local directory whose disk holds the run's bytes: ``storage.root``, or under an ``s3://`` root the
+    scratch where its writers build and keep the mirrors (``<storage.state_dir>/scratch``)."""
+    from runtime import storage
     root = cfg.storage.root
-    if "://" in root and not root.startswith("file://"):
-        return cfg.storage.state_dir or "."
+    if storage.is_remote(root):
+        return str(storage.scratch_root(cfg.storage.state_dir))
     return root.removeprefix("file://")
 
 
