@@ -150,7 +150,8 @@ def disk_plan(cfg: GrpoConfig, hf_config, *, run_dir: str | None = None):
     else:
         from runtime.devices import resolve_device
         est = disk.disk_terms(cfg, hf_config, device=resolve_device(cfg))
-    where = disk.local_dir(cfg)
+    # a resumed run's directory may sit under another root than its frozen storage.root (`resume --root`)
+    where = run_dir if run_dir is not None and not storage.is_remote(run_dir) else disk.local_dir(cfg)
     measured = disk.free_bytes(where) / disk.GIB
     given = cfg.storage.disk_gb is not None and (run_dir is None or cfg.storage.disk_gb <= measured)
     free = cfg.storage.disk_gb if given else measured
