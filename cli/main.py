@@ -356,15 +356,17 @@ def main(argv: list[str] | None = None) -> int:
             from runtime.config import load_config
             cfg = load_config(args.config, args.overrides)
             from runtime.errors import ConfigError
-            from runtime.plan.summary import layout_lines, memory_report
+            from runtime.plan.summary import disk_report, layout_lines, memory_report
             placement = layout_lines(cfg)  # before any output: a layout that cannot run is one line
             from runtime.grpo.preflight import check_trainable
             check_trainable(cfg)
             _print_plan(cfg)
             memory, does_not_fit = memory_report(cfg, args.gpu_mem_gb, args.host_mem_gb)
             from runtime.secrets import redact_text
-            for line in placement + memory:
+            disk, disk_does_not_fit = disk_report(cfg)
+            for line in placement + memory + disk:
                 print(redact_text(line))
+            does_not_fit = does_not_fit or disk_does_not_fit
             if does_not_fit:
                 raise ConfigError(f"{args.config}: {does_not_fit}")
             print("config is valid")

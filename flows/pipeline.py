@@ -46,9 +46,10 @@ def grpo_pipeline(config_path: str | None = None, overrides: list[str] | None = 
     else:
         cfg = load_config(config_path, overrides)
     check_trainable(cfg)  # cheap checks before anything is fetched or a GPU is taken
-    check_fits(cfg)
+    rd = RunDir(root or cfg.storage.root, run_id, cfg.storage.state_dir)
+    check_fits(cfg, rd.path)
     check_this_machine(cfg)
-    rd = RunDir(root or cfg.storage.root, run_id, cfg.storage.state_dir).checked()  # fails early on an unusable S3 root
+    rd = rd.checked()  # fails early on an unusable S3 root
     new_run = not storage.exists(rd.path)
     try:
         with RunLease(rd, started_with=None if resume else _started_with(config_path, overrides)):  # one writer per run

@@ -400,6 +400,11 @@ DEFAULT_ROOT = "./grpoflow-data"  # storage.root when a config or a command name
 class StorageSection(Section):
     root: str = DEFAULT_ROOT
     state_dir: str | None = None  # local dir for MLflow/Prefect state when root is remote
+    # Disk space in GiB the run may take where it writes (storage.root; under an s3:// root, storage.state_dir,
+    # which keeps the local mirrors): the plan's disk row is checked against it by `grpoflow validate`, and by the
+    # run before it takes a GPU against the lesser of it and the free space there. None: the free space measured
+    # there (validate prints this machine's and leaves the refusal to the run).
+    disk_gb: float | None = Field(None, gt=0)
 
     @field_validator("root")
     @classmethod

@@ -31,11 +31,16 @@ def check_this_machine(cfg: GrpoConfig) -> None:
                           f"are their own master; set model.dtype: bfloat16 or train.optimizer_on_host: false")
 
 
-def check_fits(cfg: GrpoConfig) -> None:
+def check_fits(cfg: GrpoConfig, run_dir: str | None = None) -> None:
     """Raise ConfigError (one line naming settings that would fit) when the memory plan says the run
-    does not fit `cluster.gpu_memory_gb` (when unset: this machine's GPU, 80 GiB without one)."""
+    does not fit `cluster.gpu_memory_gb` (when unset: this machine's GPU, 80 GiB without one), or, given the run's
+    directory, the disk plan says it does not fit the free space where it writes (and `storage.disk_gb`)."""
     from runtime.errors import ConfigError
-    from runtime.plan.summary import memory_report
+    from runtime.plan.summary import disk_report, memory_report
     _, does_not_fit = memory_report(cfg)
     if does_not_fit:
         raise ConfigError(does_not_fit)
+    if run_dir is not None:
+        _, does_not_fit = disk_report(cfg, run_dir)
+        if does_not_fit:
+            raise ConfigError(does_not_fit)

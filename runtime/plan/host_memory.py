@@ -57,36 +57,49 @@ def param_tensor_numels(m: dict[str, Any], tp: int) -> list[int]:
     return [V * h // tp] + layer * L + [h] + ([] if m["tied"] else [V * h // tp])
 
 
+def host_optimizer(opt_params: int) -> int:
+    """``train.optimizer_on_host``: a rank's fp32 master and Adam's two moments, 12 B per parameter it updates."""
+    return 12 * opt_params
+
+
+def host_step_buffers(*, grad_bytes: int, weight_bytes: int) -> int:
+    """``train.optimizer_on_host``: the step's pinned transfer buffers each way and its fp32 chunk of scratch."""
+    return RING * CHUNK_ELEMS * (grad_bytes + weight_bytes) + 4 * CHUNK_ELEMS
+
+
+def offload_pinned(numels: list[int], *, grads: int, weight_bytes: int, dp: int, distributed_optimizer: bool) -> int:
+    """The state offload's pinned buffers of a rank: its gradient buffer (``grads`` bytes) and each trained tensor's
+    fp32 master and two moments (their DP shard with the distributed optimizer), each rounded as pinned."""
+    share = (lambda n: -(-n // dp)) if distributed_optimizer else (lambda n: n)
+    master = 4 if weight_bytes < 4 else 0
+    return _pinned(grads) + sum((_pinned(master * share(n)) if master else 0) + 2 * _pinned(4 * share(n))
+                                for n in numels)
+
+
 def host_terms(shape: dict[str, Any], *, tp: int, dp: int, per_rank: int, opt_params: int, weight_bytes: int,
                grad_bytes: int, distributed_optimizer: bool, optimizer_on_host: bool, offload: bool, trainer_ranks: int,
                processes: int, host_memory_gb: float, trainable_numels: list[int] | None = None) -> dict[str, Any]:
     """Host bytes of one node (module doc), by term; ``fits`` against ``host_memory_gb``. ``trainable_numels``:
     the elements of each trained tensor of a rank when not every parameter is trained (LoRA's adapters: the
     frozen base has no gradients, master or moments to offload); ``per_rank`` then counts them too."""
-    if optimizer_on_host:
-        optimizer = 12 * opt_params
-        pinned = RING * CHUNK_ELEMS * (grad_bytes + weight_bytes)
-        scratch = 4 * CHUNK_ELEMS
+    optimizer, pinned = 0, 0
+    if optimizer_on_host:  # the offload then frees the GPU's gradients without a copy: nothing pinned for it
+        optimizer = host_optimizer(opt_params)
+        pinned = host_step_buffers(grad_bytes=grad_bytes, weight_bytes=weight_bytes)
         note = "host"
+    elif offload:
+        numels = param_tensor_numels(shape, tp) if trainable_numels is None else trainable_numels
+        pinned = offload_pinned(numels, grads=per_rank * grad_bytes, weight_bytes=weight_bytes, dp=dp,
+                                distributed_optimizer=distributed_optimizer)
+        note = "offload"
     else:
-        optimizer = 0
-        scratch = 0
-        pinned = 0
-        note = "offload" if offload else "none"
-        if offload:
-            share = (lambda n: -(-n // dp)) if distributed_optimizer else (lambda n: n)
-            master = 4 if weight_bytes < 4 else 0
-            pinned = _pinned(per_rank * grad_bytes) + sum(
-                (_pinned(master * share(n)) if master else 0) + 2 * _pinned(4 * share(n))
-                for n in (param_tensor_numels(shape, tp) if trainable_numels is None else trainable_numels))
-    per_rank_bytes = optimizer + pinned + scratch
+        note = "none"
     ranks = min(trainer_ranks, NODE_GPUS)
-    exact = {"optimizer": ranks * optimizer, "pinned": ranks * (pinned + scratch),
-             "processes": processes * PROCESS_BYTES}
+    exact = {"optimizer": ranks * optimizer, "pinned": ranks * pinned, "processes": processes * PROCESS_BYTES}
     exact["total"] = sum(exact.values())
     limit = host_memory_gb * GIB
     out: dict[str, Any] = {k: v / GIB for k, v in exact.items()}
-    out.update(bytes=exact, per_rank_bytes=per_rank_bytes, ranks=ranks, processes_n=processes, mode=note,
+    out.update(bytes=exact, per_rank_bytes=optimizer + pinned, ranks=ranks, processes_n=processes, mode=note,
                host_memory_gb=host_memory_gb, fits=exact["total"] <= limit)
     return out
 

@@ -138,6 +138,45 @@ def memory_report(cfg: GrpoConfig, gpu_mem_gb: float | None = None,
     return lines, None
 
 
+def disk_plan(cfg: GrpoConfig, hf_config, *, run_dir: str | None = None):
+    """The run directory's disk plan (runtime/plan/disk.py) checked against where the run writes: validate
+    (``run_dir`` None) against ``storage.disk_gb``, else the free space measured on this machine; the run
+    (``run_dir``: its directory, a resumed run's bytes already there counted) against the lesser of the two."""
+    from runtime import storage
+    from runtime.plan import disk
+    from runtime.plan.memory import config_device
+    if run_dir is None:
+        est = disk.disk_terms(cfg, hf_config, device=config_device(cfg))
+    else:
+        from runtime.devices import resolve_device
+        est = disk.disk_terms(cfg, hf_config, device=resolve_device(cfg))
+    # a resumed run's directory may sit under another root than its frozen storage.root (`resume --root`)
+    where = run_dir if run_dir is not None and not storage.is_remote(run_dir) else disk.local_dir(cfg)
+    measured = disk.free_bytes(where) / disk.GIB
+    given = cfg.storage.disk_gb is not None and (run_dir is None or cfg.storage.disk_gb <= measured)
+    free = cfg.storage.disk_gb if given else measured
+    already = 0
+    if run_dir is not None:
+        already = disk.used_bytes(str(storage.staged_path(run_dir, cfg.storage.state_dir))
+                                  if storage.is_remote(run_dir) else run_dir)
+    return disk.check_disk(est, free_gb=free, where=None if given else where, here=run_dir is None, already=already)
+
+
+def disk_report(cfg: GrpoConfig, run_dir: str | None = None) -> tuple[list[str], str | None]:
+    """The disk plan as lines, and None when it fits (or validate measured this machine: the run decides), else
+    the one-line error naming the fix."""
+    from runtime.plan.disk import format_disk
+    try:
+        hf_config, _ = model_config_for_plan(cfg.model.source)
+    except Exception:  # noqa: BLE001 - not a model dir: the fetch stage says so
+        hf_config = None
+    if hf_config is None:
+        return [], None
+    est = disk_plan(cfg, hf_config, run_dir=run_dir)
+    refuse = not est["fits"] and (run_dir is not None or cfg.storage.disk_gb is not None)
+    return format_disk(est), f"disk: {est['reason']}" if refuse else None
+
+
 def layout_lines(cfg: GrpoConfig) -> list[str]:
     """Where trainer ranks and the engine go; raises ConfigError when the layout cannot run here
     (model shapes when the config.json is at hand; this machine's GPUs under cluster.backend=local)."""

@@ -30,7 +30,8 @@ RESUMABLE_CHANGES = {"train.num_rollout", "eval.interval", "eval.before_train", 
                      "rollout.kv_cache_gb", "cluster.gpu_memory_gb", "cluster.offload_trainer_state",
                      "train.recompute", "train.recompute_modules", "train.recompute_num_layers",
                      "train.data_parallel", "cluster.trainer_gpus", "train.distributed_optimizer",
-                     "train.optimizer_on_host", "cluster.host_memory_gb"}
+                     "train.optimizer_on_host", "cluster.host_memory_gb", "storage.disk_gb",
+                     "tracking.keep_exports"}
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

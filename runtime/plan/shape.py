@@ -1,0 +1,50 @@
+"""The model's shape as the plan reads it (megatron-core's GPTModel with the local spec, as the family's adapter
+maps an HF config), the parameter counts, and the bytes of a dtype: what every term of the plan is a function of."""
+from __future__ import annotations
+
+from typing import Any
+
+GIB = 2**30
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes(dtype) -> int:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, not {dtype!r}")
+    return _DTYPE_BYTES[name]
+
+
+def model_shape(hf_config) -> dict[str, Any]:
+    """V (vocab), h (hidden), L (layers), f (ffn), nh / ng (attention heads / key-value groups), d (head dim), rot
+    (rotary dims), and the family's switches (qkv bias, q/k norms, GLM4's post-norms, tied embeddings)."""
+    from runtime.models import get_adapter
+    from runtime.models.base import head_dim
+
+    adapter = get_adapter(hf_config)
+    kw = adapter.transformer_config_kwargs(hf_config)  # also refuses configs the family cannot map
+    d = head_dim(hf_config)
+    rot = int(d * float(kw.get("rotary_percent", 1.0)))
+    return dict(
+        V=int(hf_config.vocab_size), h=kw["hidden_size"], L=kw["num_layers"], f=kw["ffn_hidden_size"],
+        nh=kw["num_attention_heads"], ng=kw["num_query_groups"], d=d, rot=rot - rot % 2,
+        qkv_bias=bool(kw["add_qkv_bias"]), qk_norm=bool(kw["qk_layernorm"]),
+        post_norms=bool(getattr(adapter, "post_norms", False)),
+        tied=bool(hf_config.tie_word_embeddings))
+
+
+def param_counts(hf_config, tp: int = 1) -> tuple[int, int]:
+    """(parameters of the model, parameters one tensor-parallel rank holds)."""
+    return shape_param_counts(model_shape(hf_config), tp)
+
+
+def shape_param_counts(m: dict[str, Any], tp: int = 1) -> tuple[int, int]:
+    """:func:`param_counts` of a :func:`model_shape`."""
+    V, h, L, f, nh, ng, d = m["V"], m["h"], m["L"], m["f"], m["nh"], m["ng"], m["d"]
+    if V % tp or nh % tp or ng % tp or f % tp:
+        raise ValueError(f"tensor_parallel={tp} must divide vocab_size {V}, attention heads {nh}, "
+                         f"key-value heads {ng} and ffn size {f}")
+    qkv = (nh + 2 * ng) * d
+    split = (1 if m["tied"] else 2) * V * h + L * (h * qkv + (qkv if m["qkv_bias"] else 0) + nh * d * h + 3 * h * f)
+    replicated = L * (2 * h + (2 * h if m["post_norms"] else 0) + (2 * d if m["qk_norm"] else 0)) + h
+    return split + replicated, split // tp + replicated
