@@ -1,5 +1,5 @@
-"""Conversions and exports build a model on the CPU: each runs on a CPU parallel state and leaves the
-process's as it found it (:func:`cpu_job`)."""
+"""Conversions and exports build a model on a parallel state of their own and leave the process's as they
+found it: on the CPU (:func:`cpu_job`), or on a GPU in a process of their own (:func:`device_job`)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -59,15 +59,60 @@ def _cpu_worker() -> concurrent.futures.ProcessPoolExecutor:
         return _worker
 
 
-def _worker_init(parent_pid: int) -> None:
+def _die_with_parent(parent_pid: int) -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the executor's own shutdown at exit still ends it
         pass
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         os._exit(1)
+
+
+def _worker_init(parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
     from runtime.mcore import env
     env.ensure_parallel("cpu")
+
+
+def device_job(gpu_bytes: Callable[..., int]) -> Callable[[_Job], _Job]:
+    """``fn(..., device=...)`` on the device its ``device`` keyword names: "cpu" as :func:`cpu_job`; "cuda",
+    or "auto" where this process sees a GPU, in a spawned process of its own with a CUDA parallel state, so
+    the CUDA context and every byte it allocated end with the call (a driver that kept them would hold GPU
+    memory no plan counts, beside the trainer it starts next). "auto" takes the GPU only where its free memory
+    holds ``gpu_bytes(*args, **kwargs)`` (an export during a colocated run finds it full), else the CPU."""
+    def wrap(fn: _Job) -> _Job:
+        on_cpu = cpu_job(fn)
+
+        @functools.wraps(fn)
+        def run(*args, device: str = "cpu", **kwargs):
+            if device not in ("cpu", "cuda", "auto"):
+                raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', not {device!r}")
+            import torch
+            if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+                return on_cpu(*args, device="cpu", **kwargs)
+            need = gpu_bytes(*args, **kwargs) if device == "auto" else 0
+            with concurrent.futures.ProcessPoolExecutor(
+                    1, mp_context=multiprocessing.get_context("spawn"), initializer=_die_with_parent,
+                    initargs=(os.getpid(),)) as one:
+                return one.submit(_on_gpu_or_cpu, run, need, args, kwargs).result()
+        return run  # type: ignore[return-value]
+    return wrap
+
+
+def _on_gpu_or_cpu(job, need: int, args: tuple, kwargs: dict):
+    """In the spawned process: ``job``'s body on the GPU when it holds ``need`` bytes free, else the CPU."""
+    import torch
+
+    from runtime.mcore import env
+    device = "cuda"
+    if need:
+        free, _ = torch.cuda.mem_get_info()
+        device = "cuda" if free >= need else "cpu"
+    env.ensure_parallel(device)
+    try:
+        return job.__wrapped__(*args, device=device, **kwargs)
+    finally:
+        env.destroy_parallel()
 
 
 def shutdown_cpu_worker() -> None:
@@ -79,4 +124,4 @@ def shutdown_cpu_worker() -> None:
         worker.shutdown(wait=True, cancel_futures=True)
 
 
-__all__ = ["cpu_job", "shutdown_cpu_worker"]
+__all__ = ["cpu_job", "device_job", "shutdown_cpu_worker"]
