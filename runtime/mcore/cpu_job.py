@@ -31,8 +31,8 @@ def cpu_job(fn: _Job) -> _Job:
 
         from runtime.mcore import env
         if env.parallel_device() == "cuda":
-            try:
-                return _cpu_worker().submit(run, *args, **kwargs).result()
+            try:  # by name: the module's attribute may wrap this one (device_job), and pickles only as itself
+                return _cpu_worker().submit(_call_by_name, fn.__module__, fn.__qualname__, args, kwargs).result()
             except BrokenProcessPool:
                 shutdown_cpu_worker()  # the next job starts a fresh one
                 raise
@@ -44,6 +44,11 @@ def cpu_job(fn: _Job) -> _Job:
             if made:
                 env.destroy_parallel()
     return run  # type: ignore[return-value]
+
+
+def _call_by_name(module: str, qualname: str, args: tuple, kwargs: dict):
+    import importlib
+    return getattr(importlib.import_module(module), qualname)(*args, **kwargs)
 
 
 def _cpu_worker() -> concurrent.futures.ProcessPoolExecutor:
