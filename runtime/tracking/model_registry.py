@@ -239,9 +239,9 @@ def _export_gpu_bytes(ckpt_model_dir, hf_config_dir, *args, dtype=None, **kwargs
 
 
 def stored_dtype(ckpt_model_dir: str | os.PathLike):
-    """The dtype of the model weights a trainer checkpoint holds (the dtype it trained in: bf16 for a bf16
-    run; its fp32 master and Adam moments are other tensors), read from the torch_dist metadata alone."""
-    import torch
+    """The dtype of the model weights a torch_dist checkpoint holds (a trainer's: the dtype it trained in, bf16
+    for a bf16 run; its fp32 master and Adam moments are other tensors), read from its metadata alone; None
+    where it holds no word embeddings (a LoRA checkpoint: adapters only)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     meta = FileSystemReader(str(ckpt_model_dir)).read_metadata().state_dict_metadata
@@ -249,7 +249,7 @@ def stored_dtype(ckpt_model_dir: str | os.PathLike):
         props = getattr(item, "properties", None)
         if key.startswith("embedding.") and props is not None:  # the word embeddings: a weight, never state
             return props.dtype
-    return torch.float32
+    return None
 
 
 @device_job(_export_gpu_bytes)
@@ -275,9 +275,8 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
-    from runtime.mcore.convert import (HF_SIDE_FILES, _check_torch_dist_dir, _quiet_checkpoint_warnings,
-                                       _require_single_process, as_dtype, hf_named_weights, loading_dtype,
-                                       save_hf_state_dict)
+    from runtime.mcore.convert import (_check_torch_dist_dir, _config_dtype, _quiet_checkpoint_warnings,
+                                       _require_single_process, as_dtype, hf_named_weights, loading_dtype)
     from runtime.mcore.env import build_gpt_model, cuda_to_cpu
     from runtime.models import get_adapter, load_hf_config
 
@@ -287,7 +286,9 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
     hf_config = load_hf_config(hf_config_dir)
     adapter = get_adapter(hf_config)
     _require_single_process("export_trainer_checkpoint")
-    dtype = as_dtype(dtype) if dtype is not None else stored_dtype(ckpt)
+    if dtype is None:  # the trained dtype: the checkpoint's weights', a LoRA run's base's
+        dtype = stored_dtype(ckpt) or (stored_dtype(base_dir) if base_dir else None) or _config_dtype(hf_config)
+    dtype = as_dtype(dtype)
     from runtime.trainer.lora import read_description
     lora = read_description(str(ckpt))
     extra: dict[str, Any] = {}
@@ -319,7 +320,19 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
               "device": device,
               "n_tensors": len(hf_state), "created": time.time(), **extra, **(provenance or {})}
 
-    def write(tmp: Path) -> list[str]:
+    files = publish_hf_export(hf_state, hf_config_dir, str(out_dir), marker)
+    return {**marker, "path": str(out_dir), "files": files, "skipped": False, "seconds": round(time.time() - t0, 3)}
+
+
+def publish_hf_export(hf_state: dict, hf_config_dir: str | os.PathLike, out_dir: str, marker: dict) -> list[str]:
+    """Write HF-named tensors, the side files of ``hf_config_dir`` (config, tokenizer) and the export marker
+    (``marker`` + its files) to ``out_dir`` (local or remote), atomically, the marker last; the files written.
+    Any source of full HF-named weights can publish through it (a checkpoint read back, or the live trainer's
+    gathered weights at that rollout)."""
+    from runtime.mcore.convert import HF_SIDE_FILES, save_hf_state_dict
+
+    hf_config_dir = Path(hf_config_dir)
+    with storage.publish_dir(out_dir, last=["config.json", EXPORT_MARKER]) as tmp:  # the marker last
         files = save_hf_state_dict(hf_state, tmp)
         moment("export-weights-written")  # under a temp name, no marker yet
         for name in HF_SIDE_FILES:
@@ -327,12 +340,7 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
                 shutil.copyfile(hf_config_dir / name, tmp / name)
                 files.append(name)
         (tmp / EXPORT_MARKER).write_text(json.dumps({**marker, "files": sorted(files)}, indent=2) + "\n")
-        return files
-
-    out = str(out_dir)
-    with storage.publish_dir(out, last=["config.json", EXPORT_MARKER]) as tmp:  # the marker last
-        files = write(tmp)
-    return {**marker, "path": out, "files": sorted(files), "skipped": False, "seconds": round(time.time() - t0, 3)}
+    return sorted(files)
 
 
 def export_checkpoint(rd: RunDir, rollout: int, hf_dir: str | None = None, *, dtype=None,
@@ -363,5 +371,6 @@ def export_checkpoint(rd: RunDir, rollout: int, hf_dir: str | None = None, *, dt
 
 __all__ = [
     "should_move_best", "checkpoint_tag", "register_checkpoint", "find_checkpoint_version", "all_versions",
-    "export_checkpoint", "export_trainer_checkpoint", "export_complete", "aliases_of",
+    "export_checkpoint", "export_trainer_checkpoint", "export_complete", "aliases_of", "publish_hf_export",
+    "stored_dtype",
 ]
