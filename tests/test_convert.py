@@ -499,3 +499,19 @@ def test_device_and_dtype_are_checked(tied, work):
     with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'auto', not 'gpu'"):
         hf_to_torch_dist(tied[0], work / "never", dtype="bfloat16", device="gpu")
     assert not (work / "never").exists()
+
+
+def test_auto_keeps_a_small_model_on_the_host(tied, work, monkeypatch):  # ~3 s
+    """On a GPU machine "auto" converts a model this small on the host: a GPU process would cost ~20 s to start
+    (runtime/mcore/cpu_job.py's GPU_WORTH_BYTES); what a 9B does there is bench/convert_gpu.py's."""
+    from runtime.mcore import cpu_job
+    from runtime.mcore.convert import hf_to_torch_dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    class NoProcess(cpu_job.concurrent.futures.ProcessPoolExecutor):
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("a conversion process was started")
+
+    monkeypatch.setattr(cpu_job.concurrent.futures, "ProcessPoolExecutor", NoProcess)
+    report = hf_to_torch_dist(tied[0], work / "auto_td", tolerance=TOL, device="auto")
+    assert report["device"] == "cpu" and report["dtype"] == "float32"

@@ -79,12 +79,18 @@ def _worker_init(parent_pid: int) -> None:
     env.ensure_parallel("cpu")
 
 
+# Below this GPU need "auto" stays on the host: a fresh GPU process costs ~20 s (torch, megatron, a process
+# group), the host's kept worker exports a 0.6B model in ~2 s; the 9B's export takes 45 s on an H200.
+GPU_WORTH_BYTES = 8 * 10**9
+
+
 def device_job(gpu_bytes: Callable[..., int]) -> Callable[[_Job], _Job]:
-    """``fn(..., device=...)`` on the device its ``device`` keyword names: "cpu" as :func:`cpu_job`; "cuda",
-    or "auto" where this process sees a GPU, in a spawned process of its own with a CUDA parallel state, so
-    the CUDA context and every byte it allocated end with the call (a driver that kept them would hold GPU
-    memory no plan counts, beside the trainer it starts next). "auto" takes the GPU only where its free memory
-    holds ``gpu_bytes(*args, **kwargs)`` (an export during a colocated run finds it full), else the CPU."""
+    """``fn(..., device=...)`` on the device its ``device`` keyword names: "cpu" as :func:`cpu_job`; "cuda" in a
+    spawned process of its own with a CUDA parallel state, so the CUDA context and every byte it allocated end
+    with the call (a driver that kept them would hold GPU memory no plan counts, beside the trainer it starts
+    next). "auto": the GPU where this process sees one, the job needs ``gpu_bytes(*args, **kwargs)`` >=
+    :data:`GPU_WORTH_BYTES` and the GPU has that much free (an export during a colocated run finds it full),
+    else the CPU."""
     def wrap(fn: _Job) -> _Job:
         on_cpu = cpu_job(fn)
 
@@ -93,9 +99,12 @@ def device_job(gpu_bytes: Callable[..., int]) -> Callable[[_Job], _Job]:
             if device not in ("cpu", "cuda", "auto"):
                 raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', not {device!r}")
             import torch
-            if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+            need = 0
+            if device == "auto":
+                need = gpu_bytes(*args, **kwargs) if torch.cuda.is_available() else 0
+                device = "cuda" if need >= GPU_WORTH_BYTES else "cpu"
+            if device == "cpu":
                 return on_cpu(*args, device="cpu", **kwargs)
-            need = gpu_bytes(*args, **kwargs) if device == "auto" else 0
             with concurrent.futures.ProcessPoolExecutor(
                     1, mp_context=multiprocessing.get_context("spawn"), initializer=_die_with_parent,
                     initargs=(os.getpid(),)) as one:
