@@ -97,3 +97,63 @@ def test_a_run_keeps_best_latest_and_the_last_n_exports(prefect_harness, tmp_pat
     assert f'from_pretrained("{rd.export(6)}")' in capsys.readouterr().out
     assert main(["models", "export", "tiny/2", "--root", str(root)]) == 2
     assert "checkpoint" in capsys.readouterr().err and not Path(rd.export(4)).exists()
+
+
+def _fake_export(rd, rollout: int) -> str:
+    out = Path(rd.export(rollout))
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    (out / "grpoflow_export.json").write_text("{}")
+    return str(out)
+
+
+def test_a_run_prunes_only_its_own_and_a_cut_pass_is_finished_by_the_next(tmp_path, monkeypatch):  # ~10 s
+    """Versions of another run, and of the same run id under another storage root (its export elsewhere; the
+    registry keys a checkpoint by run id and rollout, so this is a later rollout), are left alone; a pass
+    stopped between deleting an export and tagging its version (the moment a kill would hit) is finished by
+    the next pass, which then tags it."""
+    from runtime.config import GrpoConfig
+    from runtime.run.directory import RunDir
+    from runtime.tracking import export_retention
+    from runtime.tracking.export_retention import EXPORT_REMOVED_TAG, prune_exports
+    from runtime.tracking.mlflow_tracker import Tracker
+    from runtime.tracking.model_registry import register_checkpoint
+
+    store = tmp_path / "store"
+    cfg = GrpoConfig.model_validate({"name": "tiny", "storage": {"root": str(store)},
+                                     "tracking": {"uri": f"sqlite:///{store / 'mlflow.db'}"}})
+    store.mkdir()
+    mine, other, twin = RunDir(str(tmp_path / "a"), "r1"), RunDir(str(tmp_path / "a"), "r2"), RunDir(str(tmp_path / "b"), "r1")
+    tracker = Tracker(cfg, mine)
+
+    def register(rd, rollout, value):
+        return register_checkpoint(tracker, name="shared", export_uri=_fake_export(rd, rollout), rollout=rollout,
+                                   run_id=rd.run_id, metrics={"eval/a/avg@4": value}, primary_metric="eval/a/avg@4",
+                                   run_root=rd.root)["version"]
+    versions = {("other", 2): register(other, 2, 0.1), ("twin", 10): register(twin, 10, 0.1),
+                ("mine", 2): register(mine, 2, 0.9), ("mine", 4): register(mine, 4, 0.2),
+                ("mine", 6): register(mine, 6, 0.3), ("mine", 8): register(mine, 8, 0.4)}
+    assert versions[("mine", 2)] == 3  # best (0.9); latest is mine/8 (6)
+    prune = dict(tracking_uri=tracker.uri, name="shared", rd=mine, keep=1, mlflow_run_id=tracker.run_id)
+
+    class Cut(Exception):
+        pass
+
+    def cut(name, index=None):
+        if name == "retention-export-removed":
+            raise Cut(name)
+    monkeypatch.setattr(export_retention, "moment", cut)
+    with pytest.raises(Cut):
+        prune_exports(tracker.client, **prune)
+    assert not Path(mine.export(4)).exists()  # deleted, not yet tagged
+    assert EXPORT_REMOVED_TAG not in tracker.client.get_model_version("shared", str(versions[("mine", 4)])).tags
+    monkeypatch.undo()
+
+    assert prune_exports(tracker.client, **prune) == [versions[("mine", 4)], versions[("mine", 6)]]
+    assert prune_exports(tracker.client, **prune) == []
+    for (who, rollout), v in versions.items():
+        removed = EXPORT_REMOVED_TAG in tracker.client.get_model_version("shared", str(v)).tags
+        assert removed == (who == "mine" and rollout in (4, 6)), (who, rollout)
+    rd_of = {"mine": mine, "other": other, "twin": twin}
+    assert {(w, r) for (w, r) in versions if Path(rd_of[w].export(r)).exists()} == {
+        ("other", 2), ("twin", 10), ("mine", 2), ("mine", 8)}
