@@ -2,7 +2,7 @@
 product's convert stage and registration run them (issue 57 item 3): seconds, disk, parity.
 
     python3 bench/convert_gpu.py --out $OUT                 # nvidia-h200 (one GPU, 64 GiB of disk), < 10 min
-    python3 bench/convert_gpu.py --cpu --layers 1           # CPU smoke: a 1-layer GLM4 of the same width
+    python3 bench/convert_gpu.py --cpu                      # CPU smoke: the host path on a 2-layer GLM4 of width 256
 
 A random-init model with GLM-4-9B-0414's config (runtime/models/known_configs; GLM-Z1-9B has the same shape),
 built in bf16 on the device and saved as HF safetensors (5 GB shards); then `hf_to_torch_dist(dtype=bfloat16,
@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/convert_gpu_out")
     ap.add_argument("--work", default="/tmp/convert_gpu_work")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the 9B's 40")
-    ap.add_argument("--cpu", action="store_true", help="the host path (fp32 load, bf16 written) on a small shape")
+    ap.add_argument("--cpu", action="store_true", help="the host path (bf16 written) on a small GLM4 shape")
     a = ap.parse_args()
 
     import torch
@@ -53,7 +53,12 @@ def main() -> int:
 
     t0 = time.time()
     build_tiny_qwen3(W / "tok")  # a tokenizer for the side files
-    cfg = dict(GLM4_9B, **({"num_hidden_layers": a.layers} if a.layers else {}))
+    cfg = dict(GLM4_9B, **({"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64,
+                            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
+                            "pad_token_id": 0, "eos_token_id": 1}
+                           if a.cpu else {}))
+    if a.layers:
+        cfg["num_hidden_layers"] = a.layers
     model = glm4_engine.build(cfg, device, torch.bfloat16)
     model.config.architectures = ["Glm4ForCausalLM"]
     model.save_pretrained(W / "hf", max_shard_size="5GB")
