@@ -108,9 +108,11 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="browse the model registry")
     msub = m.add_subparsers(dest="models_cmd", required=True)
     for name, helptext in (("list", "registered models, versions, aliases and eval metrics"),
-                           ("show", "one version: NAME, NAME@alias or NAME/version")):
+                           ("show", "one version: NAME, NAME@alias or NAME/version"),
+                           ("export", "export a version again from its checkpoint (after registry retention "
+                                      "removed its export)")):
         sp = msub.add_parser(name, help=helptext)
-        if name == "show":
+        if name in ("show", "export"):
             sp.add_argument("spec")
         sp.add_argument("--tracking-uri", default=None, help="default: the SQLite store under --root")
         sp.add_argument("--root", default=DEFAULT_ROOT)
@@ -376,9 +378,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "runs":
             return _runs_command(args)
         if args.cmd == "models":
-            from cli.models import models_list, models_show
+            from cli.models import models_export, models_list, models_show
             if args.models_cmd == "list":
                 return models_list(args.tracking_uri, root=args.root)
+            if args.models_cmd == "export":
+                return models_export(args.spec, args.tracking_uri, root=args.root)
             return models_show(args.spec, args.tracking_uri, root=args.root)
         _prefect_env()
         _quiet_prefect_user_errors()

@@ -1,4 +1,5 @@
-"""`grpoflow models list|show`: what the MLflow model registry holds for grpoflow checkpoints.
+"""`grpoflow models list|show|export`: what the MLflow model registry holds for grpoflow checkpoints, and an
+export made again from a version's checkpoint after registry retention removed it.
 
 ``tracking_uri=None`` means the default SQLite store under ``root`` (what a run with a local
 storage.root and no tracking.uri writes to). Unknown models, versions or aliases are one-line
@@ -12,7 +13,8 @@ from datetime import datetime, timezone
 
 from runtime.config import DEFAULT_ROOT
 from runtime.errors import UserError
-from runtime.tracking.model_registry import ADAPTER_URI_TAG, EXPORT_URI_TAG, METRIC_TAG, PRIMARY_METRIC_TAG
+from runtime.tracking.export_retention import EXPORT_REMOVED_TAG
+from runtime.tracking.model_registry import ADAPTER_URI_TAG, EXPORT_URI_TAG, METRIC_TAG, PRIMARY_METRIC_TAG, RUN_ROOT_TAG
 
 
 def _uri(tracking_uri: str | None, root: str) -> str:
@@ -129,47 +131,64 @@ def _load_snippet(source: str) -> str:
             f'tokenizer = AutoTokenizer.from_pretrained(path)')
 
 
-def models_show(spec: str, tracking_uri: str | None = None, root: str = DEFAULT_ROOT) -> int:
-    """Print one model version (``NAME`` = its newest version, as ``NAME@latest``): metrics, tags,
-    source, and how to load it."""
+def _find_version(client, uri: str, spec: str):
+    """(name, the model version, the model's aliases) of ``NAME`` (its newest version), ``NAME@alias`` or
+    ``NAME/version``; unknown models, aliases and versions are one-line UserErrors."""
     from mlflow.exceptions import MlflowException
-    from rich.table import Table
 
-    from runtime.tracking.model_registry import aliases_of
     from runtime.secrets import redact_uri
-    from runtime.tracking.mlflow_tracker import make_client, mlflow_errors
+    from runtime.tracking.model_registry import aliases_of
 
     name, alias, version = parse_spec(spec)
-    uri = _uri(tracking_uri, root)
     where = redact_uri(uri)
+    try:
+        client.get_registered_model(name)
+    except MlflowException as err:
+        if getattr(err, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        known = ", ".join(m.name for m in _registered_models(client)) or "none"
+        raise UserError(f"unknown model '{name}' in {where} (registered: {known}); "
+                        f"see `grpoflow models list`") from None
+    aliases = aliases_of(client, name)  # "latest" = the newest version
+    if alias is not None:
+        if alias not in aliases:
+            raise UserError(f"model '{name}' has no alias '{alias}' (aliases: "
+                            f"{', '.join(sorted(aliases)) or 'none'})")
+        version = aliases[alias]
+    elif version is None:
+        if "latest" not in aliases:
+            raise UserError(f"model '{name}' has no versions yet")
+        version = aliases["latest"]
+    try:
+        mv = client.get_model_version(name, str(version))
+    except MlflowException as err:
+        if getattr(err, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        raise UserError(f"model '{name}' has no version {version}; see `grpoflow models list`") from None
+    return name, mv, aliases
+
+
+def _open_store(tracking_uri: str | None, root: str, name: str):
+    from runtime.secrets import redact_uri
+    from runtime.tracking.mlflow_tracker import make_client
+
+    uri = _uri(tracking_uri, root)
     if _store_missing(uri):
-        raise UserError(f"unknown model '{name}': no MLflow store at {where} (give --tracking-uri, or --root of the runs)")
-    client = make_client(uri)
+        raise UserError(f"unknown model '{name}': no MLflow store at {redact_uri(uri)} (give --tracking-uri, "
+                        f"or --root of the runs)")
+    return uri, make_client(uri)
+
+
+def models_show(spec: str, tracking_uri: str | None = None, root: str = DEFAULT_ROOT) -> int:
+    """Print one model version (``NAME`` = its newest version, as ``NAME@latest``): metrics, tags,
+    source, and how to load it (or, when retention removed its export, how to export it again)."""
+    from rich.table import Table
+
+    from runtime.tracking.mlflow_tracker import mlflow_errors
+
+    uri, client = _open_store(tracking_uri, root, parse_spec(spec)[0])
     with mlflow_errors(uri, f"show {spec}"):
-        try:
-            client.get_registered_model(name)
-        except MlflowException as err:
-            if getattr(err, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
-                raise
-            known = ", ".join(m.name for m in _registered_models(client)) or "none"
-            raise UserError(f"unknown model '{name}' in {where} (registered: {known}); "
-                            f"see `grpoflow models list`") from None
-        aliases = aliases_of(client, name)  # "latest" = the newest version
-        if alias is not None:
-            if alias not in aliases:
-                raise UserError(f"model '{name}' has no alias '{alias}' (aliases: "
-                                f"{', '.join(sorted(aliases)) or 'none'})")
-            version = aliases[alias]
-        elif version is None:
-            if "latest" not in aliases:
-                raise UserError(f"model '{name}' has no versions yet")
-            version = aliases["latest"]
-        try:
-            mv = client.get_model_version(name, str(version))
-        except MlflowException as err:
-            if getattr(err, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
-                raise
-            raise UserError(f"model '{name}' has no version {version}; see `grpoflow models list`") from None
+        name, mv, aliases = _find_version(client, uri, spec)
 
     console = _console()
     mine = sorted(a for a, v in aliases.items() if v == int(mv.version))
@@ -204,6 +223,11 @@ def models_show(spec: str, tracking_uri: str | None = None, root: str = DEFAULT_
         for k, v in others.items():
             table.add_row(k, v)
         console.print(table)
+    if EXPORT_REMOVED_TAG in mv.tags:
+        console.print(f"export removed {mv.tags[EXPORT_REMOVED_TAG]}; the version keeps its metrics and lineage.",
+                      markup=False, highlight=False)
+        console.print(_reexport_advice(name, mv, tracking_uri, root), markup=False, highlight=False)
+        return 0
     console.print("load it with:")
     console.print(_load_snippet(_loadable(export_uri, mv.source)), markup=False, highlight=False)
     adapter_dir = _loadable(adapter_uri, "") if adapter_uri else ""
@@ -212,6 +236,75 @@ def models_show(spec: str, tracking_uri: str | None = None, root: str = DEFAULT_
         console.print(f'from peft import AutoPeftModelForCausalLM\n'
                       f'model = AutoPeftModelForCausalLM.from_pretrained("{adapter_dir}")', markup=False,
                       highlight=False)
+    return 0
+
+
+def _run_dir_of(mv, root: str):
+    """The RunDir that registered ``mv`` (its ``grpoflow.run_root`` tag, else ``root``), with the state dir
+    its frozen config names (a remote root keeps local copies there)."""
+    from runtime.run.directory import RunDir
+
+    rd = RunDir(mv.tags.get(RUN_ROOT_TAG) or root, mv.tags["grpoflow.run_id"])
+    try:
+        from runtime.run.frozen_config import frozen_config
+        return RunDir(rd.root, rd.run_id, frozen_config(rd).storage.state_dir)
+    except Exception:  # the run dir is gone or its config unreadable: the checkpoint check says what is missing
+        return rd
+
+
+def _checkpoint_kept(rd, rollout: int) -> bool:
+    from runtime import storage
+
+    return storage.exists(storage.join(rd.checkpoint(rollout), "manifest.json"))
+
+
+def _reexport_advice(name: str, mv, tracking_uri: str | None, root: str) -> str:
+    from runtime.tracking.export_retention import reexport_command
+
+    rd, rollout = _run_dir_of(mv, root), int(mv.tags["grpoflow.rollout"])
+    if _checkpoint_kept(rd, rollout):
+        return (f"re-export it from its checkpoint ({rd.checkpoint(rollout)}):\n"
+                f"  {reexport_command(name, mv.version, rd.root, tracking_uri)}")
+    return (f"its checkpoint {rd.checkpoint(rollout)} is gone too (checkpoint.keep_last pruned it): this version "
+            f"cannot be exported again")
+
+
+def models_export(spec: str, tracking_uri: str | None = None, root: str = DEFAULT_ROOT) -> int:
+    """Export a registered version again from its run's checkpoint (after retention removed its export) into
+    the run's ``exports/rollout_<N>/hf``, upload it again where the version was registered from an upload,
+    and tag the version ``grpoflow.export_kept`` so retention leaves it."""
+    from runtime import storage
+    from runtime.tracking.export_retention import EXPORT_KEPT_TAG, uploaded_artifact
+    from runtime.tracking.mlflow_tracker import mlflow_errors
+    from runtime.tracking.model_registry import _upload_export, export_checkpoint, export_complete
+
+    uri, client = _open_store(tracking_uri, root, parse_spec(spec)[0])
+    with mlflow_errors(uri, f"export {spec}"):
+        name, mv, _ = _find_version(client, uri, spec)
+    if "grpoflow.run_id" not in mv.tags or "grpoflow.rollout" not in mv.tags:
+        raise UserError(f"{name}/{mv.version} was not registered by grpoflow (no grpoflow.run_id tag): "
+                        f"nothing to export it from")
+    rd, rollout = _run_dir_of(mv, root), int(mv.tags["grpoflow.rollout"])
+    console = _console()
+    if EXPORT_REMOVED_TAG not in mv.tags and export_complete(rd.export(rollout)):
+        console.print(f"{name}/{mv.version}: its export is there ({rd.export(rollout)}); nothing to do",
+                      markup=False, highlight=False)
+        return 0
+    if not _checkpoint_kept(rd, rollout):
+        raise UserError(f"{name}/{mv.version}: its checkpoint {rd.checkpoint(rollout)} is gone "
+                        f"(checkpoint.keep_last pruned it, or --root is not the run's storage.root)")
+    with mlflow_errors(uri, f"export {spec}"):
+        client.set_model_version_tag(name, mv.version, EXPORT_KEPT_TAG, "re-exported by `grpoflow models export`")
+    info = export_checkpoint(rd, rollout)
+    upload = uploaded_artifact(mv)
+    with mlflow_errors(uri, f"export {spec}"):
+        if upload is not None:
+            _upload_export(client, upload[0], rd.local(info["path"]) if storage.is_remote(info["path"])
+                           else info["path"], rollout)
+        if EXPORT_REMOVED_TAG in mv.tags:
+            client.delete_model_version_tag(name, mv.version, EXPORT_REMOVED_TAG)
+    console.print(f"{name}/{mv.version}: exported rollout {rollout} of run {rd.run_id} to {info['path']} "
+                  f"in {info.get('seconds', 0):.1f} s", markup=False, highlight=False)
     return 0
 
 
@@ -226,4 +319,4 @@ def _loadable(export_uri: str | None, source: str) -> str:
     return source
 
 
-__all__ = ["models_list", "models_show", "parse_spec"]
+__all__ = ["models_list", "models_show", "models_export", "parse_spec"]

@@ -433,3 +433,85 @@ def test_a_torch_dist_save_leaves_no_process_running(converted):
     process; a trainer actor killed with its Ray node left it running, orphaned (issue 32)."""
     spawned = _spawned_children()
     assert not spawned, [p.cmdline() for p in spawned]
+
+
+# ---- conversion in the trained dtype --------------------------------------------------------------------
+def _stored_dtypes(td: Path) -> set:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(td)).read_metadata().state_dict_metadata
+    return {m.properties.dtype for k, m in meta.items() if getattr(m, "properties", None) is not None}
+
+
+@pytest.mark.parametrize("name", ["tied", "untied"])
+def test_a_bf16_conversion_writes_bf16_and_holds_parity_at_the_bf16_bound(converted, work, name):  # ~15 s
+    """What a bf16 run converts to (on the GPU in the product; the same code on the CPU here): bf16 tensors,
+    half the bytes of fp32, off HF's fp32 logits by no more than twice HF's own bf16 model is."""
+    from runtime.mcore.convert import NOISE_FACTOR, hf_to_torch_dist, torch_dist_to_hf
+    from runtime.tracking.model_registry import stored_dtype
+
+    hf_dir, fp32_td, fp32_report = converted[name]
+    td = work / f"{name}_bf16_torch_dist"
+    report = hf_to_torch_dist(hf_dir, td, tolerance=TOL, dtype="bfloat16", device="cpu")
+    assert report["dtype"] == "bfloat16" and report["device"] == "cpu"
+    assert _stored_dtypes(td) == {torch.bfloat16} and stored_dtype(td) == torch.bfloat16
+    assert _stored_dtypes(fp32_td) == {torch.float32}
+    size = lambda d: sum(f.stat().st_size for f in Path(d).glob("*.distcp"))  # noqa: E731
+    assert size(td) < 0.55 * size(fp32_td)
+    noise = report["reference_noise"]
+    assert report["tolerance"] == NOISE_FACTOR * noise + TOL and 0 < noise < 0.05 * report["max_abs_logit"]
+    assert TOL < report["max_abs_logit_diff"] <= report["tolerance"]  # bf16 rounding: within the bound, not exact
+    assert json.loads((td / "parity.json").read_text())["tolerance"] == report["tolerance"]
+
+    # the host export loads it in fp32: the HF weights come back as the bf16 rounding of the source's
+    out = torch_dist_to_hf(td, hf_dir, work / f"{name}_from_bf16", dtype=torch.float32)
+    assert out["dtype"] == "float32" and out["device"] == "cpu"
+    from runtime.mcore.convert import load_hf_state_dict
+    src, back = load_hf_state_dict(hf_dir), load_hf_state_dict(work / f"{name}_from_bf16")
+    assert set(back) == set(src)
+    for k, v in src.items():
+        assert torch.equal(back[k], v.to(torch.bfloat16).float()), k
+
+
+def test_a_wrong_mapping_fails_the_bf16_parity_check(tied, work, monkeypatch):  # ~5 s
+    """The bf16 bound still catches what the fp32 one does: a swapped gate/up on the tiny model moves its logits
+    by 0.07, 8x HF's own bf16 error there (a 5 %-of-the-logits bound would have let it through)."""
+    from runtime.mcore.convert import hf_to_torch_dist
+
+    original = Qwen3Adapter.from_hf
+
+    def wrong_from_hf(self, hf_state_dict, hf_config):
+        out = original(self, hf_state_dict, hf_config)
+        _swap_gate_up(out, "decoder.layers.1.mlp.linear_fc1.weight")
+        return out
+
+    monkeypatch.setattr(Qwen3Adapter, "from_hf", wrong_from_hf)
+    out_dir = work / "wrong_bf16"
+    with pytest.raises(ModelError, match=r"\(bfloat16, cpu\) differ from Hugging Face fp32 by max \|logit diff\| "
+                                         r"\S+ > tolerance \S+ \(2 x \S+, HF's own bfloat16 error"):
+        hf_to_torch_dist(tied[0], out_dir, tolerance=TOL, dtype="bfloat16", device="cpu")
+    assert not out_dir.exists()
+
+
+def test_device_and_dtype_are_checked(tied, work):
+    from runtime.mcore.convert import hf_to_torch_dist
+
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'auto', not 'gpu'"):
+        hf_to_torch_dist(tied[0], work / "never", dtype="bfloat16", device="gpu")
+    assert not (work / "never").exists()
+
+
+def test_auto_keeps_a_small_model_on_the_host(tied, work, monkeypatch):  # ~3 s
+    """On a GPU machine "auto" converts a model this small on the host: a GPU process would cost ~20 s to start
+    (runtime/mcore/cpu_job.py's GPU_WORTH_BYTES); what a 9B does there is bench/convert_gpu.py's."""
+    from runtime.mcore import cpu_job
+    from runtime.mcore.convert import hf_to_torch_dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    class NoProcess(cpu_job.concurrent.futures.ProcessPoolExecutor):
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("a conversion process was started")
+
+    monkeypatch.setattr(cpu_job.concurrent.futures, "ProcessPoolExecutor", NoProcess)
+    report = hf_to_torch_dist(tied[0], work / "auto_td", tolerance=TOL, device="auto")
+    assert report["device"] == "cpu" and report["dtype"] == "float32"

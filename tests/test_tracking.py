@@ -321,6 +321,31 @@ def test_tracker_and_registry_through_a_real_mlflow_server(tmp_path, capsys):
         assert models_show("served-model@latest", uri) == 0
         out = capsys.readouterr().out
         assert "served-model version 1" in out and f'from_pretrained("{export}")' in out
+
+        # retention: a better version 2 takes best and latest; with keep_exports=0 version 1's export goes,
+        # on disk and its upload to the server's artifact store; the version stays
+        from runtime.tracking.export_retention import EXPORT_REMOVED_TAG, prune_exports
+        export4 = Path(rd.export(4))
+        export4.mkdir(parents=True)
+        (export4 / "config.json").write_text("{}")
+        (export4 / "grpoflow_export.json").write_text("{}")
+        v2 = register_checkpoint(t, name="served-model", export_uri=str(export4), rollout=4, run_id="served-1",
+                                 metrics={"eval/arith/avg@4": 0.75}, primary_metric="eval/arith/avg@4")
+        assert v2["aliases"] == ["best", "latest"]
+        c = client_for(uri)
+        prune = dict(tracking_uri=uri, name="served-model", rd=rd, keep=0, mlflow_run_id=t.run_id)
+        assert prune_exports(c, **prune) == [1]
+        assert not list(c.list_artifacts(t.run_id, "exports/rollout_2")) and not export.parent.exists()
+        stored = [p for p in (tmp_path / "server-artifacts").rglob("*") if "rollout_2" in str(p)]
+        assert stored == [], stored  # gone from the server's artifact store itself
+        assert {Path(f.path).name for f in c.list_artifacts(t.run_id, "exports/rollout_4")} == {
+            "config.json", "grpoflow_export.json"}
+        v1 = c.get_model_version("served-model", "1")
+        assert v1.source == f"runs:/{t.run_id}/exports/rollout_2" and EXPORT_REMOVED_TAG in v1.tags
+        assert prune_exports(c, **prune) == []  # idempotent
+        assert models_show("served-model/1", uri) == 0
+        out = capsys.readouterr().out
+        assert "export removed by retention (tracking.keep_exports=0)" in out and "cannot be exported again" in out
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)  # the server and its worker: the group this test started

@@ -87,8 +87,14 @@ def fetch(cfg: GrpoConfig, rd: RunDir) -> dict:
     return run_stage(rd, "fetch", fetch_inputs(cfg), work)
 
 
+def convert_dtype(cfg: GrpoConfig) -> str:
+    """The dtype the converted model is written in: the one the trainer loads it in (model.dtype)."""
+    from runtime.devices import resolve_device, resolve_dtype
+    return resolve_dtype(cfg, resolve_device(cfg))
+
+
 def convert_inputs(cfg: GrpoConfig) -> dict:
-    return {"fetch": fetch_inputs(cfg), "tolerance": cfg.model.parity_tolerance}
+    return {"fetch": fetch_inputs(cfg), "tolerance": cfg.model.parity_tolerance, "dtype": convert_dtype(cfg)}
 
 
 def prepare_inputs(cfg: GrpoConfig) -> dict:
@@ -103,7 +109,9 @@ def convert(cfg: GrpoConfig, rd: RunDir, fetched: dict) -> dict:
     def work() -> dict:
         # A remote run dir: convert into the local scratch, then upload (metadata.json last).
         with storage.output_dir(rd.torch_dist, rd.state_dir, last=["metadata.json"]) as out:
-            report = hf_to_torch_dist(rd.local(rd.hf_model), out, tolerance=cfg.model.parity_tolerance)
+            # On the GPU where this machine has one (in a process of its own, before any actor holds it).
+            report = hf_to_torch_dist(rd.local(rd.hf_model), out, tolerance=cfg.model.parity_tolerance,
+                                      dtype=convert_dtype(cfg), device="auto")
             moment("convert-written")
         return {"torch_dist": rd.torch_dist, "parity": {**report, "path": rd.torch_dist, "source": rd.hf_model}}
 

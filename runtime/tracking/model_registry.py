@@ -21,7 +21,7 @@ from typing import Any
 
 from runtime import storage
 from runtime.errors import ModelError
-from runtime.mcore.cpu_job import cpu_job
+from runtime.mcore.cpu_job import device_job
 from runtime.run.directory import RunDir
 from runtime.testing.moments import moment
 from runtime.secrets import redact_uri
@@ -37,6 +37,7 @@ EXPORT_URI_TAG = "grpoflow.export_uri"
 WEIGHTS_TAG = "grpoflow.weights"  # full | lora-merged
 ADAPTER_URI_TAG = "grpoflow.adapter_uri"  # a LoRA run's adapter alone (PEFT layout)
 GRADER_TAG = "grpoflow.grader."  # + grader, rule_version, math_verify_version: the rule behind the metrics
+RUN_ROOT_TAG = "grpoflow.run_root"  # storage.root of the registering run: where its checkpoint and export live
 EXPORT_MARKER = "grpoflow_export.json"  # written last: an export dir with it is complete
 LATEST, BEST = "latest", "best"
 
@@ -162,7 +163,7 @@ def register_checkpoint(tracker_or_client, *, name: str, export_uri: str, rollou
                         mlflow_run_id: str | None = None, metrics: dict[str, float] | None = None,
                         config_hash: str = "", primary_metric: str | None = None,
                         grader: dict[str, str | None] | None = None, weights: str = "full",
-                        adapter_uri: str | None = None) -> dict[str, Any] | None:
+                        adapter_uri: str | None = None, run_root: str | None = None) -> dict[str, Any] | None:
     """Register the HF export of checkpoint ``rollout`` of grpoflow run ``run_id`` as a version of ``name``.
 
     Idempotent (same checkpoint -> same version). ``metrics`` (e.g. ``{"eval/aime/avg@4": 0.3}``) are
@@ -170,7 +171,8 @@ def register_checkpoint(tracker_or_client, *, name: str, export_uri: str, rollou
     a version without it never becomes best). ``grader`` (default: evaluation's, ``grader_record("math")``)
     is tagged ``grpoflow.grader.*`` so a registered number can be traced to the rule that scored it. ``weights``
     (tag ``grpoflow.weights``): "full", or "lora-merged" for a LoRA run's export (the base with the adapters
-    merged in), whose PEFT adapter alone is at ``adapter_uri`` (tag ``grpoflow.adapter_uri``). Returns ``{name, version, source, export_uri,
+    merged in), whose PEFT adapter alone is at ``adapter_uri`` (tag ``grpoflow.adapter_uri``). ``run_root``
+    (tag ``grpoflow.run_root``): the run's storage.root, where a re-export finds its checkpoint. Returns ``{name, version, source, export_uri,
     checkpoint, created, aliases, mlflow_run_id}``, or None when tracking is disabled.
     """
     client, uri, tracker_run = _resolve(tracker_or_client)
@@ -195,7 +197,8 @@ def register_checkpoint(tracker_or_client, *, name: str, export_uri: str, rollou
                     EXPORT_URI_TAG: redact_uri(export),
                     **{METRIC_TAG + k: repr(v) for k, v in metrics.items()},
                     **{GRADER_TAG + k: str(v) for k, v in (grader or _eval_grader()).items()},
-                    WEIGHTS_TAG: weights, **({ADAPTER_URI_TAG: adapter} if adapter else {})}
+                    WEIGHTS_TAG: weights, **({ADAPTER_URI_TAG: adapter} if adapter else {}),
+                    **({RUN_ROOT_TAG: redact_uri(storage.path_of(storage.absolute_uri(run_root)))} if run_root else {})}
             pm = metric_key(primary_metric) if primary_metric else None
             if pm is not None and pm in metrics:
                 tags[PRIMARY_METRIC_TAG] = pm
@@ -225,13 +228,39 @@ def export_complete(out_dir: str) -> bool:
     return storage.exists(storage.join(out_dir, EXPORT_MARKER)) and storage.exists(storage.join(out_dir, "config.json"))
 
 
-@cpu_job
+def _export_gpu_bytes(ckpt_model_dir, hf_config_dir, *args, dtype=None, **kwargs) -> int:
+    """An export's GPU need: the model in its dtype and its HF-named copy, with room to spare (2.2x)."""
+    from runtime.mcore.convert import as_dtype
+    from runtime.models import load_hf_config
+    from runtime.plan.memory import param_counts
+
+    n, _ = param_counts(load_hf_config(Path(hf_config_dir)))
+    return int(2.2 * n * as_dtype(dtype or stored_dtype(ckpt_model_dir)).itemsize)
+
+
+def stored_dtype(ckpt_model_dir: str | os.PathLike):
+    """The dtype of the model weights a torch_dist checkpoint holds (a trainer's: the dtype it trained in, bf16
+    for a bf16 run; its fp32 master and Adam moments are other tensors), read from its metadata alone; None
+    where it holds no word embeddings (a LoRA checkpoint: adapters only)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(ckpt_model_dir)).read_metadata().state_dict_metadata
+    for key, item in meta.items():
+        props = getattr(item, "properties", None)
+        if key.startswith("embedding.") and props is not None:  # the word embeddings: a weight, never state
+            return props.dtype
+    return None
+
+
+@device_job(_export_gpu_bytes)
 def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: str | os.PathLike,
-                              out_dir: str | os.PathLike, *, dtype=None, provenance: dict | None = None,
-                              base_dir: str | os.PathLike | None = None,
+                              out_dir: str | os.PathLike, *, dtype=None, device: str = "cpu",
+                              provenance: dict | None = None, base_dir: str | os.PathLike | None = None,
                               adapter_dir: str | None = None) -> dict[str, Any]:
     """Export a trainer checkpoint's ``model/`` dir (a torch_dist save of ``{"model": ..., "optimizer":
-    ..., "scheduler": ..., "steps_done": ...}``) to an HF model dir, loading only the model part.
+    ..., "scheduler": ..., "steps_done": ...}``) to an HF model dir, loading only the model part, on
+    ``device`` ("cpu", "cuda", or "auto": the GPU where one has room), written in ``dtype`` (default: the
+    dtype the checkpoint's weights were trained in, :func:`stored_dtype`).
 
     ``runtime.mcore.convert.torch_dist_to_hf`` loads a bare model save; on a trainer save the common state
     (scheduler, steps_done, optimizer param groups) comes back beside the weights and a strict load
@@ -239,15 +268,15 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
     (config, tokenizer) are written by runtime.mcore.convert's helpers. ``out_dir`` may be remote.
 
     A LoRA checkpoint (``lora.json`` beside its adapters): the base comes from ``base_dir`` (the run's converted
-    model), the adapters are merged into it in fp32 (runtime/tracking/lora_export.py), and with ``adapter_dir``
-    the adapter alone is written there in PEFT's layout as well (first, so a complete HF export implies it).
+    model), the adapters are merged into it in fp32 on the host (runtime/tracking/lora_export.py), and with
+    ``adapter_dir`` the adapter alone is written there in PEFT's layout as well (first, so a complete HF export
+    implies it).
     """
-    import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
-    from runtime.mcore.convert import (HF_SIDE_FILES, _check_torch_dist_dir, _config_dtype, _quiet_checkpoint_warnings,
-                          _require_single_process, save_hf_state_dict)
+    from runtime.mcore.convert import (_check_torch_dist_dir, _config_dtype, _quiet_checkpoint_warnings,
+                                       _require_single_process, as_dtype, hf_named_weights, loading_dtype)
     from runtime.mcore.env import build_gpt_model, cuda_to_cpu
     from runtime.models import get_adapter, load_hf_config
 
@@ -257,7 +286,9 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
     hf_config = load_hf_config(hf_config_dir)
     adapter = get_adapter(hf_config)
     _require_single_process("export_trainer_checkpoint")
-    dtype = dtype or _config_dtype(hf_config)
+    if dtype is None:  # the trained dtype: the checkpoint's weights', a LoRA run's base's
+        dtype = stored_dtype(ckpt) or (stored_dtype(base_dir) if base_dir else None) or _config_dtype(hf_config)
+    dtype = as_dtype(dtype)
     from runtime.trainer.lora import read_description
     lora = read_description(str(ckpt))
     extra: dict[str, Any] = {}
@@ -274,7 +305,7 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
             extra["adapter"] = lora_export.export_adapter(adapters, hf_config, lora, adapter_dir,
                                                           base_model=str(hf_config_dir))["path"]
     else:
-        model = build_gpt_model(hf_config, dtype=torch.float32, device="cpu", init_weights=False)
+        model = build_gpt_model(hf_config, dtype=loading_dtype(device, dtype), device=device, init_weights=False)
         with cuda_to_cpu(), _quiet_checkpoint_warnings():
             try:
                 loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
@@ -283,12 +314,25 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
                                  f"({str(e)[:200]})") from None
         model.load_state_dict(loaded["model"], strict=True)
         del loaded
-        hf_state = {k: v.detach().to(dtype).contiguous() for k, v in adapter.to_hf(model.state_dict(), hf_config).items()}
+        hf_state = hf_named_weights(model, hf_config, dtype)
         del model
     marker = {"source": str(ckpt), "model_type": hf_config.model_type, "dtype": str(dtype).removeprefix("torch."),
+              "device": device,
               "n_tensors": len(hf_state), "created": time.time(), **extra, **(provenance or {})}
 
-    def write(tmp: Path) -> list[str]:
+    files = publish_hf_export(hf_state, hf_config_dir, str(out_dir), marker)
+    return {**marker, "path": str(out_dir), "files": files, "skipped": False, "seconds": round(time.time() - t0, 3)}
+
+
+def publish_hf_export(hf_state: dict, hf_config_dir: str | os.PathLike, out_dir: str, marker: dict) -> list[str]:
+    """Write HF-named tensors, the side files of ``hf_config_dir`` (config, tokenizer) and the export marker
+    (``marker`` + its files) to ``out_dir`` (local or remote), atomically, the marker last; the files written.
+    Any source of full HF-named weights can publish through it (a checkpoint read back, or the live trainer's
+    gathered weights at that rollout)."""
+    from runtime.mcore.convert import HF_SIDE_FILES, save_hf_state_dict
+
+    hf_config_dir = Path(hf_config_dir)
+    with storage.publish_dir(out_dir, last=["config.json", EXPORT_MARKER]) as tmp:  # the marker last
         files = save_hf_state_dict(hf_state, tmp)
         moment("export-weights-written")  # under a temp name, no marker yet
         for name in HF_SIDE_FILES:
@@ -296,16 +340,13 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
                 shutil.copyfile(hf_config_dir / name, tmp / name)
                 files.append(name)
         (tmp / EXPORT_MARKER).write_text(json.dumps({**marker, "files": sorted(files)}, indent=2) + "\n")
-        return files
-
-    out = str(out_dir)
-    with storage.publish_dir(out, last=["config.json", EXPORT_MARKER]) as tmp:  # the marker last
-        files = write(tmp)
-    return {**marker, "path": out, "files": sorted(files), "skipped": False, "seconds": round(time.time() - t0, 3)}
+    return sorted(files)
 
 
-def export_checkpoint(rd: RunDir, rollout: int, hf_dir: str | None = None, *, dtype=None) -> dict[str, Any]:
-    """HF export of ``checkpoints/rollout_<N>`` into ``exports/rollout_<N>/hf`` (skipped when complete).
+def export_checkpoint(rd: RunDir, rollout: int, hf_dir: str | None = None, *, dtype=None,
+                      device: str = "auto") -> dict[str, Any]:
+    """HF export of ``checkpoints/rollout_<N>`` into ``exports/rollout_<N>/hf`` (skipped when complete), in
+    ``dtype`` (default: the checkpoint's trained dtype) on ``device`` (default: the GPU where one has room).
     ``hf_dir``: where config and tokenizer come from (default: the run's fetched model)."""
     out = rd.export(rollout)
     if export_complete(out):  # what it is (full or LoRA merged, the adapter's path) is in its marker
@@ -324,11 +365,12 @@ def export_checkpoint(rd: RunDir, rollout: int, hf_dir: str | None = None, *, dt
         # a LoRA checkpoint: its base is the converted model; the adapter alone goes beside the merged export
         lora = {"base_dir": rd.local(rd.torch_dist), "adapter_dir": rd.export_adapter(rollout)}
     return export_trainer_checkpoint(local / "model", rd.local(hf_dir or rd.hf_model), out, dtype=dtype,
-                                     provenance={"run_id": rd.run_id, "rollout": int(rollout),
+                                     device="cpu" if lora else device, provenance={"run_id": rd.run_id, "rollout": int(rollout),
                                                  "source": storage.join(ckpt, "model")}, **lora)
 
 
 __all__ = [
     "should_move_best", "checkpoint_tag", "register_checkpoint", "find_checkpoint_version", "all_versions",
-    "export_checkpoint", "export_trainer_checkpoint", "export_complete", "aliases_of",
+    "export_checkpoint", "export_trainer_checkpoint", "export_complete", "aliases_of", "publish_hf_export",
+    "stored_dtype",
 ]
