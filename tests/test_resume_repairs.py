@@ -1,5 +1,5 @@
 """What a killed writer leaves behind, and `resume` repairing it: the last steps of a run (registration,
-the MLflow run's end, the lease), a half-made MLflow store, temp leftovers; and secrets that must never
+the MLflow run's end, the lease), temp leftovers; and secrets that must never
 be written anywhere on the way.
 """
 from __future__ import annotations
@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -73,29 +72,6 @@ def test_a_garbage_latest_in_a_finished_run_is_said_once_and_repaired(reference_
     said = [r.getMessage() for r in caplog.records if rd.latest in r.getMessage()]
     assert len(said) == 1 and "is unreadable" in said[0], said
     assert json.loads(Path(rd.latest).read_text()) == {"rollout": 4, "dir": "rollout_4"}
-
-
-def test_a_half_made_mlflow_store_is_made_again_without_losing_runs(tmp_path):
-    """A store killed mid-creation (tables of the first migrations only) used to fail every later open
-    ("table ... already exists"). It holds no runs: it is set aside and made again, atomically."""
-    from mlflow.store.db.utils import InitialBase
-    from sqlalchemy import create_engine
-
-    from runtime.tracking.mlflow_tracker import make_client, sqlite_uri
-    db = tmp_path / "mlflow.db"
-    engine = create_engine(f"sqlite:///{db}")
-    InitialBase.metadata.create_all(engine)  # what a kill after the first step of MLflow's set-up leaves
-    engine.dispose()
-    client = make_client(sqlite_uri(tmp_path))
-    exp = client.create_experiment("e")
-    client.create_run(exp)
-    assert [p.name for p in tmp_path.glob("mlflow.db.incomplete-*")]
-    assert not list(tmp_path.glob(".mlflow.db.tmp-*"))
-    # a complete store with runs is opened as it is
-    again = make_client(sqlite_uri(tmp_path))
-    assert len(again.search_runs([exp])) == 1
-    with sqlite3.connect(db) as con:
-        assert con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 1
 
 
 def test_temp_leftovers_of_a_killed_writer_are_removed_on_the_next_start(prefect_harness, reference_run, tmp_path):
