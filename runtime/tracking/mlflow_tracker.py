@@ -118,9 +118,39 @@ def _artifact_location(uri: str, root: str | None = None) -> str | None:
     return (db.parent / "mlartifacts").resolve().as_uri() if db is not None else None
 
 
+def moved_store_line(cfg: "GrpoConfig", rd: RunDir) -> str | None:
+    """One line when the run's MLflow record (``tracking.json``) is in another store than the one its root gives
+    now, and that store has no run of it: a run directory moved or copied to another root. Its MLflow run is then
+    made again in the new store from what the run directory holds (the checkpoints' metrics, eval results, exports
+    to register), as a resume re-logs them anyway; the old store is left as it is (it may be gone, or another
+    root's). None when nothing moved, or when the store came along."""
+    if not cfg.tracking.enabled:
+        return None
+    try:
+        was = storage.read_json(rd.sub(TRACKING_FILE)).get("tracking_uri")
+        now = redact_uri(default_tracking_uri(cfg))
+    except (FileNotFoundError, ValueError, OSError, ConfigError):
+        return None
+    if not was or was == now:
+        return None
+    uri = default_tracking_uri(cfg)
+    client = make_client(uri)
+    with mlflow_errors(uri, f"look for run {rd.run_id}"):
+        exp = client.get_experiment_by_name(cfg.tracking.experiment)
+        if exp is not None and client.search_runs([exp.experiment_id], max_results=1,
+                                                  filter_string=f"tags.`{RUN_TAG}` = '{rd.run_id}'"):
+            return None  # the store came along (a whole root copied): the run is attached there as it is
+    return (f"run {rd.run_id} was tracked in {was}; its MLflow run is made again in {now} from the run directory "
+            f"(metrics of the checkpoints it keeps, evals, registered versions); the old store is left as it is")
+
+
 # ---- errors ---------------------------------------------------------------------------------------
 def is_transient(err: BaseException) -> bool:
     from mlflow.exceptions import MlflowException
+
+    from runtime.os_errors import os_cause
+    if os_cause(err) is not None:
+        return False  # a full disk: said as such at once (cli/main.py), a retry would only fail again
 
     if isinstance(err, MlflowException):
         code = str(getattr(err, "error_code", "") or "")
@@ -458,6 +488,6 @@ class Tracker:
 
 
 __all__ = [
-    "Tracker", "ensure_store", "default_tracking_uri", "store_uri_for_root", "sqlite_uri", "sqlite_path", "make_client",
+    "Tracker", "ensure_store", "moved_store_line", "default_tracking_uri", "store_uri_for_root", "sqlite_uri", "sqlite_path", "make_client",
     "flatten_params", "metric_key", "mlflow_errors", "is_transient",
 ]
