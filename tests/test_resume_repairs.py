@@ -238,8 +238,9 @@ def test_sigterm_is_ctrl_c_and_the_resume_is_clean(prefect_harness, tmp_path):
     from tests.waiting import wait_reached
     pauses, root = tmp_path / "pauses", tmp_path / "root"
     pauses.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
-    env.update(PYTHONPATH=os.getcwd(), PREFECT_HOME=str(tmp_path / "prefect"),
+    import prefect.settings
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), PREFECT_HOME=str(tmp_path / "prefect"),
+               PREFECT_API_URL=prefect.settings.PREFECT_API_URL.value(),  # the session's server: no start-up to wait for
                GRPOFLOW_TEST_PAUSE_AT="train-step-done#1", GRPOFLOW_TEST_PAUSE_DIR=str(pauses))
     from tests.conftest import SMALL_BATCH
     argv = ["run", "configs/tiny.yaml", "--run-id", "t", "--set", "train.num_rollout=2", "--set", "checkpoint.interval=1",

@@ -134,12 +134,15 @@ def moved_store_line(cfg: "GrpoConfig", rd: RunDir) -> str | None:
     if not was or was == now:
         return None
     uri = default_tracking_uri(cfg)
-    client = make_client(uri)
-    with mlflow_errors(uri, f"look for run {rd.run_id}"):
-        exp = client.get_experiment_by_name(cfg.tracking.experiment)
-        if exp is not None and client.search_runs([exp.experiment_id], max_results=1,
-                                                  filter_string=f"tags.`{RUN_TAG}` = '{rd.run_id}'"):
-            return None  # the store came along (a whole root copied): the run is attached there as it is
+    try:
+        client = make_client(uri)
+        with mlflow_errors(uri, f"look for run {rd.run_id}"):
+            exp = client.get_experiment_by_name(cfg.tracking.experiment)
+            if exp is not None and client.search_runs([exp.experiment_id], max_results=1,
+                                                      filter_string=f"tags.`{RUN_TAG}` = '{rd.run_id}'"):
+                return None  # the store came along (a whole root copied): the run is attached there as it is
+    except TransientError:
+        return None  # a server not answering now: the run's tracker says so, after its retries
     return (f"run {rd.run_id} was tracked in {was}; its MLflow run is made again in {now} from the run directory "
             f"(metrics of the checkpoints it keeps, evals, registered versions); the old store is left as it is")
 
