@@ -229,9 +229,10 @@ def test_a_full_disk_mid_run_is_one_line_and_resume_continues(prefect_harness, r
 
 
 def test_sigterm_is_ctrl_c_and_the_resume_is_clean(prefect_harness, tmp_path):
-    """~60 s. SIGTERM to a `grpoflow run` process in the middle of training (after its first update, inside the
-    train-chunk task) ends it as Ctrl-C does: exit 130 and one line saying nothing is lost, no Prefect crash lines,
-    the lease released. The resume then trains to the end with one MLflow point per (metric, rollout)."""
+    """~60 s (a one-rollout run, then its resume). SIGTERM to a `grpoflow run` process in the middle of training
+    (after its first update, inside the train-chunk task) ends it as Ctrl-C does: exit 130 and one line saying
+    nothing is lost, no Prefect crash lines, the lease released. The resume then trains to the end with one MLflow
+    point per (metric, rollout)."""
     import subprocess
     import sys
 
@@ -243,7 +244,7 @@ def test_sigterm_is_ctrl_c_and_the_resume_is_clean(prefect_harness, tmp_path):
                PREFECT_API_URL=prefect.settings.PREFECT_API_URL.value(),  # the session's server: no start-up to wait for
                GRPOFLOW_TEST_PAUSE_AT="train-step-done#1", GRPOFLOW_TEST_PAUSE_DIR=str(pauses))
     from tests.conftest import SMALL_BATCH
-    argv = ["run", "configs/tiny.yaml", "--run-id", "t", "--set", "train.num_rollout=2", "--set", "checkpoint.interval=1",
+    argv = ["run", "configs/tiny.yaml", "--run-id", "t", "--set", "train.num_rollout=1", "--set", "checkpoint.interval=1",
             "--set", "eval.interval=null", "--set", "data.eval={}", "--set", f"storage.root={root}", *sum(
                 (["--set", s] for s in SMALL_BATCH), [])]
     with (tmp_path / "err.log").open("w") as err:
@@ -264,10 +265,10 @@ def test_sigterm_is_ctrl_c_and_the_resume_is_clean(prefect_harness, tmp_path):
     assert not Path(rd.sub("lease.json")).exists()
     assert main(["resume", "t", "--root", str(root)]) == 0
     from runtime.run import checkpoint
-    assert checkpoint.latest(rd).rollout == 2
+    assert checkpoint.latest(rd).rollout == 1
     client, mlflow_run = _mlflow(root, "t")
     steps = [m.step for m in client.get_metric_history(mlflow_run, "reward_mean")]
-    assert len(steps) == len(set(steps)) == 2, steps
+    assert steps == [0], steps
 
 
 def _store_runs(db: Path, run_id: str):
