@@ -32,16 +32,19 @@ def _start_prefect_api() -> None:
 
 
 class _HideUserErrors(logging.Filter):
-    """Prefect logs every failed task with its traceback; a user mistake (or a Ctrl-C) is printed once, as one
-    line."""
+    """Prefect logs every failed task with its traceback; a user mistake, a Ctrl-C or SIGTERM, a full disk is
+    printed once, as one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from runtime.errors import UserError
+        from prefect.exceptions import TerminationSignal
+
+        from runtime.os_errors import os_cause
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, (UserError, KeyboardInterrupt)):
+        if isinstance(exc, (UserError, KeyboardInterrupt, TerminationSignal)) or os_cause(exc) is not None:
             return False
         msg = record.getMessage() if record.levelno >= logging.ERROR else ""
-        if "aborted by an interrupt signal" in msg:
+        if "aborted by an interrupt signal" in msg or "aborted by a termination signal" in msg or os_cause(Exception(msg)):
             return False
         return not any(f"exception {cls.__name__}" in msg or f"{cls.__name__}(" in msg for cls in _user_error_types())
 
@@ -103,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     rs = sub.add_parser("resume", help="continue a run from its frozen config and latest checkpoint")
     rs.add_argument("run_id")
     rs.add_argument("--root", default=None, help=f"storage.root of the run (default {DEFAULT_ROOT})")
+    rs.add_argument("--config", default=None, metavar="FILE",
+                    help="replace the run's frozen config with FILE (the config it was started with), e.g. when "
+                         "runs/<id>/config.yaml is damaged or missing; the file found is kept beside it")
     with_overrides(rs)
 
     m = sub.add_parser("models", help="browse the model registry")
@@ -307,10 +313,19 @@ def _resume(args) -> dict | None:
     from runtime.run.lease import RunLease
     root = args.root or DEFAULT_ROOT
     rd = RunDir(root, args.run_id)  # a bad run id: one line, before anything is read or written
+    if args.config:
+        from runtime.config import load_config
+        from runtime.run.frozen_config import replace_frozen
+        replace_frozen(rd, load_config(args.config, args.overrides))
+        print(f"run {args.run_id}: frozen config replaced by {args.config}")
     cfg = frozen_config(rd, args.overrides)  # unknown run id: fail before Prefect starts
     if args.overrides:
         check_changes(frozen_config(rd), cfg, rd, given_root=args.root is not None)
-    if finished(cfg, rd):
+    from runtime.tracking.mlflow_tracker import moved_store_line
+    moved = moved_store_line(cfg, rd)
+    if moved:
+        print(moved)
+    if finished(cfg, rd) and not moved:
         # The lease of a writer killed after its last step: taken over and dropped (a live one refuses),
         # and whatever that writer left under a temp name with it.
         from runtime.run.checkpoint import repair_latest
@@ -334,6 +349,20 @@ class _MaskedFormatter(logging.Formatter):
         return redact_text(super().format(record))
 
 
+def _sigterm_as_interrupt() -> None:
+    """SIGTERM (a `kill`, a scheduler stopping the job) ends a command as Ctrl-C does: the same unwinding (the
+    lease released, children ended), the same one line and exit code. During a flow Prefect's own handler takes
+    SIGTERM first, marks the run crashed and then hands the signal on to this one."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():  # main() called from a thread: signals are not its
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def _setup_logging(level: str) -> None:
     """One handler for grpoflow's loggers (named by module: runtime.*, tasks.*, flows.*, cli.*)."""
     handler = logging.StreamHandler(sys.stderr)
@@ -353,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.run.directory import resume_command
 
     resume_with = None  # how to continue the run this command works on, once it has an id
+    where = getattr(args, "root", None)  # the storage root it writes under, once known
+    _sigterm_as_interrupt()
     try:
         if args.cmd == "validate":
             from runtime.config import load_config
@@ -396,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.overrides)
             run_id = check_run_id(args.run_id) if args.run_id is not None else default_run_id(cfg)
             print(f"run id: {run_id}")
-            resume_with = resume_command(run_id, cfg.storage.root)
+            resume_with, where = resume_command(run_id, cfg.storage.root), cfg.storage.root
             _print_plan(cfg)
             _start_prefect_api()
             from flows.pipeline import grpo_pipeline
@@ -426,11 +457,20 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 130
     except TransientError as err:
+        from runtime.os_errors import os_error_line
+        if os_error_line(err) is not None:  # a store's write on a full disk: not a reason to retry
+            print(f"error: {os_error_line(err, where, resume_with)}", file=sys.stderr)
+            return 3
         # still failing after the task's retries: nothing is lost, `grpoflow resume` continues later
         print(f"error: {error_line(err)} (still failing after retries; resume the run later)",
               file=sys.stderr)
         return 3
     except Exception as err:
+        from runtime.os_errors import DISK_FULL, os_cause, os_error_line
+        line = os_error_line(err, where, resume_with)
+        if line is not None:  # a full disk, a link loop: the machine's state, said in one line wherever it surfaced
+            print(f"error: {line}", file=sys.stderr)
+            return 3 if os_cause(err).errno in DISK_FULL else 2
         from tasks.common import _is_transient
         if not _is_transient(err):
             raise

@@ -7,6 +7,7 @@ UserErrors; an unreachable server a TransientError naming the URI.
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 from datetime import datetime, timezone
@@ -33,7 +34,7 @@ def _store_missing(uri: str) -> bool:
     from runtime.tracking.mlflow_tracker import sqlite_path
 
     db = sqlite_path(uri)
-    return db is not None and not db.is_file()
+    return db is not None and not os.path.lexists(db)  # something else in its place is refused by make_client
 
 
 def _metrics(tags: dict[str, str]) -> dict[str, float]:

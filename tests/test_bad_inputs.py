@@ -15,6 +15,7 @@ import pytest
 from cli.main import main
 from runtime.run.directory import RunDir
 from runtime.run.lease import RunLease
+from tests.conftest import REFERENCE_OVERRIDES
 
 GOOD_ROW = '{"prompt": "copy 3 = ?", "label": "3"}'
 
@@ -79,6 +80,9 @@ def inputs(tmp_path_factory, reference_run) -> dict[str, Path]:
     text("section-twice.yaml", "train: {lr: 1.0e-4}\nrollout: {temperature: 1.0}\ntrain: {seed: 2}\n")
     f["dir.yaml"] = d / "a-directory"
     f["dir.yaml"].mkdir()
+    f["loop"] = d / "loop-a"  # a storage root that is a symbolic-link loop: loop-a -> loop-b -> loop-a
+    (d / "loop-b").symlink_to(f["loop"])
+    f["loop"].symlink_to(d / "loop-b")
     return f
 
 
@@ -179,6 +183,14 @@ CASES = [
      "--set train.lr=abc: train.lr: Input should be a valid number"),
     ("resume-finished-not-resumable", lambda f, r: ["resume", "ref", "--root", str(r), "--set", "train.lr=0.1"], 2,
      "already exists with a different train.lr"),
+    ("resume-drops-rollouts", lambda f, r: ["resume", "ref", "--root", str(r), "--set", "train.num_rollout=2"], 2,
+     "run 'ref' has trained or evaluated past train.num_rollout=2 (checkpoints/rollout_4"),
+    ("run-drops-rollouts", _run(*REFERENCE_OVERRIDES, "train.num_rollout=2",
+                                run_id="ref"), 2, "a resume never drops rollouts that exist"),
+    # -- the machine: a storage root that is a symbolic-link loop ----------------------------------------
+    ("root-link-loop", _run("storage.root={loop}"), 2, "is a symbolic link loop"),
+    ("runs-root-link-loop", lambda f, r: ["runs", "--root", str(f["loop"])], 2, "is a symbolic link loop"),
+    ("models-root-link-loop", lambda f, r: ["models", "list", "--root", str(f["loop"])], 2, "is a symbolic link loop"),
     ("models-show-unknown", lambda f, r: ["models", "show", "no-such-model", "--root", str(r)], 2, "no-such-model"),
 ]
 

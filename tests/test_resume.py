@@ -175,6 +175,9 @@ def test_damaged_newest_checkpoint_falls_back_and_finishes(prefect_harness, refe
 
 def test_resume_finished_run_says_so_and_extends(prefect_harness, reference_run, tmp_path, capsys):
     root = _copy_reference(reference_run, tmp_path / "root")
+    # the run directory alone was copied: the first resume makes its MLflow run again in this root's store
+    assert main(["resume", "ref", "--root", str(root)]) == 0
+    assert f"its MLflow run is made again in sqlite:///{root}/mlflow.db" in capsys.readouterr().out
     assert main(["resume", "ref", "--root", str(root)]) == 0
     assert "already finished (4 rollouts)" in capsys.readouterr().out
     assert main(["resume", "ref", "--root", str(root), "--set", "train.num_rollout=6"]) == 0

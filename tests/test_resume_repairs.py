@@ -1,5 +1,5 @@
 """What a killed writer leaves behind, and `resume` repairing it: the last steps of a run (registration,
-the MLflow run's end, the lease), a half-made MLflow store, temp leftovers; and secrets that must never
+the MLflow run's end, the lease), temp leftovers; and secrets that must never
 be written anywhere on the way.
 """
 from __future__ import annotations
@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -25,9 +24,12 @@ def _copy_reference(reference_run, dest: Path) -> Path:
 
 
 def _mlflow(root: Path, run_id: str):
+    """The run's MLflow client and run in the store of ``root`` (the store follows the root: a copied root's run
+    is tracked in the copy of the store)."""
     from mlflow.tracking import MlflowClient
     doc = json.loads(Path(RunDir(str(root), run_id).sub("tracking.json")).read_text())
-    return MlflowClient(doc["tracking_uri"], registry_uri=doc["tracking_uri"]), doc["mlflow_run_id"]
+    uri = f"sqlite:///{root}/mlflow.db"
+    return MlflowClient(uri, registry_uri=uri), doc["mlflow_run_id"]
 
 
 def test_resume_finishes_what_a_kill_after_the_last_eval_left_undone(prefect_harness, reference_run, tmp_path, capsys):
@@ -73,29 +75,6 @@ def test_a_garbage_latest_in_a_finished_run_is_said_once_and_repaired(reference_
     said = [r.getMessage() for r in caplog.records if rd.latest in r.getMessage()]
     assert len(said) == 1 and "is unreadable" in said[0], said
     assert json.loads(Path(rd.latest).read_text()) == {"rollout": 4, "dir": "rollout_4"}
-
-
-def test_a_half_made_mlflow_store_is_made_again_without_losing_runs(tmp_path):
-    """A store killed mid-creation (tables of the first migrations only) used to fail every later open
-    ("table ... already exists"). It holds no runs: it is set aside and made again, atomically."""
-    from mlflow.store.db.utils import InitialBase
-    from sqlalchemy import create_engine
-
-    from runtime.tracking.mlflow_tracker import make_client, sqlite_uri
-    db = tmp_path / "mlflow.db"
-    engine = create_engine(f"sqlite:///{db}")
-    InitialBase.metadata.create_all(engine)  # what a kill after the first step of MLflow's set-up leaves
-    engine.dispose()
-    client = make_client(sqlite_uri(tmp_path))
-    exp = client.create_experiment("e")
-    client.create_run(exp)
-    assert [p.name for p in tmp_path.glob("mlflow.db.incomplete-*")]
-    assert not list(tmp_path.glob(".mlflow.db.tmp-*"))
-    # a complete store with runs is opened as it is
-    again = make_client(sqlite_uri(tmp_path))
-    assert len(again.search_runs([exp])) == 1
-    with sqlite3.connect(db) as con:
-        assert con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 1
 
 
 def test_temp_leftovers_of_a_killed_writer_are_removed_on_the_next_start(prefect_harness, reference_run, tmp_path):
@@ -210,3 +189,179 @@ def test_a_run_stopped_outright_leaves_no_prefect_server_behind(tmp_path, sig):
         assert code == 130 and lines == [f"error: interrupted; nothing is lost: continue with "
                                          f"`grpoflow resume k --root {root}`"], lines
         assert not Path(RunDir(str(root), "k").sub("lease.json")).exists()
+
+
+@pytest.mark.parametrize("how", ["oserror", "wrapped"])
+def test_a_full_disk_mid_run_is_one_line_and_resume_continues(prefect_harness, reference_run, tmp_path, capsys,
+                                                              monkeypatch, how):
+    """~40 s each. The disk fills while a checkpoint is written (the trainer state's write fails with ENOSPC, raw or
+    as a checkpoint writer's worker wraps it): exit 3, one line saying the disk is full, where, and the resume
+    command; the checkpoints before it intact. Once space is free (the write works again) the resume continues."""
+    import errno
+
+    from runtime import storage
+    from runtime.run import checkpoint
+    root = _copy_reference(reference_run, tmp_path / "root")
+    rd = RunDir(str(root), "ref")
+    real_write = storage.write_json_atomic
+
+    def full_disk(path, doc, *a, **k):
+        if str(path).endswith(checkpoint.STATE):
+            if how == "oserror":
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            raise RuntimeError(f"Worker failure: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}")
+        return real_write(path, doc, *a, **k)
+
+    monkeypatch.setattr(storage, "write_json_atomic", full_disk)
+    assert main(["resume", "ref", "--root", str(root), "--set", "train.num_rollout=6"]) == 3
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the disk is full (No space left on device) at "), err[-3000:]
+    assert (checkpoint.STATE in lines[0]) if how == "oserror" else (f" at {root};" in lines[0]), lines[0]
+    assert f"`grpoflow resume ref --root {root}`" in lines[0] and "nothing already written is lost" in lines[0]
+    assert "Traceback" not in out + err
+    assert checkpoint.latest(rd).rollout == 4 and checkpoint.verify(rd.checkpoint(4)) is None
+    assert not Path(rd.sub("lease.json")).exists()
+
+    monkeypatch.setattr(storage, "write_json_atomic", real_write)  # space freed
+    assert main(["resume", "ref", "--root", str(root)]) == 0, capsys.readouterr().err[-3000:]
+    assert checkpoint.latest(rd).rollout == 6
+
+
+def test_sigterm_is_ctrl_c_and_the_resume_is_clean(prefect_harness, tmp_path):
+    """~60 s (a one-rollout run, then its resume). SIGTERM to a `grpoflow run` process in the middle of training
+    (after its first update, inside the train-chunk task) ends it as Ctrl-C does: exit 130 and one line saying
+    nothing is lost, no Prefect crash lines, the lease released. The resume then trains to the end with one MLflow
+    point per (metric, rollout)."""
+    import subprocess
+    import sys
+
+    from tests.waiting import wait_reached
+    pauses, root = tmp_path / "pauses", tmp_path / "root"
+    pauses.mkdir()
+    import prefect.settings
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), PREFECT_HOME=str(tmp_path / "prefect"),
+               PREFECT_API_URL=prefect.settings.PREFECT_API_URL.value(),  # the session's server: no start-up to wait for
+               GRPOFLOW_TEST_PAUSE_AT="train-step-done#1", GRPOFLOW_TEST_PAUSE_DIR=str(pauses))
+    from tests.conftest import SMALL_BATCH
+    argv = ["run", "configs/tiny.yaml", "--run-id", "t", "--set", "train.num_rollout=1", "--set", "checkpoint.interval=1",
+            "--set", "eval.interval=null", "--set", "data.eval={}", "--set", f"storage.root={root}", *sum(
+                (["--set", s] for s in SMALL_BATCH), [])]
+    with (tmp_path / "err.log").open("w") as err:
+        run = subprocess.Popen([sys.executable, "-m", "cli.main", *argv], env=env, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            wait_reached(pauses / "train-step-done#1.reached", run, timeout_s=600, log=tmp_path / "err.log")
+            run.send_signal(signal.SIGTERM)
+            code = run.wait(timeout=120)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    # MLflow's own INFO lines when it makes a store are not this test's business (library logs go to a file)
+    lines = [line for line in (tmp_path / "err.log").read_text().strip().splitlines() if " INFO mlflow." not in line]
+    assert code == 130 and lines == [f"error: interrupted; nothing is lost: continue with "
+                                     f"`grpoflow resume t --root {root}`"], lines
+    rd = RunDir(str(root), "t")
+    assert not Path(rd.sub("lease.json")).exists()
+    assert main(["resume", "t", "--root", str(root)]) == 0
+    from runtime.run import checkpoint
+    assert checkpoint.latest(rd).rollout == 1
+    client, mlflow_run = _mlflow(root, "t")
+    steps = [m.step for m in client.get_metric_history(mlflow_run, "reward_mean")]
+    assert steps == [0], steps
+
+
+def _store_runs(db: Path, run_id: str):
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(f"sqlite:///{db}", registry_uri=f"sqlite:///{db}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              filter_string=f"tags.`grpoflow.run_id` = '{run_id}'")
+    return client, runs
+
+
+def test_a_run_moved_to_another_root_is_tracked_there(prefect_harness, reference_run, tmp_path, capsys):
+    """~40 s. A run directory moved from a root that is gone to another root, resumed with `--root NEW`: its MLflow
+    run is made again in NEW's store from the run directory (the earlier rollouts' metrics equal to the old
+    store's, then the new ones; versions registered from NEW's exports), printed paths are NEW's, the old root is
+    not made again, and no other store is written."""
+    import hashlib
+
+    from runtime.run.frozen_config import frozen_config, frozen_text, rebased
+    ref_root = Path(reference_run["root"])
+    ref_store = hashlib.sha256((ref_root / "mlflow.db").read_bytes()).hexdigest()
+    gone, new_root = tmp_path / "gone", tmp_path / "new"
+    shutil.copytree(ref_root / "runs" / "ref", new_root / "runs" / "ref")
+    rd = RunDir(str(new_root), "ref")
+    # as if it had run under `gone`, tracked in gone's store, and been moved out before that root was removed
+    Path(rd.config).write_text(frozen_text(rebased(frozen_config(rd), str(gone))))
+    record = json.loads(Path(rd.sub("tracking.json")).read_text())
+    Path(rd.sub("tracking.json")).write_text(json.dumps({**record, "tracking_uri": f"sqlite:///{gone}/mlflow.db"}))
+
+    assert main(["resume", "ref", "--root", str(new_root), "--set", "train.num_rollout=6"]) == 0, \
+        capsys.readouterr().err[-3000:]
+    out = capsys.readouterr().out
+    assert f"run ref was tracked in sqlite:///{gone}/mlflow.db; its MLflow run is made again in " \
+           f"sqlite:///{new_root}/mlflow.db" in out, out
+    assert [line for line in out.splitlines() if str(gone) in line] == [out.splitlines()[0]], out
+    assert f"run directory:        {new_root}/runs/ref" in out, out
+    assert not gone.exists()
+    assert hashlib.sha256((ref_root / "mlflow.db").read_bytes()).hexdigest() == ref_store
+    assert frozen_config(rd).storage.root == str(new_root)
+    assert json.loads(Path(rd.sub("tracking.json")).read_text())["tracking_uri"] == f"sqlite:///{new_root}/mlflow.db"
+
+    old_client, [old_run] = _store_runs(ref_root / "mlflow.db", "ref")
+    new_client, [new_run] = _store_runs(new_root / "mlflow.db", "ref")
+    old_points = {(m.step, m.value) for m in old_client.get_metric_history(old_run.info.run_id, "reward_mean")}
+    new_points = {(m.step, m.value) for m in new_client.get_metric_history(new_run.info.run_id, "reward_mean")}
+    assert old_points < new_points and len(new_points) == len({s for s, _ in new_points}) == 6, (old_points, new_points)
+    versions = [v for m in new_client.search_registered_models() for v in new_client.search_model_versions(f"name = '{m.name}'")]
+    assert versions and all(str(new_root) in v.source for v in versions), [v.source for v in versions]
+
+
+@pytest.mark.parametrize("damage", ["cut", "edited", "deleted"])
+def test_a_damaged_frozen_config_is_refused_with_how_to_recover(reference_run, tmp_path, capsys, damage):
+    """< 2 s each. config.yaml cut before a section, edited by hand, or deleted while checkpoints exist: `resume` and
+    `runs` refuse it in one line naming the file and `grpoflow resume ref --root R --config FILE`; nothing changes."""
+    root = _copy_reference(reference_run, tmp_path / "root")
+    rd = RunDir(str(root), "ref")
+    config = Path(rd.config)
+    text = config.read_text()
+    if damage == "cut":
+        config.write_text(text[: text.index("\nstorage:")] + "\n")
+    elif damage == "edited":
+        config.write_text(text.replace("lr: 0.0005", "lr: 0.005"))
+        assert config.read_text() != text
+    else:
+        config.unlink()
+    before = sorted(p.name for p in config.parent.iterdir())
+    assert main(["resume", "ref", "--root", str(root)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(config) in err[0] and f"`grpoflow resume ref --root {root} --config FILE`" in err[0], err
+    assert ("checksum does not match" in err[0]) if damage != "deleted" else ("holds checkpoints/" in err[0]), err
+    assert "nothing of it can be resumed" not in err[0]
+    assert sorted(p.name for p in config.parent.iterdir()) == before
+    assert main(["runs", "--root", str(root)]) == 0
+    assert f"grpoflow resume ref --root {root} --config FILE" in capsys.readouterr().out
+
+
+def test_resume_with_config_recovers_a_damaged_frozen_config(prefect_harness, reference_run, tmp_path, capsys):
+    """~30 s. The recovery the refusal names: `resume ID --config FILE` with the config the run was started with
+    replaces the damaged file (kept beside it) and the resume goes on; a FILE that would drop trained rollouts is
+    refused."""
+    from tests.conftest import REFERENCE_OVERRIDES
+    root = _copy_reference(reference_run, tmp_path / "root")
+    rd = RunDir(str(root), "ref")
+    config = Path(rd.config)
+    damaged = config.read_text()[:200]
+    config.write_text(damaged)
+    sets = sum((["--set", s] for s in REFERENCE_OVERRIDES), [])
+    assert main(["resume", "ref", "--root", str(root), "--config", "configs/tiny.yaml", *sets,
+                 "--set", "train.num_rollout=2"]) == 2
+    assert "holds checkpoints/rollout_4" in capsys.readouterr().err
+    assert config.read_text() == damaged
+    assert main(["resume", "ref", "--root", str(root), "--config", "configs/tiny.yaml", *sets]) == 0, \
+        capsys.readouterr().err[-3000:]
+    kept = list(config.parent.glob("config.yaml.replaced-*"))
+    assert len(kept) == 1 and kept[0].read_text() == damaged
+    from runtime.run.frozen_config import frozen_config
+    assert frozen_config(rd).train.num_rollout == 4

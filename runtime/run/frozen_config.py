@@ -1,6 +1,9 @@
 """Opening a run: its directory, its frozen config, and what may change when it is resumed."""
 from __future__ import annotations
 
+import hashlib
+import re
+
 import yaml
 
 from runtime import storage
@@ -52,14 +55,40 @@ def changed_fields(old: GrpoConfig, new: GrpoConfig) -> list[str]:
 
 
 def check_changes(old: GrpoConfig, new: GrpoConfig, rd: RunDir, *, given_root: bool = False) -> None:
-    """An existing run may change only what RESUMABLE_CHANGES allows; anything else is one ConfigError."""
+    """An existing run may change only what RESUMABLE_CHANGES allows, and never so that rollouts it has
+    trained or evaluated fall outside it; anything else is one ConfigError."""
     bad = [f for f in changed_fields(old, new)
            if f not in RESUMABLE_CHANGES and not f.startswith("eval.") and f != "name"]
+    root = f" --root {rd.root}" if given_root or rd.root != DEFAULT_ROOT else ""
     if bad:
-        root = f" --root {rd.root}" if given_root or rd.root != DEFAULT_ROOT else ""
         raise ConfigError(
             f"run '{rd.run_id}' already exists with a different {', '.join(bad)}, which a resumed run cannot "
             f"change; resume it as it is with `grpoflow resume {rd.run_id}{root}` or pick another --run-id")
+    if new.train.num_rollout < old.train.num_rollout:
+        beyond = rollouts_beyond(rd, new.train.num_rollout)
+        if beyond:
+            shown = ", ".join(beyond[:6]) + (f" and {len(beyond) - 6} more" if len(beyond) > 6 else "")
+            raise ConfigError(
+                f"run '{rd.run_id}' has trained or evaluated past train.num_rollout={new.train.num_rollout} ({shown}); "
+                f"a resume never drops rollouts that exist: keep train.num_rollout >= {old.train.num_rollout} "
+                f"(`grpoflow resume {rd.run_id}{root}`), or start a new run with another --run-id for fewer rollouts")
+
+
+def rollouts_beyond(rd: RunDir, n: int) -> list[str]:
+    """What the run directory holds of rollouts after ``n``: checkpoints, eval results, exports (run-relative names)."""
+    found = []
+    for sub in ("checkpoints", "eval", "exports"):
+        fs, path = storage.fs_for(rd.sub(sub))
+        try:
+            with storage.s3_errors(rd.path):
+                names = sorted(str(x).rstrip("/").rsplit("/", 1)[-1] for x in fs.ls(path, detail=False))
+        except FileNotFoundError:
+            continue
+        for name in names:
+            m = re.fullmatch(r"rollout_(\d+)(\.json)?", name)
+            if m and int(m.group(1)) > n:
+                found.append((int(m.group(1)), f"{sub}/{name}"))
+    return [name for _, name in sorted(found)]
 
 
 def with_plan_choices(cfg: GrpoConfig) -> GrpoConfig:
@@ -93,8 +122,77 @@ def freeze(cfg: GrpoConfig, rd: RunDir) -> GrpoConfig:
     cfg = with_plan_choices(cfg)
     if storage.exists(rd.config):
         check_changes(frozen_config(rd), cfg, rd)
-    storage.write_text_atomic(rd.config, dump_config(cfg))
+    storage.write_text_atomic(rd.config, frozen_text(cfg))
     return cfg
+
+
+# ---- the checksum: a frozen config changed outside grpoflow (cut, edited) is refused, never trusted ----------
+CHECKSUM_PREFIX = "# grpoflow frozen config, sha256 of the lines below: "
+
+
+def frozen_text(cfg: GrpoConfig) -> str:
+    body = dump_config(cfg)
+    return f"{CHECKSUM_PREFIX}{hashlib.sha256(body.encode()).hexdigest()}\n{body}"
+
+
+def checked_body(text: str, rd: RunDir) -> str:
+    """The YAML of a frozen config whose checksum holds (one written before checksums has none: taken as it
+    is); a ConfigError saying how to recover otherwise."""
+    first, _, body = text.partition("\n")
+    if not first.startswith(CHECKSUM_PREFIX):
+        return text
+    if hashlib.sha256(body.encode()).hexdigest() != first[len(CHECKSUM_PREFIX):].strip():
+        raise ConfigError(f"{rd.config}: the frozen config of run '{rd.run_id}' was changed outside grpoflow (cut short "
+                          f"or edited: its checksum does not match), so it is not trusted; {recover_hint(rd)}")
+    return body
+
+
+def recover_hint(rd: RunDir) -> str:
+    return (f"recover with `grpoflow resume {rd.run_id} --root {rd.root} --config FILE`, FILE being the config the run "
+            f"was started with (and its --set values as --set); the file found is kept beside it")
+
+
+def rebased(cfg: GrpoConfig, root: str) -> GrpoConfig:
+    """``cfg`` with storage.root where its run directory is now: a run moved or copied to another root writes
+    there (its MLflow store included), never to the root it was frozen under. The same place written another
+    way (relative, a trailing slash) keeps the frozen spelling."""
+    if _same_place(cfg.storage.root, root):
+        return cfg
+    return cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"root": root})})
+
+
+def _same_place(a: str, b: str) -> bool:
+    if storage.is_remote(a) or storage.is_remote(b):
+        return a.rstrip("/") == b.rstrip("/")
+    from pathlib import Path
+    return Path(storage.path_of(a)).expanduser().resolve() == Path(storage.path_of(b)).expanduser().resolve()
+
+
+def replace_frozen(rd: RunDir, given: GrpoConfig) -> None:
+    """`resume --config FILE`: make ``given`` the run's frozen config. Over a sound frozen config only what a
+    resume may change can differ; a damaged or missing one is kept beside it (``config.yaml.replaced-<time>``),
+    and ``given`` may not drop rollouts the run directory holds."""
+    import time
+
+    from runtime.run.lease import RunLease
+    if not storage.exists(rd.path):
+        raise ConfigError(f"unknown run id '{rd.run_id}': no {rd.path} (--config replaces the config of a run that "
+                          f"exists; start a new one with `grpoflow run`)")
+    given = rebased(given, rd.root)
+    try:
+        frozen = frozen_config(rd)
+    except ConfigError:
+        frozen = None  # damaged or missing: what replaces it is checked against the run directory alone
+    if frozen is not None:
+        check_changes(frozen, given, rd, given_root=True)
+    elif beyond := rollouts_beyond(rd, given.train.num_rollout):
+        raise ConfigError(f"--config gives train.num_rollout={given.train.num_rollout}, but run '{rd.run_id}' holds "
+                          f"{', '.join(beyond[:6])}: give the config it was started with")
+    with RunLease(rd.checked()):
+        if storage.exists(rd.config):
+            aside = f"{rd.config}.replaced-{time.strftime('%Y%m%dT%H%M%S')}"
+            storage.write_text_atomic(aside, storage.read_text(rd.config))
+        storage.write_text_atomic(rd.config, frozen_text(given))
 
 
 def start_again_command(rd: RunDir, holder: dict | None) -> str:
@@ -111,7 +209,8 @@ def start_again_command(rd: RunDir, holder: dict | None) -> str:
 
 
 def not_frozen_error(rd: RunDir) -> ConfigError:
-    """A run directory without its frozen config: a run starting right now, or one stopped before it froze."""
+    """A run directory without its frozen config: a run starting right now, one stopped before it froze, or one
+    whose config was deleted after it trained."""
     from runtime.run.lease import lease_holder
     from runtime.secrets import REDACTED
 
@@ -119,6 +218,10 @@ def not_frozen_error(rd: RunDir) -> ConfigError:
     if holder is not None and stale is None:
         return ConfigError(f"run '{rd.run_id}' is starting (pid {holder.get('pid')} on {holder.get('host')} holds its "
                            f"lease; its config is not frozen yet); wait for it, or see `grpoflow runs --root {rd.root}`")
+    trained = rollouts_beyond(rd, -1)
+    if trained:
+        return ConfigError(f"run '{rd.run_id}' holds {', '.join(trained[-3:])} but its frozen config {rd.config} is "
+                           f"missing; nothing is lost: {recover_hint(rd).removesuffix('; the file found is kept beside it')}")
     command = start_again_command(rd, holder)
     masked = " (give the masked values again)" if REDACTED in command else ""
     return ConfigError(f"run '{rd.run_id}' was stopped before its config was frozen (no {rd.config}), so nothing of "
@@ -132,15 +235,16 @@ def frozen_config(rd: RunDir, overrides: list[str] | None = None) -> GrpoConfig:
         raise ConfigError(f"unknown run id '{rd.run_id}': no {rd.config} "
                           f"(list runs under {storage.join(rd.root, 'runs')} or check storage.root / --root)")
     try:
-        tree = load_yaml(storage.read_text(rd.config))
+        tree = load_yaml(checked_body(storage.read_text(rd.config), rd))
     except DuplicateKeyError as err:
         raise duplicate_key_error(rd.config, err) from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{rd.config}: the frozen config of run '{rd.run_id}' is damaged "
-                          f"({' '.join(str(err).split())[:160]})") from None
+                          f"({' '.join(str(err).split())[:160]}); {recover_hint(rd)}") from None
     if not isinstance(tree, dict):
-        raise ConfigError(f"{rd.config}: the frozen config of run '{rd.run_id}' is damaged (not a mapping)")
-    return config_with_overrides(tree, overrides, rd.config)
+        raise ConfigError(f"{rd.config}: the frozen config of run '{rd.run_id}' is damaged (not a mapping); "
+                          f"{recover_hint(rd)}")
+    return rebased(config_with_overrides(tree, overrides, rd.config), rd.root)
 
 
 def config_to_resume(rd: RunDir, overrides: list[str] | None = None) -> GrpoConfig:

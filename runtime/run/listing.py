@@ -35,6 +35,7 @@ class RunStatus:
 
 def run_ids(root: str) -> list[str]:
     """Names of the run directories under ``<root>/runs/``, sorted."""
+    storage.check_no_link_loop(root, "--root")
     fs, path = storage.fs_for(storage.join(root, "runs"))
     with storage.s3_errors(root):
         try:
@@ -94,16 +95,21 @@ def run_status(root: str, run_id: str, *, lease_timeout_s: float | None = None) 
     holder, stale = lease_holder(rd, lease_timeout_s)
     running = holder is not None and stale is None
     try:
-        tree = load_yaml(storage.read_text(rd.config)) or {}
+        from runtime.run.frozen_config import checked_body
+        tree = load_yaml(checked_body(storage.read_text(rd.config), rd)) or {}
         cfg = config_from_dict(tree, rd.config)
     except FileNotFoundError:
         if running:
             return RunStatus(run_id, "-", "running", _holder_text(holder), None, "-", "-")
-        from runtime.run.frozen_config import start_again_command
+        from runtime.run.frozen_config import rollouts_beyond, start_again_command
+        if rollouts_beyond(rd, -1):
+            return RunStatus(run_id, "-", "stopped", "its frozen config is missing", _latest_rollout(rd), "-",
+                             f"{resume_command(run_id, root)} --config FILE")
         return RunStatus(run_id, "-", "stopped", "before its config was frozen", None, "-",
                          start_again_command(rd, holder))
     except (UserError, yaml.YAMLError) as err:
-        return RunStatus(run_id, "-", "unreadable", " ".join(str(err).split())[:160], None, "-", "-")
+        return RunStatus(run_id, "-", "unreadable", " ".join(str(err).split())[:160], _latest_rollout(rd), "-",
+                         f"{resume_command(run_id, root)} --config FILE")
     total = cfg.train.num_rollout
     at = _latest_rollout(rd)
     evals = _evals(rd)

@@ -13,6 +13,7 @@ Credentials come only from the environment or the fsspec/boto configuration; not
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -209,6 +210,7 @@ def check_writable(uri: str, field: str = "storage.root", shown: str | None = No
         return
     shown = shown or uri
     probe = Path(path_of(uri)).expanduser().absolute()
+    check_no_link_loop(str(probe), field, shown)
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
@@ -222,6 +224,19 @@ def check_writable(uri: str, field: str = "storage.root", shown: str | None = No
         except OSError as err:
             why = f"{err.strerror or type(err).__name__}: {probe}"
     raise ConfigError(f"{field} {shown} cannot be written ({why}); use a directory this user can write for {field}")
+
+
+def check_no_link_loop(uri: str, field: str = "storage.root", shown: str | None = None) -> None:
+    """One ConfigError when local ``uri`` (or a directory on its way) is a symbolic-link loop: every later
+    stat of it would fail with ELOOP, far from the setting that caused it."""
+    if is_remote(str(uri)):
+        return
+    try:
+        os.stat(path_of(str(uri)))
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ConfigError(f"{field} {shown or uri} cannot be used: {err.filename or uri} is a symbolic link loop "
+                              f"({err.strerror}); point {field} at a real directory") from None
 
 
 # ---- a local mirror of remote files -------------------------------------------------------------

@@ -118,9 +118,42 @@ def _artifact_location(uri: str, root: str | None = None) -> str | None:
     return (db.parent / "mlartifacts").resolve().as_uri() if db is not None else None
 
 
+def moved_store_line(cfg: "GrpoConfig", rd: RunDir) -> str | None:
+    """One line when the run's MLflow record (``tracking.json``) is in another store than the one its root gives
+    now, and that store has no run of it: a run directory moved or copied to another root. Its MLflow run is then
+    made again in the new store from what the run directory holds (the checkpoints' metrics, eval results, exports
+    to register), as a resume re-logs them anyway; the old store is left as it is (it may be gone, or another
+    root's). None when nothing moved, or when the store came along."""
+    if not cfg.tracking.enabled:
+        return None
+    try:
+        was = storage.read_json(rd.sub(TRACKING_FILE)).get("tracking_uri")
+        now = redact_uri(default_tracking_uri(cfg))
+    except (FileNotFoundError, ValueError, OSError, ConfigError):
+        return None
+    if not was or was == now:
+        return None
+    uri = default_tracking_uri(cfg)
+    try:
+        client = make_client(uri)
+        with mlflow_errors(uri, f"look for run {rd.run_id}"):
+            exp = client.get_experiment_by_name(cfg.tracking.experiment)
+            if exp is not None and client.search_runs([exp.experiment_id], max_results=1,
+                                                      filter_string=f"tags.`{RUN_TAG}` = '{rd.run_id}'"):
+                return None  # the store came along (a whole root copied): the run is attached there as it is
+    except TransientError:
+        return None  # a server not answering now: the run's tracker says so, after its retries
+    return (f"run {rd.run_id} was tracked in {was}; its MLflow run is made again in {now} from the run directory "
+            f"(metrics of the checkpoints it keeps, evals, registered versions); the old store is left as it is")
+
+
 # ---- errors ---------------------------------------------------------------------------------------
 def is_transient(err: BaseException) -> bool:
     from mlflow.exceptions import MlflowException
+
+    from runtime.os_errors import os_cause
+    if os_cause(err) is not None:
+        return False  # a full disk: said as such at once (cli/main.py), a retry would only fail again
 
     if isinstance(err, MlflowException):
         code = str(getattr(err, "error_code", "") or "")
@@ -159,29 +192,64 @@ def make_client(uri: str):
         return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
-# ---- creating a SQLite store ------------------------------------------------------------------------
-# MLflow creates its tables on first use, in dozens of migration steps; a process killed in between
-# leaves a database every later open fails on ("table ... already exists"). So the store is built
-# under a temp name and renamed into place, under a lock: it is either absent or complete.
-def _store_is_complete(db: Path) -> bool:
+# ---- opening a SQLite store ----------------------------------------------------------------------
+# Several runs under one root share its store, and `mlflow ui` or a notebook may hold a write transaction
+# on it for a while: a store that is busy is waited for, this long, then named. A minute covers MLflow's
+# own writes (milliseconds) and a migration (seconds) with room, and is short enough to tell a user
+# something rather than hang.
+STORE_LOCK_WAIT_S = 60.0
+_sound: set[Path] = set()  # stores this process has checked (a full check reads every page once)
+
+
+def _check_store(db: Path, uri: str) -> None:
+    """Refuse, in one line, a store that is not a sound MLflow database, or that another process keeps locked
+    longer than STORE_LOCK_WAIT_S. Nothing is moved or changed: the store holds every run's history."""
     import sqlite3
 
-    from mlflow.store.db.utils import _get_latest_schema_revision
+    if not db.is_file():
+        raise ConfigError(f"{db} is not a file (a {'directory' if db.is_dir() else 'special file'}), so it cannot be "
+                          f"the MLflow store: move it out of the way, or set tracking.uri to another store")
+    moment("mlflow-store-checking")
     try:
-        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
-            row = con.execute("SELECT version_num FROM alembic_version").fetchone()
-    except sqlite3.Error:
-        return False
-    return row is not None and row[0] == _get_latest_schema_revision()
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=rw", uri=True, timeout=STORE_LOCK_WAIT_S,
+                                                isolation_level=None)) as con:
+            try:  # waits (bounded) for another writer to finish, as MLflow's own writes will have to
+                con.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as err:
+                if "readonly" not in str(err):
+                    raise
+                con.execute("BEGIN")  # a store this user may only read (`models list` of a shared one)
+            try:
+                if db not in _sound:
+                    verdict = con.execute("PRAGMA quick_check").fetchone()[0]
+                    if verdict != "ok":
+                        raise sqlite3.DatabaseError(f"quick_check: {verdict}")
+                tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            finally:
+                con.execute("ROLLBACK")
+    except sqlite3.OperationalError as err:
+        if "locked" in str(err) or "busy" in str(err):
+            raise StoreLockedError(f"MLflow store {db} is locked by another process (waited {STORE_LOCK_WAIT_S:.0f} s "
+                                   f"for its write transaction to end); let that process finish (e.g. close the "
+                                   f"notebook or `mlflow` command holding it) and run the command again - nothing "
+                                   f"was changed") from None
+        raise _unsound(db, err) from None
+    except sqlite3.DatabaseError as err:
+        raise _unsound(db, err) from None
+    if "alembic_version" not in tables or "runs" not in tables:
+        raise _unsound(db, "MLflow's tables are missing: not an MLflow database, or one left half-made by a killed "
+                           "older grpoflow")
+    _sound.add(db)
 
 
-def _store_has_runs(db: Path) -> bool:
-    import sqlite3
-    try:
-        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
-            return con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] > 0
-    except sqlite3.Error:
-        return False
+def _unsound(db: Path, why) -> ConfigError:
+    return ConfigError(f"{db} is not a sound MLflow store ({' '.join(str(why).split())[:160]}); nothing was changed: "
+                       f"restore it from a backup, or move it away to start an empty store there (runs keep their "
+                       f"files; their MLflow history is in that file)")
+
+
+class StoreLockedError(ConfigError):
+    exit_code = 3  # nothing is wrong with the store: the same command works once the other process is done
 
 
 @contextlib.contextmanager
@@ -196,24 +264,22 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def ensure_store(uri: str) -> None:
-    """Make sure the SQLite store of ``uri`` exists and is complete (other stores: nothing to do).
+    """Make sure the SQLite store of ``uri`` exists and is sound (other stores: nothing to do).
 
-    A store left half-made by an older, non-atomic creation holds no runs; it is moved aside to
-    ``mlflow.db.incomplete-<time>`` and made again. A store with runs in it is never touched."""
+    MLflow creates its tables in dozens of migration steps, and a process killed in between would leave a
+    store every later open fails on; so a new store is built under a temp name and renamed into place,
+    under a lock: it is either absent or complete. An existing one is only ever checked, never moved."""
     db = sqlite_path(uri)
-    if db is None or (db.is_file() and _store_is_complete(db)):
+    if db is None:
         return
-    from runtime.testing.moments import moment
-
+    if os.path.lexists(db):
+        _check_store(db, uri)
+        return
     db.parent.mkdir(parents=True, exist_ok=True)
     with _locked(db.parent / f".{db.name}.lock"):
-        if db.is_file():
-            if _store_is_complete(db) or _store_has_runs(db):
-                return  # an older schema with runs: MLflow itself says how to upgrade it
-            aside = db.with_name(f"{db.name}.incomplete-{time.strftime('%Y%m%dT%H%M%S')}")
-            log.warning("MLflow store %s was left incomplete by a killed process; moved to %s and made again",
-                        db, aside.name)
-            os.replace(db, aside)
+        if os.path.lexists(db):  # made by another process meanwhile
+            _check_store(db, uri)
+            return
         for stale in db.parent.glob(f".{db.name}.tmp-*"):  # a creator killed before its rename
             stale.unlink(missing_ok=True)
         tmp = db.with_name(f".{db.name}.tmp-{os.getpid()}")
@@ -425,6 +491,6 @@ class Tracker:
 
 
 __all__ = [
-    "Tracker", "ensure_store", "default_tracking_uri", "store_uri_for_root", "sqlite_uri", "sqlite_path", "make_client",
+    "Tracker", "ensure_store", "moved_store_line", "default_tracking_uri", "store_uri_for_root", "sqlite_uri", "sqlite_path", "make_client",
     "flatten_params", "metric_key", "mlflow_errors", "is_transient",
 ]
