@@ -576,7 +576,7 @@ CANDIDATES = [
                "bitwise, Adam's moments 1.5e-9 apart)",
                "train.deterministic (since this finding torch sums the norm weights' gradients, fusions.deterministic_norm: "
                "inductor sizes that sum from the token count it compiled on, and its graph cache can hand one rank's "
-               "kernel to the other; bench/norm_history.py)"),
+               "kernel to the other; norm_history, retired: bench/README.md)"),
     _candidate("the trainer's compiled log-prob pieces (runtime/trainer/logprobs.py)", "trainer, chunked log-probs",
                "per-row sums over the vocabulary, in a kernel sized from the row count of the chunk that compiled it "
                "(2048 whenever a micro-batch has as many tokens; fewer only on a rank whose first micro-batch is "
@@ -589,7 +589,7 @@ CANDIDATES = [
     _candidate("Inductor reductions of the engine's compiled pieces (norms, log-softmax, sampler)", "engine",
                "the configuration of each reduction chosen by timing at its first call, in every fresh process: "
                "another order of summation, so the rollout's log-probs (the TIS weights, every gradient) move by "
-               "ulps, and at a near-tie a token changes (bench/engine_repeat.py, found 2026-11-27)",
+               "ulps, and at a near-tie a token changes (engine_repeat, retired: bench/README.md; found 2026-11-27)",
                "rollout.deterministic (inductor's deterministic mode for those pieces; on by default, no measured "
                "cost)"),
     _candidate("split-KV paged decode attention (runtime/rollout/decode_attention.py)", "engine",

@@ -403,38 +403,6 @@ def test_ray_faults_merge_compares_each_calls_unbroken_run_with_the_first_calls_
     assert apart["noise_floor"]["bitwise"] is False and apart["noise_floor"]["same_machine_as_reference"]
 
 
-def test_engine_repeat_compares_fresh_processes_bit_for_bit(tmp_path):
-    """bench/engine_repeat.py's verdict (the engine's bits from one fresh process to the next): a section is compared
-    with the first of its variant, and each variant's first with plain's; one ulp of one log-prob is not equal, and
-    other tokens are counted per sample."""
-    import math
-    sys.path.insert(0, str(ROOT / "bench"))
-    import engine_repeat as er
-
-    base = {"tokens": [[5, 6, 7], [8, 9]], "engine": [[-1.5, -2.25, -0.125], [-3.0, -0.5]],
-            "engine_again": [[-1.5, -2.25, -0.125], [-3.0, -0.5]], "trainer": [[-1.5, -2.25, -0.125], [-3.0, -0.5]]}
-    ulp = json.loads(json.dumps(base))
-    ulp["engine"][1][0] = math.nextafter(-3.0, 0.0)
-    other = json.loads(json.dumps(base))
-    other["tokens"][0][2] = 4
-    (tmp_path / "dumps").mkdir()
-    for name, dump in (("gen-plain-a", base), ("gen-plain-b", base), ("gen-timed-a", ulp), ("gen-timed-b", other)):
-        (tmp_path / "dumps" / f"{name}.json").write_text(json.dumps(dump))
-    got = er.compare(tmp_path, ["gen-plain-a", "gen-plain-b", "gen-timed-a", "gen-timed-b"])
-    assert set(got) == {"gen-plain-b vs gen-plain-a", "gen-timed-b vs gen-timed-a", "gen-timed-a vs gen-plain-a"}
-    assert got["gen-plain-b vs gen-plain-a"]["engine_bitwise"] and got["gen-plain-b vs gen-plain-a"]["same_tokens"]
-    ulp_vs_plain = got["gen-timed-a vs gen-plain-a"]
-    assert ulp_vs_plain["same_tokens"] and not ulp_vs_plain["engine_bitwise"] and ulp_vs_plain["trainer_bitwise"]
-    assert 0 < ulp_vs_plain["engine_max_abs"] < 1e-15
-    assert got["gen-timed-b vs gen-timed-a"]["tokens_differ_rows"] == 1
-    # the engine alone, the over-sampled requests, new weights: each family against its own first, never across
-    families = ["gen-solo-a", "gen-solohist-a", "gen-wide-a", "gen-widehist-a", "gen-sync-a", "gen-synchist-a",
-                "gen-next-a", "gen-nexthist-a", "gen-nextsync-a", "gen-nextsynchist-a"]
-    assert set(er.pairs(families)) == {("gen-solohist-a", "gen-solo-a"), ("gen-widehist-a", "gen-wide-a"),
-                                       ("gen-synchist-a", "gen-sync-a"), ("gen-nexthist-a", "gen-next-a"),
-                                       ("gen-nextsynchist-a", "gen-nextsync-a")}
-
-
 def test_ray_faults_reads_each_recompile_and_alert_once_whatever_colour_a_worker_gave_its_line():
     sys.path.insert(0, str(ROOT / "bench"))
     import ray_faults as rf
