@@ -471,10 +471,8 @@ def compare_with(res: dict, ref: dict, ref_tensors=None, run_tensors=None) -> di
     return {**compare_facts(res["facts"], ref["facts"]), "checkpoint": checkpoint,
             # step by step: where the runs' parameters or gradients first differ (bench/grad_trace.py)
             "grad_trace": grad_trace.first_difference(run_trace, trace),
-            # each generate call both made: the engine's weights, state, schedule and draws (bench/grad_trace.py)
+            # each generate call both made: the engine's weights, state, schedule and draws' digests (bench/grad_trace.py)
             "engine_calls": grad_trace.engine_difference(run_trace, trace),
-            "engine_draws": None if ref.get("carried") else grad_trace.draws_difference(Path(res["grad_trace"]),
-                                                                                         Path(ref["grad_trace"])),
             "tuned_configs": compare_tuned(tuned_configs(Path(res["root"]).parent), tuned),
             "reference_machine": "another" if ref.get("carried") else "this"}
 
@@ -740,10 +738,6 @@ def print_table(summary: dict) -> None:
                     f"{ {k: n for k, n in (f.get('differ_at_that_step') or {}).items() if n} }"))
             for call, what in (r.get("engine_calls") or {}).items():
                 print(f"  {'':13s} engine {call}: {what}")
-            for call, what in (r.get("engine_draws") or {}).items():
-                if what["apart"]:
-                    print(f"  {'':13s} draws {call}: {what['apart']} of {what['samples']} samples apart, their log-probs "
-                          f"first at response position {what['first_apart_at']}; first: {what['each'][:3]}")
             if r.get("tuned_configs"):
                 t = r["tuned_configs"]
                 print(f"  {'':13s} autotuned by timing: {t['tuned_both']} kernels in both runs, {t['kept_another']} kept "
