@@ -263,36 +263,19 @@ def test_grad_trace_fingerprints_tell_one_ulp_and_place_the_first_difference():
         "logprobs": 2, "samples_apart": [0, 1], "apart_within_first": {1: 1, 16: 1, 256: 2}}
 
 
-def test_ray_faults_names_the_kernels_whose_timed_configuration_differs_from_the_reference(tmp_path):
-    """ray_faults' `tuned_configs`: what Inductor kept by timing in a case's caches (run and resume), compared by the
-    kernel's file name with the reference's; the fields that measure time are not a difference, another block is."""
+def test_ray_faults_keeps_a_reference_per_set_group(tmp_path):
+    """ray_faults' `References`: the unbroken-a a later case of the call reads back (its root still found), and a
+    cost run under another setting on the same warm machine keys a reference of its own beside the plain one."""
     sys.path.insert(0, str(ROOT / "bench"))
     import ray_faults as rf
 
-    def case(name: str, configs: dict) -> Path:
-        for i, (kernel, cfg) in enumerate(configs.items()):
-            f = tmp_path / name / f"caches-{'run' if i % 2 == 0 else 'resume'}" / "inductor" / kernel[:2] / f"{kernel}.best_config"
-            f.parent.mkdir(parents=True, exist_ok=True)
-            f.write_text(json.dumps(cfg))
-        return tmp_path / name
-
-    red = {"XBLOCK": 1, "R0_BLOCK": 2048, "num_warps": 16, "configs_hash": "c1", "time_taken_ms": 40}
-    pw = {"XBLOCK": 1024, "num_warps": 4, "configs_hash": "c2", "time_taken_ms": 3}
-    ref = case("ref", {"aa01": red, "bb02": pw, "cc03": pw})
-    same = case("same", {"aa01": {**red, "time_taken_ms": 95, "triton_cache_hash": "x"}, "bb02": pw})
-    other = case("other", {"aa01": {**red, "R0_BLOCK": 1024}, "bb02": pw, "dd04": pw})
-    assert rf.compare_tuned(rf.tuned_configs(same), rf.tuned_configs(ref)) == {
-        "tuned_both": 2, "tuned_only_here": 0, "kept_another": 0, "differ": []}
-    got = rf.compare_tuned(rf.tuned_configs(other), rf.tuned_configs(ref))
-    assert (got["tuned_both"], got["tuned_only_here"], got["kept_another"]) == (2, 1, 1)
-    assert got["differ"][0]["configs_hash"] == "c1" and got["differ"][0]["run"][0]["R0_BLOCK"] == 1024
-    # the reference as a later case of the call reads it back: its caches are still found beside its root
+    ref = tmp_path / "ref"
+    ref.mkdir()
     refs = rf.References(tmp_path / "work", sets=[])
     refs.path("colocated").parent.mkdir(parents=True)
     refs.put("colocated", {"gpus": rf.gpu_ids(), "facts": {"final_checkpoint": str(ref)}, "wall_s": 1.0,
                            "grad_trace": "trace", "root": str(ref / "root")})
-    kept = refs.get("colocated")
-    assert rf.tuned_configs(Path(kept["root"]).parent) == rf.tuned_configs(ref)
+    assert refs.get("colocated")["root"] == str(ref / "root")
     # a cost run under another setting, on the same warm machine: its own reference, the plain one still there
     other = rf.References(tmp_path / "work", sets=["train.deterministic=false"])
     assert other.get("colocated") is None and other.path("colocated") != refs.path("colocated")
@@ -373,7 +356,7 @@ def test_ray_faults_merge_compares_each_calls_unbroken_run_with_the_first_calls_
     def export(gpus, tensors, step_time):
         f = {**facts, "metric_values": {**facts["metric_values"], "step_time_s": [step_time, 3.0]}}
         return {"split": {"layout": "split", "sets": [], "gpus": gpus, "facts": f, "grad_trace": [],
-                          "checkpoint_fingerprints": rf.tensor_fingerprints(tensors), "tuned": {}}}
+                          "checkpoint_fingerprints": rf.tensor_fingerprints(tensors)}}
 
     moved = {**state, "optimizer.m": torch.ones(4).nextafter(torch.tensor(2.0))}
     same = rf.summarize({}, None, [export(["g0"], state, 9.0), export(["g1"], state, 7.5)])
@@ -385,21 +368,6 @@ def test_ray_faults_merge_compares_each_calls_unbroken_run_with_the_first_calls_
     apart = rf.summarize({}, None, [export(["g0"], state, 9.0), export(["g0"], moved, 9.0)])["layouts"]["split"]
     assert not apart["unbroken-a again"][0]["bitwise"] and apart["unbroken-a again"][0]["tensors_differ"] == 1
     assert apart["noise_floor"]["bitwise"] is False and apart["noise_floor"]["same_machine_as_reference"]
-
-
-def test_ray_faults_reads_each_recompile_and_alert_once_whatever_colour_a_worker_gave_its_line():
-    sys.path.insert(0, str(ROOT / "bench"))
-    import ray_faults as rf
-
-    line = "Recompiling function head in /w/runtime/rollout/decode_model.py:329"
-    why = "    - 3/0: tensor 'h' size mismatch at index 0. expected 8, actual 1"
-    text = "\n".join([f"(EngineActor pid=7) {line}", "(EngineActor pid=7)     triggered by the following guard failure(s):",
-                      f"(EngineActor pid=7) {why}", f"\x1b[36m(EngineActor pid=8)\x1b[0m {line}\x1b[32m",
-                      "UserWarning: embedding_dense_backward does not have a deterministic implementation"])
-    assert rf.log_signals(text) == {
-        "nondeterministic_ops": ["embedding_dense_backward"], "recompiled": ["head (/w/runtime/rollout/decode_model.py:329)"],
-        "recompile_reasons": {"head (/w/runtime/rollout/decode_model.py:329)": [
-            "tensor 'h' size mismatch at index 0. expected 8, actual 1"]}}
 
 
 # ---- bench/harness.py: the results already in bench/results stay readable ---------------------------------
