@@ -490,7 +490,7 @@ def main(argv=None) -> int:
     if a.section:
         H.section_budget(a)
         return H.section_exit(H.run_section(a.section, S, W, out, FUNCS[a.section]))
-    sections = H.sections_of(a, SECTIONS)
+    sections = H.sections_of(a, SECTIONS, known=FUNCS)
     t_start = time.time()
     H.clear_results(out)
     if a.cpu or a.in_process:

@@ -603,7 +603,7 @@ def main(argv=None) -> int:
         return H.section_exit(H.run_section(a.section, S, W, out, FUNCS[a.section]))
     t_start = time.time()
     H.clear_results(out)
-    sections = H.sections_of(a, SECTIONS)
+    sections = H.sections_of(a, SECTIONS, known=FUNCS)
     if a.cpu:
         for name in sections:
             H.run_section(name, S, W, out, FUNCS[name])

@@ -427,3 +427,15 @@ def test_sections_in_processes_record_how_each_ended_and_merge_over_calls(tmp_pa
     assert harness.merge_results(calls, keep="ok")["ok"]["status"] == "ok"
     both = harness.merge_results(calls, keep="both")
     assert both["ok"]["status"] == "ok" and both["ok@call2"]["status"] == "FAILED"
+
+
+def test_a_retired_section_is_refused_in_one_line(tmp_path):
+    """A section retired from a scenario (rollout_bench's sweep, bench/README.md's Retired experiments), asked for as
+    an older command line asks: one line naming it, the sections there are and where the retired ones went; exit 1,
+    no traceback. (~5 s)"""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_bench.py"), "--cpu", "--sections", "paged,sweep",
+                           "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ("--sections: no section sweep in this bench (its sections: paged, capped, kernels; "
+                                   "retired ones: bench/README.md)")
