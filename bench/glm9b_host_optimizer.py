@@ -40,7 +40,7 @@ and samples memory):
           load. Where masters differ at load, the three worst tensors are named, and the tensor-parallel replicas'
           drift from rank 0's copy (the one a checkpoint keeps) is measured. With train.deterministic (the
           default; `--deterministic false` turns it off for every section) the rerun and the resumed update are
-          bitwise, and the ops torch warned about without a deterministic kernel are listed.
+          bitwise.
 
 What was cut to fit a call: the stage runs as many rollouts as its budget allows (2 expected, a rollout that would
 not finish is not started after the first) and no checkpoint or eval (the resume section checks the checkpoint);
@@ -70,7 +70,7 @@ GLM4_9B = json.loads((ROOT / "runtime" / "models" / "known_configs" / "GLM-4-9B-
 SECTIONS = ("setup", "stage", "resume")
 SECTION_MAX_S = {"setup": 240, "stage": 570, "resume": 400}
 ENV_LENGTHS, ENV_MEMDIR, ENV_METHODS = "GLM9B_BENCH_KEYED_LENGTHS", "GLM9B_BENCH_MEMDIR", "GLM9B_BENCH_TRAINER_METHODS"
-ENV_DETERMINISTIC = "GLM9B_BENCH_DETERMINISTIC"  # the alerts' folder under train.deterministic, else "off"
+ENV_DETERMINISTIC = "GLM9B_BENCH_DETERMINISTIC"  # train.deterministic for every section: "true" or "false"
 RESUME_LR = 1e-4
 SHAPES = {
     "gpu": dict(device="cuda", dtype="bfloat16", model={}, prompts=16, samples=8, prompt_len=1000,
@@ -213,32 +213,7 @@ def _call_peaks(fn, phase: str, mem_dir: Path):
     return wrapper
 
 
-def _record_nondeterministic(log_dir: Path) -> None:
-    """torch's warn-only alerts (an op without a deterministic kernel was run), their first lines, in a file per
-    process: the resume section lists them."""
-    import warnings
-    log_dir.mkdir(parents=True, exist_ok=True)
-    path, show = log_dir / f"{os.getpid()}.txt", warnings.showwarning
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        text = str(message)
-        if "deterministic" in text:
-            with open(path, "a") as f:
-                f.write(text.splitlines()[0][:300] + "\n")
-        show(message, category, filename, lineno, file, line)
-    warnings.showwarning = record
-
-
-def _alerts_dir() -> Path | None:
-    """Where the trainers record torch's alerts: set under train.deterministic (the default), None with it off."""
-    v = os.environ.get(ENV_DETERMINISTIC)
-    return Path(v) if v and v != "off" else None
-
-
 def _child_hooks() -> None:
-    alerts = _alerts_dir()
-    if alerts:  # train.deterministic: torch's warnings where an op has no deterministic kernel
-        _record_nondeterministic(alerts)
     spec = os.environ.get(ENV_LENGTHS)
     if spec:
         import partial_rollout
@@ -662,9 +637,7 @@ def sec_resume(S, W: Path) -> dict:
 
     t_start = time.time()
     R = W / "resume"
-    alerts = _alerts_dir()
-    if alerts is not None:
-        shutil.rmtree(alerts, ignore_errors=True)
+    deterministic = os.environ.get(ENV_DETERMINISTIC, "true") == "true"
     shutil.rmtree(R, ignore_errors=True)
     (R / "hf").mkdir(parents=True)
     cfg_dict = model_config(S, S["resume_layers"])
@@ -685,10 +658,10 @@ def sec_resume(S, W: Path) -> dict:
             f"train.tensor_parallel={S['resume_tp']}",
             "cluster.host_memory_gb=null", "cluster.gpu_memory_gb=null", f"data.max_prompt_len={S['max_prompt_len']}",
             f"rollout.max_new_tokens={S['schedule']['max_new']}", *S["sets"],
-            f"train.deterministic={str(alerts is not None).lower()}"]
+            f"train.deterministic={str(deterministic).lower()}"]
     batches = [_resume_batch(S, hf_config.vocab_size, s) for s in range(3)]
     res: dict = {"name": "resume", "layers": S["resume_layers"], "tp": S["resume_tp"], "params": params, "lr": RESUME_LR,
-                 "deterministic": alerts is not None,
+                 "deterministic": deterministic,
                  "bound_per_update": 1e-2 * RESUME_LR, "samples_per_update": len(batches[0])}
 
     def trainer(on_host: bool):
@@ -744,8 +717,6 @@ def sec_resume(S, W: Path) -> dict:
                      "per_rank": after}
     for f in (m2, m3, m3r, ckpt):
         shutil.rmtree(f, ignore_errors=True)
-    if alerts is not None:  # the ops the trainers ran that have no deterministic kernel (torch's alerts)
-        res["nondeterministic_ops"] = sorted({ln for f in alerts.glob("*.txt") for ln in f.read_text().splitlines()})
     res["unbroken"] = [{k: m.get(k) for k in ("loss", "grad_norm", "train_time_s", "optimizer_step_s",
                                               "optimizer_host_adam_s", "optimizer_transfer_wait_s")}
                        for m in res["unbroken"]]
@@ -787,9 +758,6 @@ def print_table(summary: dict) -> None:
         rows.append(("resume rerun (same trainer): masters bitwise at load / next update max |d| vs unbroken / s",
                      f"{r['rerun']['masters_at_load_bitwise']} / {r['rerun']['next_update_max_abs_diff']:.3g} / "
                      f"{r['rerun'].get('train_time_s')} (deterministic kernels: {r.get('deterministic')})"))
-        if r.get("nondeterministic_ops") is not None:
-            rows.append(("resume: ops without a deterministic kernel (torch's alerts)",
-                         "; ".join(r["nondeterministic_ops"])[:300] or "none"))
         d = r["tp_replica_drift"]
         rows.append(("resume TP replicas vs rank 0 at save: max |d| / tensors differing",
                      f"{d['max_abs_diff']:.3g} / {d['tensors_differing']}"))
@@ -814,7 +782,7 @@ def main(argv=None) -> int:
     ap.add_argument("--resume-layers", type=int, default=None, help="the resume section's depth (GPU default 4)")
     ap.add_argument("--deterministic", choices=("true", "false"), default="true",
                     help="train.deterministic (default true, as the product's: torch's deterministic kernels while "
-                         "the trainer computes); the ops without one are listed")
+                         "the trainer computes)")
     a = ap.parse_args(argv)
     S = dict(SHAPES["cpu" if a.cpu else "gpu"])
     if a.rollouts:
@@ -825,8 +793,8 @@ def main(argv=None) -> int:
     sets = S["sets"] + (a.sets or [])
     out, W = H.places(a, "glm9b_host_optimizer")
     # this call's flag, inherited by the section processes (which keep it) and the ranks they spawn
-    os.environ.setdefault(ENV_DETERMINISTIC, str(W / "nondeterministic_ops") if a.deterministic == "true" else "off")
-    sets.append(f"train.deterministic={str(_alerts_dir() is not None).lower()}")
+    os.environ.setdefault(ENV_DETERMINISTIC, a.deterministic)
+    sets.append(f"train.deterministic={os.environ[ENV_DETERMINISTIC]}")
     H.prepare_env()
     env = None
     if a.merge:

@@ -1,5 +1,6 @@
 """GPU speed of grpoflow's GRPO step: the built-in engine, the megatron trainer and the whole train
-stage, measured against TRL's GRPOTrainer on the same model and shapes, in one run.
+stage on one model and shapes, in one run (TRL's GRPOTrainer on the same shapes: the retired `trl` section,
+bench/README.md).
 
     python bench/gpu_grpo.py                 # H100: Qwen3-0.6B-shaped random model, bf16 (< 10 min)
     python bench/gpu_grpo.py --cpu           # CI smoke: tiny shapes on CPU, same code paths (< 30 s)
@@ -14,14 +15,12 @@ Sections (each its own process on GPU, so a crash or a hang costs only itself):
            chunked output layer); engine vs trainer log-probs on the same samples
   stage    (c) the real train stage (runtime.grpo.session.TrainSession, cluster.backend local): rollouts of
            16 x 8 x 512, reward, update, weight sync, checkpoint; rollout/train tok/s, step time, peak memory
-  trl      (d) TRL GRPOTrainer, same model and shapes (HF generate, no vLLM)
 Realistic lengths (the recipe's keyed length schedule, paged engine) live in bench/rollout_bench.py.
 Results: one JSON line per section in OUT/results.jsonl, the summary (device, date, ratios) in
 OUT/gpu_grpo.json and, with --results-dir, a copy in bench/results/.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import statistics
@@ -40,14 +39,13 @@ PEAK_BF16 = 989e12  # H100 SXM dense bf16 (datasheet)
 SHAPES = {
     "gpu": dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=3072, vocab=151936,
                 prompts=16, samples=8, prompt_len=256, new=512, micro_batch=32, decode_reps=2, train_steps=3,
-                rollouts=3, trl_steps=3, compare_rows=16, compare_new=64, dtype="bfloat16", device="cuda"),
+                rollouts=3, compare_rows=16, compare_new=64, dtype="bfloat16", device="cuda"),
     "cpu": dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=512,
                 prompts=2, samples=2, prompt_len=12, new=8, micro_batch=2, decode_reps=1, train_steps=1,
-                rollouts=1, trl_steps=0, compare_rows=4, compare_new=6, dtype="float32", device="cpu"),
+                rollouts=1, compare_rows=4, compare_new=6, dtype="float32", device="cpu"),
 }
-SECTIONS = ("setup", "engine", "trainer", "stage", "trl")
-SECTION_MAX_S = {"setup": 150, "engine": 200, "trainer": 180, "stage": 300, "trl": 200}
-SECTION_MIN_S = {"trl": 150}  # a section that cannot finish in less is skipped, not started
+SECTIONS = ("setup", "engine", "trainer", "stage")
+SECTION_MAX_S = {"setup": 150, "engine": 200, "trainer": 180, "stage": 300}
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
@@ -444,72 +442,7 @@ def sec_stage(S, W: Path) -> dict:
     return res
 
 
-def sec_trl(S, W: Path) -> dict:
-    """TRL GRPOTrainer on the same random model and shapes (as shared/anchors/b4_trl.py measured it)."""
-    import trl
-    from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-    try:
-        from transformers import PreTrainedTokenizerFast as Fast
-    except ImportError:
-        from transformers import TokenizersBackend as Fast
-
-    NEW, NP, NG = S["new"], S["prompts"], S["samples"]
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
-    vocab.update({f"w{i}": i for i in range(3, S["vocab"])})
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = Fast(tokenizer_object=tk, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", padding_side="left",
-               model_max_length=4096)
-    prompts = [" ".join(f"w{t}" for t in row) for row in prompts_ids(S, NP)]
-    ds = Dataset.from_dict({"prompt": prompts})
-    model = AutoModelForCausalLM.from_pretrained(str(W / "hf"), dtype=dtype_of(S), attn_implementation="sdpa").to(S["device"])
-    gen_times = []
-    orig = model.generate
-
-    def timed_generate(*a, **k):
-        sync(S)
-        t0 = time.perf_counter()
-        o = orig(*a, **k)
-        sync(S)
-        gen_times.append(time.perf_counter() - t0)
-        return o
-
-    model.generate = timed_generate
-    ends = []
-
-    class Timer(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            sync(S)
-            ends.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kw):
-            sync(S)
-            ends.append(time.perf_counter())
-
-    args = GRPOConfig(output_dir=str(W / "trl_out"), per_device_train_batch_size=16, gradient_accumulation_steps=NP * NG // 16,
-                      num_generations=NG, max_completion_length=NEW, use_vllm=False, bf16=S["dtype"] == "bfloat16",
-                      max_steps=S["trl_steps"], logging_steps=1, report_to="none", save_strategy="no",
-                      learning_rate=1e-6, temperature=1.0, top_k=0, top_p=1.0, seed=0,
-                      generation_kwargs={"min_new_tokens": NEW}, gradient_checkpointing=True, log_completions=False,
-                      disable_tqdm=True, dataloader_num_workers=0, use_cpu=S["device"] == "cpu")
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c) % 13) for c in completions],
-                          args=args, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
-    reset_peak(S)
-    trainer.train()
-    dts = [b - a for a, b in zip(ends, ends[1:])]
-    steady = dts[1:] or dts
-    t = statistics.median(steady)
-    gt = statistics.median(gen_times[1:] or gen_times)
-    ntok = NP * NG * NEW
-    return {"name": "trl", "trl": trl.__version__, "grad_ckpt": True, "s_per_step": [round(x, 2) for x in dts],
-            "median_s_per_step_after_first": round(t, 2), "generate_s": [round(x, 2) for x in gen_times],
-            "gen_tok_s_generate_only": round(ntok / gt), "non_generate_s": round(t - gt, 2), "peak_mem_GiB": peak_gib(S)}
-
-
-FUNCS = {"setup": sec_setup, "engine": sec_engine, "trainer": sec_trainer, "stage": sec_stage, "trl": sec_trl}
+FUNCS = {"setup": sec_setup, "engine": sec_engine, "trainer": sec_trainer, "stage": sec_stage}
 
 
 def summarize(S: dict, res: dict, info: dict) -> dict:
@@ -519,19 +452,14 @@ def summarize(S: dict, res: dict, info: dict) -> dict:
 
     ratios = {}
     e_tok, tr_tok, step = get("engine", "tok_s"), get("trainer", "tok_s"), get("stage", "step_time_s")
-    trl_step, trl_gen = get("trl", "median_s_per_step_after_first"), get("trl", "gen_tok_s_generate_only")
-    if e_tok and trl_gen:
-        ratios["decode_vs_trl_generate"] = round(e_tok / trl_gen, 2)
     if e_tok:
         ratios["decode_vs_hf_generate_anchor"] = round(e_tok / ANCHORS["hf_generate_tok_s"], 2)
     if tr_tok:
         ratios["train_vs_megatron_local_anchor"] = round(tr_tok / ANCHORS["megatron_local_train_tok_s"], 2)
-    if step and trl_step:
-        ratios["step_speedup_vs_trl"] = round(trl_step / step, 2)
-    elif step and S["device"] == "cuda":
+    if step and S["device"] == "cuda":
         ratios["step_speedup_vs_trl_anchor"] = round(ANCHORS["trl_s_per_step"] / step, 2)
     targets = {"decode_tok_s>=25000": bool(e_tok and e_tok >= 25000), "train_tok_s>=80000": bool(tr_tok and tr_tok >= 80000),
-               "step>=4x_trl": bool(ratios.get("step_speedup_vs_trl", ratios.get("step_speedup_vs_trl_anchor", 0)) >= 4)}
+               "step>=4x_trl": bool(ratios.get("step_speedup_vs_trl_anchor", 0) >= 4)}
     return {**H.summary_head("gpu_grpo", info), "shapes": S, "anchors": ANCHORS, "ratios": ratios,
             "targets_met": targets if S["device"] == "cuda" else None, "sections": res}
 
@@ -549,7 +477,6 @@ def print_table(summary: dict) -> None:
             ("engine vs trainer logp max/mean", str(g("trainer", "engine_vs_trainer_logprobs"))),
             ("stage step s / rollout tok/s / train tok/s", f'{g("stage", "step_time_s")} / {g("stage", "rollout_tok_s")} / {g("stage", "train_tok_s")}'),
             ("stage peak GiB", g("stage", "peak_mem_GiB")),
-            ("TRL s/step / generate tok/s", f'{g("trl", "median_s_per_step_after_first")} / {g("trl", "gen_tok_s_generate_only")}'),
             ("ratios", json.dumps(summary["ratios"]))]
     H.print_pairs(rows + H.failed_rows(s, label="{name} FAILED"))
 
@@ -563,9 +490,7 @@ def main(argv=None) -> int:
     if a.section:
         H.section_budget(a)
         return H.section_exit(H.run_section(a.section, S, W, out, FUNCS[a.section]))
-    sections = H.sections_of(a, SECTIONS)
-    if a.cpu:
-        sections = [x for x in sections if x != "trl" or importlib.util.find_spec("trl") is not None]
+    sections = H.sections_of(a, SECTIONS, known=FUNCS)
     t_start = time.time()
     H.clear_results(out)
     if a.cpu or a.in_process:
@@ -573,7 +498,7 @@ def main(argv=None) -> int:
         for name in sections:
             H.run_section(name, S, W, out, FUNCS[name])
     else:
-        H.run_sections_in_processes(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S, SECTION_MIN_S)
+        H.run_sections_in_processes(Path(__file__), sections, W, out, a.deadline, SECTION_MAX_S)
     summary = summarize(S, H.read_results(out), H.env_info(S))
     summary["total_s"] = round(time.time() - t_start, 1)
     return H.finish(summary, out, "gpu_grpo", a.results_dir, a.cpu, print_table)

@@ -169,16 +169,7 @@ def _decoder_steps(self, requests, sampling):
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f"engine-{os.getpid()}.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
-    write_draws(folder, name, results)
     return results
-
-
-def write_draws(folder: Path, name: str, results) -> Path:
-    """The call's draws whole (not read as trace lines): where in each sample two runs part, and by how much."""
-    path = folder / f"draws-{os.getpid()}-{name}.json"
-    path.write_text(json.dumps({"tokens": [r.response_ids for r in results],
-                                "logprobs": [r.response_logprobs for r in results]}))
-    return path
 
 
 def patch_engine(module) -> None:
@@ -213,40 +204,6 @@ def engine_difference(run: dict, reference: dict) -> dict:
             out[name]["apart_within_first"] = {k: sum(1 for f in first if f.split("/")[0] == str(k))
                                                for k in LOGPROB_PREFIXES}
     return out
-
-
-def _draws(folder: Path) -> dict:
-    """Call name -> its dumped draws (the last process's where a rebuilt engine made the call again)."""
-    out = {}
-    for f in sorted(Path(folder).glob("draws-*.json"), key=lambda p: p.stat().st_mtime):
-        out[f.stem.split("-", 2)[2]] = json.loads(f.read_text())
-    return out
-
-
-def draws_difference(run_folder: Path, reference_folder: Path) -> dict:
-    """Each call both runs dumped: the samples apart, each with where its log-probs first differ (its response
-    position), the |delta| there and at most, and where its tokens first differ (None: same tokens)."""
-    mine, theirs = _draws(run_folder), _draws(reference_folder)
-    return {name: draws_apart(mine[name], theirs[name]) for name in sorted(set(mine) & set(theirs))}
-
-
-def draws_apart(a: dict, b: dict) -> dict:
-    """Two calls' draws (``tokens``, ``logprobs``: per sample) compared: the samples apart, each with where its
-    log-probs first differ, the |delta| there and at most, and where its tokens first differ (None: the same)."""
-    apart = []
-    for i, (la, lb, ta, tb) in enumerate(zip(a["logprobs"], b["logprobs"], a["tokens"], b["tokens"])):
-        if la == lb and ta == tb:
-            continue
-        lp_at = next((j for j, (x, y) in enumerate(zip(la, lb)) if x != y), None)
-        tok_at = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), None if len(ta) == len(tb) else
-                      min(len(ta), len(tb)))
-        apart.append({"sample": i, "logprob_at": lp_at, "tokens_at": tok_at, "len": [len(ta), len(tb)],
-                      "delta_at": None if lp_at is None else abs(la[lp_at] - lb[lp_at]),
-                      "max_delta": max((abs(x - y) for x, y in zip(la, lb)), default=0.0)})
-    at = sorted(d["logprob_at"] for d in apart if d["logprob_at"] is not None)
-    return {"samples": len(a["tokens"]), "apart": len(apart),
-            "first_apart_at": {"min": at[0], "median": at[len(at) // 2], "max": at[-1]} if at else None,
-            "each": apart}
 
 
 def read(folder: Path) -> dict:

@@ -94,8 +94,13 @@ def prepare_env() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 
-def sections_of(a, default) -> list[str]:
-    return [x for x in (a.sections.split(",") if a.sections else default) if x]
+def sections_of(a, default, known=None) -> list[str]:
+    """--sections, else `default`; with `known`, a name not among them ends the call in one line."""
+    names = [x for x in (a.sections.split(",") if a.sections else default) if x]
+    if unknown := [x for x in names if known is not None and x not in known]:
+        raise SystemExit(f"--sections: no section {', '.join(unknown)} in this bench (its sections: {', '.join(known)}; "
+                         f"retired ones: bench/README.md)")
+    return names
 
 
 def section_budget(a) -> float:

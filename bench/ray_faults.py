@@ -29,18 +29,14 @@ Each recovered run against unbroken-a: the final checkpoint (every model and opt
 |delta| per tensor), the MLflow metric points and the values that do not measure time, the registered versions, the
 MLflow run FINISHED, the lease released, no temp names left, the Prefect tasks that retried; nothing of the run left
 (no process whose environment carries GRPOFLOW_BENCH_FAULT_RUN, at most 90 s; on GPUs no nvidia-smi compute app);
-torch's determinism alerts and dynamo's recompiles from the logs (`log_signals`), and each trainer rank's step trace
-(bench/grad_trace.py), which says where a run that ends off the reference first left it (`first_step_difference`).
-Every unbroken-a also writes OUT/references.json (facts, step trace, tuned kernels, the sha256 of every final tensor,
+and each trainer rank's step trace (bench/grad_trace.py), which says where a run that ends off the reference first left it (`first_step_difference`).
+Every unbroken-a also writes OUT/references.json (facts, step trace, the sha256 of every final tensor,
 per layout and --set group): `--references FILE` on another machine of the same GPU model and torch compares with it
 by digest; `--merge` of calls that each ran unbroken-a compares the later ones with the first (`unbroken-a again`).
 An unbroken run's wall: ~40 s starting the CLI (Prefect, Ray), the conversion, ~40 s building the actors, ~14 s per
 checkpoint (model and optimizer, ~8 GB), the engine's warm-up and the trainer's compiles in rollout 0, ~10 s generating
 per rollout; a kill case's section 1.45-1.56 x that. Before each case the time left under --deadline is checked
-against this call's unbroken wall x COST; a case that would not fit is SKIPPED with the reason. TORCH_LOGS=recompiles
-is set for every run (logging only: a split run's engine recompiles its head, post and sampler, a colocated one does
-not). `CANDIDATES`: where the GPU path may be nondeterministic, for the summary's
-`nondeterminism` field (filled from a GPU run, never invented); `--set train.deterministic=false` keys its own
+against this call's unbroken wall x COST; a case that would not fit is SKIPPED with the reason. `--set train.deterministic=false` keys its own
 reference, and `nondeterminism.settings_cost` compares its steady step with every plain unbroken run on the same GPUs.
 
 Shapes (GPU): ray_pipeline's random Qwen3-0.6B-shaped model and recipe at 8 prompts x 8 samples, 256-token prompts,
@@ -214,7 +210,6 @@ class CaseRun:
         self.deadline = time.monotonic() + limit_s
         env = rp.hook_env(S)
         env.update({MARK: self.mark, "PREFECT_HOME": str(self.dir / "prefect"), "PYTHONUNBUFFERED": "1",
-                    "TORCH_LOGS": "recompiles",  # logging only: dynamo says when it traces a graph again
                     grad_trace.ENV: str(self.dir / "grad_trace"), **compile_caches(self.dir / "caches-run")})
         env.setdefault("HF_HUB_OFFLINE", "1")
         for k in ("GRPOFLOW_TEST_KILL_AT", "GRPOFLOW_TEST_SNAPSHOT_AT", "GRPOFLOW_TEST_PAUSE_AT"):
@@ -317,32 +312,8 @@ def run_case(S, W: Path, layout: str, case: str, limit_s: float, sets: list[str]
     logs = "\n".join(c.tail(log, 10**9) for log in ("run.log", "resume.log"))
     res["rebuild_logged"] = "rebuilding from the latest checkpoint" in logs
     res["grad_trace"] = str(c.dir / "grad_trace")
-    res["log_signals"] = log_signals(logs)
     res["root"] = str(c.root)
     return res
-
-
-ALERT = re.compile(r"UserWarning: (\S.*?) does not have a deterministic implementation")
-RECOMPILE = re.compile(r"Recompiling function (\S+) in (\S+)")
-COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # a Ray worker's log prefix colours some lines
-GUARD_FAILED = re.compile(r"- \d+/\d+: (.+)$")
-
-
-def log_signals(text: str) -> dict:
-    """What the run's processes said about their kernels: torch's alerts (warn-only deterministic mode ran an op
-    without a deterministic kernel) and dynamo's recompiles (a graph traced again, whose kernels Inductor sized
-    from other shapes), each once per op or function, with the guards whose failure traced it again (a few)."""
-    text = COLOUR.sub("", text)
-    reasons: dict[str, list[str]] = {}
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        if m := RECOMPILE.search(line):  # the guard that failed, a line or two below (its own Ray prefix)
-            why = next((g.group(1) for g in map(GUARD_FAILED.search, lines[i + 1:i + 4]) if g), None)
-            seen = reasons.setdefault(f"{m.group(1)} ({m.group(2)})"[:200], [])
-            if why and why[:200] not in seen and len(seen) < 5:
-                seen.append(why[:200])
-    return {"nondeterministic_ops": sorted({m.group(1)[:200] for m in ALERT.finditer(text)}),
-            "recompiled": sorted(reasons), "recompile_reasons": reasons}
 
 
 # -- what a finished run left ------------------------------------------------------------------------------
@@ -403,8 +374,8 @@ class References:
     """unbroken-a per layout: its facts and final tensors, from this call or from an earlier call on this
     same machine (its work folder kept while the machine stays warm); or, without one, a reference carried from
     another machine of the same GPU model and torch (``--references``: what an earlier call wrote to
-    ``OUT/references.json``), whose final tensors are compared by their fingerprints, and its step trace and
-    tuned kernels as they were recorded there."""
+    ``OUT/references.json``), whose final tensors are compared by their fingerprints, and its step trace as
+    it was recorded there."""
 
     def __init__(self, W: Path, sets: list[str], carried: Path | None = None, export: Path | None = None):
         self.W, self.sets, self.carried, self.export = W, sets, carried, export
@@ -435,7 +406,7 @@ class References:
         return {**ref, "carried": True}
 
     def put(self, layout: str, res: dict) -> None:
-        # everything sec_case compares a case with: the facts, the step trace and the caches beside the root
+        # everything sec_case compares a case with: the facts, the step trace, the root (the final checkpoint)
         self.path(layout).write_text(json.dumps({"gpus": res["gpus"], "sets": self.sets, "facts": res["facts"],
                                                  "wall_s": res["wall_s"], "grad_trace": res["grad_trace"],
                                                  "root": res["root"]}))
@@ -446,8 +417,7 @@ class References:
                 "layout": layout, "sets": self.sets, "gpu_models": gpu_models(), "torch": torch_version(),
                 "gpus": res["gpus"], "facts": res["facts"], "wall_s": res["wall_s"],
                 "checkpoint_fingerprints": tensor_fingerprints(self.tensors(layout)),
-                "grad_trace": grad_trace.to_lines(grad_trace.read(Path(res["grad_trace"]))),
-                "tuned": tuned_configs(Path(res["root"]).parent)}
+                "grad_trace": grad_trace.to_lines(grad_trace.read(Path(res["grad_trace"])))}
             self.export.write_text(json.dumps(doc))
 
     def tensors(self, layout: str) -> dict:
@@ -458,35 +428,31 @@ class References:
 
 def compare_with(res: dict, ref: dict, ref_tensors=None, run_tensors=None) -> dict:
     """A finished case against a reference: its facts, final tensors (bitwise, else max |delta| per tensor; a carried
-    reference: by fingerprint), step trace and tuned kernels."""
+    reference: by fingerprint) and step trace."""
     if run_tensors is None:
         run_tensors = checkpoint_tensors(res["facts"]["final_checkpoint"])
     if ref.get("carried"):
         checkpoint = compare_fingerprints(tensor_fingerprints(run_tensors), ref["checkpoint_fingerprints"])
-        trace, tuned = grad_trace.from_lines(ref["grad_trace"]), ref["tuned"]
+        trace = grad_trace.from_lines(ref["grad_trace"])
     else:
         checkpoint = compare_tensors(run_tensors, ref_tensors)
-        trace, tuned = grad_trace.read(Path(ref["grad_trace"])), tuned_configs(Path(ref["root"]).parent)
+        trace = grad_trace.read(Path(ref["grad_trace"]))
     run_trace = grad_trace.read(Path(res["grad_trace"]))
     return {**compare_facts(res["facts"], ref["facts"]), "checkpoint": checkpoint,
             # step by step: where the runs' parameters or gradients first differ (bench/grad_trace.py)
             "grad_trace": grad_trace.first_difference(run_trace, trace),
-            # each generate call both made: the engine's weights, state, schedule and draws (bench/grad_trace.py)
+            # each generate call both made: the engine's weights, state, schedule and draws' digests (bench/grad_trace.py)
             "engine_calls": grad_trace.engine_difference(run_trace, trace),
-            "engine_draws": None if ref.get("carried") else grad_trace.draws_difference(Path(res["grad_trace"]),
-                                                                                         Path(ref["grad_trace"])),
-            "tuned_configs": compare_tuned(tuned_configs(Path(res["root"]).parent), tuned),
             "reference_machine": "another" if ref.get("carried") else "this"}
 
 
 def compare_exports(run: dict, reference: dict) -> dict:
     """Two calls' unbroken-a of one layout and --set group as their OUT/references.json keep them (each call's
-    machine fresh, or one machine twice): the final tensors by digest, the step trace, the facts, the tuned kernels."""
+    machine fresh, or one machine twice): the final tensors by digest, the step trace, the facts."""
     return {**compare_facts(run["facts"], reference["facts"]),
             "checkpoint": compare_fingerprints(run["checkpoint_fingerprints"], reference["checkpoint_fingerprints"]),
             "grad_trace": grad_trace.first_difference(grad_trace.from_lines(run["grad_trace"]),
                                                       grad_trace.from_lines(reference["grad_trace"])),
-            "tuned_configs": compare_tuned(run["tuned"], reference["tuned"]),
             "same_machine": run["gpus"] == reference["gpus"]}
 
 
@@ -509,33 +475,6 @@ def sec_case(S, W: Path, layout: str, case: str, refs: References, limit_s: floa
     return res
 
 
-TIMING_FIELDS = ("time_taken_ms", "triton_cache_hash")
-
-
-def tuned_configs(case_dir: Path) -> dict:
-    """The configuration Inductor kept, by timing, for each kernel this case's processes autotuned: its
-    ``*.best_config`` files, named by the kernel's source (the same kernel in two cases: the same name), without
-    the fields that measure time. A kernel run and resumed keeps both."""
-    out: dict = {}
-    for f in sorted(case_dir.glob("caches-*/inductor/**/*.best_config")):
-        try:
-            chosen = {k: v for k, v in json.loads(f.read_text()).items() if k not in TIMING_FIELDS}
-        except (OSError, ValueError):
-            continue
-        out.setdefault(f.name, []).append(chosen)
-    return out
-
-
-def compare_tuned(run: dict, reference: dict) -> dict:
-    """How many kernels both cases tuned, and those (by candidate set: ``configs_hash``) where they kept another
-    configuration: a sum whose order timing chose, if it reduces."""
-    both = sorted(set(run) & set(reference))
-    differ = [{"configs_hash": reference[k][0].get("configs_hash"), "run": run[k], "reference": reference[k]}
-              for k in both if any(c != reference[k][0] for c in run[k])]
-    return {"tuned_both": len(both), "tuned_only_here": len(set(run) - set(reference)),
-            "kept_another": len(differ), "differ": differ[:10]}
-
-
 def record(out: Path, name: str, fn) -> dict:
     """Run one case, append its result line to OUT/results.jsonl as soon as it ends (a call cut at its limit
     keeps the cases before), print one line of it."""
@@ -554,50 +493,6 @@ def record(out: Path, name: str, fn) -> dict:
 
 
 # -- summary -----------------------------------------------------------------------------------------------
-def _candidate(kernel: str, where: str, why: str, switch: str) -> dict:
-    return {"kernel": kernel, "where": where, "why": why, "switch_to_try": switch,
-            # from a GPU run, never estimated: the weights' max |delta| it causes, the switch's step-time cost
-            "varies_run_to_run": None, "max_abs_delta_final_weights": None, "switch_step_cost_pct": None}
-
-
-CANDIDATES = [
-    _candidate("FlashAttention-2 varlen backward (aten._flash_attention_backward)", "trainer, packed attention",
-               "dQ accumulated with atomic adds across key blocks",
-               "train.deterministic (the trainer's backward in strict mode: torch's flash backward takes its "
-               "deterministic kernel only there; aten attention_backward.cu warns and keeps the atomic dQ under "
-               "warn_only)"),
-    _candidate("embedding_dense_backward", "trainer, input embedding", "atomic adds on CUDA",
-               "train.deterministic (a sorted backward)"),
-    _candidate("Inductor kernels (RoPE / SwiGLU / norm fusions)", "trainer", "atomic reductions where Inductor splits one",
-               "train.deterministic / train.fusions none"),
-    _candidate("the trainer's compiled RMSNorm backward (runtime/mcore/fusions.py)", "trainer",
-               "the fp32 weight gradient summed over tokens: runs from empty compile caches with torch's deterministic "
-               "mode alone differed there at step 0 in 4 norm weights (2 x H100, 2026-11-27; the final weights "
-               "bitwise, Adam's moments 1.5e-9 apart)",
-               "train.deterministic (since this finding torch sums the norm weights' gradients, fusions.deterministic_norm: "
-               "inductor sizes that sum from the token count it compiled on, and its graph cache can hand one rank's "
-               "kernel to the other; bench/norm_history.py)"),
-    _candidate("the trainer's compiled log-prob pieces (runtime/trainer/logprobs.py)", "trainer, chunked log-probs",
-               "per-row sums over the vocabulary, in a kernel sized from the row count of the chunk that compiled it "
-               "(2048 whenever a micro-batch has as many tokens; fewer only on a rank whose first micro-batch is "
-               "shorter), which the graph cache can hand to the node's other rank as it can the norm's",
-               "none yet: not seen to vary; a rank's first micro-batch of fewer than 2048 tokens would test it"),
-    _candidate("cuBLAS GEMMs", "trainer and engine", "split-K and workspace choices across streams",
-               "train.deterministic (CUBLAS_WORKSPACE_CONFIG=:4096:8)"),
-    _candidate("NCCL all-reduce / reduce-scatter", "trainer, DP 2 (colocated)",
-               "the reduction order is fixed for a fixed topology and algorithm", "NCCL_ALGO fixed"),
-    _candidate("Inductor reductions of the engine's compiled pieces (norms, log-softmax, sampler)", "engine",
-               "the configuration of each reduction chosen by timing at its first call, in every fresh process: "
-               "another order of summation, so the rollout's log-probs (the TIS weights, every gradient) move by "
-               "ulps, and at a near-tie a token changes (bench/engine_repeat.py, found 2026-11-27)",
-               "rollout.deterministic (inductor's deterministic mode for those pieces; on by default, no measured "
-               "cost)"),
-    _candidate("split-KV paged decode attention (runtime/rollout/decode_attention.py)", "engine",
-               "split count chosen per chunk from the active rows and the longest context; partials combined in a "
-               "fixed order", "rollout.decode_attention split fixed (no such setting yet)"),
-]
-
-
 def _layout_case(r: dict) -> tuple[str, str]:
     """A result's layout and case (a failed one may carry only its name, "layout:case" or "layout:case@call")."""
     layout, case = r["name"].split("@")[0].split(":")
@@ -646,7 +541,6 @@ def summarize(res: dict, env: dict | None, exports: list[dict] = ()) -> dict:
                      "interrupted_tasks": r["interrupted_tasks"], "struck_where_meant": r["struck_where_meant"],
                      "rebuild_logged": r["rebuild_logged"],
                      "left_behind": len(r["left_behind"]), "gpu_apps_after": r["gpu_apps_after"],
-                     **r.get("log_signals", {}),
                      **({"bitwise": ck.get("bitwise"), "max_abs_delta": ck.get("max_abs_delta"),
                          "tensors_differ": ck.get("differ_count"),
                          "steps_compared": trace.get("compared"), "first_step_difference": trace.get("first"),
@@ -665,7 +559,7 @@ def summarize(res: dict, env: dict | None, exports: list[dict] = ()) -> dict:
             vs = compare_exports(ref, firsts[group])
             out["layouts"].setdefault(group, {}).setdefault("unbroken-a again", []).append({
                 **_by_digest(vs), "tensors": vs["checkpoint"]["tensors"], "steps_compared": vs["grad_trace"]["compared"],
-                "same_machine": vs["same_machine"], "kept_another_tuning": vs["tuned_configs"]["kept_another"],
+                "same_machine": vs["same_machine"],
                 "same_registry": vs["same_registry"], "same_best": vs["same_best"]})
     for row in out["layouts"].values():
         floor = row.get("unbroken-b") or {}
@@ -677,7 +571,7 @@ def summarize(res: dict, env: dict | None, exports: list[dict] = ()) -> dict:
             row["noise_floor"] = {"bitwise": again["bitwise"], "max_abs_delta": None,
                                   "same_machine_as_reference": again["same_machine"], "by": "unbroken-a of two calls"}
     out["nondeterminism"] = {"noise_floor": {g: row.get("noise_floor") for g, row in out["layouts"].items()},
-                             "candidates": CANDIDATES, "settings_cost": settings_cost(res)}
+                             "settings_cost": settings_cost(res)}
     return out
 
 
@@ -740,18 +634,6 @@ def print_table(summary: dict) -> None:
                     f"{ {k: n for k, n in (f.get('differ_at_that_step') or {}).items() if n} }"))
             for call, what in (r.get("engine_calls") or {}).items():
                 print(f"  {'':13s} engine {call}: {what}")
-            for call, what in (r.get("engine_draws") or {}).items():
-                if what["apart"]:
-                    print(f"  {'':13s} draws {call}: {what['apart']} of {what['samples']} samples apart, their log-probs "
-                          f"first at response position {what['first_apart_at']}; first: {what['each'][:3]}")
-            if r.get("tuned_configs"):
-                t = r["tuned_configs"]
-                print(f"  {'':13s} autotuned by timing: {t['tuned_both']} kernels in both runs, {t['kept_another']} kept "
-                      f"another configuration than the reference's")
-            if r.get("nondeterministic_ops"):
-                print(f"  {'':13s} ops without a deterministic kernel: {r['nondeterministic_ops']}")
-            if recompiled := r.get("recompile_reasons") or r.get("recompiled"):  # the reasons since 2026-11-27
-                print(f"  {'':13s} dynamo recompiled (with the guards that failed): {recompiled}")
             if left := r.get("left_after_driver_kill"):
                 kinds = sorted({"inductor compile worker" if _is_compile_worker(p) else p["cmd"][:60] for p in left})
                 print(f"  {'':13s} outlived the driver: {len(left)} processes: {kinds}")
@@ -764,7 +646,7 @@ def print_table(summary: dict) -> None:
                 "bitwise" if v["bitwise"] else f"{v['tensors_differ']} of {v['tensors']} tensors differ") +
                 f"; first step difference {v['first_step_difference']} ({v['steps_compared']} stages); points same "
                 f"{v['same_metric_points']}; metric values differ {v['metric_values_differ']}; registry same "
-                f"{v['same_registry']}; tuned kernels that kept another configuration {v['kept_another_tuning']}")
+                f"{v['same_registry']}")
     for g, c in summary["nondeterminism"]["settings_cost"].items():
         print(f"[{g}] steady step {c['steady_step_s']} s vs {c['plain_steady_step_s']} s plain ({c['step_cost_pct']:+.1f} %), "
               f"train {c['steady_train_s']} s vs {c['plain_steady_train_s']} s ({c['train_cost_pct']:+.1f} %); "

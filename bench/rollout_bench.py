@@ -22,6 +22,7 @@ Sections, each its own process (the capped one under ../shared/tools/gpu-cap, ca
   capped   the paged decoder on the same schedule under a 24 GiB card (GPU_CAP_GIB = 24 - the measured
            CUDA context), its pool at the default size (a share of what is free)
   kernels  the paged attention kernel against FlexAttention's paged path (torch's experimental PagedAttention)
+(The retired sweep, merge and settle sections: bench/README.md.)
 Results: OUT/results.jsonl (one line per section) and OUT/rollout_bench.json (summary: device, date, floor,
 ratios, targets); with --results-dir a copy named by device and date.
 """
@@ -49,8 +50,8 @@ SHAPES = {
                 median=10, sigma=0.8, min_len=2, kv_gib=0.002, page_size=4, cap_gib=None,
                 fixed=dict(prompts=2, samples=2, prompt_len=8, new=8, reps=1)),
 }
-SECTIONS = ("paged", "capped", "kernels")  # and "sweep", "merge" and "settle", asked for by name
-SECTION_MAX_S = {"paged": 200, "capped": 150, "kernels": 90, "sweep": 300, "merge": 200, "settle": 150}
+SECTIONS = ("paged", "capped", "kernels")
+SECTION_MAX_S = {"paged": 200, "capped": 150, "kernels": 90}
 # the fixed-slot decoder on this schedule (H100, same KV GiB, CUDA graphs), before it was deleted
 FIXED_SLOT_TOK_S = {"file": "bench/results/rollout_bench_H100_2026-11-23_run2.json", "tok_s": 6808, "new_tokens": 809287}
 SEED = 18
@@ -489,75 +490,7 @@ def sec_kernels(S, W: Path) -> dict:
     return {"name": "kernels", "attention_ab": attention_ab(S) if S["device"] == "cuda" else None}
 
 
-def sec_sweep(S, W: Path) -> dict:
-    """The paged kernel's launch settings (tokens per block, warps, pipeline stages) at three points of the
-    realistic rollout: its start (384 rows just past their prompts), its middle (128 rows at the mean length)
-    and its tail (8 rows far out); ms per decode step, CUDA graphs on."""
-    settings = [{"block_n": bn, "num_warps": w, "num_stages": st} for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]
-    return {"name": "sweep", **_kernel_settings(S, W, settings)}
-
-
-def sec_merge(S, W: Path) -> dict:
-    """The merge's splits per block at the sweep's three points: the fixed 16 (since 2026-11-27: a table widened by
-    a longer prompt must not change the order it sums in) against the smaller blocks the table's width chose
-    before (min(16, next power of two of the splits); the point's `splits` says which one that was)."""
-    return {"name": "merge", **_kernel_settings(S, W, [{"merge_block": mb} for mb in (2, 4, 8, 16)])}
-
-
-def _kernel_settings(S, W: Path, settings: list[dict]) -> dict:
-    """ms per decode step at the rollout's start, middle and tail for each of `settings` (keyword arguments of
-    the paged kernel), CUDA graphs on; each point also with the splits the kernel ran."""
-    import functools
-
-    import runtime.rollout.paged_decode as paged_decode
-    from runtime.rollout.decode_attention import paged_decode_attention, split_tokens_for
-    from runtime.rollout.kv_pages import pages_for
-    make_model(S, W)
-    lengths = schedule(S)
-    eng = engine(S, W, "paged", S["kv_gib"], len(lengths))
-    dec = eng.decoder
-    dec.ensure_pool()
-    dec._ensure_rows(pages_for(S["prompt_len"], S["page_size"]), pages_for(S["max_new"] + dec.sync_every, S["page_size"]))
-    n = len(lengths)
-    points = {"start": (n, min(128, S["max_new"] // 4)), "middle": (min(n, 128), int(sum(lengths) / n)),
-              "tail": (min(n, 8), 2 * max(lengths) // 3)}
-    capacity = dec.table.shape[1] * S["page_size"]
-    # the split step_latency's 16 steps run with: the kernel's splits are the table's capacity over it
-    splits = {name: -(-capacity // split_tokens_for(k, dec.nkv, S["prompt_len"] + own + 16, dec.device))
-              for name, (k, own) in points.items()}
-    rows = []
-    for setting in settings:
-        paged_decode.paged_decode_attention = functools.partial(paged_decode_attention, **setting)
-        dec.graphs.clear()
-        row = dict(setting)
-        for name, (n, own) in points.items():
-            try:
-                row[name] = step_latency(S, eng, n, own, S["samples"])["ms_per_step"]
-            except Exception as e:  # noqa: BLE001 - a setting the compiler rejects is recorded
-                row[name] = f"{type(e).__name__}: {str(e)[:120]}"
-                dec.release()  # a fresh pool: the failed point may have kept pages
-                dec.ensure_pool()
-        rows.append(row)
-        print("SWEEP", json.dumps(row), flush=True)
-    paged_decode.paged_decode_attention = paged_decode_attention
-    eng.shutdown()
-    return {"points": {k: {"rows": n, "own_tokens": o, "splits": splits[k]} for k, (n, o) in points.items()},
-            "default": {"block_n": 64, "num_warps": 4, "num_stages": 2, "merge_block": 16}, "rows": rows}
-
-
-def sec_settle(S, W: Path) -> dict:
-    """ms per decode step at the sweep's three points with the engine's pieces compiled on their own shape before
-    any call (`FusedModel.settle_compiled`, as shipped since 2026-11-27), or with ROLLOUT_BENCH_UNSETTLED=1 on the
-    first call's (the start point's rows), as before: what compiling on the settle shape costs a decode step."""
-    unsettled = os.environ.get("ROLLOUT_BENCH_UNSETTLED") == "1"
-    if unsettled:
-        from runtime.rollout.decode_model import FusedModel
-        FusedModel.settle_compiled = lambda self, samplers=(): None
-    return {"name": "settle", "unsettled": unsettled, **_kernel_settings(S, W, [{}])}
-
-
-FUNCS = {"paged": sec_paged, "capped": sec_capped, "kernels": sec_kernels, "sweep": sec_sweep, "merge": sec_merge,
-         "settle": sec_settle}
+FUNCS = {"paged": sec_paged, "capped": sec_capped, "kernels": sec_kernels}
 
 
 def cuda_context_gib() -> float:
@@ -670,7 +603,7 @@ def main(argv=None) -> int:
         return H.section_exit(H.run_section(a.section, S, W, out, FUNCS[a.section]))
     t_start = time.time()
     H.clear_results(out)
-    sections = H.sections_of(a, SECTIONS)
+    sections = H.sections_of(a, SECTIONS, known=FUNCS)
     if a.cpu:
         for name in sections:
             H.run_section(name, S, W, out, FUNCS[name])

@@ -208,7 +208,7 @@ def test_glm9b_host_optimizer_bench_cpu_mode_runs(tmp_path):
         assert r[name]["vs_rerun_max_abs_diff"] <= r["bound_per_update"]
 
 
-def test_grad_trace_fingerprints_tell_one_ulp_and_place_the_first_difference(tmp_path):
+def test_grad_trace_fingerprints_tell_one_ulp_and_place_the_first_difference():
     """bench/grad_trace.py (ray_faults' step-by-step comparison): a fingerprint is the same for the same bits (another
     tensor, bf16 too), changes for one ulp or two swapped values, and the first difference is found in a step's
     order (parameters, a rank's gradients, the reduced ones), not in the dictionary's."""
@@ -261,54 +261,21 @@ def test_grad_trace_fingerprints_tell_one_ulp_and_place_the_first_difference(tmp
             engine, [SimpleNamespace(response_ids=[7] * len(x), response_logprobs=x) for x in drawn])
     assert gt.engine_difference(run, ref)["rollout2-from0.0-n3-max300"] == {
         "logprobs": 2, "samples_apart": [0, 1], "apart_within_first": {1: 1, 16: 1, 256: 2}}
-    # the draws whole: where each sample parts and by how much; a rebuilt engine's draws of a call replace its killed one's
-    name = "rollout2-from0.0-n3-max300"
-    mine, theirs = tmp_path / "run", tmp_path / "ref"
-    for folder in (mine, theirs):
-        folder.mkdir()
-    gt.write_draws(theirs, name, [SimpleNamespace(response_ids=[7] * len(x), response_logprobs=x) for x in lps])
-    killed = gt.write_draws(mine, name, [SimpleNamespace(response_ids=[7] * len(x), response_logprobs=x) for x in lps])
-    killed.rename(mine / f"draws-1-{name}.json")
-    os.utime(mine / f"draws-1-{name}.json", (1, 1))  # older than the rebuilt engine's
-    retoken = [[7] * 300, [7] * 39 + [8], [7] * 3]
-    gt.write_draws(mine, name, [SimpleNamespace(response_ids=t, response_logprobs=x) for t, x in zip(retoken, moved)])
-    got = gt.draws_difference(mine, theirs)[name]
-    assert (got["samples"], got["apart"], got["first_apart_at"]) == (3, 2, {"min": 0, "median": 200, "max": 200})
-    assert [(d["sample"], d["logprob_at"], d["tokens_at"]) for d in got["each"]] == [(0, 200, None), (1, 0, 39)]
-    assert got["each"][0]["delta_at"] == got["each"][0]["max_delta"] == abs(-0.5000001 + 0.5)
-    assert gt.draws_difference(theirs, theirs)[name]["apart"] == 0
 
 
-def test_ray_faults_names_the_kernels_whose_timed_configuration_differs_from_the_reference(tmp_path):
-    """ray_faults' `tuned_configs`: what Inductor kept by timing in a case's caches (run and resume), compared by the
-    kernel's file name with the reference's; the fields that measure time are not a difference, another block is."""
+def test_ray_faults_keeps_a_reference_per_set_group(tmp_path):
+    """ray_faults' `References`: the unbroken-a a later case of the call reads back (its root still found), and a
+    cost run under another setting on the same warm machine keys a reference of its own beside the plain one."""
     sys.path.insert(0, str(ROOT / "bench"))
     import ray_faults as rf
 
-    def case(name: str, configs: dict) -> Path:
-        for i, (kernel, cfg) in enumerate(configs.items()):
-            f = tmp_path / name / f"caches-{'run' if i % 2 == 0 else 'resume'}" / "inductor" / kernel[:2] / f"{kernel}.best_config"
-            f.parent.mkdir(parents=True, exist_ok=True)
-            f.write_text(json.dumps(cfg))
-        return tmp_path / name
-
-    red = {"XBLOCK": 1, "R0_BLOCK": 2048, "num_warps": 16, "configs_hash": "c1", "time_taken_ms": 40}
-    pw = {"XBLOCK": 1024, "num_warps": 4, "configs_hash": "c2", "time_taken_ms": 3}
-    ref = case("ref", {"aa01": red, "bb02": pw, "cc03": pw})
-    same = case("same", {"aa01": {**red, "time_taken_ms": 95, "triton_cache_hash": "x"}, "bb02": pw})
-    other = case("other", {"aa01": {**red, "R0_BLOCK": 1024}, "bb02": pw, "dd04": pw})
-    assert rf.compare_tuned(rf.tuned_configs(same), rf.tuned_configs(ref)) == {
-        "tuned_both": 2, "tuned_only_here": 0, "kept_another": 0, "differ": []}
-    got = rf.compare_tuned(rf.tuned_configs(other), rf.tuned_configs(ref))
-    assert (got["tuned_both"], got["tuned_only_here"], got["kept_another"]) == (2, 1, 1)
-    assert got["differ"][0]["configs_hash"] == "c1" and got["differ"][0]["run"][0]["R0_BLOCK"] == 1024
-    # the reference as a later case of the call reads it back: its caches are still found beside its root
+    ref = tmp_path / "ref"
+    ref.mkdir()
     refs = rf.References(tmp_path / "work", sets=[])
     refs.path("colocated").parent.mkdir(parents=True)
     refs.put("colocated", {"gpus": rf.gpu_ids(), "facts": {"final_checkpoint": str(ref)}, "wall_s": 1.0,
                            "grad_trace": "trace", "root": str(ref / "root")})
-    kept = refs.get("colocated")
-    assert rf.tuned_configs(Path(kept["root"]).parent) == rf.tuned_configs(ref)
+    assert refs.get("colocated")["root"] == str(ref / "root")
     # a cost run under another setting, on the same warm machine: its own reference, the plain one still there
     other = rf.References(tmp_path / "work", sets=["train.deterministic=false"])
     assert other.get("colocated") is None and other.path("colocated") != refs.path("colocated")
@@ -389,7 +356,7 @@ def test_ray_faults_merge_compares_each_calls_unbroken_run_with_the_first_calls_
     def export(gpus, tensors, step_time):
         f = {**facts, "metric_values": {**facts["metric_values"], "step_time_s": [step_time, 3.0]}}
         return {"split": {"layout": "split", "sets": [], "gpus": gpus, "facts": f, "grad_trace": [],
-                          "checkpoint_fingerprints": rf.tensor_fingerprints(tensors), "tuned": {}}}
+                          "checkpoint_fingerprints": rf.tensor_fingerprints(tensors)}}
 
     moved = {**state, "optimizer.m": torch.ones(4).nextafter(torch.tensor(2.0))}
     same = rf.summarize({}, None, [export(["g0"], state, 9.0), export(["g1"], state, 7.5)])
@@ -401,53 +368,6 @@ def test_ray_faults_merge_compares_each_calls_unbroken_run_with_the_first_calls_
     apart = rf.summarize({}, None, [export(["g0"], state, 9.0), export(["g0"], moved, 9.0)])["layouts"]["split"]
     assert not apart["unbroken-a again"][0]["bitwise"] and apart["unbroken-a again"][0]["tensors_differ"] == 1
     assert apart["noise_floor"]["bitwise"] is False and apart["noise_floor"]["same_machine_as_reference"]
-
-
-def test_engine_repeat_compares_fresh_processes_bit_for_bit(tmp_path):
-    """bench/engine_repeat.py's verdict (the engine's bits from one fresh process to the next): a section is compared
-    with the first of its variant, and each variant's first with plain's; one ulp of one log-prob is not equal, and
-    other tokens are counted per sample."""
-    import math
-    sys.path.insert(0, str(ROOT / "bench"))
-    import engine_repeat as er
-
-    base = {"tokens": [[5, 6, 7], [8, 9]], "engine": [[-1.5, -2.25, -0.125], [-3.0, -0.5]],
-            "engine_again": [[-1.5, -2.25, -0.125], [-3.0, -0.5]], "trainer": [[-1.5, -2.25, -0.125], [-3.0, -0.5]]}
-    ulp = json.loads(json.dumps(base))
-    ulp["engine"][1][0] = math.nextafter(-3.0, 0.0)
-    other = json.loads(json.dumps(base))
-    other["tokens"][0][2] = 4
-    (tmp_path / "dumps").mkdir()
-    for name, dump in (("gen-plain-a", base), ("gen-plain-b", base), ("gen-timed-a", ulp), ("gen-timed-b", other)):
-        (tmp_path / "dumps" / f"{name}.json").write_text(json.dumps(dump))
-    got = er.compare(tmp_path, ["gen-plain-a", "gen-plain-b", "gen-timed-a", "gen-timed-b"])
-    assert set(got) == {"gen-plain-b vs gen-plain-a", "gen-timed-b vs gen-timed-a", "gen-timed-a vs gen-plain-a"}
-    assert got["gen-plain-b vs gen-plain-a"]["engine_bitwise"] and got["gen-plain-b vs gen-plain-a"]["same_tokens"]
-    ulp_vs_plain = got["gen-timed-a vs gen-plain-a"]
-    assert ulp_vs_plain["same_tokens"] and not ulp_vs_plain["engine_bitwise"] and ulp_vs_plain["trainer_bitwise"]
-    assert 0 < ulp_vs_plain["engine_max_abs"] < 1e-15
-    assert got["gen-timed-b vs gen-timed-a"]["tokens_differ_rows"] == 1
-    # the engine alone, the over-sampled requests, new weights: each family against its own first, never across
-    families = ["gen-solo-a", "gen-solohist-a", "gen-wide-a", "gen-widehist-a", "gen-sync-a", "gen-synchist-a",
-                "gen-next-a", "gen-nexthist-a", "gen-nextsync-a", "gen-nextsynchist-a"]
-    assert set(er.pairs(families)) == {("gen-solohist-a", "gen-solo-a"), ("gen-widehist-a", "gen-wide-a"),
-                                       ("gen-synchist-a", "gen-sync-a"), ("gen-nexthist-a", "gen-next-a"),
-                                       ("gen-nextsynchist-a", "gen-nextsync-a")}
-
-
-def test_ray_faults_reads_each_recompile_and_alert_once_whatever_colour_a_worker_gave_its_line():
-    sys.path.insert(0, str(ROOT / "bench"))
-    import ray_faults as rf
-
-    line = "Recompiling function head in /w/runtime/rollout/decode_model.py:329"
-    why = "    - 3/0: tensor 'h' size mismatch at index 0. expected 8, actual 1"
-    text = "\n".join([f"(EngineActor pid=7) {line}", "(EngineActor pid=7)     triggered by the following guard failure(s):",
-                      f"(EngineActor pid=7) {why}", f"\x1b[36m(EngineActor pid=8)\x1b[0m {line}\x1b[32m",
-                      "UserWarning: embedding_dense_backward does not have a deterministic implementation"])
-    assert rf.log_signals(text) == {
-        "nondeterministic_ops": ["embedding_dense_backward"], "recompiled": ["head (/w/runtime/rollout/decode_model.py:329)"],
-        "recompile_reasons": {"head (/w/runtime/rollout/decode_model.py:329)": [
-            "tensor 'h' size mismatch at index 0. expected 8, actual 1"]}}
 
 
 # ---- bench/harness.py: the results already in bench/results stay readable ---------------------------------
@@ -507,3 +427,15 @@ def test_sections_in_processes_record_how_each_ended_and_merge_over_calls(tmp_pa
     assert harness.merge_results(calls, keep="ok")["ok"]["status"] == "ok"
     both = harness.merge_results(calls, keep="both")
     assert both["ok"]["status"] == "ok" and both["ok@call2"]["status"] == "FAILED"
+
+
+def test_a_retired_section_is_refused_in_one_line(tmp_path):
+    """A section retired from a scenario (rollout_bench's sweep, bench/README.md's Retired experiments), asked for as
+    an older command line asks: one line naming it, the sections there are and where the retired ones went; exit 1,
+    no traceback. (~5 s)"""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_bench.py"), "--cpu", "--sections", "paged,sweep",
+                           "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ("--sections: no section sweep in this bench (its sections: paged, capped, kernels; "
+                                   "retired ones: bench/README.md)")
