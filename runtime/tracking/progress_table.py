@@ -7,6 +7,8 @@ from typing import Callable
 
 from rich.console import Console
 
+from runtime.run.run_log import terminal_out
+
 COLUMNS = [("loss", "loss", "{:+.4f}"), ("reward", "reward_mean", "{:.3f}"),
            ("r_std", "reward_std", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("entropy", "entropy", "{:.3f}"),
            ("clip", "clip_frac", "{:.3f}"), ("gnorm", "grad_norm", "{:.3f}"), ("len", "response_len_mean", "{:.1f}"),
@@ -42,7 +44,8 @@ class RolloutTable:
 
     def __init__(self, console: Console | None = None, total: int | None = None,
                  now: Callable[[], float] = time.monotonic):
-        self.console = console or Console(highlight=False)
+        # the terminal even while the run's log holds stdout (runtime/run/run_log.py)
+        self.console = console or Console(file=terminal_out(), highlight=False)
         self.total, self._now = total, now
         self._t0 = now()
         self._rows = 0
