@@ -395,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.models_cmd == "list":
                 return models_list(args.tracking_uri, root=args.root)
             return models_show(args.spec, args.tracking_uri, root=args.root)
-        if args.cmd in ("run", "resume"):  # Prefect's flow and task lines: into the run's log, or shown
-            os.environ.setdefault("PREFECT_LOGGING_LEVEL", args.log_level or "INFO")
+        if args.cmd in ("run", "resume") and "prefect" not in sys.modules:  # read once, at Prefect's import
+            os.environ.setdefault("PREFECT_LOGGING_LEVEL", args.log_level or "INFO")  # its flow/task lines: logged
         _prefect_env()
         _quiet_prefect_user_errors()
         if args.cmd in ("deploy", "serve"):
