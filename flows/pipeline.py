@@ -14,6 +14,7 @@ from runtime.run.leftovers import remove_temp_leftovers
 from runtime.run.lease import RunLease
 from runtime.secrets import reveal
 from runtime.testing.moments import moment
+from runtime.tracking.progress_table import stage_line
 from tasks.stages import convert_task, fetch_task, prepare_task
 from tasks.train import train_stage
 
@@ -23,6 +24,7 @@ def _stage(task, *args) -> dict:
     result = state.result()
     if state.name == "Cached":
         result = {**result, "skipped": True}
+    stage_line(task.name, result)
     return result
 
 

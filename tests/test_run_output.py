@@ -122,6 +122,8 @@ def test_grpoflow_run_under_ray_prints_the_run_and_logs_the_libraries(prefect_ha
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out, err = proc.stdout, proc.stderr
     assert "golden rule" in out and "rollout  elapsed      eta" in out  # the plan and the live table
+    stages = [line.split()[0] for line in out.splitlines() if " done in " in line and "│" not in line]
+    assert stages == ["fetch", "prepare", "convert"], out  # a line per stage as it ends
     assert "    1/2 " in out and "    2/2 " in out
     assert "register" in out and "run directory:" in out and "next:" in out  # the summary
     log = log_path(RunDir(str(root), "out"))

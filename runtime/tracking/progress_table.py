@@ -1,5 +1,5 @@
-"""The per-rollout table users watch: progress against the total (rollout i/N, elapsed, ETA), then
-loss, reward, kl, lengths, speeds."""
+"""What users watch while a run runs: one line per stage as it ends, then the per-rollout table: progress
+against the total (rollout i/N, elapsed, ETA), then loss, reward, kl, lengths, speeds."""
 from __future__ import annotations
 
 import time
@@ -25,6 +25,14 @@ def _fmt(fmt: str, v) -> str:
         return fmt.format(int(v) if fmt.endswith("d}") else v)
     except (TypeError, ValueError):
         return str(v)
+
+
+def stage_line(stage: str, result: dict) -> None:
+    """``fetch         done in 4.48 s`` (or ``skipped (done before)``), aligned with the plan's lines."""
+    status = "skipped (done before)" if result.get("skipped") else f"done in {result.get('seconds', 0)} s"
+    out = terminal_out()
+    print(f"{stage:<14}{status}", file=out)
+    out.flush()
 
 
 def clock(seconds: float) -> str:
