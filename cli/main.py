@@ -67,6 +67,9 @@ def _quiet_prefect_user_errors() -> None:
             logger.addFilter(_HideUserErrors())
 
 
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
 def _positive_gib(text: str) -> float:
     try:
         gib = float(text)
@@ -79,9 +82,15 @@ def _positive_gib(text: str) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpoflow", description="GRPO post-training as a resumable Prefect pipeline")
-    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
                    help="how much of grpoflow's own log to show on stderr (default WARNING)")
     sub = p.add_subparsers(dest="cmd", required=True)
+
+    def with_log_level(sp):
+        sp.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
+                        help="show the run's log (libraries included) on the terminal at this level; without it "
+                             "the terminal shows the plan, the live table and the summary, and the log goes to "
+                             "runs/<id>/logs/run.log")
 
     def with_overrides(sp):
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -102,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("config")
     r.add_argument("--run-id", default=None, help="default: <config name>-<UTC timestamp>")
     with_overrides(r)
+    with_log_level(r)
 
     rs = sub.add_parser("resume", help="continue a run from its frozen config and latest checkpoint")
     rs.add_argument("run_id")
@@ -110,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="replace the run's frozen config with FILE (the config it was started with), e.g. when "
                          "runs/<id>/config.yaml is damaged or missing; the file found is kept beside it")
     with_overrides(rs)
+    with_log_level(rs)
 
     m = sub.add_parser("models", help="browse the model registry")
     msub = m.add_subparsers(dest="models_cmd", required=True)
@@ -258,6 +269,9 @@ def _summary(result: dict, root: str, report: str | None = None) -> None:
         print(f"final checkpoint:     {train['checkpoint']}")
     if report:
         print(f"report:               {report}")
+    from runtime.run.run_log import last_path
+    if last_path():
+        print(f"run log:              {last_path()}")
     print("next:")
     for line in next_commands(result["run_id"], root, train.get("tracking_uri")):
         print(f"  {line}")
@@ -340,7 +354,8 @@ def _resume(args) -> dict | None:
     _start_prefect_api()
     from flows.pipeline import grpo_pipeline
     from runtime.secrets import hold
-    return grpo_pipeline(overrides=hold(args.overrides), run_id=args.run_id, root=root, resume=True)
+    with _run_log(args, args.run_id):
+        return grpo_pipeline(overrides=hold(args.overrides), run_id=args.run_id, root=root, resume=True)
 
 
 class _MaskedFormatter(logging.Formatter):
@@ -364,20 +379,30 @@ def _sigterm_as_interrupt() -> None:
 
 
 def _setup_logging(level: str) -> None:
-    """One handler for grpoflow's loggers (named by module: runtime.*, tasks.*, flows.*, cli.*)."""
-    handler = logging.StreamHandler(sys.stderr)
+    """One handler for grpoflow's loggers (named by module: runtime.*, tasks.*, flows.*, cli.*), on the terminal
+    also while a run's log holds the process's streams (runtime/run/run_log.py); secrets masked."""
+    from runtime.run.run_log import OWN_LOGGERS, TerminalHandler
+    handler = TerminalHandler(sys.stderr)
     handler.setFormatter(_MaskedFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-    for name in ("runtime", "tasks", "flows", "cli", "deployments"):
+    handler.setLevel(level)
+    for name in OWN_LOGGERS:
         logger = logging.getLogger(name)
         logger.setLevel(level)
-        if not any(getattr(h, "grpoflow", False) for h in logger.handlers):
-            handler.grpoflow = True  # type: ignore[attr-defined]
-            logger.addHandler(handler)
+        for old in [h for h in logger.handlers if getattr(h, "grpoflow", False)]:
+            logger.removeHandler(old)  # the level of this command, not of an earlier main() in this process
+        handler.grpoflow = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+
+
+def _run_log(args, run_id: str):
+    """Library output into runs/<id>/logs/run.log while the run runs; on the terminal with --log-level."""
+    from runtime.run.run_log import RunLog
+    return RunLog(run_id, args.cmd, quiet=args.log_level is None, level=args.log_level or "INFO")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _setup_logging(args.log_level)
+    _setup_logging(args.log_level or "WARNING")
     from runtime.errors import TransientError, UserError, error_line
     from runtime.run.directory import resume_command
 
@@ -415,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.models_cmd == "export":
                 return models_export(args.spec, args.tracking_uri, root=args.root)
             return models_show(args.spec, args.tracking_uri, root=args.root)
+        if args.cmd in ("run", "resume") and "prefect" not in sys.modules:  # read once, at Prefect's import
+            os.environ.setdefault("PREFECT_LOGGING_LEVEL", args.log_level or "INFO")  # its flow/task lines: logged
         _prefect_env()
         _quiet_prefect_user_errors()
         if args.cmd in ("deploy", "serve"):
@@ -432,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
             _start_prefect_api()
             from flows.pipeline import grpo_pipeline
             from runtime.secrets import hold
-            result = grpo_pipeline(config_path=args.config, overrides=hold(args.overrides), run_id=run_id)
+            with _run_log(args, run_id):
+                result = grpo_pipeline(config_path=args.config, overrides=hold(args.overrides), run_id=run_id)
             from runtime.run.directory import RunDir
             root, rd = cfg.storage.root, RunDir(cfg.storage.root, run_id, cfg.storage.state_dir)
         elif args.cmd == "resume":

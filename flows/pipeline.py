@@ -7,13 +7,14 @@ from runtime import storage
 from runtime.config import DEFAULT_ROOT, load_config
 from runtime.errors import UserError
 from runtime.grpo.preflight import check_fits, check_this_machine, check_trainable
-from runtime.run import checkpoint
+from runtime.run import checkpoint, run_log
 from runtime.run.directory import RunDir
 from runtime.run.frozen_config import config_to_resume, freeze, mark_finished
 from runtime.run.leftovers import remove_temp_leftovers
 from runtime.run.lease import RunLease
 from runtime.secrets import reveal
 from runtime.testing.moments import moment
+from runtime.tracking.progress_table import stage_line
 from tasks.common import masked_errors
 from tasks.stages import convert_task, fetch_task, prepare_task
 from tasks.train import train_stage
@@ -24,6 +25,7 @@ def _stage(task, *args) -> dict:
     result = state.result()
     if state.name == "Cached":
         result = {**result, "skipped": True}
+    stage_line(task.name, result)
     return result
 
 
@@ -57,6 +59,7 @@ def grpo_pipeline(config_path: str | None = None, overrides: list[str] | None = 
             remove_temp_leftovers(rd)  # of a writer killed mid-write; nobody else writes while we hold the lease
             checkpoint.repair_latest(rd)  # an unreadable `latest`, or one naming a damaged checkpoint
             cfg = freeze(cfg, rd)  # with the memory plan's choices: the run uses what was frozen
+            run_log.settle(rd)  # the run directory is this run's now: its log moves in
             moment("frozen")
             fetched = _stage(fetch_task, cfg, rd)
             moment("fetched")

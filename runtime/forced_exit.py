@@ -6,7 +6,6 @@ without any of that.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from typing import Callable
 
@@ -37,8 +36,10 @@ def forced_exit(message: str, code: int = 3) -> None:
         except Exception:  # noqa: BLE001 - best effort: the exit must happen
             pass
     _end_children()
-    sys.stderr.write(f"error: {' '.join(message.split())}{hint}\n")
-    sys.stderr.flush()
+    from runtime.run.run_log import error_context, terminal_err
+    out = terminal_err()  # the terminal, also while the run's log holds stderr
+    out.write(error_context() + f"error: {' '.join(message.split())}{hint}\n")
+    out.flush()
     os._exit(code)
 
 

@@ -17,7 +17,7 @@ LR = 1e-3
 # where the host step and megatron's could diverge beyond rounding
 TRAIN = {"micro_batch_size": 8, "lr": LR, "clip_grad": 0.1, "grad_dtype": "bfloat16", "recompute": "full",
          "weight_decay": 0.1}
-# README's contract: every weight within 0.01 x lr per update of the reference. Compared on the fp32 masters
+# docs/resume.md's contract: every weight within 0.01 x lr per update of the reference. Compared on the fp32 masters
 # (the state the updates accumulate in); the bf16 weights are those masters rounded (checked separately).
 PER_UPDATE = 1e-2 * LR
 CHUNK = 1000  # elements per host chunk in these tests: chunks cut through weights and through DP shards
@@ -205,7 +205,7 @@ def ranked(tiny):
     dev_dp1    megatron's optimizer, DP 1 replicated: load host_dp2 @2, save it again at once (@2b), b2, save @3,
                b3, save @4
     With bf16 weights a change of DP size regroups the samples into other micro-batches, whose bf16 forward
-    rounds otherwise (measured 0.06 lr per update here, beyond README's contract, which is stated for fp32): the
+    rounds otherwise (measured 0.06 lr per update here, beyond docs/resume.md's contract, stated for fp32): the
     checkpoint chain runs one sample per micro-batch with fp32 gradients, so that only fp32 sums change order.
     """
     root, vocab = tiny["root"], tiny["vocab"]

@@ -184,7 +184,7 @@ def test_tensor_parallel_2_trains_as_one_rank(tiny_checkpoint, trained):
     ref = trained["saved_adapters"]
     assert adapters.keys() == ref.keys()
     # Adam's normalised step carries float-order differences of the gradient up to ~lr where |g| ~ eps: the
-    # project's layout contract is 0.01 x lr per update (README, "Resume contract across layouts"); 2 updates here
+    # project's layout contract is 0.01 x lr per update (docs/resume.md, "Resume contract across layouts"); 2 updates here
     assert max(float((adapters[k] - ref[k]).abs().max()) for k in ref) <= 2 * 0.01 * 1e-2
 
 

@@ -24,7 +24,7 @@ FINISHED_MARKER = "finished"  # stages/finished.json: every stage of the run don
 # The one exception to bitwise: the data-parallel layout (train.data_parallel with cluster.trainer_gpus,
 # train.distributed_optimizer), so that a run can resume on another number of GPUs. Its checkpoint loads
 # exactly into the new layout (runtime/trainer/optimizer_checkpoint.py); the updates after it differ from an
-# unbroken run's by the order of the DP reduction, within the float tolerance README.md states.
+# unbroken run's by the order of the DP reduction, within the float tolerance docs/resume.md states.
 # Where the optimizer lives (train.optimizer_on_host) may change too: the same masters and Adam state in the same
 # checkpoint format, stepped on the host or on the GPU (updates equal within float rounding); and the host's memory.
 RESUMABLE_CHANGES = {"train.num_rollout", "eval.interval", "eval.before_train", "tracking.uri",

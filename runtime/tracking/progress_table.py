@@ -1,11 +1,13 @@
-"""The per-rollout table users watch: progress against the total (rollout i/N, elapsed, ETA), then
-loss, reward, kl, lengths, speeds."""
+"""What users watch while a run runs: one line per stage as it ends, then the per-rollout table: progress
+against the total (rollout i/N, elapsed, ETA), then loss, reward, kl, lengths, speeds."""
 from __future__ import annotations
 
 import time
 from typing import Callable
 
 from rich.console import Console
+
+from runtime.run.run_log import terminal_out
 
 COLUMNS = [("loss", "loss", "{:+.4f}"), ("reward", "reward_mean", "{:.3f}"),
            ("r_std", "reward_std", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("entropy", "entropy", "{:.3f}"),
@@ -25,6 +27,14 @@ def _fmt(fmt: str, v) -> str:
         return str(v)
 
 
+def stage_line(stage: str, result: dict) -> None:
+    """``fetch         done in 4.48 s`` (or ``skipped (done before)``), aligned with the plan's lines."""
+    status = "skipped (done before)" if result.get("skipped") else f"done in {result.get('seconds', 0)} s"
+    out = terminal_out()
+    print(f"{stage:<14}{status}", file=out)
+    out.flush()
+
+
 def clock(seconds: float) -> str:
     """``75.4`` -> ``1:15``; ``3725`` -> ``1:02:05``."""
     s = max(0, int(round(seconds)))
@@ -42,7 +52,8 @@ class RolloutTable:
 
     def __init__(self, console: Console | None = None, total: int | None = None,
                  now: Callable[[], float] = time.monotonic):
-        self.console = console or Console(highlight=False)
+        # the terminal even while the run's log holds stdout (runtime/run/run_log.py)
+        self.console = console or Console(file=terminal_out(), highlight=False)
         self.total, self._now = total, now
         self._t0 = now()
         self._rows = 0

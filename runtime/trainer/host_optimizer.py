@@ -25,7 +25,7 @@ A step (:meth:`HostAdam.step`), replacing megatron's ``optimizer.step()`` after 
 
 Adam's step count is the same per-parameter ``state["step"]`` torch keeps (checkpointed as before). Updates
 equal megatron's GPU step within float rounding (another summation order of the norm, the fused kernel): the
-README's per-update contract, tested on CPU against megatron's own optimizer.
+the per-update contract of docs/resume.md, tested on CPU against megatron's own optimizer.
 
 Why not megatron-core's ``HybridDeviceOptimizer`` (``OptimizerConfig.optimizer_cpu_offload``, 0.16.1): without
 Transformer Engine no path keeps the fp32 master on the host. With ``use_precision_aware_optimizer`` (its
