@@ -28,7 +28,8 @@ What is left out, and why the server does not need it:
   MoE/MLA paths), deep_gemm's JIT headers are kept (small) but not used by a bf16 dense model;
 - the CUDA toolkit wheels (nvcc, nvvm, crt, nvdisasm): the image has nvcc 13.0 for flashinfer's JIT, which
   `--sampling-backend pytorch` and the triton backend do not reach;
-- IPython, modelscope, torchcodec, soundfile, anthropic: notebooks, another hub, audio/video inputs, another API.
+- modelscope, torchcodec, anthropic: another hub, video inputs, another API. (IPython and soundfile stay:
+  `import sglang` and the OpenAI realtime route import them at start-up.)
 """
 from __future__ import annotations
 
@@ -59,12 +60,12 @@ PART_MIB = 56  # one call carries 64 MiB, the repository included
 MORE_PLATFORMS = [a for tag in ("manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64")
                   for a in ("--platform", tag)]
 NOT_NEEDED = re.compile(r"^(torch|triton|tokenspeed-.*|nvidia-cutlass-dsl.*|nvidia-nvvm|nvidia-cuda-(nvcc|crt|nvdisasm)"
-                        r"|tilelang|z3-solver|nvidia-mathdx|helion|py-spy|ipython.*|jedi|parso|modelscope.*|torchcodec"
-                        r"|soundfile|quack-kernels|flash-attn-4|anthropic|pexpect|ptyprocess|prompt-toolkit|stack-data"
-                        r"|executing|asttokens|pure-eval|traitlets|matplotlib-inline)$")
+                        r"|tilelang|z3-solver|nvidia-mathdx|helion|py-spy|modelscope.*|torchcodec"
+                        r"|quack-kernels|flash-attn-4|anthropic)$")
 KERNEL_DROP = ("sgl_kernel/flash_ops.abi3.so", "sgl_kernel/sm100/", "sgl_kernel/flashmla_ops.abi3.so")
-# The image's packages the server may use as they are, whatever version SGLang's metadata asks for, except these
-SERVER_OWN = {"transformers"}
+# The image's packages the server may use as they are, whatever version SGLang's metadata asks for, except these:
+# transformers 5.12.1 (the image has 5.17) checks at import for tokenizers <= 0.23.0 (the image has 0.23.2)
+SERVER_OWN = {"transformers", "tokenizers"}
 CHECK = ("import sglang, sgl_kernel, sglang.srt.server_args, sglang.srt.entrypoints.http_server, "
          "sglang.srt.managers.scheduler, sglang.srt.layers.attention.triton_backend, torch_memory_saver; "
          "print('sglang', sglang.__version__, 'imports ok')")
