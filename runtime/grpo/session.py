@@ -77,26 +77,26 @@ class TrainSession:
                                        group_name=f"grpoflow_weights_{self.builds}")
 
     def close_actors(self) -> None:
-        if self.writing is not None:  # its files die with the trainer: the temp dir is removed
-            self.writing.abandon(ChunkError("the trainer was stopped before the checkpoint was written"))
-            self.writing = None
+        """The checkpoint being written made durable first (its files are written by the trainer: a failure is
+        logged, and a resume starts from the checkpoint before it), then the actors stopped."""
+        if self.writing is not None:
+            where = self.writing.where
+            try:
+                self.wait_durable()
+            except Exception as e:  # noqa: BLE001 - stopping anyway (after a failure): the older checkpoint stays
+                log.warning("checkpoint %s not completed (%s: %s); a resume starts from the one before",
+                            where, type(e).__name__, e)
         for handle in (self.engine, self.trainer):  # the engine first: it leaves the weight-sync group rank 0 hosts
             if handle is not None:
                 handle.kill()
         self.trainer = self.engine = None
 
     def close(self) -> None:
-        """The checkpoint being written made durable (a failure is logged: a resume redoes its chunk), then the
-        actors and the cluster stopped. The train stage makes it durable before the run's end already
-        (:meth:`wait_durable`): here it is for a stage that stopped on an error."""
+        """The actors (after the checkpoint being written is durable) and the cluster stopped. The train stage
+        makes the last checkpoint durable before the run's end already (:meth:`wait_durable`)."""
         try:
-            if self.writing is not None:
-                self.wait_durable()
-        except Exception as e:  # noqa: BLE001 - closing after a failure: the newest durable checkpoint stays
-            log.warning("checkpoint %s not completed (%s: %s); a resume starts from the one before",
-                        self.rd.checkpoint(self.writing.rollout if self.writing else 0), type(e).__name__, e)
-        finally:
             self.close_actors()
+        finally:
             self.cluster.shutdown()
 
     def alive(self) -> bool:
@@ -185,7 +185,7 @@ class TrainSession:
         chunk_metrics = []
         for rid in range(start, end):
             if self.writing is not None:
-                moment("rollout-while-checkpoint-pending")  # the last chunk's checkpoint not yet durable
+                moment("checkpoint-pending")  # a rollout starts beside the last chunk's checkpoint, not yet durable
             m = self.rollout(rid)
             chunk_metrics.append(m)
             if on_rollout:
@@ -274,6 +274,8 @@ class TrainSession:
                     raise ChunkError(f"cannot evaluate rollout {rollout}: checkpoint {path} is unusable ({problem})")
                 ckpt = checkpoint.Checkpoint(rollout, path, checkpoint.read_state(path), self.rd.state_dir)
             self.ensure_at(ckpt)
+        if self.writing is not None:
+            moment("checkpoint-pending")  # an evaluation starts beside the checkpoint being written
         c = self.cfg
         results = {}
         with self.engine_turn():  # as a rollout generates: the trainer's state off a shared GPU

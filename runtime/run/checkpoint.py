@@ -5,6 +5,12 @@
 file with its size and sha256), written last. `checkpoints/latest` names the newest complete one and
 is replaced atomically after it. A checkpoint whose manifest does not match is skipped on load.
 
+A checkpoint is begun (:class:`Writing`: a temp dir the trainer writes its model files into, in the background
+with ``checkpoint.background``) and made durable later (:meth:`Writing.complete`); the trainer hashes the files
+it writes, so the manifest re-reads none of them. Verification reads every byte only where a checkpoint is
+loaded from disk or downloaded: a checkpoint whose state the live actors hold (``latest(held=N)``) is checked
+for completeness and sizes only.
+
 On a remote run directory (s3://...) a checkpoint is written into the local scratch dir exactly as
 locally, then uploaded to ``checkpoints/rollout_<N>/`` with ``manifest.json`` last, and only then is
 ``latest`` replaced (one PUT): a half-uploaded checkpoint has no manifest and is never taken. Remote

@@ -76,7 +76,10 @@ class CheckpointWriter:
         buckets, results_queue = [], None
         if request.async_fn is not None:
             _rank, planned, results_queue = request.async_fn_args
-            buckets = self._host_copy(planned, request.preload_fn) if background else planned
+            if background:
+                buckets = self._host_copy(planned, request.preload_fn)
+            else:  # written before anything changes the state: only the device tensors need the host
+                buckets = request.preload_fn() if _on_device(planned) else planned
         job = {"path": path, "request": request, "error": None, "files": {}, "write_s": 0.0, "hash_s": 0.0}
         self._pending = job
         if background:
@@ -119,7 +122,7 @@ class CheckpointWriter:
     # -- the host copy ----------------------------------------------------------------------------------------
     def _host_copy(self, buckets: list, preload_fn) -> list:
         """The buckets with every tensor in host memory the live state does not share."""
-        on_device = any(t.device.type != "cpu" for _, _, (_, tensors) in buckets for _, t in tensors)
+        on_device = _on_device(buckets)
         if on_device and torch.cuda.is_available():
             return self._pinned_copy(buckets)
         copied = preload_fn() if on_device else buckets
@@ -163,7 +166,7 @@ class CheckpointWriter:
             job["write_s"] = time.time() - t0
             t1 = time.time()
             for file_name, _key, _data in buckets:
-                rel = os.path.relpath(file_name, os.path.dirname(job["path"]))
+                rel = os.path.relpath(file_name, os.path.dirname(os.path.normpath(job["path"])))
                 job["files"][rel] = {"size": os.path.getsize(file_name), "sha256": sha256_file(file_name)}
             job["hash_s"] = time.time() - t1
             if results_queue is not None:
@@ -172,6 +175,10 @@ class CheckpointWriter:
         except BaseException as e:  # noqa: BLE001 - raised again by finish(), on the loop's thread
             log.error("checkpoint write into %s failed: %s: %s", job["path"], type(e).__name__, e)
             job["error"] = e
+
+
+def _on_device(buckets: list) -> bool:
+    return any(t.device.type != "cpu" for _, _, (_, tensors) in buckets for _, t in tensors)
 
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
