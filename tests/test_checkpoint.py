@@ -160,3 +160,22 @@ def test_a_held_checkpoint_is_not_hashed_and_any_other_is(tmp_path):
     assert checkpoint.latest(rd).rollout == 2
     (Path(rd.checkpoint(4)) / "model" / "weights.bin").write_bytes(b"\x05" * 9)  # truncated: seen without a hash
     assert checkpoint.latest(rd, held=4).rollout == 2
+
+
+def test_a_checkpoint_is_hashed_once_per_process_until_a_file_changes(tmp_path, monkeypatch):
+    """A resume asks for `latest` several times: the bytes are read once; a file rewritten since (same size,
+    other bytes) is read again and found damaged. <1 s."""
+    import os
+    rd = RunDir(str(tmp_path), "r")
+    checkpoint.save(rd, 2, _writer(b"a" * 10), {"cursor": 2}, keep_last=3)
+    hashed = []
+    real = checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda p: hashed.append(p) or real(p))
+    assert checkpoint.verify(rd.checkpoint(2)) is None
+    first = len(hashed)
+    assert first >= 2 and checkpoint.verify(rd.checkpoint(2)) is None and len(hashed) == first
+    weights = Path(rd.checkpoint(2)) / "model" / "weights.bin"
+    weights.write_bytes(b"b" * 10)
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # a later write, whatever the clock's grain
+    assert checkpoint.verify(rd.checkpoint(2)) == "model/weights.bin checksum mismatch"

@@ -150,10 +150,12 @@ def test_sigkill_during_checkpoint_write_then_resume(prefect_harness, reference_
     assert_same_checkpoint(checkpoint_tensors(final.path, tmp_path), reference_final)
 
 
+@pytest.mark.race
 def test_sigkill_while_the_next_chunk_trains_beside_the_checkpoint_write(prefect_harness, reference_final, tmp_path):
     """checkpoint.background: rollout 2's checkpoint has its tensors on disk but is not finalized (its writer held
     after the files, before the manifest) while rollout 2 trains; killed there, the resume discards it, redoes
-    the first chunk and ends as the reference. ~40 s."""
+    the first chunk and ends as the reference. A killed run and a resume: as long as the test above (250-300 s
+    on the 2-core machine under other engineers' load)."""
     root = tmp_path / "root"
     rd = RunDir(str(root), "k3")
     pauses = tmp_path / "pauses"
