@@ -64,9 +64,11 @@ class _PrefectSteps:
         return evaluate_task(self.session, rollout)
 
     def register(self, rollout: int, results: dict) -> dict | None:
+        self.session.wait_durable(rollout)  # only a durable checkpoint is registered (its export reads it)
         return register_task(self.cfg, self.rd, self.tracking, rollout, results)
 
     def finish(self) -> None:
+        self.session.wait_durable()  # the last checkpoint durable before the run is marked finished
         self.tracking.get().finish()
 
 

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
+
 from runtime.run import checkpoint
 from runtime import storage
 from runtime.run.directory import RunDir
@@ -83,3 +86,96 @@ def test_each_problem_is_said_once_and_repair_points_latest_at_the_checkpoint_us
 
     Path(rd.latest).unlink()  # a writer killed before moving it: left as it is
     assert checkpoint.repair_latest(rd).rollout == 4 and not Path(rd.latest).exists()
+
+
+# ---- the background writer (runtime/trainer/checkpoint_writer.py) -----------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: weights, an fp32 master and Adam apart
+def test_a_background_save_holds_the_state_it_began_with_and_hashes_what_it_wrote(tiny_checkpoint, tmp_path, dtype,
+                                                                                 monkeypatch):
+    """An update between save_begin and the write (the writer held at its start, the next chunk training) leaves
+    the checkpoint as an inline save at the same state writes it, bitwise; the writer's sha256 of each file it
+    wrote is the file's. ~6 s each."""
+    import threading
+
+    from runtime.models import load_hf_config
+    from tests.test_resume import assert_same_checkpoint, checkpoint_tensors
+    from tests.test_trainer_memory import _batch, _trainer
+    from tests.waiting import wait_reached
+    hf, td = tiny_checkpoint
+    tr = _trainer({"hf": hf, "td": td}, dtype=dtype)
+    vocab = load_hf_config(hf).vocab_size
+    tr.train(_batch(vocab, seed=0))
+    tr.save(str(tmp_path / "inline" / "model"))
+    from collections import Counter
+
+    from runtime.testing import moments
+    monkeypatch.setattr(moments, "_hits", Counter())  # hits are counted per process: the other dtype's too
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    monkeypatch.setenv("GRPOFLOW_TEST_PAUSE_AT", "checkpoint-write-started")
+    monkeypatch.setenv("GRPOFLOW_TEST_PAUSE_DIR", str(pause))
+    began = tr.save_begin(str(tmp_path / "background" / "model"), background=True)
+    wait_reached(pause / "checkpoint-write-started.reached", timeout_s=300)
+    assert threading.current_thread() is threading.main_thread() and not tr.save_done()
+    before = {k: v.clone() for k, v in tr.model.state_dict().items() if torch.is_tensor(v)}
+    tr.train(_batch(vocab, seed=1))  # changes the live weights, master and Adam moments before a byte is written
+    assert any(not torch.equal(v, tr.model.state_dict()[k]) for k, v in before.items())
+    (pause / "checkpoint-write-started.go").touch()
+    done = tr.save_finish()
+    assert began["stall_s"] >= 0 and done["write_s"] >= 0 and done["hash_s"] >= 0
+    assert done["files"] and all(rel.startswith("model/") for rel in done["files"])
+    for rel, meta in done["files"].items():
+        f = tmp_path / "background" / rel
+        assert meta == {"size": f.stat().st_size, "sha256": checkpoint._sha256(f)}
+    assert_same_checkpoint(checkpoint_tensors(tmp_path / "background", tmp_path),
+                           checkpoint_tensors(tmp_path / "inline", tmp_path))
+    monkeypatch.delenv("GRPOFLOW_TEST_PAUSE_AT")
+    tr.save(str(tmp_path / "after" / "model"))
+    with pytest.raises(AssertionError, match="tensors differ"):  # the comparison tells the two states apart
+        assert_same_checkpoint(checkpoint_tensors(tmp_path / "after", tmp_path),
+                               checkpoint_tensors(tmp_path / "inline", tmp_path))
+
+
+def test_a_write_that_fails_surfaces_at_finish_and_publishes_nothing(tmp_path):
+    """The writer's error is raised where the loop makes the checkpoint durable; nothing is published and the
+    temp dir is gone."""
+    rd = RunDir(str(tmp_path), "r")
+    checkpoint.save(rd, 2, _writer(b"a" * 10), {}, keep_last=3)
+    writing = checkpoint.Writing(rd, 4, {"cursor": 4}, keep_last=3)
+    _writer(b"b" * 10)(writing.model_dir)
+    writing.abandon(OSError("disk full"))
+    assert checkpoint.latest(rd).rollout == 2
+    assert not any(p.name.startswith(".rollout_4") for p in Path(rd.checkpoints).iterdir())
+
+
+def test_a_held_checkpoint_is_not_hashed_and_any_other_is(tmp_path):
+    """`latest(held=N)`: the live actors hold rollout N, so its files are checked by size only; a checkpoint
+    loaded from disk is hashed in full (same size, other bytes: skipped for the previous one)."""
+    rd = RunDir(str(tmp_path), "r")
+    for n in (2, 4):
+        checkpoint.save(rd, n, _writer(bytes([n]) * 10), {"cursor": n}, keep_last=3)
+    (Path(rd.checkpoint(4)) / "model" / "weights.bin").write_bytes(b"\x05" * 10)  # same size, other bytes
+    assert checkpoint.latest(rd, held=4).rollout == 4
+    assert checkpoint.latest(rd).rollout == 2
+    (Path(rd.checkpoint(4)) / "model" / "weights.bin").write_bytes(b"\x05" * 9)  # truncated: seen without a hash
+    assert checkpoint.latest(rd, held=4).rollout == 2
+
+
+def test_a_checkpoint_is_hashed_once_per_process_until_a_file_changes(tmp_path, monkeypatch):
+    """A resume asks for `latest` several times: the bytes are read once; a file rewritten since (same size,
+    other bytes) is read again and found damaged. <1 s."""
+    import os
+    rd = RunDir(str(tmp_path), "r")
+    checkpoint.save(rd, 2, _writer(b"a" * 10), {"cursor": 2}, keep_last=3)
+    hashed = []
+    real = checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda p: hashed.append(p) or real(p))
+    assert checkpoint.verify(rd.checkpoint(2)) is None
+    first = len(hashed)
+    assert first >= 2 and checkpoint.verify(rd.checkpoint(2)) is None and len(hashed) == first
+    weights = Path(rd.checkpoint(2)) / "model" / "weights.bin"
+    weights.write_bytes(b"b" * 10)
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # a later write, whatever the clock's grain
+    assert checkpoint.verify(rd.checkpoint(2)) == "model/weights.bin checksum mismatch"

@@ -3,7 +3,8 @@
 One uninterrupted reference run (4 rollouts in 2 chunks, eval and registration after each chunk) copies
 its storage root at each stage boundary (runtime/testing/moments.py, GRPOFLOW_TEST_SNAPSHOT_AT). Then,
 for each moment below — stage boundaries and points inside every stage: fetch, prepare, convert, the
-MLflow store's creation, rollouts, checkpoint writes, metric logging, eval, export, registration, the
+MLflow store's creation, rollouts, checkpoint writes (inside the background writer, and an evaluation
+running beside it), metric logging, eval, export, registration, the
 MLflow run's end, the finished marker — the root is restored from the boundary before it, a
 `grpoflow` run process is started there with GRPOFLOW_TEST_KILL_AT=<moment> (it SIGKILLs its own
 process group on reaching it: no clean-up of any kind), and `grpoflow resume` is run. Every resumed
@@ -55,11 +56,15 @@ MOMENTS = [
     ("mlflow-store-built", "converted"),             # MLflow store built under its temp name
     ("generate#1", "tracking-store-ready"),          # rollout 0 sampling
     ("train-step-done#2", "tracking-store-ready"),   # rollout 1 updated, not saved
-    ("checkpoint-model-written#1", "tracking-store-ready"),
+    ("checkpoint-files-written#1", "tracking-store-ready"),  # background write: tensors on disk, no metadata
+    ("checkpoint-model-written#1", "tracking-store-ready"),  # finalized at the registration, no manifest
     ("checkpoint-in-place#1", "tracking-store-ready"),      # complete, `latest` not moved
-    ("checkpoint-latest-moved#1", "tracking-store-ready"),  # metrics not logged
+    ("checkpoint-latest-moved#1", "tracking-store-ready"),  # durable, the version not registered
     ("mlflow-metrics-logged#1", "tracking-store-ready"),    # logged, the chunk task not returned
-    ("generate#1", "mlflow-metrics-logged#1"),       # eval at rollout 2: sampling
+    ("checkpoint-pending#1", "tracking-store-ready"),  # eval at rollout 2 starts, its checkpoint still being written
+    # the boundary holds rollout 2's checkpoint unfinished (written beside the eval) and rollouts 0-1's metrics
+    # logged: rollout 0 is redone, sampling, and its points are not logged twice
+    ("generate#1", "mlflow-metrics-logged#1"),
     ("eval-saved#1", "mlflow-metrics-logged#1"),     # eval saved, nothing registered
     ("built:rollout_2/hf", "mlflow-metrics-logged#1"),  # export complete under its temp name
     ("registry-version-created#1", "mlflow-metrics-logged#1"),  # version made, `best` not moved

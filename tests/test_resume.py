@@ -150,6 +150,34 @@ def test_sigkill_during_checkpoint_write_then_resume(prefect_harness, reference_
     assert_same_checkpoint(checkpoint_tensors(final.path, tmp_path), reference_final)
 
 
+@pytest.mark.race
+def test_sigkill_while_the_next_chunk_trains_beside_the_checkpoint_write(prefect_harness, reference_final, tmp_path):
+    """checkpoint.background: rollout 2's checkpoint has its tensors on disk but is not finalized (its writer held
+    after the files, before the manifest) while rollout 2 trains; killed there, the resume discards it, redoes
+    the first chunk and ends as the reference. A killed run and a resume: as long as the test above (250-300 s
+    on the 2-core machine under other engineers' load)."""
+    root = tmp_path / "root"
+    rd = RunDir(str(root), "k3")
+    pauses = tmp_path / "pauses"
+    pauses.mkdir()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", GRPOFLOW_TEST_PAUSE_AT="checkpoint-files-written#1",
+               GRPOFLOW_TEST_PAUSE_DIR=str(pauses), GRPOFLOW_TEST_KILL_AT="checkpoint-pending#1")
+    sets = sum((["--set", o] for o in _overrides(root)), [])
+    log = tmp_path / "run.log"
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "run", "configs/tiny.yaml", "--run-id", "k3", *sets],
+                          stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    assert (pauses / "checkpoint-files-written#1.reached").is_file()  # the writer was held with its files written
+    temps = [p for p in Path(rd.checkpoints).iterdir() if p.name.startswith(".rollout_2.tmp-")]
+    assert temps and list((temps[0] / "model").glob("*.distcp")) and not (temps[0] / "manifest.json").exists()
+    assert checkpoint.latest(rd) is None
+    assert main(["resume", "k3", "--root", str(root)]) == 0
+    final = checkpoint.latest(rd)
+    assert final.rollout == 4 and final.state["metrics"][-1]["checkpoint_write_s"] >= 0
+    assert not any(p.name.startswith(".rollout_") for p in Path(rd.checkpoints).iterdir())
+    assert_same_checkpoint(checkpoint_tensors(final.path, tmp_path), reference_final)
+
+
 def _copy_reference(reference_run, dest: Path) -> Path:
     src = Path(reference_run["root"]) / "runs" / "ref"
     shutil.copytree(src, dest / "runs" / "ref")

@@ -23,6 +23,7 @@ from runtime.plan.memory import offload_enabled
 from runtime.rewards.catalog import get_reward_fn
 from runtime.run import checkpoint
 from runtime.run.directory import RunDir
+from runtime.testing.moments import moment
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,10 @@ class TrainSession:
         self.at: int | None = None  # rollouts done by the state the live actors hold
         self.state: dict = {}
         self.builds = 0
+        self.writing: checkpoint.Writing | None = None  # the checkpoint being written beside the loop
+        self.stall_s = 0.0  # the loop's stall for it
+        self._finished: dict | None = None  # its files written and finalized, not yet published
+        self.written: dict[int, dict] = {}  # rollout → its writer's times (stall, write, hash), as its state keeps
 
     # -- actors --------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -72,14 +77,27 @@ class TrainSession:
                                        group_name=f"grpoflow_weights_{self.builds}")
 
     def close_actors(self) -> None:
+        """The checkpoint being written made durable first (its files are written by the trainer: a failure is
+        logged, and a resume starts from the checkpoint before it), then the actors stopped."""
+        if self.writing is not None:
+            where = self.writing.where
+            try:
+                self.wait_durable()
+            except Exception as e:  # noqa: BLE001 - stopping anyway (after a failure): the older checkpoint stays
+                log.warning("checkpoint %s not completed (%s: %s); a resume starts from the one before",
+                            where, type(e).__name__, e)
         for handle in (self.engine, self.trainer):  # the engine first: it leaves the weight-sync group rank 0 hosts
             if handle is not None:
                 handle.kill()
         self.trainer = self.engine = None
 
     def close(self) -> None:
-        self.close_actors()
-        self.cluster.shutdown()
+        """The actors (after the checkpoint being written is durable) and the cluster stopped. The train stage
+        makes the last checkpoint durable before the run's end already (:meth:`wait_durable`)."""
+        try:
+            self.close_actors()
+        finally:
+            self.cluster.shutdown()
 
     def alive(self) -> bool:
         if self.trainer is None or self.engine is None:
@@ -102,6 +120,8 @@ class TrainSession:
         if ckpt is not None:
             self.trainer.load(f"{ckpt.path}/model")
             self.state = dict(ckpt.state)
+            if "writer" in ckpt.state:
+                self.written[ckpt.rollout] = ckpt.state["writer"]
         else:
             self.state = {"rollout": 0, "cursor": self.dataset.initial_cursor(self.cfg.train.seed), "metrics": []}
         self.weights.push(target)
@@ -148,41 +168,95 @@ class TrainSession:
 
     # -- one chunk -----------------------------------------------------------------------------
     def run_chunk(self, start: int, end: int, on_rollout: Callable[[dict], None] | None = None) -> dict:
-        """Rollouts [start, end) from the newest intact checkpoint, then a checkpoint at `end`."""
-        ckpt = checkpoint.latest(self.rd)
-        at = ckpt.rollout if ckpt else 0
-        if at >= end:
-            return {"start": start, "end": end, "skipped": True, "metrics": _chunk_metrics(self.rd, end)}
-        if at != start:
-            raise ChunkError(f"chunk [{start}, {end}) cannot start: the newest intact checkpoint is at rollout {at}")
-        self.ensure_at(ckpt)
+        """Rollouts [start, end) from the newest intact checkpoint, then a checkpoint at `end` (written beside the
+        next chunk with ``checkpoint.background``: the loop waits only for the trainer's host copy)."""
+        if self.writing is not None and (self.writing.rollout != start or not self.alive() or self.trainer.save_done()):
+            # durable as soon as it is written: a trainer lost later in this chunk is rebuilt from it
+            self.wait_durable()
+        if self.writing is None:
+            # a checkpoint the live actors hold is checked complete, not hashed: nothing is loaded from it
+            ckpt = checkpoint.latest(self.rd, held=self.at if self.alive() else None)
+            at = ckpt.rollout if ckpt else 0
+            if at >= end:
+                return {"start": start, "end": end, "skipped": True, "metrics": _chunk_metrics(self.rd, end)}
+            if at != start:
+                raise ChunkError(f"chunk [{start}, {end}) cannot start: the newest intact checkpoint is at rollout {at}")
+            self.ensure_at(ckpt)
+        # else: the live actors hold rollout `start`, whose checkpoint is being written
         chunk_metrics = []
         for rid in range(start, end):
+            if self.writing is not None:
+                moment("checkpoint-pending")  # a rollout starts beside the last chunk's checkpoint, not yet durable
             m = self.rollout(rid)
             chunk_metrics.append(m)
             if on_rollout:
                 on_rollout(m)
+            if self.writing is not None and self.trainer.save_done():
+                self.wait_durable()  # written: durable now rather than at the next checkpoint
         if not chunk_metrics:
             raise ChunkError(f"chunk [{start}, {end}) trained nothing")
+        self.wait_durable()  # one checkpoint at a time: the one this chunk started from, durable first
+        if start in self.written:  # its writer's times, on this chunk's last rollout (a resumed run reads them back)
+            chunk_metrics[-1].update(checkpoint_write_s=self.written[start]["write_s"],
+                                     checkpoint_hash_s=self.written[start]["hash_s"])
         # No RNG state to save: sampling noise is keyed by (seed, rollout, prompt, sample) and training
         # draws no random numbers (dropout is off).
         state = {"cursor": self.state["cursor"], "metrics": chunk_metrics, "rng": {"keyed_seed": self.cfg.train.seed}}
         if "partial" in self.state:  # the groups in flight (tokens, log-probs, weight versions): resumed exactly
             state["partial"] = self.state["partial"]
         t0 = time.time()
-
-        def write_model(path: str) -> None:
-            # the save's time rides on the chunk's last rollout, inside the state written next, so a
-            # resumed run that reads the chunk back logs the same metrics as the run that made it
-            self.trainer.save(path)
-            chunk_metrics[-1]["checkpoint_s"] = time.time() - t0
-
-        checkpoint.save(self.rd, end, write_model, state, self.cfg.checkpoint.keep_last)
-        checkpoint_s = time.time() - t0
+        background = self.cfg.checkpoint.background
+        self.writing = checkpoint.Writing(self.rd, end, state, self.cfg.checkpoint.keep_last)
+        try:
+            self.trainer.save_begin(self.writing.model_dir, background)
+        except BaseException as e:
+            self.writing.abandon(e)
+            self.writing, self.at = None, None  # the trainer's state is unknown: rebuilt from disk on a retry
+            raise
         self.at = end
         self.state = {**state, "rollout": end}
+        if not background:
+            self._finish_writing()  # the files first: an inline save's time is the whole write
+        # the loop's time for the checkpoint, on the chunk's last rollout, inside the state written with it, so a
+        # resumed run that reads the chunk back logs the same metrics as the run that made it
+        self.stall_s = time.time() - t0
+        chunk_metrics[-1].update(checkpoint_s=self.stall_s, checkpoint_stall_s=self.stall_s)
+        if not background:
+            self._publish_writing()
         return {"start": start, "end": end, "skipped": False, "metrics": chunk_metrics,
-                "checkpoint_s": checkpoint_s, "trainer_pid": self.trainer.pid()}
+                "checkpoint_s": self.stall_s, "trainer_pid": self.trainer.pid()}
+
+    # -- the checkpoint being written ------------------------------------------------------------
+    def wait_durable(self, rollout: int | None = None) -> None:
+        """Make the checkpoint being written durable — every rank's files, trainer_state.json, the manifest,
+        `latest` moved, the prune — waiting for the writer where it is not done. ``rollout``: only if that is
+        the one being written (a no-op otherwise, and when none is). Call it before anything reads the
+        checkpoint from disk (a registration's export) and before the run ends. A write that failed raises
+        here (ChunkError): the checkpoint is lost, a resume starts from the one before."""
+        if self.writing is None or (rollout is not None and self.writing.rollout != rollout):
+            return
+        if self._finished is None:
+            self._finish_writing()
+        self._publish_writing()
+
+    def _finish_writing(self) -> None:
+        w = self.writing
+        try:
+            self._finished = self.trainer.save_finish()
+        except BaseException as e:
+            w.abandon(e)
+            self.writing, self.at = None, None  # the actors are rebuilt from the newest durable checkpoint
+            raise ChunkError(f"checkpoint {w.where} could not be written ({type(e).__name__}: {e}); "
+                             "`grpoflow resume` starts from the checkpoint before it") from e
+
+    def _publish_writing(self) -> None:
+        w, done = self.writing, self._finished
+        self.writing = self._finished = None
+        times = {"stall_s": self.stall_s, "write_s": done["write_s"], "hash_s": done["hash_s"]}
+        w.complete(done["files"], times)
+        self.written[w.rollout] = times
+        log.info("checkpoint %s durable: loop stalled %.2f s, write %.2f s, hash %.2f s",
+                 w.where, times["stall_s"], times["write_s"], times["hash_s"])
 
     # -- evaluation ----------------------------------------------------------------------------
     def evaluate(self, rollout: int) -> dict[str, dict]:
@@ -201,6 +275,8 @@ class TrainSession:
                     raise ChunkError(f"cannot evaluate rollout {rollout}: checkpoint {path} is unusable ({problem})")
                 ckpt = checkpoint.Checkpoint(rollout, path, checkpoint.read_state(path), self.rd.state_dir)
             self.ensure_at(ckpt)
+        if self.writing is not None:
+            moment("checkpoint-pending")  # an evaluation starts beside the checkpoint being written
         c = self.cfg
         results = {}
         with self.engine_turn():  # as a rollout generates: the trainer's state off a shared GPU
@@ -238,6 +314,6 @@ def check_finite(rollout_id: int, train: dict[str, Any], cfg: GrpoConfig) -> Non
 
 def _chunk_metrics(rd: RunDir, end: int) -> list[dict]:
     path = rd.checkpoint(end)
-    if checkpoint.verify(path) is None:
+    if checkpoint.verify(path, hashed=False) is None:  # only its trainer_state.json is read
         return checkpoint.read_state(path).get("metrics", [])
     return []

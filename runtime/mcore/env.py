@@ -72,8 +72,8 @@ def save_results_in_this_process() -> None:
     """Before a torch_dist save: megatron's writer hands its write results back through a queue it keeps
     per process, by default a ``multiprocessing`` Manager — a server process, started with spawn on the
     first save and stopped only by a clean exit — so that an async save's writer process could report.
-    Our saves are synchronous (the writer reports from this process), so a plain queue does the same with
-    no process. That Manager outlived every process killed without its exit handlers: a trainer actor on a
+    Our writer reports from this process (a thread of it: runtime/trainer/checkpoint_writer.py), so a plain
+    queue does the same with no process. That Manager outlived every process killed without its exit handlers: a trainer actor on a
     removed Ray node left it (and its resource tracker) running, orphaned, ~430 MB each."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 

@@ -57,6 +57,25 @@ class TrainerHandle:
         self.group.call("save", path)
 
     @forwards
+    def save_begin(self, path: str, background: bool = True) -> dict[str, float]:
+        """Every rank plans the save and copies its state to the host; the slowest rank's stall."""
+        began = self.group.call("save_begin", path, background)
+        return {"stall_s": max(b["stall_s"] for b in began)}
+
+    @forwards
+    def save_done(self) -> bool:
+        """Whether every rank's files of the save under way are written."""
+        return all(self.group.call("save_done"))
+
+    @forwards
+    def save_finish(self) -> dict[str, Any]:
+        """Every rank's files written and the save finalized: every file written (size, sha256) and the slowest
+        rank's write and hash seconds."""
+        done = self.group.call("save_finish")
+        return {"files": {k: v for d in done for k, v in d["files"].items()},
+                "write_s": max(d["write_s"] for d in done), "hash_s": max(d["hash_s"] for d in done)}
+
+    @forwards
     def load(self, path: str) -> None:
         self.group.call("load", path)
 

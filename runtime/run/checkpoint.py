@@ -5,6 +5,12 @@
 file with its size and sha256), written last. `checkpoints/latest` names the newest complete one and
 is replaced atomically after it. A checkpoint whose manifest does not match is skipped on load.
 
+A checkpoint is begun (:class:`Writing`: a temp dir the trainer writes its model files into, in the background
+with ``checkpoint.background``) and made durable later (:meth:`Writing.complete`); the trainer hashes the files
+it writes, so the manifest re-reads none of them. Verification reads every byte only where a checkpoint is
+loaded from disk or downloaded: a checkpoint whose state the live actors hold (``latest(held=N)``) is checked
+for completeness and sizes only.
+
 On a remote run directory (s3://...) a checkpoint is written into the local scratch dir exactly as
 locally, then uploaded to ``checkpoints/rollout_<N>/`` with ``manifest.json`` last, and only then is
 ``latest`` replaced (one PUT): a half-uploaded checkpoint has no manifest and is never taken. Remote
@@ -71,17 +77,23 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _manifest(root: Path) -> dict:
+def _manifest(root: Path, hashed: dict[str, dict] | None = None) -> dict:
+    """Every file under ``root`` with its size and sha256; ``hashed`` (relative path: size, sha256) holds hashes
+    the writer took as it wrote, trusted for a file of that size (the writer's own files, hashed off the loop)."""
+    hashed = hashed or {}
     files = {}
     for p in sorted(root.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
-            files[str(p.relative_to(root))] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+            rel, size = str(p.relative_to(root)), p.stat().st_size
+            known = hashed.get(rel)
+            files[rel] = {"size": size, "sha256": known["sha256"] if known and known["size"] == size else _sha256(p)}
     return {"files": files}
 
 
-def verify(path: str) -> str | None:
+def verify(path: str, hashed: bool = True) -> str | None:
     """None when the checkpoint at `path` is complete and intact, else what is wrong.
-    Local: sizes and sha256 of every file. Remote: sizes (the sha256 is checked when it is staged)."""
+    Local: sizes and (``hashed``) sha256 of every file. Remote: sizes (the sha256 is checked when it is staged).
+    ``hashed=False`` for a checkpoint whose state this process already holds (nothing is loaded from it)."""
     if storage.is_remote(str(path)):
         return _verify_remote(str(path))
     root = Path(path)
@@ -92,15 +104,28 @@ def verify(path: str) -> str | None:
         files = json.loads(m.read_text())["files"]
     except (ValueError, KeyError) as e:
         return f"unreadable manifest ({e})"
+    seen = []
     for rel, meta in files.items():
         f = root / rel
         if not f.is_file():
             return f"missing {rel}"
-        if f.stat().st_size != meta["size"]:
-            return f"{rel} has {f.stat().st_size} bytes, manifest says {meta['size']}"
-        if _sha256(f) != meta["sha256"]:
+        st = f.stat()
+        if st.st_size != meta["size"]:
+            return f"{rel} has {st.st_size} bytes, manifest says {meta['size']}"
+        seen.append((rel, st.st_size, st.st_mtime_ns))
+    if not hashed or _hashed_intact.get(str(root)) == seen:
+        return None
+    for rel, meta in files.items():
+        if _sha256(root / rel) != meta["sha256"]:
             return f"{rel} checksum mismatch"
+    _hashed_intact[str(root)] = seen
     return None
+
+
+# Local checkpoints this process hashed intact, with their files' sizes and mtimes then: a resume reads `latest`
+# several times (is the run finished, which checkpoint, then the load) and hashes it once; a file written since
+# (another mtime) is hashed again.
+_hashed_intact: dict[str, list] = {}
 
 
 def _verify_remote(uri: str) -> str | None:
@@ -119,21 +144,61 @@ def _verify_remote(uri: str) -> str | None:
     return None
 
 
+class Writing:
+    """Checkpoint ``rollout_<rollout>`` while its model files are being written into :attr:`model_dir` (a temp
+    dir; on a remote run dir, in the local scratch dir). :meth:`complete` makes it durable — trainer_state.json,
+    then the manifest, then the publish (rename, or upload with the manifest last), then `latest`, then the
+    prune —; :meth:`abandon` removes it. A process killed before :meth:`complete` leaves the temp dir, which
+    the next prune removes and no resume takes."""
+
+    def __init__(self, rd: RunDir, rollout: int, state: dict, keep_last: int):
+        self.rd, self.rollout, self.state, self.keep_last = rd, rollout, state, keep_last
+        self.where = rd.checkpoint(rollout)
+        self._publish = storage.publish_dir(self.where, last=[MANIFEST], state_dir=rd.state_dir)
+        self.tmp = self._publish.__enter__()
+
+    @property
+    def model_dir(self) -> str:
+        return str(self.tmp / "model")
+
+    def complete(self, hashed: dict[str, dict] | None = None, writer: dict | None = None) -> str:
+        """Durable, under its name and named by `latest`; returns where it lives (a local dir or the remote
+        prefix). ``hashed``: the hashes the writer took (:func:`_manifest`); ``writer``: its times, kept in
+        trainer_state.json."""
+        try:
+            moment("checkpoint-model-written")
+            state = {**self.state, "rollout": self.rollout, **({"writer": writer} if writer else {})}
+            storage.write_json_atomic(str(self.tmp / STATE), state)
+            storage.write_json_atomic(str(self.tmp / MANIFEST), _manifest(self.tmp, hashed))
+            moment("checkpoint-manifest-written")
+        except BaseException as e:
+            self._publish.__exit__(type(e), e, e.__traceback__)
+            raise
+        self._publish.__exit__(None, None, None)
+        moment("checkpoint-in-place")  # complete under its name (uploaded), `latest` not yet moved
+        storage.write_json_atomic(self.rd.latest, {"rollout": self.rollout, "dir": f"rollout_{self.rollout}"})
+        moment("checkpoint-latest-moved")
+        prune(self.rd, self.keep_last)
+        return self.where
+
+    def abandon(self, error: BaseException) -> None:
+        """Nothing published; the temp dir removed."""
+        try:
+            self._publish.__exit__(type(error), error, error.__traceback__)
+        except BaseException:  # noqa: BLE001 - the context re-raises the error it was given
+            pass
+
+
 def save(rd: RunDir, rollout: int, write_model: Callable[[str], None], state: dict, keep_last: int) -> str:
     """Write checkpoint `rollout_<rollout>` completely, then point `latest` at it, then prune.
     Returns where it lives (a local dir, or the remote prefix)."""
-    where = rd.checkpoint(rollout)
-    with storage.publish_dir(where, last=[MANIFEST], state_dir=rd.state_dir) as tmp:
-        write_model(str(tmp / "model"))
-        moment("checkpoint-model-written")
-        storage.write_json_atomic(str(tmp / STATE), {**state, "rollout": rollout})
-        storage.write_json_atomic(str(tmp / MANIFEST), _manifest(tmp))
-        moment("checkpoint-manifest-written")
-    moment("checkpoint-in-place")  # complete under its name (uploaded), `latest` not yet moved
-    storage.write_json_atomic(rd.latest, {"rollout": rollout, "dir": f"rollout_{rollout}"})
-    moment("checkpoint-latest-moved")
-    prune(rd, keep_last)
-    return where
+    writing = Writing(rd, rollout, state, keep_last)
+    try:
+        write_model(writing.model_dir)
+    except BaseException as e:
+        writing.abandon(e)
+        raise
+    return writing.complete()
 
 
 def _listed(rd: RunDir) -> list[int]:
@@ -199,9 +264,11 @@ def _say_once(where: str, problem: str, message: str) -> None:
         log.warning(message)
 
 
-def latest(rd: RunDir) -> Checkpoint | None:
+def latest(rd: RunDir, held: int | None = None) -> Checkpoint | None:
     """The newest intact checkpoint: `latest` if it verifies, else the newest older one that does (an
-    unreadable `latest`: the newest one listed that does). Each problem met is warned about once."""
+    unreadable `latest`: the newest one listed that does). Each problem met is warned about once.
+    ``held``: the rollout whose state the caller's live actors hold — that checkpoint is checked complete
+    (manifest, files, sizes) but not hashed, as nothing is loaded from it; any other is hashed in full."""
     pointed, unreadable = _pointer(rd)
     if unreadable is not None:
         _say_once(rd.latest, unreadable, f"{rd.latest} is unreadable ({unreadable}); using the newest intact checkpoint")
@@ -210,7 +277,7 @@ def latest(rd: RunDir) -> Checkpoint | None:
         candidates = [pointed] + [n for n in candidates if n < pointed]
     for n in candidates:
         path = rd.checkpoint(n)
-        problem = verify(path)
+        problem = verify(path, hashed=n != held)
         if problem is None:
             return Checkpoint(rollout=n, uri=path, state=read_state(path), state_dir=rd.state_dir)
         _say_once(path, problem, f"checkpoint {path} is unusable ({problem}); falling back to an older one")

@@ -18,6 +18,7 @@ from runtime.config import AlgorithmSection, TrainSection
 from runtime.mcore.determinism import fix_cublas_workspace, strict_if_deterministic, trainer_compute
 from runtime.testing.moments import moment
 from runtime.trainer.batch import TrainBatch, by_length, pack, pack_varlen, step_slices, token_budget_micro_batches
+from runtime.trainer.checkpoint_writer import CheckpointWriter
 from runtime.trainer.state_offload import StateOffload
 from runtime.trainer.tp_replicas import replicated_parameters, take_rank0_gradients
 
@@ -100,6 +101,7 @@ class MegatronTrainer:
             from runtime.trainer.host_optimizer import HostAdam
             self.host_optimizer = HostAdam(self.optimizer, self.ddp, device)
         self.offload = StateOffload(self)
+        self.writer = CheckpointWriter()  # a checkpoint's files written beside training (save_begin/save_finish)
 
     def _build_model(self, train: bool):
         """The GPTModel with the config's attention, fusions and (for the trained copy) recomputation."""
@@ -484,11 +486,16 @@ class MegatronTrainer:
         return {k: v.to("cpu") for k, v in full_grads(self.model).items()}
 
     def save(self, path: str) -> None:
-        """The model, optimizer and LR schedule as a torch_dist checkpoint (every rank takes part). The
-        optimizer's format does not depend on DP size or ``train.distributed_optimizer``: a checkpoint
-        loads into any data-parallel layout (runtime/trainer/optimizer_checkpoint.py)."""
-        from megatron.core import dist_checkpointing
+        """The model, optimizer and LR schedule as a torch_dist checkpoint, written before returning (every rank
+        takes part). The optimizer's format does not depend on DP size or ``train.distributed_optimizer``: a
+        checkpoint loads into any data-parallel layout (runtime/trainer/optimizer_checkpoint.py)."""
+        self.save_begin(path, background=False)
+        self.save_finish()
 
+    def save_begin(self, path: str, background: bool = True) -> dict[str, float]:
+        """Start :meth:`save`: the plan and a host copy of the state now (collective), the files written by a
+        thread while training goes on (``background``; runtime/trainer/checkpoint_writer.py). Every rank then
+        calls :meth:`save_finish` before the next save or load. Returns the seconds this took (``stall_s``)."""
         from runtime.mcore import env as menv
         from runtime.trainer import optimizer_checkpoint
         os.makedirs(path, exist_ok=True)
@@ -499,10 +506,23 @@ class MegatronTrainer:
             # one optimizer format for every layout (runtime/trainer/optimizer_checkpoint.py)
             state = {"model": msd, "optimizer": optimizer_checkpoint.sharded_state_dict(self.optimizer, self.model, msd),
                      "scheduler": self.scheduler.state_dict(), "steps_done": self.steps_done}
-            dist_checkpointing.save(state, path)
+            began = self.writer.begin(state, path, background=background)
         if self.lora is not None and self.rank == 0:  # adapters only: the base is the run's converted model
             from runtime.trainer import lora
             lora.write_description(path, self.lora)
+        return began
+
+    def save_done(self) -> bool:
+        """Whether this rank's files of the save under way are written (True when none is)."""
+        return self.writer.done()
+
+    def save_finish(self) -> dict[str, Any]:
+        """Wait for this rank's files, then finalize the save with every rank (collective). Returns the files
+        this rank wrote with their size and sha256 (relative to the checkpoint dir above ``path``), and the
+        write's and the hash's seconds; raises what the write met."""
+        from runtime.mcore import env as menv
+        with menv.cuda_to_cpu():
+            return self.writer.finish()
 
     def load(self, path: str) -> None:
         from megatron.core import dist_checkpointing
