@@ -50,15 +50,17 @@ import ray_pipeline as rp  # noqa: E402  (the keyed-length hook, read-backs of a
 CONFIG = ROOT / "configs" / "glm-z1-9b-dapo-4xh200.yaml"
 GLM4_9B = json.loads((ROOT / "runtime" / "models" / "known_configs" / "GLM-4-9B-0414.json").read_text())
 SECTIONS = ("setup", "full", "unbroken", "kill")
-KILL_AT = "checkpoint-background-model-written"  # a moment of the background writer (runtime/run/checkpoint.py)
+KILL_AT = "checkpoint-files-written"  # a moment of the background writer (runtime/run/checkpoint.py)
 SHAPES = {
     "gpu": dict(model={}, device="cuda", prompt_len=1000, rows=200, eval_rows=8, prompts=16, samples=8,
                 schedule=dict(max_new=8192, median=1700, sigma=0.8, min_len=16), eval_max_new=1024,
-                sets=[]),
+                # the kill check's two runs at a shorter spread: they are about the checkpoint, not the tail
+                short_schedule=dict(max_new=1024, median=400, sigma=0.8, min_len=16), sets=[]),
     "cpu": dict(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, vocab_size=512),
                 device="cpu", prompt_len=12, rows=32, eval_rows=4, prompts=2, samples=2,
                 schedule=dict(max_new=24, median=10, sigma=0.8, min_len=2), eval_max_new=8,
+                short_schedule=dict(max_new=24, median=10, sigma=0.8, min_len=2),
                 sets=["model.dtype=float32", "rollout.kv_cache_gb=0.01", "data.max_prompt_len=40",
                       "train.tensor_parallel=1", "train.data_parallel=1", "train.distributed_optimizer=false",
                       "cluster.backend=local", "cluster.trainer_gpus=0", "cluster.rollout_gpus=0", "cluster.device=cpu",
@@ -122,12 +124,16 @@ def _bytes(path: Path) -> int:
 
 # ---- a run --------------------------------------------------------------------------------------------------
 
+def schedule_of(S, case: str) -> dict:
+    return S["schedule"] if case == "full" else S["short_schedule"]
+
+
 def run_sets(S, W: Path, root: Path, case: str, rollouts: int) -> list[str]:
     evals = case != "full"
     data = {"train": {"source": str(W / "data" / "train.jsonl"), "format": "slime"},
             "eval": {"held-out": {"source": str(W / "data" / "eval.jsonl"), "format": "slime"}} if evals else {}}
     return [f"model.source={W / 'hf'}", f"data={json.dumps({**data, 'apply_chat_template': False, 'max_prompt_len': 1024})}",
-            "rollout.reward=bench.trivial_reward:length_mod13", f"rollout.max_new_tokens={S['schedule']['max_new']}",
+            "rollout.reward=bench.trivial_reward:length_mod13", f"rollout.max_new_tokens={schedule_of(S, case)['max_new']}",
             f"rollout.rollout_batch_size={S['prompts']}", f"rollout.n_samples_per_prompt={S['samples']}",
             f"train.global_batch_size={S['prompts'] * S['samples']}", f"train.num_rollout={rollouts}",
             f"checkpoint.interval={rollouts if case == 'full' else 1}",
@@ -141,16 +147,16 @@ class DiskSampler(threading.Thread):
 
     def __init__(self, root: Path):
         super().__init__(daemon=True)
-        self.root, self.peak, self.at, self.t0, self._stop = root, 0, 0.0, time.monotonic(), threading.Event()
+        self.root, self.peak, self.at, self.t0, self._done = root, 0, 0.0, time.monotonic(), threading.Event()
 
     def run(self) -> None:
-        while not self._stop.wait(1.0):
+        while not self._done.wait(1.0):
             n = _bytes(self.root)
             if n > self.peak:
                 self.peak, self.at = n, time.monotonic() - self.t0
 
     def stop(self) -> dict:
-        self._stop.set()
+        self._done.set()
         self.join()
         return {"peak_GiB": round(self.peak / 2**30, 2), "peak_at_s": round(self.at, 1)}
 
@@ -159,7 +165,12 @@ def planned_disk(cfg_path: Path, sets: list[str], env: dict) -> str:
     """`grpoflow validate`'s disk lines for the run."""
     argv = [sys.executable, "-m", "cli.main", "validate", str(cfg_path), *sum((["--set", s] for s in sets), [])]
     p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
-    return "\n".join(ln for ln in (p.stdout + p.stderr).splitlines() if "disk" in ln.lower())[:2000]
+    lines = (p.stdout + p.stderr).splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("disk of the run directory")), None)
+    if start is None:
+        return "\n".join(ln for ln in lines if "disk" in ln.lower())[:2000]  # a refusal names the disk
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("total")), len(lines) - 1)
+    return "\n".join(lines[start:end + 1])
 
 
 def sec_run(S, W: Path, case: str, rollouts: int, kill_at: str, deadline: float) -> dict:
@@ -168,7 +179,7 @@ def sec_run(S, W: Path, case: str, rollouts: int, kill_at: str, deadline: float)
     root.mkdir(parents=True)
     sets = run_sets(S, W, root, case, rollouts)
     mark = f"glm9b-{case}-{uuid.uuid4().hex[:8]}"
-    env = rp.hook_env({"max_new": S["schedule"]["max_new"], **S["schedule"]})
+    env = rp.hook_env(schedule_of(S, case))
     env.update({rf.MARK: mark, "PREFECT_HOME": str(W / f"prefect-{case}"), "PYTHONUNBUFFERED": "1"})
     env.setdefault("HF_HUB_OFFLINE", "1")
     shutil.rmtree(env["PREFECT_HOME"], ignore_errors=True)
@@ -223,16 +234,19 @@ def sec_run(S, W: Path, case: str, rollouts: int, kill_at: str, deadline: float)
     return res
 
 
+def final_fingerprints(root: Path) -> dict:
+    """sha256 of every tensor of the run's final checkpoint (model and optimizer)."""
+    from runtime.run import checkpoint
+    from runtime.run.directory import RunDir
+    return H.tensor_fingerprints(H.checkpoint_tensors(checkpoint.latest(RunDir(str(root), rf.RUN)).path))
+
+
 def compare_kill(W: Path, res: dict) -> dict:
-    """The killed-and-resumed run against the unbroken one: final tensors, metrics, registry."""
-    ref_root, run_root = W / "root-unbroken", W / "root-kill"
+    """The killed-and-resumed run against the unbroken one: final tensors (by digest), metrics, registry."""
     out = {}
     try:
-        from runtime.run import checkpoint
-        from runtime.run.directory import RunDir
-        a = checkpoint.latest(RunDir(str(run_root), rf.RUN))
-        b = checkpoint.latest(RunDir(str(ref_root), rf.RUN))
-        out["tensors"] = H.compare_tensors(H.checkpoint_tensors(a.path), H.checkpoint_tensors(b.path))
+        ref = json.loads((W / "unbroken-fingerprints.json").read_text())
+        out["tensors"] = H.compare_fingerprints(final_fingerprints(W / "root-kill"), ref)
         ref_facts = json.loads((W / "unbroken-facts.json").read_text())
         out["facts"] = rf.compare_facts(res["facts"], ref_facts)
     except Exception:  # noqa: BLE001 - what could not be compared is reported
@@ -251,8 +265,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--results-dir", default=None)
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--set", action="append", default=[], help="more config overrides, e.g. cluster.trainer_gpus=1")
     a = ap.parse_args(argv)
-    S = SHAPES["cpu" if a.cpu else "gpu"]
+    S = dict(SHAPES["cpu" if a.cpu else "gpu"])
+    S["sets"] = S["sets"] + a.set
     W, out = Path(a.work + ("-cpu" if a.cpu else "")), Path(a.out)
     W.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -266,7 +282,10 @@ def main(argv=None) -> int:
             else:
                 r = sec_run(S, W, name, a.rollouts if name == "full" else 2, a.kill_at, deadline)
                 if name == "unbroken" and "facts" in r:
+                    # its final tensors as digests, then its checkpoints go: the disk holds one run's at a time
                     (W / "unbroken-facts.json").write_text(json.dumps(r["facts"]))
+                    (W / "unbroken-fingerprints.json").write_text(json.dumps(final_fingerprints(W / "root-unbroken")))
+                    shutil.rmtree(W / "root-unbroken" / "runs" / rf.RUN / "checkpoints", ignore_errors=True)
                 if name == "kill" and "facts" in r:
                     r["against_unbroken"] = compare_kill(W, r)
         except Exception:  # noqa: BLE001 - the section's row says what broke
