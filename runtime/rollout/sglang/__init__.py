@@ -1,9 +1,8 @@
 """The SGLang rollout backend: SGLang servers launched, fed and supervised over SGLang's HTTP API.
 
-**Status: NOT run against a real SGLang here.** SGLang cannot be installed in this environment (0.5.23
-pins torch 2.14.1 and CUDA kernel wheels), so it is tested only against `tests/sglang_standin.py`, a
-stdlib HTTP server that speaks the same endpoints and payloads, read from SGLang 0.5.23's source
-(http_protocol.py names the files). docs/sglang.md is the user's guide.
+Status: tested in CI against `tests/sglang_standin.py`, a stdlib HTTP server that speaks the endpoints and
+payloads read from SGLang 0.5.23's source (http_protocol.py names the files); run against a real SGLang 0.5.17
+server on an H200 (bench/sglang_real.py; docs/sglang.md says what was checked). docs/sglang.md is the user's guide.
 
 By concern:
   settings.py        the `rollout.sglang` section and what the rest of the config decides for it
