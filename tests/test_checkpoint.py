@@ -127,7 +127,7 @@ def test_a_background_save_holds_the_state_it_began_with_and_hashes_what_it_wrot
     assert done["files"] and all(rel.startswith("model/") for rel in done["files"])
     for rel, meta in done["files"].items():
         f = tmp_path / "background" / rel
-        assert meta == {"size": f.stat().st_size, "sha256": checkpoint._sha256(f)}
+        assert meta == {"size": f.stat().st_size, "sha256": checkpoint.sha256_file(f)}
     assert_same_checkpoint(checkpoint_tensors(tmp_path / "background", tmp_path),
                            checkpoint_tensors(tmp_path / "inline", tmp_path))
     monkeypatch.delenv("GRPOFLOW_TEST_PAUSE_AT")
@@ -169,8 +169,8 @@ def test_a_checkpoint_is_hashed_once_per_process_until_a_file_changes(tmp_path, 
     rd = RunDir(str(tmp_path), "r")
     checkpoint.save(rd, 2, _writer(b"a" * 10), {"cursor": 2}, keep_last=3)
     hashed = []
-    real = checkpoint._sha256
-    monkeypatch.setattr(checkpoint, "_sha256", lambda p: hashed.append(p) or real(p))
+    real = checkpoint.sha256_file
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda p: hashed.append(p) or real(p))
     assert checkpoint.verify(rd.checkpoint(2)) is None
     first = len(hashed)
     assert first >= 2 and checkpoint.verify(rd.checkpoint(2)) is None and len(hashed) == first

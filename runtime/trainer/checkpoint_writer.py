@@ -29,7 +29,6 @@ Host memory: a background save holds one host copy of this rank's checkpoint byt
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import queue
@@ -39,17 +38,10 @@ from typing import Any
 
 import torch
 
+from runtime.run.checkpoint import sha256_file
 from runtime.testing.moments import moment
 
 log = logging.getLogger(__name__)
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class CheckpointWriter:
