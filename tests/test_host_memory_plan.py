@@ -98,9 +98,9 @@ def test_one_card_with_128_gib_of_host_memory_is_refused_with_what_fits(capsys):
     assert code == 2 and len(err) == 1, err
     line = err[0]
     assert "GiB per GPU but the GPU has 80 GiB" in line and "GiB of host memory per node but the node has 128 GiB" in line
-    assert "fits with train.optimizer_on_host=true, train.grad_dtype=bfloat16 (" in line
+    assert "fits with train.optimizer_on_host=true, train.grad_dtype=bfloat16, checkpoint.background=false (" in line
     code, out, err = _validate(capsys, GLM, *ONE_CARD, "--set", "train.optimizer_on_host=true", "--set",
-                               "train.grad_dtype=bfloat16")
+                               "train.grad_dtype=bfloat16", "--set", "checkpoint.background=false")
     assert code == 0, err
     assert "of 128 GiB (--host-mem-gb): fits" in out
 
@@ -133,3 +133,21 @@ def test_a_memory_size_that_is_not_positive_is_refused(capsys, flag, value):
         main(["validate", "configs/qwen3-0.6b-dapo.yaml", flag, value])
     assert ended.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"{flag}: '{value}' is not a positive number of GiB")
+
+
+def test_the_background_checkpoint_host_copy_is_the_checkpoint_rounded_as_pinned(capsys):
+    """checkpoint.background keeps a host copy of what each rank writes: over the ranks, every trained tensor in the
+    weights' dtype and its fp32 master and two moments (split over the DP ranks), each rounded as a pinned block;
+    the host optimizer's state is cloned (not pinned). Off, the term is gone."""
+    numels = [3, 1000, 4096]
+    pinned = host_memory._pinned
+    bf16_dp2 = 2 * sum(pinned(2 * n) + 2 * 3 * pinned(4 * -(-n // 2)) for n in numels)
+    assert host_memory.checkpoint_copy(numels, tp=2, dp=2, weight_bytes=2, optimizer_on_host=False) == bf16_dp2
+    assert host_memory.checkpoint_copy(numels, tp=1, dp=1, weight_bytes=2, optimizer_on_host=True) == \
+        sum(pinned(2 * n) + 12 * n for n in numels)
+    assert host_memory.checkpoint_copy(numels, tp=1, dp=1, weight_bytes=4, optimizer_on_host=False) == \
+        sum(pinned(4 * n) + 2 * pinned(4 * n) for n in numels)  # fp32 weights are their own master
+    code, out, _ = _validate(capsys, "configs/glm-z1-9b-dapo-4xh200.yaml")
+    assert code == 0 and "checkpoint copy" in out
+    code, out, _ = _validate(capsys, "configs/glm-z1-9b-dapo-4xh200.yaml", "--set", "checkpoint.background=false")
+    assert code == 0 and "checkpoint copy" not in out

@@ -42,7 +42,8 @@ def settings_that_fit(estimate, hf_config, gpu_mem_gb: float, kw: dict[str, Any]
     (norms + MLP, ~1/3 more compute per layer), the optimizer on the host (``train.optimizer_on_host``: the AdamW
     step on the CPU, seconds per step for billions of parameters; or off, when the host is what does not fit), full
     recompute (one more forward), bf16 gradients (``train.grad_dtype``: accumulated in bf16), a smaller KV pool (a
-    slower rollout); each with the largest token budget that fits."""
+    slower rollout); each with the largest token budget that fits; and where the host is short, the checkpoint
+    written inside the step (``checkpoint.background`` off: no host copy, the write's seconds in the step)."""
     if kw["device"] != "cuda" or kw["engine"] != "builtin":
         return None
     seq = kw["seq_len"]
@@ -67,7 +68,7 @@ def settings_that_fit(estimate, hf_config, gpu_mem_gb: float, kw: dict[str, Any]
         pools.append(None)  # what the plan leaves free
     for min_slots in sorted({min(n, kw["rollout_batch"]) for n in (_SEARCH_MIN_KV_SAMPLES, 4, 1)}, reverse=True):
         found = _search(estimate, hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots, dists,
-                        hosts, grads)
+                        hosts, grads, [kw.get("background_checkpoint", False)] + ([False] if kw.get("background_checkpoint") else []))
         if found is not None:
             return found
     return None
@@ -77,7 +78,7 @@ _SEARCH_MIN_KV_SAMPLES = 8  # the search prefers pools that hold a group of full
 
 
 def _search(estimate, hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, budgets, min_slots, dists=(False,),
-            hosts=(False,), grads=("float32",)):
+            hosts=(False,), grads=("float32",), backgrounds=(False,)):
     seq = kw["seq_len"]
     best = None
     for pi, pool in enumerate(pools):
@@ -90,15 +91,18 @@ def _search(estimate, hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, bu
                 for bi, budget in enumerate(budgets):
                     if budget is not None and budget < seq:
                         continue
-                    for di, distributed in enumerate(dists):
+                    for (di, distributed), (gi, background) in ((d, g) for d in enumerate(dists)
+                                                                for g in enumerate(backgrounds)):
                         # least significant: the distributed optimizer is preferred to any other change
-                        cost = (pi, level, oi, bi, di)
+                        cost = (pi, level, oi, bi, gi, di)
                         if best is not None and cost >= best[0]:
                             continue
                         trial = dict(kw, kv_cache_gb=pool, recompute=rec, recompute_modules=mods, offload=off,
                                      max_tokens=budget, distributed_optimizer=distributed,
                                      optimizer_on_host=on_host, grad_dtype=grad,
                                      recompute_num_layers=None if rec != "full" else kw["recompute_num_layers"])
+                        if "background_checkpoint" in kw:
+                            trial["background_checkpoint"] = background
                         est = estimate(hf_config, gpu_mem_gb=gpu_mem_gb, **trial)
                         if est["fits"] and (est["kv_slots"] or 0) >= min_slots:
                             best = (cost, trial, est)
@@ -110,10 +114,11 @@ def _search(estimate, hf_config, gpu_mem_gb, kw, pools, recomputes, offloads, bu
              "kv_cache_gb": "rollout.kv_cache_gb", "recompute": "train.recompute",
              "recompute_modules": "train.recompute_modules", "offload": "cluster.offload_trainer_state",
              "max_tokens": "train.max_tokens_per_micro_batch", "recompute_num_layers": "train.recompute_num_layers",
-             "optimizer_on_host": "train.optimizer_on_host", "grad_dtype": "train.grad_dtype"}
+             "optimizer_on_host": "train.optimizer_on_host", "grad_dtype": "train.grad_dtype",
+             "background_checkpoint": "checkpoint.background"}
     changed: dict[str, Any] = {}
     for k, name in names.items():
-        if trial[k] != kw[k] and not (k == "recompute_modules" and trial["recompute"] != "selective"):
+        if k in trial and trial[k] != kw[k] and not (k == "recompute_modules" and trial["recompute"] != "selective"):
             changed[name] = ("on" if trial[k] else "off") if k == "offload" else trial[k]
     if trial["kv_cache_gb"] is None and kw["kv_cache_gb"] is not None:
         changed["rollout.kv_cache_gb"] = round(est["kv_cache_gb"], 2)

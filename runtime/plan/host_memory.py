@@ -13,6 +13,11 @@ Per trainer rank (``runtime/trainer``):
   host allocator rounds every pinned allocation up to a power of two (``CachingHostAllocator``'s
   ``PowerOf2Ceil``, default ``pinned_max_round_threshold``): the plan counts each buffer rounded.
 
+With ``checkpoint.background`` (runtime/trainer/checkpoint_writer.py) each rank keeps a host copy of what it writes
+of a checkpoint while the files are written beside the next chunk: the tensors it held on the GPU in pinned buffers
+kept from save to save (each rounded as pinned), the ones already on the host (the host optimizer's state) cloned.
+Summed over the ranks that is the checkpoint, model and optimizer (:func:`checkpoint_copy`).
+
 Per process on the node (``PROCESS_BYTES``): the CUDA context, torch, megatron-core and transformers as they sit
 in a process's resident memory. The processes: the driver, plus under ``cluster.backend: local`` one per trainer
 rank when there are several, one per engine when there are several (one of each runs in the driver), and under
@@ -76,9 +81,20 @@ def offload_pinned(numels: list[int], *, grads: int, weight_bytes: int, dp: int,
                                 for n in numels)
 
 
+def checkpoint_copy(numels: list[int], *, tp: int, dp: int, weight_bytes: int, optimizer_on_host: bool) -> int:
+    """The background writer's host copy of one checkpoint, over all ranks: each trained tensor's TP shards in the
+    weights' dtype, and its fp32 master (where the weights are not fp32) and two moments, split over the DP ranks
+    that write them; pinned (rounded) where they were on the GPU, a plain clone where the host optimizer holds them."""
+    master = 4 if weight_bytes < 4 else 0
+    state = (lambda n: (master + 8) * n) if optimizer_on_host else \
+        (lambda n: dp * sum(_pinned(b * -(-n // dp)) for b in ((master, 4, 4) if master else (4, 4))))
+    return tp * sum(_pinned(weight_bytes * n) + state(n) for n in numels)
+
+
 def host_terms(shape: dict[str, Any], *, tp: int, dp: int, per_rank: int, opt_params: int, weight_bytes: int,
                grad_bytes: int, distributed_optimizer: bool, optimizer_on_host: bool, offload: bool, trainer_ranks: int,
-               processes: int, host_memory_gb: float, trainable_numels: list[int] | None = None) -> dict[str, Any]:
+               processes: int, host_memory_gb: float, trainable_numels: list[int] | None = None,
+               background_checkpoint: bool = False) -> dict[str, Any]:
     """Host bytes of one node (module doc), by term; ``fits`` against ``host_memory_gb``. ``trainable_numels``:
     the elements of each trained tensor of a rank when not every parameter is trained (LoRA's adapters: the
     frozen base has no gradients, master or moments to offload); ``per_rank`` then counts them too."""
@@ -95,7 +111,13 @@ def host_terms(shape: dict[str, Any], *, tp: int, dp: int, per_rank: int, opt_pa
     else:
         note = "none"
     ranks = min(trainer_ranks, NODE_GPUS)
-    exact = {"optimizer": ranks * optimizer, "pinned": ranks * pinned, "processes": processes * PROCESS_BYTES}
+    copy = 0
+    if background_checkpoint:  # this node's ranks' share of the checkpoint
+        numels = param_tensor_numels(shape, tp) if trainable_numels is None else trainable_numels
+        copy = checkpoint_copy(numels, tp=tp, dp=dp, weight_bytes=weight_bytes,
+                               optimizer_on_host=optimizer_on_host) * ranks // max(tp * dp, 1)
+    exact = {"optimizer": ranks * optimizer, "pinned": ranks * pinned, "checkpoint_copy": copy,
+             "processes": processes * PROCESS_BYTES}
     exact["total"] = sum(exact.values())
     limit = host_memory_gb * GIB
     out: dict[str, Any] = {k: v / GIB for k, v in exact.items()}
@@ -141,6 +163,9 @@ def format_host(host: dict[str, Any]) -> list[str]:
                 "none": "no state offload"}[host["mode"]]
     rows = [("optimizer", host["optimizer"], opt_note)] if host["mode"] == "host" else []
     rows += [("pinned buffers", host["pinned"], pin_note),
+            *([("checkpoint copy", host["checkpoint_copy"], "a checkpoint's host copy while the background writer "
+                                                               "writes it (checkpoint.background)")]
+              if host["checkpoint_copy"] else []),
             ("processes", host["processes"], f"{host['processes_n']} x {PROCESS_BYTES / GIB:g} GiB "
                                              f"(CUDA context, libraries)")]
     lines = [f"host memory per node ({host['ranks']} trainer rank{'s' if host['ranks'] != 1 else ''}, "

@@ -100,7 +100,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     grad_dtype: str = "float32", optimizer_on_host: bool = False, host_memory_gb: float | None = None,
                     trainer_ranks: int = 1, processes: int = 1, lora: dict | None = None,
                     shared_base: bool = False, samples_per_prompt: int = 1, partial: bool = False,
-                    engine_apart: bool = False, deterministic: bool = False) -> dict[str, Any]:
+                    engine_apart: bool = False, deterministic: bool = False,
+                    background_checkpoint: bool = False) -> dict[str, Any]:
     """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
 
     ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
@@ -210,7 +211,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                                       grad_bytes=grad_bytes, distributed_optimizer=bool(distributed_optimizer),
                                       optimizer_on_host=bool(optimizer_on_host), offload=offload,
                                       trainer_ranks=trainer_ranks, processes=processes, host_memory_gb=host_memory_gb,
-                                      trainable_numels=lora_memory.adapter_tensor_numels(m, lora, tp) if lora else None)
+                                      trainable_numels=lora_memory.adapter_tensor_numels(m, lora, tp) if lora else None,
+                                      background_checkpoint=background_checkpoint)
     per_rank_step = (global_batch_size // dp) if global_batch_size else None
 
     def total_at(b: int) -> int:
@@ -458,7 +460,7 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         optimizer_on_host=t.optimizer_on_host,
         lora=lora_memory.config_lora(cfg), shared_base=layout.shares_base(cfg),
         engine_apart=layout.engine_shares_gpu_across_processes(cfg),
-        samples_per_prompt=r.n_samples_per_prompt, partial=r.partial,
+        samples_per_prompt=r.n_samples_per_prompt, partial=r.partial, background_checkpoint=cfg.checkpoint.background,
         **{k: v for k, v in host_memory.node_layout(cfg).items() if k in ("trainer_ranks", "processes")})
 
 
