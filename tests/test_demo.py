@@ -7,7 +7,8 @@ config's relative storage root, ./grpoflow-data.
   config's, measured ~0.9 since the grader reads a sample cut at max_new_tokens as stating nothing).
 - The commands it prints at the end run, as printed, from that same shell: the report, the registry
   listing and the MLflow UI (which must answer on its port).
-- Every registered version's source, as MLflow serves it, opens from another working directory.
+- Every registered version whose export retention kept (tracking.keep_exports) opens from another working directory,
+  and only the oldest versions' exports are removed.
 """
 from __future__ import annotations
 
@@ -118,7 +119,13 @@ def test_make_demo_learns_shows_progress_and_its_next_commands_run_as_printed(pr
     monkeypatch.chdir(tmp_path)
     versions = client.search_model_versions("name = 'demo'")
     assert sorted(int(v.tags["grpoflow.rollout"]) for v in versions) == [p for p in demo.eval_points() if p]
-    for v in versions:
+    from runtime.tracking.export_retention import EXPORT_REMOVED_TAG
+    kept = [v for v in versions if EXPORT_REMOVED_TAG not in v.tags]
+    # tracking.keep_exports (2): the exports of best and of the last two versions stay; an older one's is removed
+    must_keep = {int(client.get_registered_model("demo").aliases["best"])} | \
+        {int(v.version) for v in sorted(versions, key=lambda v: int(v.version))[-2:]}
+    assert must_keep <= {int(v.version) for v in kept}, [(v.version, dict(v.tags)) for v in versions]
+    for v in kept:
         source = client.get_model_version("demo", v.version).source
         assert source.startswith("file:///"), source
         got = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp_path / f"v{v.version}")))
