@@ -304,10 +304,14 @@ def test_tracker_and_registry_through_a_real_mlflow_server(tmp_path, capsys):
         assert [m.step for m in client_for(uri).get_metric_history(t.run_id, "loss")] == [0, 1]
         assert not (root / "mlflow.db").exists()  # tracking.uri wins over the default store
 
-        export = Path(rd.export(2))
-        export.mkdir(parents=True)
-        (export / "config.json").write_text("{}")
-        (export / "grpoflow_export.json").write_text("{}")
+        def fake_export(rollout: int) -> Path:
+            export = Path(rd.export(rollout))
+            export.mkdir(parents=True)
+            (export / "config.json").write_text("{}")
+            (export / "grpoflow_export.json").write_text("{}")
+            return export
+
+        export = fake_export(2)
         info = register_checkpoint(t, name="served-model", export_uri=str(export), rollout=2, run_id="served-1",
                                    metrics={"eval/arith/avg@4": 0.5}, primary_metric="eval/arith/avg@4")
         # a server refuses local paths outside the run's artifacts: the export is uploaded to the run
@@ -325,10 +329,7 @@ def test_tracker_and_registry_through_a_real_mlflow_server(tmp_path, capsys):
         # retention: a better version 2 takes best and latest; with keep_exports=0 version 1's export goes,
         # on disk and its upload to the server's artifact store; the version stays
         from runtime.tracking.export_retention import EXPORT_REMOVED_TAG, prune_exports
-        export4 = Path(rd.export(4))
-        export4.mkdir(parents=True)
-        (export4 / "config.json").write_text("{}")
-        (export4 / "grpoflow_export.json").write_text("{}")
+        export4 = fake_export(4)
         v2 = register_checkpoint(t, name="served-model", export_uri=str(export4), rollout=4, run_id="served-1",
                                  metrics={"eval/arith/avg@4": 0.75}, primary_metric="eval/arith/avg@4")
         assert v2["aliases"] == ["best", "latest"]
