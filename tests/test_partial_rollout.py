@@ -45,6 +45,7 @@ def unbroken(tmp_path_factory):
     session = _session(root)
     try:
         first = session.run_chunk(0, 2)["metrics"]
+        session.wait_durable(2)  # its checkpoint is written beside the next chunk: durable before the copy
         copy = tmp_path_factory.mktemp("partial-at-2") / "root"
         shutil.copytree(root, copy)
         second = session.run_chunk(2, 4)["metrics"]
@@ -132,7 +133,9 @@ def test_killed_with_a_buffer_in_flight_then_resumed_is_bitwise_equal(unbroken, 
     from runtime.run import checkpoint
 
     root = tmp_path / "root"
-    sets = sum((["--set", s] for s in PARTIAL + [f"storage.root={root}"]), [])
+    # the checkpoint written inside the step: killed at rollout 3, the one of rollout 2 is then durable whatever the
+    # writer's pace (with it in the background it may still be pending there, and a resume starts from rollout 0)
+    sets = sum((["--set", s] for s in PARTIAL + [f"storage.root={root}", "checkpoint.background=false"]), [])
     argv = ["run", "configs/tiny.yaml", "--run-id", "partial", *sets]
     env = dict(os.environ, GRPOFLOW_TEST_KILL_AT=moment, PREFECT_API_URL=prefect.settings.PREFECT_API_URL.value())
     log = tmp_path / "killed.log"

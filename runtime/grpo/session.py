@@ -7,6 +7,7 @@ index), so a resumed run repeats an unbroken one exactly.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from contextlib import contextmanager
@@ -206,7 +207,8 @@ class TrainSession:
             state["partial"] = self.state["partial"]
         t0 = time.time()
         background = self.cfg.checkpoint.background
-        self.writing = checkpoint.Writing(self.rd, end, state, self.cfg.checkpoint.keep_last)
+        # a copy: the next chunk's rollouts change the live state (the partial buffer in place) before it is written
+        self.writing = checkpoint.Writing(self.rd, end, copy.deepcopy(state), self.cfg.checkpoint.keep_last)
         try:
             self.trainer.save_begin(self.writing.model_dir, background)
         except BaseException as e:

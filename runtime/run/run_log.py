@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TextIO
 
 from runtime.errors import UserError
+from runtime.os_errors import os_error_line
 
 # grpoflow's own loggers (named by module)
 OWN_LOGGERS = ("runtime", "tasks", "flows", "cli", "deployments")
@@ -150,7 +151,9 @@ class RunLog:
         where = self.path or self._pending
         if self.path is not None and self._pending is not None:
             self._append_late_pending()
-        failed = exc is not None and not isinstance(exc, (UserError, KeyboardInterrupt))
+        # a mistake, Ctrl-C, or the machine's state said in one line (a full disk, a link loop: runtime/os_errors.py)
+        # stays one line; anything else comes with where the log is and its tail
+        failed = exc is not None and not isinstance(exc, (UserError, KeyboardInterrupt)) and os_error_line(exc) is None
         if self.path is None and not failed and self._pending is not None:
             self._pending.unlink(missing_ok=True)  # a refused run leaves no log behind
         if failed and self.quiet and where is not None:
