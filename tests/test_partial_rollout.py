@@ -152,3 +152,22 @@ def test_killed_with_a_buffer_in_flight_then_resumed_is_bitwise_equal(unbroken, 
     assert _untimed(final.state["metrics"]) == _untimed(unbroken["metrics"][2:])
     assert_same_checkpoint(checkpoint_tensors(final.path, tmp_path),
                            checkpoint_tensors(RunDir(str(unbroken["root"]), "partial").checkpoint(4), tmp_path))
+
+
+def test_a_background_checkpoint_holds_the_state_of_its_chunks_end(tmp_path):
+    """The checkpoint is written beside the next chunk, whose rollouts change the live partial buffer in place:
+    what is written is the state at the chunk's end, whenever the write is made durable."""
+    import copy
+    import json
+
+    session = _session(tmp_path)
+    try:
+        session.run_chunk(0, 2)
+        at_end = copy.deepcopy(session.state["partial"])
+        assert at_end["buffer"]  # samples in flight: the part a later rollout changes
+        session.state["partial"]["buffer"].clear()  # what continuing the buffered samples does to it
+        session.wait_durable(2)
+    finally:
+        session.close()
+    written = json.loads((tmp_path / "runs" / "partial" / "checkpoints" / "rollout_2" / "trainer_state.json").read_text())
+    assert written["partial"] == json.loads(json.dumps(at_end))
