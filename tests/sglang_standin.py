@@ -22,6 +22,13 @@ client uses, with the request and response shapes read from SGLang 0.5.23 (the P
                                                  --enable-deterministic-inference; log-probs are
                                                  of softmax(logits / temperature)
 
+`--sglang-version 0.5.17` speaks as SGLang 0.5.17 instead (read from its source, python/sglang/srt/entrypoints/
+http_server.py and srt/managers/tokenizer_manager.py, and run on an H200 by bench/sglang_real.py): no `/generate`
+contract check - the tokenizer manager builds `SamplingParams(**sampling_params)`, so an unknown key is a
+TypeError nothing catches: FastAPI answers 500 "Internal Server Error" (text) and the traceback goes to the log,
+the server staying up; `/get_weight_version` is there, 0.5.23's `/ready` is not. `sampling_seed` is honoured
+only with --enable-deterministic-inference in both.
+
 Its "model" is a hash: the logits at a position are a pseudo-random function of a digest of the
 loaded weights and the last few tokens, so outputs are deterministic given the weights, the prompt
 and `sampling_seed`, and they change when new weights are loaded. The weights it holds are a table
@@ -35,6 +42,8 @@ Test-only extras:
                  in this process (n0, n1: a counter, so order needs no clock), pid; max in-flight
   GET  /_weights the weight table, its digest and the weight version
   POST /_hang    from now on answer nothing (a server that stops answering)
+  POST /_health_503 {"n": N}   answer the next N health checks with 503 (a server up but not healthy)
+  --sglang-version 0.5.23|0.5.17   the release it speaks as (above)
   POST /_stall_generate {"marker": PATH}   from now on hold every rollout /generate (not the
                  client's log-prob probes) without answering, after creating PATH: a test waits for
                  PATH to know a request is in flight here, then kills or shuts down (no sleeps)
@@ -81,6 +90,8 @@ SAMPLING_KEYS = (
     "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
 )
 CONTEXT_TOKENS = 3  # the fake model looks at this many previous tokens
+# routes one of the two SGLang releases has and the other lacks (404 in the other's mode)
+ONLY_IN = {"0.5.17": ("/get_weight_version",), "0.5.23": ("/ready", "/begin_weight_update", "/end_weight_update")}
 
 
 # safetensors dtype codes -> torch dtype names (what /update_weights_from_distributed's `dtypes` use)
@@ -242,6 +253,12 @@ def generate(state: State, body: dict, run: Running | None = None, held: bool = 
         return 400, {"error": {"message": "stand-in: /generate needs input_ids as one list of ints"}}
     sp = body.get("sampling_params") or {}
     unknown = sorted(set(sp) - set(SAMPLING_KEYS))
+    if unknown and state.args.sglang_version == "0.5.17":  # no contract check: SamplingParams(**sp) raises
+        print("ERROR:    Exception in ASGI application\nTraceback (most recent call last):\n"
+              '  File "sglang/srt/managers/tokenizer_manager.py", in _tokenize_one_request\n'
+              f"TypeError: SamplingParams.__init__() got an unexpected keyword argument '{unknown[0]}'",
+              file=sys.stderr, flush=True)
+        return 500, "Internal Server Error"
     if unknown:  # the wording of sglang's generated contract check (serde's unknown_field)
         listed = ", ".join(f"`{k}`" for k in SAMPLING_KEYS)
         return 400, {"error": f"unknown field `{unknown[0]}`, expected one of {listed}"}
@@ -494,6 +511,12 @@ def make_handler(state: State):
             self._send(status, payload, text)
 
         def _route(self, method: str, path: str, body):
+            if any(path in routes for version, routes in ONLY_IN.items() if version != state.args.sglang_version):
+                return 404, {"detail": "Not Found"}, False
+            if path == "/get_weight_version":
+                return 200, {"weight_version": state.weight_version}, False
+            if path == "/ready":
+                return 200, "", True
             if path in ("/health", "/health_generate"):
                 with state.lock:
                     warming, state.health_503_left = state.health_503_left > 0, max(state.health_503_left - 1, 0)
@@ -523,7 +546,7 @@ def make_handler(state: State):
                         state.leave(rid)
                     with state.lock:
                         state.inflight_generate -= 1
-                return status, payload, False
+                return status, payload, isinstance(payload, str)
             if path == "/abort_request" and method == "POST":
                 state.abort((body or {}).get("rid"), bool((body or {}).get("abort_all")))
                 return 200, "", True  # sglang: Response(status_code=200), no body
@@ -550,6 +573,10 @@ def make_handler(state: State):
             if path == "/_weights":
                 return 200, {"weights": state.model.weights, "digest": state.model.digest,
                              "weight_version": state.weight_version}, False
+            if path == "/_health_503" and method == "POST":
+                with state.lock:
+                    state.health_503_left = int((body or {}).get("n", 0))
+                return 200, {"health_503": state.health_503_left}, False
             if path == "/_hang" and method == "POST":
                 state.hung = True
                 return 200, {"hung": True}, False
@@ -592,6 +619,7 @@ def parse_args(argv=None):
     p.add_argument("--enable-memory-saver", action="store_true")
     p.add_argument("--enable-deterministic-inference", action="store_true")
     # test-only
+    p.add_argument("--sglang-version", choices=("0.5.23", "0.5.17"), default="0.5.23")
     p.add_argument("--calls-file", default=None)
     p.add_argument("--startup-delay", type=float, default=0.0)
     p.add_argument("--health-503-count", type=int, default=0)

@@ -540,6 +540,27 @@ def test_requests_split_into_whole_groups_balanced_by_count(engine):
     assert split_ranges(mixed, 2) == [range(0, 2), range(2, 4)]
 
 
+def test_a_members_user_error_reaches_the_driver_as_its_one_line(ray_session):
+    """An engine actor's UserError (say SGLang rejecting a request) comes out of the group as itself: `grpoflow run`
+    prints its one line, not Ray's text of the actor's traceback."""
+    import ray
+
+    from runtime.placement.groups import RayGroup
+
+    @ray.remote(num_cpus=0)
+    class Refuses:
+        def go(self):
+            raise ConfigError("rollout.top_p=0 keeps no token: use a value in (0, 1]")
+
+    group = RayGroup([Refuses.remote()])
+    try:
+        with pytest.raises(ConfigError) as err:
+            group.call("go")
+        assert type(err.value) is ConfigError and str(err.value) == "rollout.top_p=0 keeps no token: use a value in (0, 1]"
+    finally:
+        group.kill()
+
+
 @pytest.fixture(scope="module")
 def engine_pool(ray_session, model_dir):
     """Two built-in engines as Ray actors (cluster.rollout_gpus=2 on CPU) and one in-process engine of the

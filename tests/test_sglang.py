@@ -32,6 +32,7 @@ from runtime.config import SGLangSection, config_from_dict
 from runtime.errors import ConfigError, ModelError, TransientError
 from runtime.rollout.base import SampleRequest, SamplingParams
 from runtime.rollout.sglang import INSTALL_HINT, SGLangEngine, SGLangError, SGLangSettings, Supervision
+from runtime.rollout.sglang import http_protocol
 from runtime.rollout.sglang.http_protocol import Aborted, StaleWeights, parse_generated, sampling_seed_for
 from runtime.rollout.sglang.server_process import server_command
 
@@ -78,6 +79,8 @@ def start(tmp_path, model_dir):
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+    # the client calls no route the server lacks (each release has routes the other lacks: the stand-in's ONLY_IN)
+    assert not [c["path"] for c in read_calls(calls_file) if c["status"] == 404]
 
 
 def read_calls(calls_file: Path) -> list[dict]:
@@ -164,7 +167,7 @@ def test_generate_payloads_and_parsing(start):
     assert as_tuples(reversed(again)) == as_tuples(results)
 
     # SGLang's 400 is surfaced with its message, not retried
-    with pytest.raises(SGLangError, match="vocab size"):
+    with pytest.raises(ConfigError, match="vocab size"):
         eng.generate([SampleRequest(prompt_ids=[VOCAB + 5], key=(0, 0, 0, 0))], SAMPLING)
 
 
@@ -526,6 +529,68 @@ def test_engine_gives_up_after_max_restarts(start):
     with pytest.raises(TransientError, match="every SGLang engine is down"):
         eng.generate(make_requests(1, 1), SAMPLING)
     assert not eng.health()["ok"]
+
+
+# ---- a request the server refuses; SGLang 0.5.17 ----------------------------------------------------
+
+
+def send_unknown_sampling_key(monkeypatch, key: str = "seed") -> None:
+    """Make every /generate carry a sampling key SGLang does not know (as a client newer than its server would)."""
+    made = http_protocol.sglang_sampling_params
+    monkeypatch.setattr(http_protocol, "sglang_sampling_params", lambda sampling, seed: {**made(sampling, seed), key: 3})
+
+
+@pytest.mark.parametrize("version,status,says", [("0.5.23", 400, "unknown field `seed`"),
+                                                 ("0.5.17", 500, "unexpected keyword argument 'seed'")])
+def test_rejected_request_is_one_error_not_a_restart(start, monkeypatch, version, status, says):
+    """0.5.23's contract check answers an unknown sampling key with a 400; 0.5.17 has none: a TypeError, answered
+    500 "Internal Server Error" by a server that stays up (its log has the exception). Either way the request is at
+    fault: one line naming the endpoint, the server's words and the fix; sent once, the server not restarted."""
+    eng = start("--sglang-version", version)
+    pid = eng.pids[0]
+    send_unknown_sampling_key(monkeypatch)
+    with pytest.raises(ConfigError) as err:
+        eng.generate(make_requests(1, 1), SAMPLING)
+    line = str(err.value)
+    assert "\n" not in line and f"rejected /generate ({status}" in line and says in line
+    assert "rollout.sglang.launch runs SGLang >=0.5.17,<0.6" in line
+    assert [c["status"] for c in rollout_generates(read_calls(start.calls_file))] == [status]
+    h = eng.health()
+    assert h["ok"] and h["engines"][0]["restarts"] == 0 and eng.pids == [pid]
+    monkeypatch.undo()
+    assert eng.generate(make_requests(1, 1), SAMPLING)  # and it serves on
+
+
+@pytest.mark.race
+def test_a_500_from_an_unhealthy_server_restarts_it(start, monkeypatch):
+    """A 500 is the request's fault only when the server is healthy: one failing its check is restarted (and the
+    request resent there); the restarted server, healthy, answers 500 again: then it is the one error."""
+    eng = start("--sglang-version", "0.5.17")
+    old = eng.pids[0]
+    httpx.post(eng.urls[0] + "/_health_503", json={"n": 1000}, trust_env=False, timeout=60).raise_for_status()
+    send_unknown_sampling_key(monkeypatch)
+    with pytest.raises(ConfigError, match=r"rejected /generate \(500, and it stays healthy\)"):
+        eng.generate(make_requests(1, 1), SAMPLING)
+    h = eng.health()["engines"][0]
+    assert h["restarts"] == 1 and eng.pids[0] != old and not alive(old)
+    assert [c["pid"] for c in rollout_generates(read_calls(start.calls_file))] == [old, eng.pids[0]]
+
+
+def test_the_client_against_sglang_0_5_17(start):
+    """0.5.17's routes (no /ready, /begin_weight_update, /end_weight_update: the fixture fails on any 404): two
+    servers, keyed samples, colocate release and an update from disk, log-probs."""
+    eng = start("--sglang-version", "0.5.17", num_engines=2, colocate=True)
+    requests = make_requests()
+    first = eng.generate(requests, SAMPLING)
+    assert as_tuples(eng.generate(list(reversed(requests)), SAMPLING)[::-1]) == as_tuples(first)
+    eng.release_memory()
+    eng.update_weights({"w": torch.randn(6)}, 1)
+    after = eng.generate(requests, SAMPLING)
+    assert as_tuples(after) != as_tuples(first) and eng.health()["ok"]
+    r = after[0]
+    assert eng.logprobs_of(r.prompt_ids, r.response_ids, SAMPLING.temperature) == pytest.approx(r.response_logprobs)
+    assert {c["body"]["weight_version"] for c in read_calls(start.calls_file)
+            if c["path"] == "/update_weights_from_disk"} == {"1"}
 
 
 # ---- start-up and shutdown ------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from runtime.errors import UserError
+
 
 class Pending(Protocol):
     """Calls in flight on every member; `get()` waits and returns their results in rank order."""
@@ -74,7 +76,13 @@ class _RayPending:
 
     def get(self) -> list[Any]:
         import ray
-        got = iter(ray.get([r for r in self._refs if r is not None]))
+        from ray.exceptions import RayTaskError
+        try:
+            got = iter(ray.get([r for r in self._refs if r is not None]))
+        except RayTaskError as err:
+            if isinstance(err.cause, UserError):  # the member's one line, not Ray's text of its traceback
+                raise err.cause from None
+            raise
         return [None if r is None else next(got) for r in self._refs]
 
 

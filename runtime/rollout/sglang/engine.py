@@ -306,7 +306,9 @@ class SGLangEngine(RolloutEngine):
                 problems.append(f"engine {server.index}: aborted ({exc})")
             except EngineFault as exc:
                 problems.append(f"engine {server.index}: {exc}")
-                pool.on_fault(server, epoch, exc)  # checked/restarted in the background; retry elsewhere now
+                # checked; restarted in the background and retried elsewhere now, or RequestRejected (a 500 from a
+                # healthy server: the request's fault; it ends the call, as a 4xx does)
+                await pool.judge(server, epoch, exc)
             finally:
                 watch.settled(index)
                 await pool.release(server)
@@ -333,7 +335,7 @@ class SGLangEngine(RolloutEngine):
             try:
                 return await pool.logprobs(server, prompt_ids, response_ids, temperature)
             except EngineFault as exc:
-                pool.on_fault(server, epoch, exc)
+                await pool.judge(server, epoch, exc)
             finally:
                 await pool.release(server)
         raise TransientError("SGLang logprobs_of failed on every try")

@@ -10,6 +10,11 @@ last restart is ignored); a server that is dead or does not answer is killed by 
 relaunched, re-synced to the current weights (the `resync` the engine gives) and only then serves again.
 After `rollout.sglang.max_restarts` restarts it is given up ("dead").
 
+A request the server refuses is not a server fault: a 4xx on `/generate`, or a 500 from a server whose check
+finds it healthy (SGLang 0.5.17 answers an unknown sampling key with a 500 and stays up), is RequestRejected -
+one line naming the endpoint, SGLang's message (for a 500, the error line its log gained) and the fix; the
+request is not resent and the server not restarted.
+
 Runs on the engine's private event loop: every method here is called from that loop's thread.
 """
 
@@ -24,11 +29,13 @@ from typing import Any, Awaitable, Callable
 from runtime.errors import ModelError, TransientError
 from runtime.rollout.sglang.http_protocol import (
     EngineFault,
+    ErrorAnswer,
     SGLangError,
     StaleWeights,
     logprobs_payload,
     parse_logprobs,
     post,
+    rejected_request,
 )
 from runtime.rollout.sglang.server_process import (
     CHECKING,
@@ -38,6 +45,8 @@ from runtime.rollout.sglang.server_process import (
     STALE,
     Server,
     launch_server,
+    log_error_since,
+    log_size,
     terminate_process,
     wait_healthy,
 )
@@ -104,7 +113,8 @@ class EnginePool:
         """POST to one server (http_protocol.post); `timeout` defaults to rollout.sglang.request_timeout_s."""
         sec = self.settings.section
         return await post(self._client, server.url(sec.host), path, body,
-                          timeout if timeout is not None else sec.request_timeout_s, server.index)
+                          timeout if timeout is not None else sec.request_timeout_s, server.index,
+                          log_from=log_size(server.log_path))
 
     async def logprobs(self, server: Server, prompt_ids: list[int], response_ids: list[int], temperature: float,
                        expected_version: str | None = None) -> list[float]:
@@ -213,6 +223,20 @@ class EnginePool:
 
     # ---- supervision ---------------------------------------------------------------------------
 
+    async def judge(self, server: Server, epoch: int, exc: EngineFault) -> None:
+        """A request on `server` (sent in `epoch`) failed with `exc`: have the server checked (on_fault). A 500
+        from a server the check finds healthy, the same process still serving, is the request's fault:
+        RequestRejected, named once, neither retried nor restarted for (SGLang 0.5.17 answers an unknown sampling
+        key so). Any other fault returns at once: the check or restart goes on in the background."""
+        task = self.on_fault(server, epoch, exc)
+        if not isinstance(exc, ErrorAnswer) or task is None:
+            return
+        healthy = await asyncio.shield(task)
+        if healthy and server.epoch == epoch:
+            cause = log_error_since(server.log_path, exc.log_from) if exc.log_from is not None else None
+            detail = exc.detail if cause is None else f"{exc.detail}; its log: {cause}"
+            raise rejected_request(server.index, exc.path, 500, detail) from None
+
     def on_fault(self, server: Server, epoch: int, exc: Exception) -> asyncio.Task | None:
         """A request on `server` (sent in `epoch`) failed: check the server once, restart it if it is down or
         serves stale weights. Concurrent failures share one check; one from before the last restart is
@@ -225,18 +249,20 @@ class EnginePool:
             s.fault_task.add_done_callback(_log_task_error)
         return s.fault_task
 
-    async def _check_or_restart(self, s: Server, reason: str, force: bool, prior: str = READY) -> None:
+    async def _check_or_restart(self, s: Server, reason: str, force: bool, prior: str = READY) -> bool:
+        """True: the server answered its health check (and serves on); False: it was restarted."""
         if not force and s.proc is not None and s.proc.poll() is None:
             try:
                 r = await self._client.get(s.url(self.settings.section.host, "/health_generate"),
                                            timeout=self.settings.supervision.health_timeout_s)
                 if r.status_code == 200:
-                    log.warning("sglang engine %d: a request failed (%s) but the engine is healthy; retrying", s.index, reason)
+                    log.warning("sglang engine %d: a request failed (%s) but the engine is healthy", s.index, reason)
                     await self.set_state(s, prior)  # a stale server stays stale
-                    return
+                    return True
             except Exception:
                 pass
         await self._restart(s, reason)
+        return False
 
     async def _restart(self, s: Server, reason: str) -> None:
         sec, sup = self.settings.section, self.settings.supervision

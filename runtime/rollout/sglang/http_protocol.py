@@ -49,6 +49,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.errors import ConfigError
 from runtime.rollout.base import FinishReason, SamplingParams
 
 
@@ -58,6 +59,22 @@ class SGLangError(RuntimeError):
 
 class EngineFault(Exception):
     """A request failed in a way that says something about the server (transport, timeout, 5xx)."""
+
+
+class ErrorAnswer(EngineFault):
+    """The server answered 500 (an exception it did not catch): its fault, or the request's. SGLang 0.5.17 has no
+    `/generate` contract check, so an unknown sampling key is a `TypeError` there, a 500 with the body
+    "Internal Server Error" and the traceback in its log. The server is checked: one that is healthy rejected
+    the request (RequestRejected), else it is restarted. `log_from`: the size of its log when the request went."""
+
+    def __init__(self, message: str, path: str, detail: str, log_from: int | None = None):
+        super().__init__(message)
+        self.path, self.detail, self.log_from = path, detail, log_from
+
+
+class RequestRejected(ConfigError, SGLangError):
+    """A healthy server refused a request (a 4xx, or a 500 it answered and stayed healthy): the request is at
+    fault, so it is neither retried nor taken for a server fault. One line for the user (a ConfigError)."""
 
 
 class StaleWeights(EngineFault):
@@ -192,9 +209,33 @@ def parse_generated(body: Any, expected_version: str | None = None, *, abort_ok:
     return Generated(ids=response_ids, logprobs=logprobs, text=body.get("text") or "", finish=kind)
 
 
-async def post(client, base_url: str, path: str, body: Any, timeout: float, server_index: int) -> Any:
-    """POST to one server. 2xx -> parsed JSON (or text); 4xx or `"success": false` -> SGLangError with
-    SGLang's message; transport errors, timeouts and 5xx -> EngineFault."""
+SENT_SAMPLING_KEYS = "temperature, top_p, top_k, max_new_tokens, stop_token_ids, sampling_seed"
+SUPPORTED_SGLANG = ">=0.5.17,<0.6"  # the SGLang releases the client speaks to (docs/sglang.md)
+MAX_SERVER_MESSAGE = 300  # characters of a server's error text kept in an error line
+
+
+def rejected_request(server_index: int, path: str, status: int, message: str) -> RequestRejected:
+    """The one-line error for a request a healthy server refused: the endpoint, SGLang's message (trimmed) and
+    the fix. For `/generate` the request carries SGLang's sampling keys from the rollout config's values."""
+    message = " ".join(str(message).split())
+    if len(message) > MAX_SERVER_MESSAGE:
+        message = message[:MAX_SERVER_MESSAGE - 1] + "…"
+    fix = (f"it carries SGLang's sampling keys ({SENT_SAMPLING_KEYS}) with rollout's (or eval's) temperature, top_p, "
+           f"top_k and max_new_tokens, and the prompt's token ids: check those values, and that rollout.sglang.launch "
+           f"runs SGLang {SUPPORTED_SGLANG}, the releases this client speaks to"
+           if path == "/generate" else
+           f"check that rollout.sglang.launch runs SGLang {SUPPORTED_SGLANG}, the releases this client speaks to")
+    healthy = ", and it stays healthy" if status >= 500 else ""
+    return RequestRejected(f"SGLang engine {server_index} rejected {path} ({status}{healthy}): {message}. The request "
+                           f"is at fault, not the server: not resent, no restart. Fix: {fix}")
+
+
+async def post(client, base_url: str, path: str, body: Any, timeout: float, server_index: int,
+               log_from: int | None = None) -> Any:
+    """POST to one server. 2xx -> parsed JSON (or text); a 4xx on `/generate` -> RequestRejected, on another
+    endpoint SGLangError, either with SGLang's message; `"success": false` -> SGLangError; a 500 -> ErrorAnswer
+    (checked by the caller: the request's fault or the server's); transport errors, timeouts and other 5xx ->
+    EngineFault. `log_from`: the size of the server's log before the request (read back for a 500)."""
     import httpx
     try:
         r = await client.post(base_url + path, json=body, timeout=timeout)
@@ -206,12 +247,15 @@ async def post(client, base_url: str, path: str, body: Any, timeout: float, serv
         payload = r.json()
     except (json.JSONDecodeError, ValueError):
         payload = r.text
+    message = error_message(payload, r.reason_phrase)
+    if r.status_code == 500:
+        raise ErrorAnswer(f"{path} answered 500: {message}", path, message, log_from)
     if r.status_code >= 500:
-        raise EngineFault(f"{path} answered {r.status_code}: {error_message(payload, r.reason_phrase)}")
+        raise EngineFault(f"{path} answered {r.status_code}: {message}")
+    if r.status_code >= 400 and path == "/generate":
+        raise rejected_request(server_index, path, r.status_code, message)
     if r.status_code >= 400:
-        raise SGLangError(f"SGLang engine {server_index} rejected {path} ({r.status_code}): "
-                          f"{error_message(payload, r.reason_phrase)}")
+        raise SGLangError(f"SGLang engine {server_index} rejected {path} ({r.status_code}): {message}")
     if isinstance(payload, dict) and payload.get("success") is False:
         raise SGLangError(f"SGLang engine {server_index} {path} failed: {error_message(payload, 'success=false')}")
     return payload
-

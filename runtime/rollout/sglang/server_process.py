@@ -164,7 +164,35 @@ def log_tail_error(path: Path, max_bytes: int = 16384) -> str:
         return "(no log)"
     if not lines:
         return "(empty log)"
+    return _last_error_line(lines) or lines[-1]
+
+
+def _last_error_line(lines: list[str]) -> str | None:
+    """The last line that names an error, past tracebacks' headers and the access log's `"POST ... HTTP/1.1"
+    500 Internal Server Error` lines (uvicorn writes them before the traceback of the same request)."""
     for line in reversed(lines):
-        if ("Error" in line or "Exception" in line) and not line.startswith("Traceback"):
+        if ("Error" in line or "Exception" in line) and not line.startswith("Traceback") and " HTTP/1." not in line:
             return line
-    return lines[-1]
+    return None
+
+
+def log_size(path: Path) -> int:
+    """How many bytes a server's log has now (0 when it has none)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def log_error_since(path: Path, offset: int, max_bytes: int = 65536) -> str | None:
+    """The last error-looking line a server's log gained after `offset` (e.g. the exception behind a 500 that
+    SGLang answered as "Internal Server Error"); None when it gained none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            end = f.tell()
+            f.seek(max(offset, end - max_bytes))
+            lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return None
+    return _last_error_line(lines)
