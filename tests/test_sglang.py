@@ -5,7 +5,9 @@ order under concurrency across engines, weight-update calls and their order rela
 colocate memory release/resume, weight sync by a real gloo broadcast from a MegatronTrainer (the
 stand-in joins the group and receives the tensors), restart + re-sync of a killed or hung engine,
 start-up failures and timeouts, partial rollout (continued samples; aborting by rid once enough groups are
-complete). They do not show that a real SGLang server accepts any of it, nor anything about NCCL.
+complete); a request the server refuses (0.5.23's 400, 0.5.17's 500 from a healthy server) as one error, and the
+main calls against the stand-in's 0.5.17 mode. They do not show that a real SGLang server accepts any of it
+(bench/sglang_real.py does, on a GPU), nor anything about NCCL.
 
 Kills, hangs and shutdowns happen on events, never after a sleep: the stand-in creates a marker file
 when it holds a request (`stall`), and the test waits for that file. Such tests are marked `race`.

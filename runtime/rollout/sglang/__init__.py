@@ -1,8 +1,9 @@
 """The SGLang rollout backend: SGLang servers launched, fed and supervised over SGLang's HTTP API.
 
-Status: tested in CI against `tests/sglang_standin.py`, a stdlib HTTP server that speaks the endpoints and
-payloads read from SGLang 0.5.23's source (http_protocol.py names the files); run against a real SGLang 0.5.17
-server on an H200 (bench/sglang_real.py; docs/sglang.md says what was checked). docs/sglang.md is the user's guide.
+Status: for SGLang >=0.5.17,<0.6. Tested in CI against `tests/sglang_standin.py`, a stdlib HTTP server that speaks
+the endpoints and payloads read from SGLang 0.5.23's source (http_protocol.py names the files), or 0.5.17's
+differences with `--sglang-version 0.5.17`; run against a real SGLang 0.5.17 server on an H200
+(bench/sglang_real.py; docs/sglang.md says what was checked). docs/sglang.md is the user's guide.
 
 By concern:
   settings.py        the `rollout.sglang` section and what the rest of the config decides for it

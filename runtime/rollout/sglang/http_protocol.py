@@ -1,7 +1,11 @@
 """SGLang's HTTP API as the client speaks it: request bodies, response parsing, errors, one POST.
 
-Read from SGLang **0.5.23** (the PyPI wheel `sglang-0.5.23`, built 2026-10-30); not run against it
-here (tests use `tests/sglang_standin.py`, which speaks the same endpoints and payloads):
+For SGLang >=0.5.17,<0.6 (settings.SUPPORTED_SGLANG). Read from SGLang **0.5.23** (the PyPI wheel `sglang-0.5.23`,
+built 2026-10-30), which tests/sglang_standin.py speaks; run against a real **0.5.17** server on an H200
+(bench/sglang_real.py), whose endpoints and fields used here are the same. What differs: 0.5.17 has no `/generate`
+contract check, so an unknown sampling key is an uncaught TypeError there (a 500 "Internal Server Error", the
+traceback in its log, the server up), where 0.5.23 answers 400 (both are RequestRejected, engine_pool.py); and routes the client does not call
+(`/get_weight_version` only in 0.5.17; `/ready`, `/begin_weight_update`, `/end_weight_update` only in 0.5.23).
 
 - `sglang/srt/entrypoints/http_server.py`: routes `/health_generate`, `/generate`, `/flush_cache`,
   `/update_weights_from_disk`, `/update_weights_from_tensor`, `/init_weights_update_group`,
@@ -51,6 +55,7 @@ from typing import Any
 
 from runtime.errors import ConfigError
 from runtime.rollout.base import FinishReason, SamplingParams
+from runtime.rollout.sglang.settings import SUPPORTED_SGLANG
 
 
 class SGLangError(RuntimeError):
@@ -210,7 +215,6 @@ def parse_generated(body: Any, expected_version: str | None = None, *, abort_ok:
 
 
 SENT_SAMPLING_KEYS = "temperature, top_p, top_k, max_new_tokens, stop_token_ids, sampling_seed"
-SUPPORTED_SGLANG = ">=0.5.17,<0.6"  # the SGLang releases the client speaks to (docs/sglang.md)
 MAX_SERVER_MESSAGE = 300  # characters of a server's error text kept in an error line
 
 

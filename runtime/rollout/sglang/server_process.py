@@ -5,7 +5,8 @@ Each server is `python -m sglang.launch_server` (the prefix is `rollout.sglang.l
 the stand-in through this same code) in a session of its own, so that it and the children it starts
 (scheduler, detokenizer) end together; its output goes to `<scratch>/logs/engine-<i>.log`. Start-up
 waits for `/health_generate` with a timeout and surfaces the server's own last error line if it exits.
-The flags used here are read from SGLang 0.5.23's `sglang/srt/arg_groups/fields/*.py`.
+The flags used here are read from SGLang 0.5.23's `sglang/srt/arg_groups/fields/*.py`; a 0.5.17 server took the
+same ones on an H200 (bench/sglang_real.py).
 """
 
 from __future__ import annotations

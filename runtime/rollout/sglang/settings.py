@@ -13,7 +13,9 @@ from runtime.devices import resolve_device
 from runtime.errors import ConfigError
 from runtime.placement.weight_sync import backend_for
 
-SGLANG_VERSION_READ = "0.5.23"  # the SGLang whose source the protocol was read from (http_protocol.py)
+# the SGLang releases the client speaks to (pyproject's `sglang` extra pins the same): 0.5.17 ran on an H200,
+# 0.5.23's API (read from its source, http_protocol.py) is what tests/sglang_standin.py speaks by default
+SUPPORTED_SGLANG = ">=0.5.17,<0.6"
 INSTALL_HINT = "pip install 'grpoflow[sglang]'"
 
 
