@@ -27,6 +27,12 @@ to the engine's compiler: its own kernel, its output rounded where the trainer r
   attention   the trainer's core attention module (SdpaCoreAttention on CUDA) at every step: prefill causal per
               prompt, decode one query against the row's whole context read from the pages (the trainer runs every
               query of a sequence in one call: the engine cannot, so this is the trainer's kernel at another shape)
+  attention_common
+              BOTH sides: every query row as the engine's decode reference computes one (`common_attention`: key
+              blocks of 256 from position 0 under a running fp32 softmax): the engine's decode by
+              `reference_paged_decode_attention` itself, its prefill and the trainer's core attention row by row
+              alike (the trainer's patched for the bench only); it takes the place of `attention` where both are
+              listed
   linear      no swap is possible (both sides call cuBLAS through the same op; the bits differ because the row
               count picks the kernel): BOTH sides use a common batch-invariant matmul (`fixed_shape_mm`: rows in
               blocks of a fixed count, so every call has one shape), the trainer's linear layers and its chunked
@@ -49,7 +55,7 @@ from pathlib import Path
 import harness as H
 from harness import ROOT
 
-CLASSES = ("logsoftmax", "norm", "rope", "swiglu", "linear", "attention")
+CLASSES = ("logsoftmax", "norm", "rope", "swiglu", "linear", "attention", "attention_common")
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=512)
 SHAPES = {
@@ -177,6 +183,17 @@ def agreement(a, b) -> dict:
             "logp_absdiff_mean": float(d.mean())}
 
 
+@contextlib.contextmanager
+def trainer_common(tr, aligned):
+    """The trainer's side of the classes both sides take in common (matmuls, attention_common)."""
+    with contextlib.ExitStack() as stack:
+        if "linear" in aligned:
+            stack.enter_context(trainer_common_linear(tr))
+        if "attention_common" in aligned:
+            stack.enter_context(trainer_common_attention(tr))
+        yield
+
+
 def scored(samples, tr, trainer_ctx=contextlib.nullcontext) -> tuple[list, dict]:
     batch = H.samples_batch(samples)
     with trainer_ctx():
@@ -237,6 +254,70 @@ def trainer_common_linear(tr):
         L.linear_logprobs = before
         for m in mods:
             del m._forward_impl
+
+
+# ---- the common row-invariant attention --------------------------------------------------------------------
+
+def common_attention(q, k, v, scale: float):
+    """Causal attention of one sequence (q [n, nh, hd], k/v [n, nkv, hd]) with every query row as the engine's
+    decode reference (runtime/rollout/decode_attention.py `reference_paged_decode_attention`) computes one row: its
+    positions [0, i] in blocks of REFERENCE_BLOCK from 0 under a running softmax in fp32, the same expressions, K/V
+    laid out [rows, block, nkv, hd] as the reference gathers them. Rows are independent; whether their bits are the
+    same at another row count is what the variant measures."""
+    torch = _torch()
+    from runtime.rollout.decode_attention import REFERENCE_BLOCK as block
+    n, nh, hd = q.shape
+    nkv = k.shape[1]
+    total = torch.arange(1, n + 1, device=q.device)[:, None]
+    qf = q.float().reshape(n, nkv, nh // nkv, hd) * scale
+    m = torch.full((n, nkv, nh // nkv), float("-inf"), device=q.device)
+    denom = torch.zeros_like(m)
+    acc = torch.zeros(n, nkv, nh // nkv, hd, device=q.device)
+    for start in range(0, n, block):
+        j = torch.arange(start, start + block, device=q.device)[None, :]
+        at = j[0].clamp(max=n - 1)
+        kb = k[at][None].expand(n, block, nkv, hd).contiguous().float()
+        vb = v[at][None].expand(n, block, nkv, hd).contiguous().float()
+        sc = torch.einsum("bgrd,bjgd->bgrj", qf, kb).masked_fill(~(j < total)[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, sc.amax(-1))
+        alpha = torch.exp(m - m_new).nan_to_num(0.0)
+        p = torch.exp(sc - m_new[..., None]).nan_to_num(0.0)
+        denom = denom * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + torch.einsum("bgrj,bjgd->bgrd", p, vb)
+        m = m_new
+    return (acc / denom[..., None]).reshape(n, nh, hd).to(q.dtype)
+
+
+def common_prefill(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """The engine's `_flash` signature: each packed sequence by `common_attention`."""
+    torch = _torch()
+    cu = cu_q.tolist()
+    return torch.cat([common_attention(q[s:e], k[s:e], v[s:e], scale) for s, e in zip(cu[:-1], cu[1:])])
+
+
+@contextlib.contextmanager
+def trainer_common_attention(tr):
+    """Every layer's core attention of the trainer through `common_attention` (bench only; undone after)."""
+    torch = _torch()
+    cores = [layer.self_attention.core_attention for layer in tr.model.decoder.layers]
+
+    def forward_of(core):
+        def forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            assert packed_seq_params is None and attention_bias is None
+            sq, b = query.shape[:2]
+            out = torch.stack([common_attention(query[:, i], key[:, i], value[:, i], core.softmax_scale)
+                               for i in range(b)], dim=1)
+            return out.reshape(sq, b, -1)
+        return forward
+
+    for c in cores:
+        c.forward = forward_of(c)
+    try:
+        yield
+    finally:
+        for c in cores:
+            del c.forward
 
 
 # ---- the trainer's kernels, callable from the engine's forward ----------------------------------------------
@@ -361,6 +442,7 @@ class EngineForward:
         assert dec.adapters is None and not dec.qkv_grouped, "the bench's copy has no LoRA and HF's q/k/v order"
         self.dec = dec
         self.orig = {k: dec.__dict__[k] for k in self.SAVED}
+        self.built: dict = {}  # compiled pieces by the classes aligned inside them
         self.n = 0
 
     def defaults(self) -> dict:
@@ -418,12 +500,18 @@ class EngineForward:
             slot["rope"] = K.opaque(K.rope)
         if "swiglu" in aligned:
             slot["act"] = K.opaque(K.swiglu)
-        pre, post, head = self.pieces(slot)
-        if aligned and not PIECE_CLASSES & set(aligned):  # the pieces as they were: the engine's own, compiled
+        inside = frozenset(PIECE_CLASSES & set(aligned))
+        if aligned and not inside:  # the pieces as they were: the engine's own, compiled
             pre, post, head = (self.orig[k] for k in ("_pre", "_post", "_head"))
-        elif d.compiled:
-            pre, post, head = (torch.compile(_renamed(f, f"v{self.n}"), dynamic=True, options=d.compile_options)
-                               for f in (pre, post, head))
+        elif inside in self.built:  # compiled for an earlier variant with the same classes inside
+            pre, post, head = self.built[inside]
+        else:
+            pre, post, head = self.pieces(slot)
+            if d.compiled:
+                pre, post, head = (torch.compile(_renamed(f, f"v{self.n}"), dynamic=True, options=d.compile_options)
+                                   for f in (pre, post, head))
+            if aligned:  # the copy (nothing aligned) is compiled on its own: it checks the engine's own
+                self.built[inside] = pre, post, head
         for k, v in self.orig.items():
             setattr(d, k, v)
         d._pre, d._post, d._head = pre, post, head
@@ -434,7 +522,10 @@ class EngineForward:
             d.__dict__.pop(name, None)
         if "rope" in aligned:
             d.rope_tables = K.rope_table
-        if "attention" in aligned:
+        if "attention_common" in aligned:  # decode by the reference itself; prefill and trainer row by row alike
+            d.use_triton = False
+            d._flash, d.use_flash = common_prefill, True
+        elif "attention" in aligned:
             d._paged_attention, d.use_triton = K.opaque(K.decode_attention), True
             d._flash, d.use_flash = K.opaque(K.prefill_attention), True
         if "logsoftmax" in aligned:
@@ -518,9 +609,14 @@ def run(S, W: Path, a, t_start: float) -> dict:
     from runtime.rollout.decode_model import SETTLE_TOKENS
     K = TrainerKernels(tr, max(S["prompt_len"] + S["new"] + 64, SETTLE_TOKENS))  # the settle call's positions too
     fwd = EngineForward(dec)
-    cumulative = [("cumulative +" + c, tuple(classes[:i + 1])) for i, c in enumerate(classes) if i > 0]
-    # the all-aligned row right after the copy: if the deadline cuts the list, it cuts the partial sums
-    plan = [("copy (nothing aligned)", ())] + cumulative[-1:] + [(f"align {c}", (c,)) for c in classes] + cumulative[:-1]
+    # cumulatively in the given order; attention_common takes the place of attention (one attention per engine)
+    cumulative = [("cumulative +" + c, tuple(x for x in classes[:i + 1] if not (
+        x == "attention" and "attention_common" in classes[:i + 1]))) for i, c in enumerate(classes) if i > 0]
+    alls = cumulative[-1:]
+    if "attention" in classes and "attention_common" in classes:  # everything with the trainer's own attention
+        alls.append(("all, the trainer's attention", tuple(c for c in classes if c != "attention_common")))
+    # the all-aligned rows right after the copy: if the deadline cuts the list, it cuts the partial sums
+    plan = [("copy (nothing aligned)", ())] + alls + [(f"align {c}", (c,)) for c in classes] + cumulative[:-1]
     per_variant_s = None
     for name, aligned in plan:
         if per_variant_s is not None and left() < 1.3 * per_variant_s + 10:
@@ -530,15 +626,22 @@ def run(S, W: Path, a, t_start: float) -> dict:
         try:
             fwd.install(aligned, K)
             out = eng.generate(reqs, sp)
-            ctx = (lambda: trainer_common_linear(tr)) if "linear" in aligned else contextlib.nullcontext
-            _, st = scored(out, tr, ctx)
+            _, st = scored(out, tr, lambda: trainer_common(tr, aligned))
             extra = {}
             if name.startswith("copy"):
                 extra["copy_matches_engine"] = agreement(out, base)["logp_bitwise_equal_frac"] == 1.0 and \
                     all(x.response_ids == y.response_ids for x, y in zip(out, base))
-            if len(aligned) == len(classes) and len(classes) > 1:  # the all-aligned engine: batch invariant?
+            if name in [n for n, _ in alls]:  # the all-aligned engines: batch invariant?
                 solo = [eng.generate([r], sp)[0] for r in requests(S, eng.vocab_size, pick)]
                 extra["batch_invariance"] = agreement(solo, [out[i] for i in pick])
+            if name == alls[0][0]:  # and its preempted samples: recomputed through its prefill
+                pe = build_engine(S, W, R, kv_cache_gb=small, sync_every=4 if S["device"] == "cpu" else 16)
+                EngineForward(pe.decoder).install(aligned, K)
+                pout = pe.generate(reqs, sp)
+                extra["preemption"] = {"preemptions": pe.decoder.stats.get("preemptions"), **agreement(pout, out),
+                                       "gap": scored(pout, tr, lambda: trainer_common(tr, aligned))[1]}
+                pe.shutdown()
+                del pe
             row(name, aligned, st, agreement(out, base), s=round(time.time() - t0, 1), **extra)
         except Exception as e:  # noqa: BLE001 - one variant's failure is recorded, the rest still run
             import traceback
@@ -570,8 +673,9 @@ def print_table(summary: dict) -> None:
         if k in r:
             print(k, json.dumps(r[k]))
     for v in r.get("variants", []):
-        if "batch_invariance" in v:
-            print("all-aligned batch_invariance", json.dumps(v["batch_invariance"]))
+        for k in ("batch_invariance", "preemption"):
+            if k in v:
+                print(f"{v['variant']}: {k}", json.dumps(v[k]))
 
 
 def main(argv=None) -> int:
