@@ -14,8 +14,9 @@ trainer log p| over the sampled tokens: mean, p99, max and the fraction bitwise 
 Then the engine's forward is rebuilt by this bench (`EngineForward`: the same pieces as
 runtime/rollout/decode_model.py's `_pre_attn` / `_post_attn` / `_logits`, compiled with the engine's options; its
 copy with nothing aligned must give the engine's bits, `copy_matches_engine`) with slots for each class of kernel,
-and `KernelOverrides` puts the trainer's implementation into a slot. The trainer's piece is called as it is (opaque
-to the engine's compiler: its own kernel, its output rounded where the trainer rounds it):
+and `EngineForward.install(aligned, TrainerKernels)` puts the trainer's implementation of each class in `aligned`
+into its slot. The trainer's piece is called as it is (opaque to the engine's compiler: its own kernel, its output
+rounded where the trainer rounds it; in the trainer's deterministic mode):
 
   norm        the trainer's RMSNorm module's forward (CompiledRMSNorm on CUDA, in the trainer's deterministic mode;
               torch's RMSNorm on CPU) with the engine's weight
@@ -36,12 +37,16 @@ to the engine's compiler: its own kernel, its output rounded where the trainer r
   linear      no swap is possible (both sides call cuBLAS through the same op; the bits differ because the row
               count picks the kernel): BOTH sides use a common batch-invariant matmul (`fixed_shape_mm`: rows in
               blocks of a fixed count, so every call has one shape), the trainer's linear layers and its chunked
-              output layer included (patched for the bench only)
+              output layer included (patched for the bench only). One difference stays: the trainer's fused q/k/v
+              rows are megatron's per-group order, the engine's HF's; one GEMM kernel gives a column the same bits
+              wherever it sits, unless the kernel cuBLAS picks splits K per tile (stream-K)
 
-Each class alone, then cumulatively in the order given (`--classes`); batch invariance (a sample alone against the
-same sample in the batch), preempted-and-recomputed samples (a pool too small for the batch) against the same keys
-unpreempted, and the all-aligned engine's batch invariance. Nothing in runtime/ changes: the swaps are instance
-attributes of this bench's engine and trainer. JSON in OUT/logp_gap_attribution.json (`--results-dir` keeps a copy).
+Rows: the engine, the copy, everything aligned (first: if `--deadline` cuts the list, it cuts the partial sums), each
+class alone, then cumulatively in the order given (`--classes`). Besides: batch invariance (a few samples alone
+against the same samples in the batch of 64) and preempted-and-recomputed samples (a pool too small for the batch)
+against the same keys unpreempted, for the default engine and the all-aligned one. Nothing in runtime/ changes: the
+swaps are instance attributes of this bench's engine and trainer. JSON in OUT/logp_gap_attribution.json
+(`--results-dir` keeps a copy named by device and date).
 """
 from __future__ import annotations
 
@@ -209,7 +214,7 @@ def fixed_shape_mm(x, w, b=None):
     every call on a weight has one shape and cuBLAS one kernel: a row's bits do not depend on how many rows came with
     it. The bias is added after the GEMM in the output dtype, as megatron's linear does."""
     torch = _torch()
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # one leading dimension on both sides: cuBLAS picks by it too
     n = rows.shape[0]
     pad = (-n) % FIXED_ROWS
     if pad:
