@@ -618,7 +618,7 @@ def run(S, W: Path, a, t_start: float) -> dict:
     # cumulatively in the given order; attention_common takes the place of attention (one attention per engine)
     cumulative = [("cumulative +" + c, tuple(x for x in classes[:i + 1] if not (
         x == "attention" and "attention_common" in classes[:i + 1]))) for i, c in enumerate(classes) if i > 0]
-    alls = cumulative[-1:]
+    alls = [(f"all (= cumulative +{classes[-1]})", cumulative[-1][1])] if cumulative else []
     if "attention" in classes and "attention_common" in classes:  # everything with the trainer's own attention
         alls.append(("all, the trainer's attention", tuple(c for c in classes if c != "attention_common")))
     # the all-aligned rows right after the copy: if the deadline cuts the list, it cuts the partial sums
@@ -641,7 +641,7 @@ def run(S, W: Path, a, t_start: float) -> dict:
             if name in [n for n, _ in alls]:  # the all-aligned engines: batch invariant?
                 solo = [eng.generate([r], sp)[0] for r in requests(S, eng.vocab_size, pick)]
                 extra["batch_invariance"] = agreement(solo, [out[i] for i in pick])
-            if name == alls[0][0]:  # and its preempted samples: recomputed through its prefill
+            if alls and name == alls[0][0]:  # and its preempted samples: recomputed through its prefill
                 pe = build_engine(S, W, R, kv_cache_gb=small, sync_every=4 if S["device"] == "cpu" else 16)
                 pf = EngineForward(pe.decoder)
                 pf.built = fwd.built  # the pieces compiled for this variant: they hold the model's sizes, no engine
