@@ -439,3 +439,35 @@ def test_a_retired_section_is_refused_in_one_line(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == ("--sections: no section sweep in this bench (its sections: paged, capped, kernels; "
                                    "retired ones: bench/README.md)")
+
+
+def test_logp_gap_common_attention_is_the_engines_decode_reference_row_by_row():
+    """bench/logp_gap_attribution.py's common attention (what both sides run in its `attention_common` variant) gives
+    each query row the bits the engine's decode reference gives that row from the paged cache, whatever rows come
+    with it; and its common matmul gives a row the same bits alone as in a batch. Fails if either drifts from the
+    other (the attribution's all-aligned row would then measure something else)."""
+    import torch
+    sys.path.insert(0, str(ROOT / "bench"))
+    import logp_gap_attribution as lga
+    from runtime.rollout.decode_attention import reference_paged_decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    n, nh, nkv, hd, page, plen = 300, 4, 2, 16, 16, 40  # more than one of the reference's 256-position blocks
+    q, k, v = (torch.randn(n, h, hd, generator=g) for h in (nh, nkv, nkv))
+    common = lga.common_attention(q, k, v, hd ** -0.5)
+    # the same sequence in a paged pool: the prompt's pages, then the row's own pages (shuffled page ids)
+    pcols, ocols = -(-plen // page), -(-(n - plen) // page)
+    ids = torch.randperm(pcols + ocols + 1, generator=g)[: pcols + ocols] + 1  # page 0 stays the null page
+    kp, vp = (torch.zeros(pcols + ocols + 2, page, nkv, hd) for _ in range(2))
+    for t in range(n):
+        col = t // page if t < plen else pcols + (t - plen) // page
+        off = t % page if t < plen else (t - plen) % page
+        kp[ids[col], off], vp[ids[col], off] = k[t], v[t]
+    rows = torch.tensor([plen - 1, plen, 150, 255, 256, n - 1])  # each the last position of its row (own: 0 to 260)
+    for pick in (rows, rows[2:3]):  # several rows in one call, and one alone
+        got = reference_paged_decode_attention(q[pick], kp, vp, ids[None].expand(len(pick), -1).int(),
+                                               torch.full((len(pick),), plen), pick + 1 - plen, pcols, hd ** -0.5)
+        assert torch.equal(got, common[pick])
+    w = torch.randn(96, 64, generator=g)
+    x = torch.randn(70, 64, generator=g)
+    assert torch.equal(lga.fixed_shape_mm(x, w)[5:6], lga.fixed_shape_mm(x[5:6], w))
