@@ -12,12 +12,13 @@ HF model (random init; built on the GPU directly, no checkpoint on disk):
   qwen06  Qwen3-0.6B's shape (rollout_bench's), the recipe's keyed lengths; by default 16 x 8 of them (the recipe's
           32 x 8 x 1.5 = 384 requests: --qwen-prompts 48 --qwen-over-sampling 1.0) to fit the deadline
 Per setting: tokens/s of the keyed rollout, ms per decode step (overall and by active rows: the full batch and
-the tail), the step at 128 rows / 2k context and at 8 rows / 5k context (graph replay), the quantisation at a
+the tail), the step at 128 rows / 2k context and at 8 rows / 5k context (graph replay), one layer's four projections
+alone (bf16, fp8 with its input's quantisation, _scaled_mm alone; at 8 and 128 rows), the quantisation at a
 weight sync (every linear weight re-quantised from the bf16 source in place, median of 3), weight bytes, and the
 engine-vs-trainer log-prob gap (mean, p99, max over the sampled tokens of 16 samples of 256 tokens, 2 prompts x 8,
 against the HF forward of the bf16 weights: the trainer's numbers). The ratio fp8 / bf16 tok/s per shape is
 the headline (issue 59's target: >= 1.3 at the GLM shape). A random-init model's next-token distributions are
-nearly flat, so its gap is an upper-level check of the numerics, not a trained model's gap.
+nearly flat, so its gap checks the numerics; a trained model's gap is another number.
 """
 from __future__ import annotations
 
@@ -74,6 +75,42 @@ def quantise_at_sync(dec, model, cuda: bool) -> dict:
     gb = sum(p.numel() * p.element_size() for p in named.values()) / 1e9
     return {"s": round(statistics.median(times), 4), "tensors": len(named), "bf16_GB": round(gb, 2),
             "GB_per_s": round(gb / statistics.median(times), 1)}
+
+
+def linear_microbench(model, cuda: bool) -> dict:
+    """ms of one layer's four projections at a decode step's rows: bf16 F.linear, fp8_linear (with its input's
+    quantisation, eager) and _scaled_mm alone (the input already quantised): what the matmuls save and what the
+    quantisation costs, apart from the rest of the step."""
+    from runtime.rollout.fp8_weights import FP8, fp8_linear, quantize_rows
+    layer = model.model.layers[0]
+    a, m = layer.self_attn, layer.mlp
+    gu = [m.gate_up_proj.weight] if hasattr(m, "gate_up_proj") else [m.gate_proj.weight, m.up_proj.weight]
+    weights = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), a.o_proj.weight, torch.cat(gu),
+               m.down_proj.weight]
+    quantized = [quantize_rows(w) for w in weights]
+
+    def ms(fn, reps: int = 20) -> float:
+        fn()
+        sync(cuda)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync(cuda)
+        return round(1e3 * (time.perf_counter() - t0) / reps, 4)
+
+    out = {}
+    with torch.inference_mode():
+        for rows in (8, 128):
+            xs = [torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+            xq = [(x.float() / 0.01).clamp(-448, 448).to(FP8) for x in xs]
+            sa = [torch.full((rows, 1), 0.01, device=w.device) for w in weights]
+            out[f"rows{rows}"] = {
+                "bf16_ms": ms(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)]),
+                "fp8_with_quant_ms": ms(lambda: [fp8_linear(x, w8, s) for x, (w8, s) in zip(xs, quantized)]),
+                "scaled_mm_only_ms": ms(lambda: [torch._scaled_mm(q, w8.t(), scale_a=a_, scale_b=s,
+                                                                  out_dtype=xs[0].dtype)
+                                                 for q, a_, (w8, s) in zip(xq, sa, quantized)])}
+    return out
 
 
 def keyed_rollout(dec, S, prompts: int, over_sampling: float, cuda: bool) -> dict:
@@ -150,6 +187,7 @@ def run_shape(name: str, build, S, *, prompts: int, over_sampling: float, kv_gib
     sync(cuda)
     res["build_s"] = round(time.time() - t0, 1)
     res["params"] = sum(p.numel() for p in model.parameters())
+    res["one_layer_projections"] = linear_microbench(model, cuda)
     rows = max(prompts * S["samples"], 16)
     need = 120.0  # seconds a setting is let start with: then what the last one took
     for setting in SETTINGS:

@@ -325,17 +325,21 @@ class BuiltinEngine(RolloutEngine):
         state = self.model.state_dict()
         quantized = self._fp8_targets()
         if quantized:  # one tensor at a time, quantised as it comes (the bf16 weights are never all here at once)
-            unknown = sorted(name for name, _, _ in metadata if name not in state)
+            bad = [f"{name} {tuple(shape)}" for name, _, shape in metadata
+                   if name not in state or tuple(shape) != tuple(state[name].shape)]
             with torch.no_grad(), self._timing_quantization():
-                for item in metadata:
+                for item in metadata:  # a bad update is received whole (the sender is not left blocked), not applied
                     name, t = next(iter(weight_sync.receive(self._sync_group, [item], self.device,
-                                                            into=state).items()))
+                                                            into=None if bad else state).items()))
+                    if bad:
+                        continue
                     if name in quantized:
                         self.decoder.load_linear(name, t)
-                    elif name in state and t.data_ptr() != state[name].data_ptr():
+                    elif t.data_ptr() != state[name].data_ptr():
                         state[name].copy_(t)
-            if unknown:
-                raise ValueError(f"receive_weights: {len(unknown)} name(s) not in the model, e.g. {unknown[:3]}")
+            if bad:
+                raise ValueError(f"receive_weights: {len(bad)} tensor(s) not in the model or of another shape, "
+                                 f"e.g. {bad[:3]}")
             self._weight_version = int(version)
             return
         got = weight_sync.receive(self._sync_group, metadata, self.device, into=state)
@@ -425,7 +429,7 @@ class BuiltinEngine(RolloutEngine):
             return []
         ids = torch.tensor([list(prompt_ids) + list(response_ids)], dtype=torch.long, device=self.device)
         self._check_token_range(ids)
-        if self.lora is not None or self.shares_base or self._fp8_targets() or self.weights_dtype != "bf16":
+        if self.lora is not None or self.shares_base or self.weights_dtype != "bf16":
             # the decoder's own forward holds the adapters (and the base), or the FP8 weights
             logits = self.decoder.sequence_logits(ids[0]).float()
         else:
