@@ -22,13 +22,19 @@ _MIN_AMAX = 1e-12  # an all-zero row: scale 1e-12/448, quantised zeros (no divis
 WEIGHTS_DTYPES = ("bf16", "fp8")
 
 
+_CHUNK_ELEMENTS = 2**24  # rows quantised at a time: fp32 temporaries of <= 64 MiB each during a weight sync
+
+
 def quantize_rows_into(w: torch.Tensor, into: torch.Tensor, scales: torch.Tensor) -> None:
-    """Quantise ``w`` [out, in] (any float dtype) into ``into`` [out, in] e4m3 and ``scales`` [1, out] fp32, in place."""
+    """Quantise ``w`` [out, in] (any float dtype) into ``into`` [out, in] e4m3 and ``scales`` [1, out] fp32, in place
+    (rows a chunk at a time: a row's bits depend on that row only)."""
+    step = max(_CHUNK_ELEMENTS // max(w.shape[1], 1), 1)
     with torch.no_grad():
-        wf = w.to(device=into.device, dtype=torch.float32)
-        s = wf.abs().amax(dim=1).clamp(min=_MIN_AMAX) / FP8_MAX
-        into.copy_((wf / s[:, None]).clamp(-FP8_MAX, FP8_MAX))
-        scales.copy_(s[None, :])
+        for r in range(0, w.shape[0], step):
+            wf = w[r:r + step].to(device=into.device, dtype=torch.float32)
+            s = wf.abs().amax(dim=1).clamp(min=_MIN_AMAX) / FP8_MAX
+            into[r:r + step].copy_((wf / s[:, None]).clamp(-FP8_MAX, FP8_MAX))
+            scales[:, r:r + step].copy_(s[None, :])
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
