@@ -109,7 +109,11 @@ def linear_microbench(model, cuda: bool) -> dict:
                 "fp8_with_quant_ms": ms(lambda: [fp8_linear(x, w8, s) for x, (w8, s) in zip(xs, quantized)]),
                 "scaled_mm_only_ms": ms(lambda: [torch._scaled_mm(q, w8.t(), scale_a=a_, scale_b=s,
                                                                   out_dtype=xs[0].dtype)
-                                                 for q, a_, (w8, s) in zip(xq, sa, quantized)])}
+                                                 for q, a_, (w8, s) in zip(xq, sa, quantized)]),
+                # the engine accumulates exactly (use_fast_accum off); what the fast mode would save
+                "scaled_mm_fast_accum_ms": ms(lambda: [torch._scaled_mm(q, w8.t(), scale_a=a_, scale_b=s,
+                                                                        out_dtype=xs[0].dtype, use_fast_accum=True)
+                                                       for q, a_, (w8, s) in zip(xq, sa, quantized)])}
     return out
 
 
