@@ -171,6 +171,12 @@ class RolloutSection(Section):
     # Measured on an H100 (64 samples of <= 2048 tokens; the recipe's 8192 not yet): no cost beyond decode's own
     # run-to-run spread (+-3 %), a shorter first compile (bench/results/engine_repeat_*). SGLang's own is rollout.sglang.deterministic.
     deterministic: bool = True
+    # The built-in engine's linear layers (q/k/v, o, gate/up, down): bf16 (the model's dtype), or fp8 = rowwise
+    # e4m3 with a scale per output row and per token (runtime/rollout/fp8_weights.py), quantised from the
+    # trainer's weights at each weight sync; embeddings and the head stay bf16. Halves the engine's weights and
+    # the bytes a decode step reads; its log-probs then differ from the trainer's more than bf16's, so fp8 turns
+    # algorithm.use_tis on unless the config sets it.
+    weights_dtype: Literal["bf16", "fp8"] = "bf16"
     sglang: SGLangSection = SGLangSection()
 
     @model_validator(mode="before")
@@ -473,6 +479,21 @@ class GrpoConfig(Section):
                              "train.optimizer_on_host: false")
         if "lr" not in t.model_fields_set:
             t.lr = LORA_DEFAULT_LR
+        return self
+
+    @model_validator(mode="after")
+    def _fp8_rollout(self) -> "GrpoConfig":
+        r = self.rollout
+        if r.weights_dtype == "bf16":
+            return self
+        if r.engine == "sglang":
+            raise ValueError("rollout.weights_dtype: fp8 is the built-in engine's; SGLang quantises with its own "
+                             "server arguments: use rollout.engine: builtin, or rollout.weights_dtype: bf16")
+        if r.decode_path == "hf":
+            raise ValueError("rollout.weights_dtype: fp8 runs in the built-in engine's paged decoder; set "
+                             "rollout.decode_path: auto (or paged), or rollout.weights_dtype: bf16")
+        if "use_tis" not in self.algorithm.model_fields_set:
+            self.algorithm.use_tis = True  # the engine's log-probs are FP8's: TIS weighs the gap to the trainer's
         return self
 
     @model_validator(mode="after")

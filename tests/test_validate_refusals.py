@@ -22,6 +22,8 @@ CASES = [
     ([f"rollout.custom_rollout={__name__}:NOT_A_FUNCTION"], "rollout.custom_rollout"),
     (["train.lora.enabled=true", "rollout.engine=sglang"], "train.lora"),  # SGLang's adapters: not wired yet
     (["train.lora.enabled=true", "train.optimizer_on_host=true"], "train.optimizer_on_host: false"),  # adapters: on the GPU
+    (["rollout.weights_dtype=fp8", "rollout.engine=sglang"], "rollout.weights_dtype"),  # the built-in engine's
+    (["rollout.weights_dtype=fp8", "rollout.decode_path=hf"], "rollout.decode_path: auto"),  # the paged decoder's
 ]
 
 

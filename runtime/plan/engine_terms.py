@@ -18,6 +18,10 @@
   colocated); colocated it runs with ``--enable-memory-saver`` and releases that memory during training. Not
   measured here (SGLang cannot run on the machines we have).
 * LoRA: the engine's own base (none when it shares the trainer's), and the adapters' buffers, whole.
+* FP8 weights (``rollout.weights_dtype: fp8``, runtime/rollout/fp8_weights.py): the linear layers at one byte a
+  weight plus an fp32 scale per output row, the embeddings, head and norms at the model's dtype; a shared base
+  (LoRA) is the trainer's, and the FP8 copy beside it is the engine's. The per-token FP8 copy of a projection's
+  input is a quarter of the bf16 tensors the rollout extra already counts for it, not counted.
 """
 from __future__ import annotations
 
@@ -64,10 +68,20 @@ def engine_releases_kv() -> bool:
     return getattr(BuiltinEngine, "release_memory", None) is not getattr(RolloutEngine, "release_memory", None)
 
 
+def linear_params(m: dict[str, Any]) -> tuple[int, int]:
+    """(weights of the engine's linear layers: q/k/v, o, gate/up, down; their output rows), over every layer."""
+    h, f, qkv, o = m["h"], m["f"], (m["nh"] + 2 * m["ng"]) * m["d"], m["nh"] * m["d"]
+    return m["L"] * (h * qkv + o * h + 3 * h * f), m["L"] * (qkv + h + 2 * f + h)
+
+
 def engine_weights(n_params: int, adapters: int, e: int, *, engine: str, sglang_tp: int, shared_base: bool,
-                   lora: bool) -> int:
+                   lora: bool, m: dict[str, Any] | None = None, weights_dtype: str = "bf16") -> int:
     if engine == "sglang":
         return n_params * e // sglang_tp
+    if weights_dtype == "fp8":
+        linear, rows = linear_params(m)
+        fp8 = linear + 4 * rows  # e4m3 weights, an fp32 scale per row
+        return (fp8 if shared_base and lora else (n_params - linear) * e + fp8) + adapters * e
     return (0 if shared_base and lora else n_params * e) + adapters * e
 
 
@@ -107,12 +121,12 @@ def engine_side(hf_config, m: dict[str, Any], e: int, *, engine: str, device: st
                 rows: int, slots_max: int, seq_len: int, max_new_tokens: int, dtype, kv_cache_gb: float | None,
                 kv_released: bool, partial: bool, samples_per_prompt: int, sglang_mem_fraction: float, sglang_tp: int,
                 shared_base: bool, lora: bool, limit: float, sglang_others: int,
-                room: Callable[[int, int], float]) -> dict[str, Any]:
+                room: Callable[[int, int], float], weights_dtype: str = "bf16") -> dict[str, Any]:
     """The engine's weights, KV cache and rollout extra (bytes), its decode path, whether the pool is released while
     training and whether the plan chose it. ``room(engine_weights, working)``: the bytes a pool may take beside the
     rest at the plan's margin; ``sglang_others``: what the trainer holds when SGLang starts."""
     weights = engine_weights(n_params, adapters, e, engine=engine, sglang_tp=sglang_tp, shared_base=shared_base,
-                             lora=lora)
+                             lora=lora, m=m, weights_dtype=weights_dtype)
     prompt = seq_len - max_new_tokens
     kv_per_token = kv_bytes_per_token(hf_config, dtype)
     per_sample_kv = seq_len * kv_per_token

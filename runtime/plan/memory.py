@@ -101,7 +101,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     trainer_ranks: int = 1, processes: int = 1, lora: dict | None = None,
                     shared_base: bool = False, samples_per_prompt: int = 1, partial: bool = False,
                     engine_apart: bool = False, deterministic: bool = False,
-                    background_checkpoint: bool = False) -> dict[str, Any]:
+                    background_checkpoint: bool = False, weights_dtype: str = "bf16") -> dict[str, Any]:
     """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
 
     ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
@@ -128,6 +128,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     (``rollout.partial``): continued samples come back with their tokens and are prefilled one by one.
     ``engine_apart`` (``layout.engine_shares_gpu_across_processes``): a colocated built-in engine runs in a process
     of its own beside the trainer rank's (Ray actors, spawned ranks): two CUDA contexts and two allocators' slack.
+    ``weights_dtype`` (``rollout.weights_dtype``): the built-in engine's linear layers in "fp8" (runtime/plan/
+    engine_terms.py) or the model's dtype ("bf16").
 
     Returns ``weights``, ``grads``, ``optimizer``, ``activations``, ``kv_cache``, ``engine_weights``,
     ``rollout_activations``, ``overhead``, ``total`` (GiB; ``bytes``: the same, exact), ``at_rollout`` /
@@ -192,7 +194,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
         slots_max=slots_max, seq_len=seq_len, max_new_tokens=max_new_tokens, dtype=dtype, kv_cache_gb=kv_cache_gb,
         kv_released=kv_released, partial=partial, samples_per_prompt=samples_per_prompt,
         sglang_mem_fraction=sglang_mem_fraction, sglang_tp=sglang_tp, shared_base=shared_base, lora=bool(lora),
-        limit=limit, sglang_others=weights + (0 if offload else grads + opt.master) if colocate else 0, room=room)
+        limit=limit, sglang_others=weights + (0 if offload else grads + opt.master) if colocate else 0, room=room,
+        weights_dtype=weights_dtype)
     engine_weights, kv_cache, rollout_activations = eng["engine_weights"], eng["kv_cache"], eng["rollout_activations"]
     kv_released, decode_path = eng["kv_released"], eng["decode_path"]
 
@@ -231,6 +234,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     out: dict[str, Any] = {k: v / GIB for k, v in exact.items()}
     out.update(fits=fits, bytes=exact, params=n_params, params_per_gpu=per_rank, gpu_mem_gb=gpu_mem_gb,
                tp=tp, dp=dp, colocate=colocate, dtype=str(dtype).removeprefix("torch."), rollout_rows=rows,
+               engine_weights_dtype=weights_dtype if engine == "builtin" else str(dtype).removeprefix("torch."),
                rollout_engines=rollout_engines,
                micro_batch_size=micro_batch_size, seq_len=seq_len, device=device, engine=engine,
                decode_path=decode_path,
@@ -380,6 +384,10 @@ def format_estimate(est: dict[str, Any]) -> str:
         act_note += f"; adapters {est['act_lora']:.2f}"
         engine_note = ("the adapters' buffers only: the engine decodes with the trainer's base (one copy)"
                        if est["shared_base"] else "its own base + the adapters' buffers")
+    if est.get("engine_weights_dtype") == "fp8":
+        engine_note = ("the FP8 copy of the trainer's base + the adapters' buffers" if lora and est["shared_base"] else
+                       "linear layers in FP8 (rollout.weights_dtype), embeddings and head " + est["dtype"]
+                       + ("; + the adapters' buffers" if lora else ""))
     rows = [("weights", est["weights"], weights_note), ("gradients", est["grads"], owner + grad_note + state_note),
             ("optimizer", est["optimizer"],
              owner + "fp32 master + Adam m, v" + shard_note + " on the host (train.optimizer_on_host): see below"
@@ -461,6 +469,7 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         lora=lora_memory.config_lora(cfg), shared_base=layout.shares_base(cfg),
         engine_apart=layout.engine_shares_gpu_across_processes(cfg),
         samples_per_prompt=r.n_samples_per_prompt, partial=r.partial, background_checkpoint=cfg.checkpoint.background,
+        weights_dtype=r.weights_dtype if r.engine == "builtin" else "bf16",
         **{k: v for k, v in host_memory.node_layout(cfg).items() if k in ("trainer_ranks", "processes")})
 
 

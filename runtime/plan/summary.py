@@ -49,7 +49,16 @@ def plan_lines(cfg: GrpoConfig) -> list[str]:
     ]
     if t.lora.enabled:
         lines.insert(7, lora_line(cfg))
+    if r.weights_dtype == "fp8":
+        lines.append(fp8_line(cfg))
     return lines
+
+
+def fp8_line(cfg: GrpoConfig) -> str:
+    tis = ("TIS on (algorithm.use_tis: the default with fp8 weights)" if cfg.algorithm.use_tis else
+           "TIS off (algorithm.use_tis: false set in the config; fp8 rollouts' log-probs differ from the trainer's)")
+    return ("fp8 rollout   the engine's linear layers in e4m3 (a scale per output row and per token), quantised "
+            f"from the trainer's weights at each sync; embeddings and head in the model's dtype; {tis}")
 
 
 def lora_line(cfg: GrpoConfig) -> str:

@@ -15,9 +15,11 @@ path for model families the paged one lacks.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 
@@ -80,6 +82,7 @@ class BuiltinEngine(RolloutEngine):
         lora=None,
         shared_base: dict[str, torch.Tensor] | None = None,
         deterministic: bool = True,
+        weights_dtype: str = "bf16",
     ):
         """decode_path: "auto" = the paged decoder (`paged_decode`) where the model family has it, else HF's
         forward; "paged" insists (error if the family lacks it); "hf" = HF's forward with a dynamic cache
@@ -89,7 +92,10 @@ class BuiltinEngine(RolloutEngine):
         lora (``train.lora``): the paged decoder applies the adapters in its forward, from buffers of the
         configured rank that weight updates copy into (runtime/rollout/lora_forward.py). shared_base: the
         trainer's frozen base tensors (LoRA, trainer and engine in this process at TP 1): decoded from as they
-        are, no weights are loaded from `model_dir` (its config, tokenizer and generation config are read)."""
+        are, no weights are loaded from `model_dir` (its config, tokenizer and generation config are read).
+        weights_dtype (``rollout.weights_dtype``): "fp8" runs the paged decoder's linear layers in rowwise e4m3
+        (runtime/rollout/fp8_weights.py), re-quantised from the trainer's weights at each update (timed:
+        `last_quantize_s`); the engine's log-probs (`logprobs_of`) are then its own forward's."""
         if max_batch_size < 1:
             raise ConfigError(f"rollout max_batch_size must be >= 1, got {max_batch_size}: fix rollout.max_batch_size")
         if attn_implementation not in _ATTN_IMPLEMENTATIONS:
@@ -128,6 +134,11 @@ class BuiltinEngine(RolloutEngine):
         self.decoder = None  # PagedDecoder; None: HF's forward (`_generate_batch`)
         if (lora is not None or shared_base is not None) and decode_path == "hf":
             raise ConfigError("train.lora is applied by the paged decoder: set rollout.decode_path: auto (or paged)")
+        if weights_dtype != "bf16" and decode_path == "hf":
+            raise ConfigError(f"rollout.weights_dtype {weights_dtype} runs in the paged decoder: set "
+                              f"rollout.decode_path: auto (or paged), or rollout.weights_dtype: bf16")
+        self.weights_dtype = weights_dtype
+        self.last_quantize_s: float | None = None  # the last weight update's quantisation (fp8)
         if decode_path != "hf":
             from runtime.rollout.decode_model import unsupported_config_reason, unsupported_reason
 
@@ -138,10 +149,14 @@ class BuiltinEngine(RolloutEngine):
                 self.decoder = PagedDecoder(self.model, max_rows=self.max_batch_size, kv_cache_gb=kv_cache_gb,
                                             page_size=page_size, cuda_graphs=cuda_graphs, compile=compile_decode,
                                             sync_every=sync_every, gpu_memory_gb=gpu_memory_gb, lora=lora,
-                                            shared_base=shared_base, deterministic=deterministic)
+                                            shared_base=shared_base, deterministic=deterministic,
+                                            weights_dtype=weights_dtype)
             elif lora is not None or shared_base is not None:
                 raise ConfigError(f"train.lora needs the built-in engine's paged decoder, which {model_dir} lacks: "
                                   f"{reason}")
+            elif weights_dtype != "bf16":
+                raise ConfigError(f"rollout.weights_dtype {weights_dtype} needs the built-in engine's paged decoder, "
+                                  f"which {model_dir} lacks: {reason}; set rollout.weights_dtype: bf16")
             elif decode_path != "auto":
                 raise ConfigError(f"rollout.decode_path {decode_path!r} asked for, but {model_dir}: {reason}; "
                                   f"set rollout.decode_path: hf")
@@ -252,10 +267,30 @@ class BuiltinEngine(RolloutEngine):
         ]
         if mismatched:
             raise ValueError(f"update_weights: shape mismatch for {len(mismatched)} tensor(s), e.g. {mismatched[:3]}")
-        with torch.no_grad():
+        quantized = self._fp8_targets()
+        with torch.no_grad(), self._timing_quantization():
             for name, tensor in named_tensors.items():
-                state[name].copy_(tensor)
+                if name in quantized:
+                    self.decoder.load_linear(name, tensor)
+                else:
+                    state[name].copy_(tensor)
         self._weight_version = int(version)
+
+    def _fp8_targets(self) -> dict:
+        return self.decoder.fp8_targets if self.decoder is not None else {}
+
+    @contextlib.contextmanager
+    def _timing_quantization(self):
+        """Time a weight update's FP8 quantisation (`last_quantize_s`; nothing with bf16 weights)."""
+        if not self._fp8_targets():
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_quantize_s = time.perf_counter() - t0
+        log.info("built-in engine: weights quantised to fp8 in %.3f s", self.last_quantize_s)
 
     # ---- weight sync over a torch.distributed group (runtime/placement/weight_sync.py) --------------------
 
@@ -288,6 +323,25 @@ class BuiltinEngine(RolloutEngine):
             self._update_adapters(weight_sync.receive(self._sync_group, metadata, self.device), version)
             return
         state = self.model.state_dict()
+        quantized = self._fp8_targets()
+        if quantized:  # one tensor at a time, quantised as it comes (the bf16 weights are never all here at once)
+            bad = [f"{name} {tuple(shape)}" for name, _, shape in metadata
+                   if name not in state or tuple(shape) != tuple(state[name].shape)]
+            with torch.no_grad(), self._timing_quantization():
+                for item in metadata:  # a bad update is received whole (the sender is not left blocked), not applied
+                    name, t = next(iter(weight_sync.receive(self._sync_group, [item], self.device,
+                                                            into=None if bad else state).items()))
+                    if bad:
+                        continue
+                    if name in quantized:
+                        self.decoder.load_linear(name, t)
+                    elif t.data_ptr() != state[name].data_ptr():
+                        state[name].copy_(t)
+            if bad:
+                raise ValueError(f"receive_weights: {len(bad)} tensor(s) not in the model or of another shape, "
+                                 f"e.g. {bad[:3]}")
+            self._weight_version = int(version)
+            return
         got = weight_sync.receive(self._sync_group, metadata, self.device, into=state)
         unknown = sorted(name for name in got if name not in state)
         if unknown:
@@ -319,6 +373,7 @@ class BuiltinEngine(RolloutEngine):
             "decode_path": self.decode_path,
             "lora_rank": None if self.lora is None else self.lora.rank,
             "shares_base": self.shares_base,
+            "weights_dtype": self.weights_dtype,
         }
 
     def shutdown(self) -> None:
@@ -374,7 +429,8 @@ class BuiltinEngine(RolloutEngine):
             return []
         ids = torch.tensor([list(prompt_ids) + list(response_ids)], dtype=torch.long, device=self.device)
         self._check_token_range(ids)
-        if self.lora is not None or self.shares_base:  # the decoder's own forward holds the adapters (and the base)
+        if self.lora is not None or self.shares_base or self.weights_dtype != "bf16":
+            # the decoder's own forward holds the adapters (and the base), or the FP8 weights
             logits = self.decoder.sequence_logits(ids[0]).float()
         else:
             logits = self.model(input_ids=ids, use_cache=False).logits[0].float()

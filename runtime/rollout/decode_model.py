@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.devices import is_out_of_memory
+from runtime.rollout.fp8_weights import (WEIGHTS_DTYPES, fp8_linear, fp8_shape_reason, quantize_rows,
+                                         quantize_rows_into)
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_next, uniform_noise
 from runtime.rollout.speed_features import guarded
 from runtime.rollout.lora_forward import EngineAdapters, add_lora
@@ -84,13 +86,20 @@ def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return torch.cat((xr * cos + turned * sin, x[..., rot:]), dim=-1)
 
 
+def _linear(x, w, w_scales, b=None):
+    """A projection: bf16 (``w_scales`` None) or FP8 (``w`` e4m3 with a scale per output row: fp8_weights.py)."""
+    return F.linear(x, w, b) if w_scales is None else fp8_linear(x, w, w_scales, b)
+
+
 def _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, nkv: int, hd: int,
-              interleaved: bool = False, grouped: bool = False, qkv_a=None, qkv_lb=None, lscale: float = 1.0):
+              interleaved: bool = False, grouped: bool = False, qkv_s=None, qkv_a=None, qkv_lb=None,
+              lscale: float = 1.0):
     """[T, H] -> q [T, nh, hd], k, v [T, nkv, hd] (RoPE applied). ``grouped``: the fused qkv's rows are megatron's
     per-group order ([the group's q heads, its k, its v] per key-value group; a base shared with the trainer),
-    else HF's (all q, all k, all v). ``qkv_a``/``qkv_lb``: a LoRA adapter on the projection (runtime/rollout/lora_forward.py)."""
+    else HF's (all q, all k, all v). ``qkv_s``: the FP8 weight's scales (None: bf16). ``qkv_a``/``qkv_lb``: a LoRA
+    adapter on the projection (runtime/rollout/lora_forward.py), in the activation dtype beside an FP8 base."""
     x = _rms(h, ln_w, eps)
-    qkv = add_lora(F.linear(x, qkv_w, qkv_b), x, qkv_a, qkv_lb, lscale)
+    qkv = add_lora(_linear(x, qkv_w, qkv_s, qkv_b), x, qkv_a, qkv_lb, lscale)
     if grouped:  # a reshape of the projection's output: q heads come out in HF's order (group-major)
         per = nh // nkv
         g = qkv.view(-1, nkv, per + 2, hd)
@@ -107,17 +116,18 @@ def _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, 
 
 
 def _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps: float, ffn: int,
-               o_a=None, o_lb=None, gu_a=None, gu_lb=None, dn_a=None, dn_lb=None, lscale: float = 1.0):
+               o_s=None, gu_s=None, dn_s=None, o_a=None, o_lb=None, gu_a=None, gu_lb=None, dn_a=None, dn_lb=None,
+               lscale: float = 1.0):
     """o-proj, residual, norm, SwiGLU MLP, residual; `pa_w` / `pm_w` (GLM4): norms of the attention's and
-    the MLP's output before each residual add (None: none); `*_a`/`*_lb`: LoRA adapters of the o, gate/up
-    and down projections (None: none)."""
-    a = add_lora(F.linear(attn, o_w, o_b), attn, o_a, o_lb, lscale)
+    the MLP's output before each residual add (None: none); `*_s`: the FP8 weights' scales of the o, gate/up and
+    down projections (None: bf16); `*_a`/`*_lb`: their LoRA adapters (None: none)."""
+    a = add_lora(_linear(attn, o_w, o_s, o_b), attn, o_a, o_lb, lscale)
     h = h + (a if pa_w is None else _rms(a, pa_w, eps))
     x = _rms(h, ln_w, eps)
-    gu = add_lora(F.linear(x, gu_w), x, gu_a, gu_lb, lscale)
+    gu = add_lora(_linear(x, gu_w, gu_s), x, gu_a, gu_lb, lscale)
     g, u = gu.split([ffn, ffn], dim=-1)
     act = F.silu(g) * u
-    m = add_lora(F.linear(act, down_w), act, dn_a, dn_lb, lscale)
+    m = add_lora(_linear(act, down_w, dn_s), act, dn_a, dn_lb, lscale)
     return h + (m if pm_w is None else _rms(m, pm_w, eps))
 
 
@@ -188,6 +198,19 @@ class _Layer:
     pm: torch.Tensor | None = None  # and after the MLP
     pre_lora: tuple = (None, None)  # LoRA (A, B) of the qkv projection
     post_lora: tuple = (None,) * 6  # of the o, gate/up and down projections
+    # FP8 weights (rollout.weights_dtype: fp8): the scales [1, out] of qkv_w, o_w, gu_w, down_w (then e4m3)
+    qkv_s: torch.Tensor | None = None
+    o_s: torch.Tensor | None = None
+    gu_s: torch.Tensor | None = None
+    down_s: torch.Tensor | None = None
+
+    @property
+    def post_scales(self) -> tuple:
+        return self.o_s, self.gu_s, self.down_s
+
+
+# the engine's linear layers by their _Layer field; embeddings, the head and the norms stay in the model's dtype
+_LINEARS = (("qkv_w", "qkv_s"), ("o_w", "o_s"), ("gu_w", "gu_s"), ("down_w", "down_s"))
 
 
 def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -213,13 +236,23 @@ class FusedModel:
     next group's). fc1 is cat(gate, up), the engine's gate/up order already. An engine with a base of its own
     keeps HF's order: its HF modules (``logprobs_of`` on the HF path, ``update_weights`` by HF name) are views
     of row ranges of its fused buffers, which only that order allows.
-    ``lora`` (``train.lora``): the adapters' buffers (runtime/rollout/lora_forward.py), added in the forward."""
+    ``lora`` (``train.lora``): the adapters' buffers (runtime/rollout/lora_forward.py), added in the forward.
+    ``weights_dtype`` (``rollout.weights_dtype``): "fp8" quantises the linear layers (q/k/v, o, gate/up, down) to
+    rowwise e4m3 (runtime/rollout/fp8_weights.py) at build, into buffers of their own that `load_linear` updates in
+    place; the embeddings, the head and the norms stay in the model's dtype (a row lookup reads one row per token,
+    the head's logits feed the sampler and the log-probs TIS compares, and both are a small share of a decode
+    step's bytes at these shapes). An engine with a base of its own then drops its bf16 linears (``drop_bf16``;
+    the HF modules keep shapes on the meta device), so its weights are half; a shared base (LoRA) is the
+    trainer's and stays, the FP8 copy beside it, quantised once (frozen)."""
 
     def __init__(self, model, *, compile: bool | None = None, lora=None, shared_base: dict | None = None,
-                 deterministic: bool = True, settle_rows: int = 64):
+                 deterministic: bool = True, settle_rows: int = 64, weights_dtype: str = "bf16",
+                 drop_bf16: bool = True):
         reason = unsupported_config_reason(model.config) if shared_base is not None else unsupported_reason(model)
         if reason:
             raise ValueError(f"fast decode path: {reason}")
+        if weights_dtype not in WEIGHTS_DTYPES:
+            raise ValueError(f"rollout.weights_dtype must be one of {WEIGHTS_DTYPES}, got {weights_dtype!r}")
         self.model = model
         cfg = model.config
         p = shared_base["embedding.word_embeddings.weight"] if shared_base is not None else next(model.parameters())
@@ -246,10 +279,16 @@ class FusedModel:
         self.weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
         self.interleaved = cfg.model_type == "glm4"
         self.qkv_grouped = shared_base is not None
+        self._hf_linears: list[dict] = []  # per layer: the HF parameters whose rows make each fused linear
         if shared_base is not None:
             self._bind_shared(shared_base, cfg)
         else:
             self._bind_hf(model)
+        self.weights_dtype = weights_dtype
+        # HF name -> (e4m3 rows, their scales) in the fused FP8 buffers (`load_linear`); empty with bf16
+        self.fp8_targets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if weights_dtype == "fp8":
+            self._quantize_linears(drop_bf16 and shared_base is None)
         self.vocab = int(self.lm.shape[0])
         self.adapters: EngineAdapters | None = None
         self.lora_scale = 1.0
@@ -296,6 +335,11 @@ class FusedModel:
                 qkv_b = _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
                 gate_up = m.gate_up_proj.weight if hasattr(m, "gate_up_proj") else \
                     _fuse([m.gate_proj.weight, m.up_proj.weight])
+                self._hf_linears.append({
+                    "qkv_w": [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], "o_w": [a.o_proj.weight],
+                    "gu_w": [m.gate_up_proj.weight] if hasattr(m, "gate_up_proj") else [m.gate_proj.weight,
+                                                                                        m.up_proj.weight],
+                    "down_w": [m.down_proj.weight]})
                 self.layers.append(_Layer(
                     ln1=layer.input_layernorm.weight, qkv_w=_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
                     qkv_b=qkv_b, qn=getattr(getattr(a, "q_norm", None), "weight", None),
@@ -303,6 +347,45 @@ class FusedModel:
                     ln2=layer.post_attention_layernorm.weight, gu_w=gate_up, down_w=m.down_proj.weight,
                     pa=getattr(getattr(layer, "post_self_attn_layernorm", None), "weight", None),
                     pm=getattr(getattr(layer, "post_mlp_layernorm", None), "weight", None)))
+
+    def _quantize_linears(self, drop_bf16: bool) -> None:
+        """Each layer's linears to rowwise e4m3 in buffers of their own (`fp8_targets` names their HF row ranges);
+        ``drop_bf16``: the HF parameters they came from go to the meta device (same shapes, no memory)."""
+        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        fp8_bytes = 0
+        for i, w in enumerate(self.layers):
+            for attr, scale_attr in _LINEARS:
+                src = getattr(w, attr)
+                if self.device.type == "cuda":
+                    reason = fp8_shape_reason(f"layer {i} {attr.removesuffix('_w')}", src)
+                    if reason:
+                        raise ValueError(f"rollout.weights_dtype fp8: {reason}; use rollout.weights_dtype: bf16")
+                w8, scales = quantize_rows(src)
+                setattr(w, attr, w8)
+                setattr(w, scale_attr, scales)
+                fp8_bytes += w8.numel() + scales.numel() * 4
+                start = 0
+                for p in (self._hf_linears[i][attr] if self._hf_linears else ()):
+                    n = p.shape[0]
+                    self.fp8_targets[names[id(p)]] = (w8[start:start + n], scales[:, start:start + n])
+                    start += n
+        self.weight_bytes += fp8_bytes
+        if drop_bf16:
+            with torch.no_grad():
+                for name in self.fp8_targets:
+                    module_name, _, attr = name.rpartition(".")
+                    module = self.model.get_submodule(module_name)
+                    p = getattr(module, attr)
+                    self.weight_bytes -= p.numel() * p.element_size()
+                    setattr(module, attr, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                             requires_grad=False))
+        self._hf_linears = []
+
+    @torch.no_grad()
+    def load_linear(self, name: str, tensor: torch.Tensor) -> None:
+        """Quantise one HF-named linear weight from the trainer into its FP8 rows and scales, in place (the captured
+        graphs read these buffers)."""
+        quantize_rows_into(tensor, *self.fp8_targets[name])
 
     def _bind_shared(self, base: dict, cfg) -> None:
         """The trainer's megatron tensors (local-spec names), used as they are."""
@@ -333,14 +416,14 @@ class FusedModel:
         nh, nkv, hd, ffn, eps, interleaved = self.nh, self.nkv, self.hd, self.ffn, self.eps, self.interleaved
         grouped, lscale = self.qkv_grouped, self.lora_scale
 
-        def pre(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, qkv_a=None, qkv_lb=None):
+        def pre(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, qkv_s=None, qkv_a=None, qkv_lb=None):
             return _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps, nh, nkv, hd, interleaved, grouped,
-                             qkv_a, qkv_lb, lscale)
+                             qkv_s, qkv_a, qkv_lb, lscale)
 
-        def post(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, o_a=None, o_lb=None, gu_a=None, gu_lb=None,
-                 dn_a=None, dn_lb=None):
-            return _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps, ffn, o_a, o_lb, gu_a, gu_lb,
-                              dn_a, dn_lb, lscale)
+        def post(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, o_s=None, gu_s=None, dn_s=None, o_a=None,
+                 o_lb=None, gu_a=None, gu_lb=None, dn_a=None, dn_lb=None):
+            return _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps, ffn, o_s, gu_s, dn_s, o_a, o_lb,
+                              gu_a, gu_lb, dn_a, dn_lb, lscale)
 
         def head(h, norm_w, lm_w):
             return _logits(h, norm_w, lm_w, eps)
@@ -379,9 +462,9 @@ class FusedModel:
         n, w, dev = SETTLE_TOKENS, self.layers[0], self.device
         h = torch.zeros(n, self.embed.shape[1], dtype=self.dtype, device=dev)
         cos, sin = self.rope_tables(torch.arange(n, device=dev))
-        self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, *w.pre_lora)
+        self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, w.qkv_s, *w.pre_lora)
         self._post(h, torch.zeros(n, self.nh * self.hd, dtype=self.dtype, device=dev), w.o_w, w.o_b,
-                   w.ln2, w.gu_w, w.down_w, w.pa, w.pm, *w.post_lora)
+                   w.ln2, w.gu_w, w.down_w, w.pa, w.pm, *w.post_scales, *w.post_lora)
 
     def rope_tables(self, pos: torch.Tensor):
         return _cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype, self.interleaved)
@@ -394,10 +477,10 @@ class FusedModel:
         cos, sin = self.rope_tables(torch.arange(ids.shape[0], device=self.device))
         h = F.embedding(ids, self.embed)
         for w in self.layers:
-            q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, *w.pre_lora)
+            q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, w.qkv_s, *w.pre_lora)
             a = _sdpa_prefill(q, k, v, [ids.shape[0]], self.scale)
             h = self._post(h, a.reshape(h.shape[0], -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm,
-                           *w.post_lora)
+                           *w.post_scales, *w.post_lora)
         return self._head(h, self.norm, self.lm)
 
     def kv_bytes_per_token(self) -> int:

@@ -14,5 +14,5 @@ def make_engine(*, cfg: GrpoConfig, model_dir: str, device: str, dtype: str, sha
     return BuiltinEngine(model_dir, device=device, dtype=DTYPES[dtype], max_batch_size=max(cfg.samples_per_rollout, 1),
                          decode_path=cfg.rollout.decode_path, kv_cache_gb=cfg.rollout.kv_cache_gb,
                          sync_every=cfg.rollout.sync_every, gpu_memory_gb=cfg.cluster.gpu_memory_gb,
-                         deterministic=cfg.rollout.deterministic,
+                         deterministic=cfg.rollout.deterministic, weights_dtype=cfg.rollout.weights_dtype,
                          lora=cfg.train.lora if cfg.train.lora.enabled else None, shared_base=shared_base)

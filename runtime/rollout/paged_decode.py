@@ -79,15 +79,16 @@ class PagedDecoder(FusedModel):
                  page_size: int = DEFAULT_PAGE_SIZE, cuda_graphs: bool | None = None, compile: bool | None = None,
                  sync_every: int = 16, prefill_tokens: int = 16384, attention: str = "auto",
                  overlap_chunks: bool = True, gpu_memory_gb: float | None = None, lora=None,
-                 shared_base: dict | None = None, deterministic: bool = True):
+                 shared_base: dict | None = None, deterministic: bool = True, weights_dtype: str = "bf16",
+                 drop_bf16: bool = True):
         """attention: "auto" (the Triton kernel on CUDA where it applies, else the PyTorch reference),
         "triton" or "reference". overlap_chunks: queue the next decode chunk before reading the last one
         (the tokens are the same either way; off only to measure what it saves). gpu_memory_gb: the card
         the run's plan is for (`cluster.gpu_memory_gb`), named when the device runs out of memory. lora,
-        shared_base: `FusedModel`'s (the adapters' buffers are static: the captured graphs read them as they
-        are updated)."""
+        shared_base, weights_dtype, drop_bf16: `FusedModel`'s (the adapters' buffers and the FP8 weights are static:
+        the captured graphs read them as they are updated)."""
         super().__init__(model, compile=compile, lora=lora, shared_base=shared_base, deterministic=deterministic,
-                         settle_rows=max_rows)
+                         settle_rows=max_rows, weights_dtype=weights_dtype, drop_bf16=drop_bf16)
         cuda = self.device.type == "cuda"
         self.max_rows = int(max_rows)
         self.kv_cache_gb = kv_cache_gb
@@ -196,7 +197,7 @@ class PagedDecoder(FusedModel):
         cos, sin = self.rope_tables(pos)
         h = F.embedding(ids, self.embed)
         for li, w in enumerate(self.layers):
-            q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, *w.pre_lora)
+            q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, w.qkv_s, *w.pre_lora)
             self.k_pool[li].view(-1, self.nkv, self.hd).index_copy_(0, write_idx, k)
             self.v_pool[li].view(-1, self.nkv, self.hd).index_copy_(0, write_idx, v)
             if self.use_flash:
@@ -204,7 +205,7 @@ class PagedDecoder(FusedModel):
             else:
                 a = _sdpa_prefill(q, k, v, lens, self.scale)
             h = self._post(h, a.reshape(h.shape[0], -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm,
-                           *w.post_lora)
+                           *w.post_scales, *w.post_lora)
         return h.index_select(0, torch.tensor(want, dtype=torch.long, device=dev))
 
     def _step(self, b: int, sample_fn: Callable) -> None:
@@ -219,7 +220,7 @@ class PagedDecoder(FusedModel):
         cos, sin = self.rope_tables(pos)
         h = F.embedding(tok, self.embed)
         for li, w in enumerate(self.layers):
-            q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, *w.pre_lora)
+            q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, w.qkv_s, *w.pre_lora)
             kc, vc = self.k_pool[li], self.v_pool[li]
             kc.view(-1, self.nkv, self.hd).index_copy_(0, widx, k)
             vc.view(-1, self.nkv, self.hd).index_copy_(0, widx, v)
@@ -228,7 +229,8 @@ class PagedDecoder(FusedModel):
                                           split_tokens=self._chunk_split_tokens)
             else:
                 a = reference_paged_decode_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols, self.scale)
-            h = self._post(h, a.reshape(b, -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm, *w.post_lora)
+            h = self._post(h, a.reshape(b, -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm, *w.post_scales,
+                           *w.post_lora)
         logits = self._head(h, self.norm, self.lm)
         t, lp = sample_fn(logits, self.key_hash[:b], self.spos[:b])
         self.out_tok[:b].index_copy_(1, self.chunk_i, t[:, None])
@@ -770,6 +772,7 @@ class PagedDecoder(FusedModel):
         stats["new_tokens"] = sum(len(x) for x in out_ids)
         stats["graphs"] = len(self.graphs)
         stats["compiled"] = self.compiled
+        stats["weights_dtype"] = self.weights_dtype
         stats["cuda_graphs"] = self.use_graphs
         stats["attention"] = "triton_paged_split_kv" if self.use_triton else "sdpa_paged_reference"
         stats["prefill_attention"] = "flash_varlen" if self.use_flash else "sdpa"

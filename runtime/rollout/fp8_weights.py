@@ -1,0 +1,72 @@
+"""FP8 weights for the built-in engine's linear layers (``rollout.weights_dtype: fp8``): rowwise e4m3.
+
+A weight [out, in] is stored as float8_e4m3fn with one fp32 scale per output row (its absolute max / 448), and
+each matmul quantises its input the same way per token row, then runs ``torch._scaled_mm`` with both scale
+vectors and writes the activation dtype (bf16 on a GPU). Why rowwise: it is the scaling torch's sm90 path takes
+fastest with a bf16 output (cuBLASLt's rowwise kernels from CUDA 12.9, else CUTLASS's f8f8bf16_rowwise, in
+aten/src/ATen/native/cuda/Blas.cpp); per-tensor scales let one outlier row coarsen every other row of the
+matrix (and one outlier token every other token of a batch), and 128-block scales need the activation cut into
+128-column blocks with their own scale layout, for accuracy a rowwise scale already gives at these widths.
+Rowwise also makes a row's quantisation depend on that row only, so quantising q, k and v (or gate and up)
+one by one into row ranges of the fused buffer gives the bits quantising the fused matrix would: a weight sync
+quantises each tensor as it arrives, in place in static buffers (captured CUDA graphs stay valid), and the same
+trainer weights give the same bits (a resumed run's engine runs what the uninterrupted one ran).
+"""
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+_MIN_AMAX = 1e-12  # an all-zero row: scale 1e-12/448, quantised zeros (no division by zero)
+WEIGHTS_DTYPES = ("bf16", "fp8")
+
+
+_CHUNK_ELEMENTS = 2**24  # rows quantised at a time: fp32 temporaries of <= 64 MiB each during a weight sync
+
+
+def quantize_rows_into(w: torch.Tensor, into: torch.Tensor, scales: torch.Tensor) -> None:
+    """Quantise ``w`` [out, in] (any float dtype) into ``into`` [out, in] e4m3 and ``scales`` [1, out] fp32, in place
+    (rows a chunk at a time: a row's bits depend on that row only)."""
+    step = max(_CHUNK_ELEMENTS // max(w.shape[1], 1), 1)
+    with torch.no_grad():
+        for r in range(0, w.shape[0], step):
+            wf = w[r:r + step].to(device=into.device, dtype=torch.float32)
+            s = wf.abs().amax(dim=1).clamp(min=_MIN_AMAX) / FP8_MAX
+            into[r:r + step].copy_((wf / s[:, None]).clamp(-FP8_MAX, FP8_MAX))
+            scales[:, r:r + step].copy_(s[None, :])
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 copy of ``w`` [out, in], its scales [1, out] fp32), new buffers on ``w``'s device."""
+    into = torch.empty(w.shape, dtype=FP8, device=w.device)
+    scales = torch.empty(1, w.shape[0], dtype=torch.float32, device=w.device)
+    quantize_rows_into(w, into, scales)
+    return into, scales
+
+
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` with ``w`` given rowwise-quantised (`quantize_rows`); ``x`` is quantised per token
+    row on the way in. The output has ``x``'s dtype. The bias is added after the product (in the output dtype,
+    as F.linear's epilogue does)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k).to(torch.float32)
+    xs = x2.abs().amax(dim=-1, keepdim=True).clamp(min=_MIN_AMAX) / FP8_MAX
+    xq = (x2 / xs).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    out = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scales, out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*lead, w8.shape[0])
+
+
+def fp8_shape_reason(name: str, w: torch.Tensor) -> str | None:
+    """None when ``_scaled_mm`` on a GPU takes this weight ([out, in], both multiples of 16), else why not."""
+    out, inp = w.shape
+    if out % 16 or inp % 16:
+        return f"{name} is [{out}, {inp}]; FP8 matmuls need both sizes multiples of 16"
+    return None
+
+
+__all__ = ["FP8", "FP8_MAX", "WEIGHTS_DTYPES", "fp8_linear", "fp8_shape_reason", "quantize_rows",
+           "quantize_rows_into"]
