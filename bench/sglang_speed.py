@@ -1,0 +1,303 @@
+"""SGLang against the built-in engine on one GPU, at the Qwen3-0.6B recipe's keyed lengths (issue 58 item 4).
+
+    PYTHONPATH=/tmp/site:$PWD python3 bench/sglang_speed.py --sections setup,builtin,sglang --deadline 570 --out $OUT
+    PYTHONPATH=/tmp/site:$PWD python3 bench/sglang_speed.py --sections sglang-nondet --deadline 570 --out $OUT   # warm
+    python bench/sglang_speed.py --cpu     # here: tiny shapes, the built-in engine on CPU, tests/sglang_standin.py
+
+The model: a random-init Qwen3-0.6B (runtime/models/known_configs/Qwen3-0.6B.json) in bf16 with the tiny tokenizer.
+The workload is rollout_bench's realistic rollout: 32 prompts x 8 samples x 1.5 over-sampling = 384 requests of
+1024-token prompts, each stopped at its keyed length (log-normal, median 1700, a tail to the cap 8192;
+`rollout_bench.schedule`), so both engines make exactly the same tokens.
+Sections, each a process of its own (one engine on the GPU at a time):
+  setup          the model
+  builtin        the built-in paged engine (rollout_bench.engine / run_schedule, its 56 GiB pool): tok/s; then the
+                 log-prob gap of 16 x 256 sampled tokens against HF's teacher-forced forward in bf16
+  sglang         SGLang through `SGLangEngine` (rollout.engine: sglang), deterministic mode (the default): the same
+                 384 requests, each `/generate` body the client's (`generate_payload`) with the request's keyed
+                 length as `max_new_tokens` and `ignore_eos` (the client's generate takes one length per call), sent
+                 at once: tok/s; the log-prob gap as above; weight-sync seconds by method through the client:
+                 `/update_weights_from_disk`, `/update_weights_from_tensor` (CUDA IPC from this process) and, with a
+                 second GPU, the NCCL broadcast (this process rank 0 on GPU 1)
+  sglang-nondet  the same rollout without `--enable-deterministic-inference`
+"HF's forward" stands for the trainer's model here: the megatron trainer's own gap is ray_pipeline's sync section.
+Results: OUT/results.jsonl (a line per section) and OUT/sglang_speed.json; with --results-dir a copy named by device
+and date.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+for _p in (ROOT, BENCH):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import harness as H  # noqa: E402
+import rollout_bench as rb  # noqa: E402  (the keyed schedule, its requests, the built-in engine's run)
+from sglang_real import SERVER_SITE, Rank0, launch_prefix, sendable  # noqa: E402
+
+SECTIONS = ("setup", "builtin", "sglang", "sglang-nondet")
+QWEN3_06B = json.loads((ROOT / "runtime" / "models" / "known_configs" / "Qwen3-0.6B.json").read_text())
+STANDIN = ROOT / "tests" / "sglang_standin.py"
+GAP_SAMPLES, GAP_TOKENS = 16, 256
+
+
+def shapes(cpu: bool) -> dict:
+    S = dict(rb.SHAPES["cpu" if cpu else "gpu"])
+    if not cpu:  # the known config's shape (rollout_bench's gpu shape is the same; this says where it comes from)
+        c = QWEN3_06B
+        S.update(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=c["num_attention_heads"],
+                 kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], ffn=c["intermediate_size"],
+                 vocab=c["vocab_size"])
+    return S
+
+
+def workload(S):
+    n_prompts = round(S["prompts"] * S["over_sampling"])
+    return rb.requests(S, n_prompts, S["samples"], S["prompt_len"], rollout=3, seed=3), rb.schedule(S)
+
+
+# ---- the log-prob gap against HF's forward ----------------------------------------------------------------
+
+def gap_samples(S, generate) -> list:
+    """16 samples of 256 tokens (their own lengths: eos may stop them) from `generate(requests, sampling)`."""
+    from runtime.rollout.base import SamplingParams
+    reqs = rb.requests(S, 2, 8, 128, rollout=9, seed=9)
+    return generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=GAP_TOKENS if S["device"] == "cuda" else 8))
+
+
+def hf_gap(S, W: Path, samples) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+    dtype = torch.bfloat16 if S["dtype"] == "bfloat16" else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(W / "hf", dtype=dtype).to(S["device"]).eval()
+    diffs = []
+    with torch.no_grad():
+        for r in samples:
+            if not r.response_ids:
+                continue
+            ids = torch.tensor([r.prompt_ids + r.response_ids], device=S["device"])
+            logits = hf(ids).logits[0, len(r.prompt_ids) - 1:-1].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(r.prompt_ids):, None])[:, 0]
+            diffs.append((lp - torch.tensor(r.response_logprobs, device=S["device"])).abs())
+    d = torch.cat(diffs).float()
+    del hf
+    if S["device"] == "cuda":
+        torch.cuda.empty_cache()
+    return {"tokens": int(d.numel()), "mean": round(float(d.mean()), 5), "p99": round(float(d.quantile(0.99)), 5),
+            "max": round(float(d.max()), 5)}
+
+
+# ---- sections -------------------------------------------------------------------------------------------
+
+def sec_setup(S, W: Path, a) -> dict:
+    return {"name": "setup", **rb.make_model(S, W)}
+
+
+def sec_builtin(S, W: Path, a) -> dict:
+    reqs, lengths = workload(S)
+    t0 = time.time()
+    eng = rb.engine(S, W, "paged", S["kv_gib"], len(lengths))
+    res = {"name": "builtin", "load_s": round(time.time() - t0, 1)}
+    res["rollout"] = {k: v for k, v in rb.run_schedule(S, eng, lengths).items() if k != "trace"}
+    samples = gap_samples(S, eng.generate)
+    eng.shutdown()
+    del eng
+    res["logprob_gap_vs_hf"] = hf_gap(S, W, samples)
+    return res
+
+
+def sglang_engine(S, W: Path, a, deterministic: bool, tag: str):
+    from runtime.config import SGLangSection
+    from runtime.rollout.sglang.engine import SGLangEngine
+    from runtime.rollout.sglang.settings import SGLangSettings
+    launch = (["{python}", str(STANDIN)] if a.cpu else launch_prefix(a.site))
+    section = SGLangSection(launch=launch, mem_fraction=a.mem_fraction, startup_timeout_s=600,
+                            scratch_dir=str(W / f"scratch-{tag}"), deterministic=deterministic)
+    return SGLangEngine(SGLangSettings(section=section, colocate=False, random_seed=1,
+                                       sync_backend="nccl" if S["device"] == "cuda" else "gloo"), str(W / "hf"))
+
+
+def keyed_rollout(engine, reqs, lengths: list[int], sampling) -> dict:
+    """Every request at once, its keyed length as max_new_tokens (ignore_eos), over the client's own bodies."""
+    import httpx
+
+    from runtime.rollout.sglang.http_protocol import generate_payload, parse_generated
+    url = engine.urls[0] + "/generate"
+
+    async def go():
+        limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
+        async with httpx.AsyncClient(timeout=1800, limits=limits) as client:
+            async def one(r, n):
+                body = generate_payload(r.key, r.prompt_ids, replace(sampling, max_new_tokens=n))
+                body["sampling_params"]["ignore_eos"] = True
+                resp = await client.post(url, json=body)
+                resp.raise_for_status()
+                return parse_generated(resp.json())
+            return await asyncio.gather(*(one(r, n) for r, n in zip(reqs, lengths)))
+
+    t0 = time.time()
+    got = asyncio.run(go())
+    s = time.time() - t0
+    made = [len(g.ids) for g in got]
+    ntok = sum(made)
+    return {"requests": len(reqs), "new_tokens": ntok, "s": round(s, 2), "tok_s": round(ntok / s),
+            "exact_lengths": made == lengths}
+
+
+def sec_sglang(S, W: Path, a, deterministic: bool = True) -> dict:
+    from runtime.rollout.base import SamplingParams
+    tag = "sglang" if deterministic else "sglang-nondet"
+    reqs, lengths = workload(S)
+    t0 = time.time()
+    engine = sglang_engine(S, W, a, deterministic, tag)
+    res: dict = {"name": tag, "start_s": round(time.time() - t0, 1), "deterministic": deterministic}
+    try:
+        sp = SamplingParams(temperature=1.0, max_new_tokens=S["max_new"])
+        t0 = time.time()
+        keyed_rollout(engine, reqs[:16], [32] * 16, sp)  # warm-up: the same requests, short
+        res["warmup_s"] = round(time.time() - t0, 1)
+        res["rollout"] = keyed_rollout(engine, reqs, lengths, sp)
+        print("ROLLOUT", json.dumps(res["rollout"]), flush=True)
+        if deterministic:
+            samples = gap_samples(S, engine.generate)
+            res["logprob_gap_vs_hf"] = hf_gap(S, W, samples)
+            res["weight_sync_s"] = weight_sync_times(S, W, engine)
+    finally:
+        engine.shutdown()
+    return res
+
+
+def weight_sync_times(S, W: Path, engine, reps: int = 3) -> dict:
+    """Seconds of one update of the whole model through the client, by method (each reps times, fresh versions)."""
+    import torch
+    from safetensors.torch import load_file
+    named = {}
+    for f in sorted((W / "hf").glob("*.safetensors")):
+        named.update(load_file(str(f), device=S["device"]))
+    out: dict = {"GiB": round(sum(t.numel() * t.element_size() for t in named.values()) / 2**30, 3)}
+    version = 100
+    for method in ("disk", "tensor"):
+        engine.settings.section.weight_sync = method  # read at each update (rollout.sglang.weight_sync)
+        times = []
+        for _ in range(reps):
+            version += 1
+            t0 = time.time()
+            engine.update_weights(named, version)
+            times.append(round(time.time() - t0, 3))
+        out[method] = times
+    engine.settings.section.weight_sync = "disk"
+    if S["device"] == "cuda" and torch.cuda.device_count() >= 2:
+        try:
+            rank0 = Rank0(engine, "cuda:1")
+            out["broadcast_join_s"] = rank0.join_s
+            out["broadcast"] = []
+            for _ in range(reps):
+                version += 1
+                out["broadcast"].append(rank0.push(sendable(named), version))
+        except Exception:  # noqa: BLE001 - the rest of the section stands
+            out["broadcast_error"] = traceback.format_exc()[-1500:]
+    else:
+        out["broadcast"] = "skipped: needs a second GPU (NCCL: one rank per GPU; the server is on GPU 0)"
+    return out
+
+
+FUNCS = {"setup": sec_setup, "builtin": sec_builtin, "sglang": sec_sglang,
+         "sglang-nondet": lambda S, W, a: sec_sglang(S, W, a, deterministic=False)}
+
+
+# ---- the call ---------------------------------------------------------------------------------------------
+
+def print_table(results: list[dict]) -> None:
+    by = {r["name"]: r for r in results}
+    for r in results:
+        if "error" in r or r.get("status") == "FAILED":
+            print(f"{r['name']:<14} ERROR {str(r.get('error', '')).strip().splitlines()[-1:]}")
+            continue
+        ro = r.get("rollout") or {}
+        line = f"{r['name']:<14} {ro.get('tok_s', '-'):>8} tok/s  {ro.get('new_tokens', '-')} tokens in {ro.get('s', '-')} s"
+        if "logprob_gap_vs_hf" in r:
+            line += f"; |dlogp| vs HF {r['logprob_gap_vs_hf']}"
+        if "weight_sync_s" in r:
+            line += f"; weight sync s {r['weight_sync_s']}"
+        print(line)
+    b, s = by.get("builtin", {}).get("rollout", {}), by.get("sglang", {}).get("rollout", {})
+    if b.get("tok_s") and s.get("tok_s"):
+        print(f"sglang / builtin tok/s: {s['tok_s'] / b['tok_s']:.2f}")
+    n = by.get("sglang-nondet", {}).get("rollout", {})
+    if n.get("tok_s") and s.get("tok_s"):
+        print(f"deterministic mode costs: {s['tok_s']} vs {n['tok_s']} tok/s ({s['tok_s'] / n['tok_s']:.2f})")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sections", default="setup,builtin,sglang")
+    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU, the stand-in as SGLang")
+    ap.add_argument("--site", default=SERVER_SITE)
+    ap.add_argument("--mem-fraction", type=float, default=0.45, help="SGLang's --mem-fraction-static "
+                    "(0.45 of an H200: about the built-in engine's 56 GiB pool)")
+    ap.add_argument("--deadline", type=float, default=570.0)
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/sglang_speed_out"))
+    ap.add_argument("--results-dir", default=None)
+    a = ap.parse_args(argv)
+    S = shapes(a.cpu)
+    W = Path(a.work or ("/tmp/sglang_speed_work" + ("_cpu" if a.cpu else "")))
+    out = Path(a.out)
+    W.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    H.prepare_env()
+    if a.section:  # one section, in this process
+        if a.cpu:
+            import torch
+            torch.set_num_threads(1)
+        r = H.run_section(a.section, S, W, out, lambda S, W: FUNCS[a.section](S, W, a))
+        return 0 if r.get("status") == "ok" else 1
+    names = [x for x in a.sections.split(",") if x]
+    if unknown := [x for x in names if x not in SECTIONS]:
+        raise SystemExit(f"--sections: no section {', '.join(unknown)} (its sections: {', '.join(SECTIONS)})")
+    deadline = time.monotonic() + a.deadline
+    for name in names:
+        left = deadline - time.monotonic()
+        if left < 30:
+            H.append_result(out, {"name": name, "status": "SKIPPED", "error": f"{left:.0f} s left of --deadline"})
+            continue
+        argv2 = [sys.executable, __file__, "--section", name, "--out", str(out), "--work", str(W), "--site", a.site,
+                 "--mem-fraction", str(a.mem_fraction), *(["--cpu"] if a.cpu else [])]
+        try:
+            subprocess.run(argv2, timeout=left, start_new_session=True)
+        except subprocess.TimeoutExpired:
+            H.append_result(out, {"name": name, "status": "FAILED", "error": f"timed out after {left:.0f} s"})
+    results = list(H.read_results(out).values())  # this call's sections and an earlier call's in the same OUT
+    summary = {"bench": "sglang_speed", "date": datetime.date.today().isoformat(), "device": _device(a),
+               "shape": {k: S[k] for k in ("hidden", "layers", "vocab", "prompts", "samples", "over_sampling",
+                                           "prompt_len", "max_new", "median", "sigma")}, "sections": results}
+    (out / "sglang_speed.json").write_text(json.dumps(summary, indent=1, default=str))
+    if a.results_dir:
+        tag = "cpu_smoke" if a.cpu else f"{summary['device'].replace(' ', '_')}_{summary['date']}"
+        (Path(a.results_dir) / f"sglang_speed_{tag}.json").write_text(json.dumps(summary, indent=1, default=str))
+    print_table(results)
+    return 0 if all(r.get("status") == "ok" for r in results) else 1
+
+
+def _device(a) -> str:
+    if a.cpu:
+        return "cpu (stand-in server)"
+    import torch
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
