@@ -186,15 +186,17 @@ def weight_sync_times(S, W: Path, engine, reps: int = 3) -> dict:
     named = {}
     for f in sorted((W / "hf").glob("*.safetensors")):
         named.update(load_file(str(f), device=S["device"]))
+    # perturbed and original weights in turn: every update changes what the servers serve (the client's probe sees it)
+    turns = [{k: (v + 0.02 * torch.randn_like(v) if v.dim() == 2 else v) for k, v in named.items()}, named]
     out: dict = {"GiB": round(sum(t.numel() * t.element_size() for t in named.values()) / 2**30, 3)}
     version = 100
     for method in ("disk", "tensor"):
         engine.settings.section.weight_sync = method  # read at each update (rollout.sglang.weight_sync)
         times = []
-        for _ in range(reps):
+        for i in range(reps):
             version += 1
             t0 = time.time()
-            engine.update_weights(named, version)
+            engine.update_weights(turns[i % 2], version)
             times.append(round(time.time() - t0, 3))
         out[method] = times
     engine.settings.section.weight_sync = "disk"
@@ -203,9 +205,9 @@ def weight_sync_times(S, W: Path, engine, reps: int = 3) -> dict:
             rank0 = Rank0(engine, "cuda:1")
             out["broadcast_join_s"] = rank0.join_s
             out["broadcast"] = []
-            for _ in range(reps):
+            for i in range(reps):
                 version += 1
-                out["broadcast"].append(rank0.push(sendable(named), version))
+                out["broadcast"].append(rank0.push(sendable(turns[i % 2]), version))
         except Exception:  # noqa: BLE001 - the rest of the section stands
             out["broadcast_error"] = traceback.format_exc()[-1500:]
     else:
