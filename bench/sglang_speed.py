@@ -1,7 +1,7 @@
 """SGLang against the built-in engine on one GPU, at the Qwen3-0.6B recipe's keyed lengths (issue 58 item 4).
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/sglang_speed.py --sections setup,builtin,sglang --deadline 570 --out $OUT
-    PYTHONPATH=/tmp/site:$PWD python3 bench/sglang_speed.py --sections sglang-nondet --deadline 570 --out $OUT   # warm
+    PYTHONPATH=/tmp/site:$PWD python3 bench/sglang_speed.py --sections sglang-nondet,trainer-gap --deadline 570 --out $OUT
     python bench/sglang_speed.py --cpu     # here: tiny shapes, the built-in engine on CPU, tests/sglang_standin.py
 
 The model: a random-init Qwen3-0.6B (runtime/models/known_configs/Qwen3-0.6B.json) in bf16 with the tiny tokenizer.
@@ -19,7 +19,10 @@ Sections, each a process of its own (one engine on the GPU at a time):
                  `/update_weights_from_disk`, `/update_weights_from_tensor` (CUDA IPC from this process) and, with a
                  second GPU, the NCCL broadcast (this process rank 0 on GPU 1)
   sglang-nondet  the same rollout without `--enable-deterministic-inference`
-"HF's forward" stands for the trainer's model here: the megatron trainer's own gap is ray_pipeline's sync section.
+  trainer-gap    the product's path: `TrainSession` (local backend, one GPU colocated, SGLang with the memory saver) over
+                 the model converted to torch_dist; one rollout and its update (pushed by the product's weight path),
+                 then the log-prob gap between SGLang's samples and the megatron trainer's log-probs of them
+                 (ray_pipeline.logprob_gap) and the seconds of the trainer-to-server push, `disk` and `tensor`
 Results: OUT/results.jsonl (a line per section) and OUT/sglang_speed.json; with --results-dir a copy named by device
 and date.
 """
@@ -47,7 +50,8 @@ import harness as H  # noqa: E402
 import rollout_bench as rb  # noqa: E402  (the keyed schedule, its requests, the built-in engine's run)
 from sglang_real import SERVER_SITE, Rank0, launch_prefix, sendable  # noqa: E402
 
-SECTIONS = ("setup", "builtin", "sglang", "sglang-nondet")
+SECTIONS = ("setup", "builtin", "sglang", "sglang-nondet", "trainer-gap")
+RECIPE = ROOT / "configs" / "qwen3-0.6b-dapo.yaml"
 QWEN3_06B = json.loads((ROOT / "runtime" / "models" / "known_configs" / "Qwen3-0.6B.json").read_text())
 STANDIN = ROOT / "tests" / "sglang_standin.py"
 GAP_SAMPLES, GAP_TOKENS = 16, 256
@@ -215,8 +219,61 @@ def weight_sync_times(S, W: Path, engine, reps: int = 3) -> dict:
     return out
 
 
+def sec_trainer_gap(S, W: Path, a) -> dict:
+    import random
+
+    import yaml
+    from transformers import AutoTokenizer
+
+    import ray_pipeline as rp
+    from runtime.config import config_from_dict
+    from runtime.grpo.session import TrainSession
+    cpu = S["device"] != "cuda"
+    data = W / "data" / "train.jsonl"
+    if not data.exists():
+        data.parent.mkdir(parents=True, exist_ok=True)
+        tok = AutoTokenizer.from_pretrained(W / "hf")
+        rows = H.word_rows(tok, random.Random(58), 64, 256 if not cpu else 12, 264 if not cpu else 20)
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t0 = time.time()
+    inputs = rp.standalone_inputs({"prompt_len": 256 if not cpu else 12}, W)  # converted and prepared once
+    convert_s = round(time.time() - t0, 1)
+    tree = yaml.safe_load(RECIPE.read_text())
+    tree["model"] = {"source": str(W / "hf"), "dtype": S["dtype"]}
+    tree["data"] = {**tree["data"], "apply_chat_template": False, "max_prompt_len": 512,
+                    "train": {"source": str(data), "format": "slime"}, "eval": {}}
+    tree["rollout"].update(engine="sglang", reward="bench.trivial_reward:length_mod13", rollout_batch_size=4,
+                           n_samples_per_prompt=8, max_new_tokens=256 if not cpu else 8, dynamic_sampling=False,
+                           over_sampling_factor=1.0,
+                           sglang={"launch": ["{python}", str(STANDIN)] if cpu else launch_prefix(a.site),
+                                   "mem_fraction": a.mem_fraction, "scratch_dir": str(W / "scratch-gap")})
+    tree["train"].update(global_batch_size=32, micro_batch_size=4, max_tokens_per_micro_batch=None)
+    tree["tracking"] = {"enabled": False}
+    tree["cluster"] = {"backend": "local", "device": S["device"], "colocate": True,
+                       "trainer_gpus": 0 if cpu else 1, "rollout_gpus": 0 if cpu else 1}
+    tree["storage"] = {"root": str(W / "gap-root")}
+    cfg = config_from_dict(tree, "trainer-gap")
+    sess = TrainSession(cfg, H.run_dir_over(W / "gap-root", "gap", inputs))
+    res: dict = {"name": "trainer-gap", "convert_s": convert_s}
+    try:
+        t0 = time.time()
+        sess.ensure_at(None)
+        res["build_s"] = round(time.time() - t0, 1)
+        m = sess.rollout(0)  # an update, pushed by the product's path (direct: the engine's disk load)
+        res["rollout_weight_sync_s"] = round(m["weight_sync_s"], 3)
+        res["logprob_gap_vs_trainer"] = rp.logprob_gap(sess, 8, 256 if not cpu else 8)
+        engine = sess.engine.group.members[0]  # the SGLangEngine in this process (local backend)
+        res["push_s"] = {}
+        for method in ("disk", "tensor"):
+            engine.settings.section.weight_sync = method  # read at each update (rollout.sglang.weight_sync)
+            res["push_s"][method] = rp.time_pushes(sess)
+    finally:
+        sess.close()
+    return res
+
+
 FUNCS = {"setup": sec_setup, "builtin": sec_builtin, "sglang": sec_sglang,
-         "sglang-nondet": lambda S, W, a: sec_sglang(S, W, a, deterministic=False)}
+         "sglang-nondet": lambda S, W, a: sec_sglang(S, W, a, deterministic=False), "trainer-gap": sec_trainer_gap}
 
 
 # ---- the call ---------------------------------------------------------------------------------------------
@@ -233,6 +290,8 @@ def print_table(results: list[dict]) -> None:
             line += f"; |dlogp| vs HF {r['logprob_gap_vs_hf']}"
         if "weight_sync_s" in r:
             line += f"; weight sync s {r['weight_sync_s']}"
+        if "logprob_gap_vs_trainer" in r:
+            line += f"; |dlogp| vs the trainer {r['logprob_gap_vs_trainer']}; pushes s {r.get('push_s')}"
         print(line)
     b, s = by.get("builtin", {}).get("rollout", {}), by.get("sglang", {}).get("rollout", {})
     if b.get("tok_s") and s.get("tok_s"):
