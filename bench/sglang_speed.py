@@ -17,7 +17,8 @@ Sections, each a process of its own (one engine on the GPU at a time):
                  length as `max_new_tokens` and `ignore_eos` (the client's generate takes one length per call), sent
                  at once: tok/s; the log-prob gap as above; weight-sync seconds by method through the client:
                  `/update_weights_from_disk`, `/update_weights_from_tensor` (CUDA IPC from this process) and, with a
-                 second GPU, the NCCL broadcast (this process rank 0 on GPU 1)
+                 second GPU, the NCCL broadcast (this process rank 0 on GPU 1); and the same rollout again with
+                 `rollout.sglang.concurrency` (64) requests in flight, as the client sends them (--no-client-cap: not)
   sglang-nondet  the same rollout without `--enable-deterministic-inference`
   trainer-gap    the product's path: `TrainSession` (local backend, one GPU colocated, SGLang with the memory saver) over
                  the model converted to torch_dist; one rollout and its update (pushed by the product's weight path),
@@ -133,8 +134,9 @@ def sglang_engine(S, W: Path, a, deterministic: bool, tag: str):
                                        sync_backend="nccl" if S["device"] == "cuda" else "gloo"), str(W / "hf"))
 
 
-def keyed_rollout(engine, reqs, lengths: list[int], sampling) -> dict:
-    """Every request at once, its keyed length as max_new_tokens (ignore_eos), over the client's own bodies."""
+def keyed_rollout(engine, reqs, lengths: list[int], sampling, limit: int | None = None) -> dict:
+    """Every request at once (or `limit` in flight), its keyed length as max_new_tokens (ignore_eos), over the
+    client's own bodies."""
     import httpx
 
     from runtime.rollout.sglang.http_protocol import generate_payload, parse_generated
@@ -143,10 +145,13 @@ def keyed_rollout(engine, reqs, lengths: list[int], sampling) -> dict:
     async def go():
         limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
         async with httpx.AsyncClient(timeout=1800, limits=limits) as client:
+            gate = asyncio.Semaphore(limit or len(reqs))
+
             async def one(r, n):
                 body = generate_payload(r.key, r.prompt_ids, replace(sampling, max_new_tokens=n))
                 body["sampling_params"]["ignore_eos"] = True
-                resp = await client.post(url, json=body)
+                async with gate:
+                    resp = await client.post(url, json=body)
                 resp.raise_for_status()
                 return parse_generated(resp.json())
             return await asyncio.gather(*(one(r, n) for r, n in zip(reqs, lengths)))
@@ -156,8 +161,8 @@ def keyed_rollout(engine, reqs, lengths: list[int], sampling) -> dict:
     s = time.time() - t0
     made = [len(g.ids) for g in got]
     ntok = sum(made)
-    return {"requests": len(reqs), "new_tokens": ntok, "s": round(s, 2), "tok_s": round(ntok / s),
-            "exact_lengths": made == lengths}
+    return {"requests": len(reqs), "in_flight": limit or len(reqs), "new_tokens": ntok, "s": round(s, 2),
+            "tok_s": round(ntok / s), "exact_lengths": made == lengths}
 
 
 def sec_sglang(S, W: Path, a, deterministic: bool = True) -> dict:
@@ -174,6 +179,10 @@ def sec_sglang(S, W: Path, a, deterministic: bool = True) -> dict:
         res["warmup_s"] = round(time.time() - t0, 1)
         res["rollout"] = keyed_rollout(engine, reqs, lengths, sp)
         print("ROLLOUT", json.dumps(res["rollout"]), flush=True)
+        if deterministic and a.client_cap:
+            # what the product gets: the client keeps rollout.sglang.concurrency requests in flight per server
+            res["rollout_at_client_concurrency"] = keyed_rollout(engine, reqs, lengths, sp,
+                                                                 engine.settings.section.concurrency)
         if deterministic:
             samples = gap_samples(S, engine.generate)
             res["logprob_gap_vs_hf"] = hf_gap(S, W, samples)
@@ -286,6 +295,9 @@ def print_table(results: list[dict]) -> None:
             continue
         ro = r.get("rollout") or {}
         line = f"{r['name']:<14} {ro.get('tok_s', '-'):>8} tok/s  {ro.get('new_tokens', '-')} tokens in {ro.get('s', '-')} s"
+        if "rollout_at_client_concurrency" in r:
+            c = r["rollout_at_client_concurrency"]
+            line += f"; {c['tok_s']} tok/s at {c['in_flight']} in flight"
         if "logprob_gap_vs_hf" in r:
             line += f"; |dlogp| vs HF {r['logprob_gap_vs_hf']}"
         if "weight_sync_s" in r:
@@ -309,6 +321,8 @@ def main(argv=None) -> int:
     ap.add_argument("--site", default=SERVER_SITE)
     ap.add_argument("--mem-fraction", type=float, default=0.45, help="SGLang's --mem-fraction-static "
                     "(0.45 of an H200: about the built-in engine's 56 GiB pool)")
+    ap.add_argument("--no-client-cap", dest="client_cap", action="store_false",
+                    help="sglang: leave out the second rollout at the client's concurrency (rollout.sglang.concurrency)")
     ap.add_argument("--deadline", type=float, default=570.0)
     ap.add_argument("--work", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/sglang_speed_out"))
@@ -336,7 +350,8 @@ def main(argv=None) -> int:
             H.append_result(out, {"name": name, "status": "SKIPPED", "error": f"{left:.0f} s left of --deadline"})
             continue
         argv2 = [sys.executable, __file__, "--section", name, "--out", str(out), "--work", str(W), "--site", a.site,
-                 "--mem-fraction", str(a.mem_fraction), *(["--cpu"] if a.cpu else [])]
+                 "--mem-fraction", str(a.mem_fraction), *(["--cpu"] if a.cpu else []),
+                 *([] if a.client_cap else ["--no-client-cap"])]
         try:
             subprocess.run(argv2, timeout=left, start_new_session=True)
         except subprocess.TimeoutExpired:
