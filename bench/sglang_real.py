@@ -377,15 +377,21 @@ def main(argv=None) -> int:
             changed_by_noise=sum(x.response_ids != y.response_ids for x, y in zip(first, moved)),
             restored_equal=sum(x.response_ids == y.response_ids for x, y in zip(first, restored)))
 
-        if "tensor" not in skip:
-            tensor_row(engine, named, noisy, first, reqs, sp, row)
-        if "broadcast" not in skip:
-            broadcast_row(engine, named, noisy, first, reqs, sp, row)
-        if "partial" not in skip:
-            partial_row(engine, prompts, a.partial_max_new, row)
-        if "det-cost" not in skip:
+        def det_row() -> None:
             det = throughput(engine, a.tput_max_new)
             row("throughput, deterministic mode (this server)", det["tok_s"] > 0, **det)
+
+        for name, fn in (("tensor", lambda: tensor_row(engine, named, noisy, first, reqs, sp, row)),
+                         ("broadcast", lambda: broadcast_row(engine, named, noisy, first, reqs, sp, row)),
+                         ("partial", lambda: partial_row(engine, prompts, a.partial_max_new, row)),
+                         ("det-cost", det_row)):
+            if name in skip:
+                continue
+            try:  # one row's failure is that row's; the original weights are loaded again for the next
+                fn()
+            except Exception:  # noqa: BLE001
+                row(f"{name}: failed", False, error=traceback.format_exc()[-3000:])
+                engine.update_weights(named, version=engine.weight_version + 100)
         if "restart" in skip:
             raise _Done
         # a SIGKILLed server: the client restarts it, re-syncs the weights, and the request goes through
