@@ -5,7 +5,8 @@
     PYTHONPATH=/tmp/site:$PWD python3 bench/sglang_pipeline.py --sections kill --deadline 570 --out $OUT   # warm
     # two GPUs (trainer GPU 0, server GPU 1, NCCL broadcast)
     PYTHONPATH=/tmp/site:$PWD python3 bench/sglang_pipeline.py --sections setup,split --deadline 570 --out $OUT
-    python bench/sglang_pipeline.py --standin     # here: the same sections on CPU against tests/sglang_standin.py
+    # here: the same sections on CPU against tests/sglang_standin.py (2 loaded cores: 90 + 350 + 200 s)
+    python bench/sglang_pipeline.py --standin --sections setup,colocated,kill,split --deadline 900
 
 Sections (each a `python -m cli.main run` process with its own Prefect API, Ray cluster and MLflow store):
   setup      a random tiny Qwen3 (bf16 on the GPU: 4 layers, 4 heads of 128, 2 KV heads: the attention kernels of
