@@ -9,8 +9,16 @@ Qwen3-0.6B shape in bf16 (rollout_bench's `make_model`). Each check is one row: 
 seen. Rows: launch and health; `/generate` with log-probs; the same keyed requests twice (deterministic mode:
 same tokens and log-probs); the engine's log-probs against HF's teacher-forced ones on the sampled tokens;
 `/update_weights_from_disk` with a weight version (new weights change the samples, the old ones bring them back);
-`--enable-memory-saver` release and resume (GPU memory freed and taken back); a SIGKILLed server restarted by the
-client; a request the server rejects named once, not retried.
+`--enable-memory-saver` release and resume (GPU memory freed and taken back); `/update_weights_from_tensor` with
+weight versions (CUDA IPC handles from this process: `rollout.sglang.weight_sync: tensor`); the NCCL broadcast
+group (`init_weight_sync` + `receive_weights`, this process's rank 0 on GPU 1 and the server on GPU 0: NCCL cannot
+put two ranks of one group on one GPU, so the row needs a second GPU and is skipped on one); partial rollout's
+abort and continue (`generate(..., until=GroupsDone)`, then the aborted samples continued with `prefix_ids`); a
+SIGKILLed server restarted by the client; a request the server rejects named once, not retried; the cost of the
+deterministic mode (warm tok/s of one workload on this server and on a second one started without
+`--enable-deterministic-inference`).
+`--skip ROW,...` leaves rows out (restart, det-cost: the two that start a server); `--deadline` skips det-cost when
+less than `--start-budget` seconds are left.
 Results: OUT/sglang_real.json.
 """
 from __future__ import annotations
@@ -43,10 +51,222 @@ def launch_prefix(site: str) -> list[str]:
     return ["env", f"PYTHONPATH={site}", "{python}", "-m", "sglang.launch_server", *SERVER_FLAGS]
 
 
+OPTIONAL_ROWS = ("tensor", "broadcast", "partial", "restart", "rejected", "det-cost")
+
+
 def gpu_used_gib() -> float:
     import torch
     free, total = torch.cuda.mem_get_info()
     return round((total - free) / 2**30, 2)
+
+
+class _Done(Exception):
+    """The rows asked for ran: leave the row sequence."""
+
+
+def keep_logs(scratch: Path, out: Path, tag: str) -> None:
+    for f in sorted(scratch.rglob("engine-*.log")):
+        if f.exists():
+            (out / f"server{tag}-{f.name}").write_text(f.read_text(errors="replace")[-200_000:])
+
+
+def same(xs, ys) -> int:
+    return sum(x.response_ids == y.response_ids for x, y in zip(xs, ys))
+
+
+def tensor_row(engine, named, noisy, first, reqs, sp, row) -> None:
+    """`/update_weights_from_tensor` through the client (`rollout.sglang.weight_sync: tensor`, read at each update):
+    the tensors stay on this process's GPU and travel as CUDA IPC handles."""
+    engine.settings.section.weight_sync = "tensor"
+    try:
+        t0 = time.time()
+        engine.update_weights(noisy, version=3)
+        upd_s = time.time() - t0
+        moved = engine.generate(reqs, sp)
+        t0 = time.time()
+        engine.update_weights(named, version=4)
+        back_s = time.time() - t0
+        restored = engine.generate(reqs, sp)
+    finally:
+        engine.settings.section.weight_sync = "disk"
+    row("/update_weights_from_tensor with weight versions",
+        engine.weight_version == 4 and same(first, moved) < len(reqs) and same(first, restored) == len(reqs),
+        update_s=round(upd_s, 2), update_back_s=round(back_s, 2), version=engine.weight_version,
+        changed_by_noise=len(reqs) - same(first, moved), restored_equal=same(first, restored))
+
+
+class Rank0:
+    """The trainer's side of a weight-sync group in this process: rank 0 on `device` (threads, as the trainer's actor
+    is another process), joined with the engine's servers through the client (`init_weight_sync`); `push` broadcasts
+    every tensor while `receive_weights` has the servers take them."""
+
+    def __init__(self, engine, device: str, name: str = "bench_weights"):
+        import threading
+
+        import torch
+
+        from runtime.placement.ports import free_port
+        from runtime.placement.weight_sync import backend_for, init_group
+        self.engine, self.device = engine, device
+        host, port, backend = "127.0.0.1", free_port("127.0.0.1"), backend_for(device)
+        joined: dict = {}
+
+        def join() -> None:
+            try:
+                if device.startswith("cuda"):
+                    torch.cuda.set_device(torch.device(device))
+                joined["group"] = init_group(host, port, 0, 1 + engine.weight_sync_ranks(), backend=backend,
+                                             group_name=name)
+            except Exception as e:  # noqa: BLE001 - raised below
+                joined["error"] = repr(e)
+        t0 = time.time()
+        th = threading.Thread(target=join, daemon=True)
+        th.start()
+        engine.init_weight_sync(host, port, 1, 1 + engine.weight_sync_ranks(), name, backend=backend)
+        th.join(120)
+        self.join_s = round(time.time() - t0, 2)
+        if "group" not in joined:
+            raise RuntimeError(f"rank 0 did not join the weight-sync group: {joined.get('error')}")
+        self.group = joined["group"]
+
+    def push(self, tensors: dict, version: int) -> float:
+        import threading
+
+        import torch
+
+        from runtime.placement.weight_sync import metadata_of, send
+        sent: dict = {}
+
+        def sender() -> None:
+            try:
+                if self.device.startswith("cuda"):
+                    torch.cuda.set_device(torch.device(self.device))
+                sent["bytes"] = send(self.group, tensors, self.device)
+                if self.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001
+                sent["error"] = repr(e)
+        t = threading.Thread(target=sender, daemon=True)
+        t0 = time.time()
+        t.start()
+        self.engine.receive_weights(metadata_of(tensors), version)
+        t.join(120)
+        if "error" in sent:
+            raise RuntimeError(f"rank 0's broadcast failed: {sent['error']}")
+        return round(time.time() - t0, 3)
+
+
+def sendable(named: dict) -> dict:
+    """The trainer's names: the tied lm_head is not sent (SGLang's Qwen3 skips it; the trainer's hf_weights too)."""
+    return {k: v for k, v in named.items() if k != "lm_head.weight"}
+
+
+BROADCAST = "NCCL broadcast group (init_weights_update_group + update_weights_from_distributed)"
+
+
+def broadcast_row(engine, named, noisy, first, reqs, sp, row) -> None:
+    """The NCCL weight-sync group through the client: this process is the trainer's rank 0 on GPU 1, the server
+    joins as rank 1 from GPU 0, then every tensor is broadcast while `receive_weights` has the server take them.
+    Ends with the original weights loaded from disk again (a broadcast leaves no disk copy to re-sync a restarted
+    server from)."""
+    import torch
+    if torch.cuda.device_count() < 2:
+        row(BROADCAST, True, skipped="needs a second GPU: NCCL refuses two ranks of one group on one GPU "
+                                     "(the server is on GPU 0)")
+        return
+    rank0 = Rank0(engine, "cuda:1")
+    times = [rank0.push(sendable(noisy), 5)]
+    moved = engine.generate(reqs, sp)
+    times.append(rank0.push(sendable(named), 6))
+    restored = engine.generate(reqs, sp)
+    version = engine.weight_version
+    ok = version == 6 and engine.weight_sync_ready() and same(first, moved) < len(reqs) and same(first, restored) == len(reqs)
+    engine.update_weights(named, version=7)  # a disk copy again, for the restart row
+    row(BROADCAST, ok, ranks="trainer rank 0 on GPU 1 (this process), server rank 1 on GPU 0", join_s=rank0.join_s,
+        broadcast_s=times, tensors=len(sendable(named)), version=version,
+        changed_by_noise=len(reqs) - same(first, moved), restored_equal=same(first, restored))
+
+
+def partial_row(engine, prompts, cap: int, row) -> None:
+    """Partial rollout's two asks of the server: stop once enough groups are complete (the rest aborted by rid,
+    their tokens so far returned), then continue the aborted samples after their tokens (`prefix_ids`). Groups 0
+    and 1 carry a prefix of cap - 8 tokens, so they complete first; the other 6 groups run to the cap."""
+    from runtime.rollout.base import GroupsDone, SampleRequest, SamplingParams
+    sp = SamplingParams(temperature=1.0, max_new_tokens=cap)
+    carried = [(p * 7 + i) % 47 + 3 for i, p in enumerate(range(cap - 8))]
+    reqs = [SampleRequest(prompt_ids=p, key=(5, 0, i, j), prefix_ids=carried if i < 2 else [],
+                          prefix_logprobs=[-1.0] * len(carried) if i < 2 else [])
+            for i, p in enumerate(prompts) for j in range(8)]
+    t0 = time.time()
+    got = engine.generate(reqs, sp, until=GroupsDone(group_size=8, count=2))
+    stop_s = time.time() - t0
+    aborted = [i for i, r in enumerate(got) if r.finish_reason == "abort"]
+    made = [len(got[i].response_ids) for i in aborted]
+    complete_groups = sum(all(got[i].finish_reason != "abort" for i in range(g * 8, g * 8 + 8)) for g in range(8))
+    again = [SampleRequest(prompt_ids=reqs[i].prompt_ids, key=reqs[i].key, prefix_ids=got[i].response_ids,
+                           prefix_logprobs=got[i].response_logprobs) for i in aborted]
+    t0 = time.time()
+    cont = engine.generate(again, sp)
+    cont_s = time.time() - t0
+    kept = sum(c.response_ids[:len(r.prefix_ids)] == r.prefix_ids and c.response_logprobs[:len(r.prefix_ids)]
+               == r.prefix_logprobs for c, r in zip(cont, again))
+    ended = sum(c.finish_reason in ("stop", "length") and len(c.response_ids) <= cap for c in cont)
+    row("partial rollout: abort once enough groups are complete, continue the aborted",
+        complete_groups >= 2 and bool(aborted) and kept == len(again) == ended,
+        complete_groups=complete_groups, aborted=len(aborted), tokens_at_abort=(min(made), max(made)) if made else None,
+        stop_s=round(stop_s, 2), continued=len(again), prefix_kept=kept, continued_to_an_end=ended,
+        continue_s=round(cont_s, 2), lengths_after=sorted({len(c.response_ids) for c in cont})[:5])
+
+
+def throughput(engine, max_new: int) -> dict:
+    """Warm tok/s of one workload: 32 prompts of 256 tokens x 8 samples, `max_new` tokens each (a short warm-up
+    of the same requests first)."""
+    import torch
+
+    from runtime.rollout.base import SampleRequest, SamplingParams
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 50, (256,), generator=g).tolist() for _ in range(32)]
+    reqs = [SampleRequest(prompt_ids=p, key=(9, 0, i, j)) for i, p in enumerate(prompts) for j in range(8)]
+    engine.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=16))
+    t0 = time.time()
+    got = engine.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=max_new))
+    s = time.time() - t0
+    n = sum(len(r.response_ids) for r in got)
+    return {"samples": len(reqs), "tokens": n, "s": round(s, 2), "tok_s": round(n / s)}
+
+
+def det_cost_row(a, model_dir: str, work: Path, out: Path, rows: list, row, t_end: float) -> None:
+    """A second server without `--enable-deterministic-inference` (`rollout.sglang.deterministic: false`), the
+    same workload: what the deterministic mode costs."""
+    from runtime.config import SGLangSection
+    from runtime.rollout.sglang.engine import SGLangEngine
+    from runtime.rollout.sglang.settings import SGLangSettings
+    left = t_end - time.monotonic()
+    if left < a.start_budget:
+        row("throughput without deterministic mode", True, skipped=f"{left:.0f} s left, a server start may take "
+                                                                   f"{a.start_budget:.0f} (--start-budget)")
+        return
+    det = next((r for r in rows if r["check"].startswith("throughput, deterministic")), None)
+    section = SGLangSection(launch=launch_prefix(a.site), mem_fraction=0.5, startup_timeout_s=max(60.0, left - 60),
+                            scratch_dir=str(work / "scratch-nondet"), deterministic=False)
+    try:
+        t0 = time.time()
+        engine = SGLangEngine(SGLangSettings(section=section, colocate=True, random_seed=1, sync_backend="nccl"),
+                              model_dir)
+        start_s = time.time() - t0
+    except Exception:  # noqa: BLE001
+        row("throughput without deterministic mode", False, error=traceback.format_exc()[-2000:])
+        keep_logs(work / "scratch-nondet", out, "-nondet")
+        return
+    try:
+        free = throughput(engine, a.tput_max_new)
+        cost = {"deterministic_tok_s": det["tok_s"], "ratio": round(free["tok_s"] / det["tok_s"], 3)} if det else {}
+        row("throughput without deterministic mode", free["tok_s"] > 0, start_s=round(start_s, 1), **free, **cost)
+    except Exception:  # noqa: BLE001
+        row("throughput without deterministic mode", False, error=traceback.format_exc()[-2000:])
+    finally:
+        keep_logs(work / "scratch-nondet", out, "-nondet")
+        engine.shutdown()
 
 
 def main(argv=None) -> int:
@@ -55,7 +275,16 @@ def main(argv=None) -> int:
     ap.add_argument("--site", default=SERVER_SITE)
     ap.add_argument("--work", default="/tmp/sglang-work")
     ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--partial-max-new", type=int, default=512, help="the partial rows' cap")
+    ap.add_argument("--tput-max-new", type=int, default=512, help="det-cost: tokens of each of 256 samples")
+    ap.add_argument("--skip", default="", help=f"rows to leave out: {', '.join(OPTIONAL_ROWS)}")
+    ap.add_argument("--deadline", type=float, default=570.0, help="seconds for the whole call")
+    ap.add_argument("--start-budget", type=float, default=200.0, help="seconds a second server start may take")
     a = ap.parse_args(argv)
+    t_end = time.monotonic() + a.deadline
+    skip = {x for x in a.skip.split(",") if x}
+    if unknown := skip - set(OPTIONAL_ROWS):
+        raise SystemExit(f"--skip: no row {', '.join(sorted(unknown))} (rows: {', '.join(OPTIONAL_ROWS)})")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -148,6 +377,23 @@ def main(argv=None) -> int:
             changed_by_noise=sum(x.response_ids != y.response_ids for x, y in zip(first, moved)),
             restored_equal=sum(x.response_ids == y.response_ids for x, y in zip(first, restored)))
 
+        def det_row() -> None:
+            det = throughput(engine, a.tput_max_new)
+            row("throughput, deterministic mode (this server)", det["tok_s"] > 0, **det)
+
+        for name, fn in (("tensor", lambda: tensor_row(engine, named, noisy, first, reqs, sp, row)),
+                         ("broadcast", lambda: broadcast_row(engine, named, noisy, first, reqs, sp, row)),
+                         ("partial", lambda: partial_row(engine, prompts, a.partial_max_new, row)),
+                         ("det-cost", det_row)):
+            if name in skip:
+                continue
+            try:  # one row's failure is that row's; the original weights are loaded again for the next
+                fn()
+            except Exception:  # noqa: BLE001
+                row(f"{name}: failed", False, error=traceback.format_exc()[-3000:])
+                engine.update_weights(named, version=engine.weight_version + 100)
+        if "restart" in skip:
+            raise _Done
         # a SIGKILLed server: the client restarts it, re-syncs the weights, and the request goes through
         pid = engine.pids[0]
         os.killpg(os.getpgid(pid), signal.SIGKILL)
@@ -157,19 +403,22 @@ def main(argv=None) -> int:
             restarts=engine.health()["engines"][0].get("restarts"), version=engine.weight_version,
             same_as_before=sum(x.response_ids == y.response_ids for x, y in zip(first[:8], after)))
 
+        if "rejected" in skip:
+            raise _Done
         # a request the server rejects: one error named, no restart
         import httpx
         body = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 4, "no_such_key": 1}}
         r = httpx.post(engine.urls[0] + "/generate", json=body, timeout=60)
         row("a rejected request (raw)", r.status_code >= 400, status=r.status_code, body=r.text[:300])
+    except _Done:
+        pass
     except Exception:  # noqa: BLE001 - the row says what broke; the server log follows
         row("unexpected failure", False, error=traceback.format_exc()[-3000:])
     finally:
-        logs = sorted((work / "scratch").rglob("engine-*.log"))
+        keep_logs(work / "scratch", out, "")
         engine.shutdown()
-        for f in logs:
-            if f.exists():
-                (out / f"server-{f.name}").write_text(f.read_text()[-200_000:])
+    if "det-cost" not in skip:
+        det_cost_row(a, model_dir, work, out, rows, row, t_end)
     print(json.dumps({r["check"]: r["ok"] for r in rows}, indent=1))
     return 0 if all(r["ok"] for r in rows) else 1
 
