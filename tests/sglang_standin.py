@@ -262,7 +262,7 @@ def generate(state: State, body: dict, run: Running | None = None, held: bool = 
     if unknown:  # the wording of sglang's generated contract check (serde's unknown_field)
         listed = ", ".join(f"`{k}`" for k in SAMPLING_KEYS)
         return 400, {"error": f"unknown field `{unknown[0]}`, expected one of {listed}"}
-    if "weights" in state.released or "kv_cache" in state.released:
+    if state.released:  # sglang would run on paused memory and answer wrong log-probs: fail loudly here
         return 400, {"error": {"message": f"stand-in: memory is released ({sorted(state.released)}); resume it first"}}
     model = state.model
     if any(t < 0 or t >= model.vocab_size for t in input_ids):
@@ -466,10 +466,15 @@ def update_from_distributed(state: State, body: dict) -> tuple[int, object]:
     return 200, {"success": True, "message": "Succeeded to update parameter online."}
 
 
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # sglang/srt/constants.py GPU_MEMORY_ALL_TYPES: none given = all
+
+
 def memory(state: State, body: dict, release: bool) -> tuple[int, object]:
-    tags = (body or {}).get("tags") or ["weights", "kv_cache"]
+    tags = (body or {}).get("tags") or list(MEMORY_TAGS)
     if release:
         state.released |= set(tags)
+    elif not_released := set(tags) - state.released:  # the scheduler's offload_tags.remove(tag) raises
+        return 500, f"KeyError: {sorted(not_released)[0]!r}"
     else:
         state.released -= set(tags)
     return 200, None  # sglang's handler returns nothing: FastAPI answers `null`

@@ -9,9 +9,9 @@ failed request (same seed) on whichever server is ready, or raises. Partial roll
 and `until` (stop once enough groups are complete, abort the rest) are described in partial.py.
 
 Memory (colocate mode, `cluster.colocate`): the servers start with `--enable-memory-saver`;
-`release_memory()` frees their GPU memory (weights and KV cache) for training and `resume_memory()`
+`release_memory()` frees their GPU memory (weights, KV cache, CUDA graphs) for training and `resume_memory()`
 takes it back. `generate`, `logprobs_of` and the weight updates take it back by themselves when it is
-released (an update resumes the weights first and the KV cache after the new weights are in).
+released (an update resumes the weights first and the rest after the new weights are in).
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class SGLangEngine(RolloutEngine):
     # ---- memory (colocate mode) ----------------------------------------------------------------
 
     def release_memory(self) -> None:
-        """Colocate mode: free the servers' GPU memory (weights and KV cache) for the trainer
+        """Colocate mode: free the servers' GPU memory (weights, KV cache, CUDA graphs) for the trainer
         (`/flush_cache`, then `/release_memory_occupation`). No-op otherwise, or when already released."""
         with self._lock:
             self._check_open()
@@ -193,7 +193,7 @@ class SGLangEngine(RolloutEngine):
             self._loop.run(self.pool.release_memory())
 
     def resume_memory(self) -> None:
-        """Take the released GPU memory back (`/resume_memory_occupation`, weights and KV cache): call it where
+        """Take the released GPU memory back (`/resume_memory_occupation`, every released tag): call it where
         the loop wants the memory back, e.g. after the trainer gave its own up and before the next rollout,
         so that a failure to get it back shows there. No-op when nothing is released."""
         with self._lock:

@@ -54,7 +54,10 @@ from runtime.rollout.sglang.settings import SGLangSettings
 
 log = logging.getLogger(__name__)
 
-MEMORY_TAGS = ("weights", "kv_cache")  # what /release_memory_occupation frees when no tags are given
+# Every tag /release_memory_occupation frees when given none (sglang/srt/constants.py GPU_MEMORY_ALL_TYPES, 0.5.17
+# and 0.5.23). A resume names the tags it takes back, so it must name each: a tag left paused (the CUDA graphs'
+# memory, on an H200 with 0.5.17) gave samples whose log-probs were 0.37 nats off the trainer's after the first update.
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 class NeedsWeights(Exception):
@@ -211,15 +214,18 @@ class EnginePool:
     # ---- memory (colocate mode: servers started with --enable-memory-saver) ---------------------
 
     async def release_memory(self) -> None:
-        """Free every server's weights and KV cache (SGLang wants no request running: the cache is flushed first)."""
+        """Free every server's weights, KV cache and CUDA graphs (SGLang wants no request running: the cache is flushed first)."""
         await self.all(lambda s: self.post(s, "/flush_cache", None))
-        await self.all(lambda s: self.post(s, "/release_memory_occupation", {}))
+        await self.all(lambda s: self.post(s, "/release_memory_occupation", {"tags": list(MEMORY_TAGS)}))
         self.released = set(MEMORY_TAGS)
 
     async def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
-        """Take back the released memory named by `tags` (None: all of it) on every server."""
-        await self.all(lambda s: self.post(s, "/resume_memory_occupation", {"tags": list(tags)} if tags else {}))
-        self.released -= set(tags or MEMORY_TAGS)
+        """Take back the released memory named by `tags` (None: all that is released) on every server."""
+        tags = tuple(t for t in MEMORY_TAGS if t in self.released) if tags is None else tags
+        if not tags:
+            return
+        await self.all(lambda s: self.post(s, "/resume_memory_occupation", {"tags": list(tags)}))
+        self.released -= set(tags)
 
     # ---- supervision ---------------------------------------------------------------------------
 

@@ -16,8 +16,8 @@
   leaves every server stale the same way.
 - After every update the servers are probed: each must report the new `weight_version` and the same
   log-probs for fixed tokens; log-probs that did not move are warned about.
-- Memory released in colocate mode comes back around a load: the weights first, then the KV cache after
-  the new weights are in.
+- Memory released in colocate mode comes back around a load: the weights first, then the rest (KV cache,
+  CUDA graphs) after the new weights are in.
 
 The public methods block (they run their coroutines on the engine's loop through `run`) and are called
 under the engine's lock.
@@ -243,15 +243,14 @@ class EngineWeights:
     # ---- loading and checking ------------------------------------------------------------------
 
     async def _load(self, version: int, send) -> None:
-        """Load new weights into every server: resume released weights, `send()`, resume the KV cache,
-        verify. Stale servers take part, and serve again once the check shows the new weights."""
+        """Load new weights into every server: resume released weights, `send()`, resume the rest (KV cache,
+        CUDA graphs), verify. Stale servers take part, and serve again once the check shows the new weights."""
         pool = self.pool
         stale = {s.index: s.epoch for s in pool.servers if s.state == STALE}
         if "weights" in pool.released:
             await pool.resume_memory(("weights",))
         await send()
-        if pool.released:
-            await pool.resume_memory(("kv_cache",))
+        await pool.resume_memory()  # the KV cache and the CUDA graphs' memory
         await self._verify(version)
         for s in pool.servers:
             if s.state == STALE and stale.get(s.index) == s.epoch:
