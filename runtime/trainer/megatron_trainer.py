@@ -541,22 +541,21 @@ class MegatronTrainer:
         self.offload.reload()
         with menv.cuda_to_cpu(), _quiet_checkpoint_warnings():
             msd = self._model_sharded_state_dict()
-            from_masters = master_weights.marked_dtype(path) is not None
+            marked = master_weights.marked_dtype(path)
+            from_masters = marked is not None
             kept, left = master_weights.split(msd, master_weights.master_backed(self.optimizer, self.model)) \
                 if from_masters else (msd, {})
             if from_masters and not left:
-                raise ValueError(f"checkpoint {path} holds its weights as fp32 masters of "
-                                 f"{master_weights.marked_dtype(path)} weights; this trainer's are "
-                                 f"{self.params_dtype} without masters: resume with the model.dtype it was written in")
+                raise ValueError(f"checkpoint {path} holds {marked} weights as their fp32 masters; this trainer's "
+                                 f"{self.params_dtype} weights have none: resume with the model.dtype it was written in")
             state = {"model": kept, "optimizer": optimizer_checkpoint.sharded_state_dict(
                 self.optimizer, self.model, msd, is_loading=True), "scheduler": None, "steps_done": None}
             loaded = dist_checkpointing.load(state, path)
-            if self.lora is None:
-                result = menv.unwrap_model(self.model).load_state_dict(loaded["model"], strict=not from_masters)
-                if set(result.missing_keys) != set(left) or result.unexpected_keys:
-                    raise ValueError(f"checkpoint {path} does not match the model (missing "
-                                     f"{sorted(set(result.missing_keys) - set(left))[:3]}, unexpected "
-                                     f"{result.unexpected_keys[:3]})")
+            if self.lora is None:  # from the masters: all but the weights rebuilt below
+                missing = set(menv.unwrap_model(self.model).load_state_dict(loaded["model"],
+                                                                           strict=not from_masters).missing_keys)
+                if missing != set(left):
+                    raise ValueError(f"checkpoint {path} lacks model entries: {sorted(missing - set(left))[:3]}")
             elif not from_masters:
                 from runtime.trainer import lora
                 lora.load_adapters(self.model, loaded["model"])
@@ -568,7 +567,8 @@ class MegatronTrainer:
         self.steps_done = int(loaded["steps_done"])
 
     def _model_sharded_state_dict(self) -> dict:
-        """What a checkpoint holds of the model: every weight, or with LoRA the adapters only."""
+        """The model's sharded state dict a checkpoint is made from: every weight, or with LoRA the adapters only
+        (the weights their fp32 masters determine are then left out, runtime/trainer/master_weights.py)."""
         if self.lora is None:
             return self.model.sharded_state_dict()
         from runtime.trainer import lora
