@@ -179,3 +179,70 @@ def test_a_checkpoint_is_hashed_once_per_process_until_a_file_changes(tmp_path, 
     st = weights.stat()
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # a later write, whatever the clock's grain
     assert checkpoint.verify(rd.checkpoint(2)) == "model/weights.bin checksum mismatch"
+
+
+# ---- 12 bytes a parameter: bf16 weights left to their fp32 masters (runtime/trainer/master_weights.py) ---------
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_bf16_checkpoint_holds_masters_not_weights_and_resumes_bitwise(tiny_checkpoint, tmp_path, monkeypatch, lora):
+    """A bf16 checkpoint's tensors are the fp32 masters and Adam's moments, 12 bytes a trained parameter (the
+    previous format: 14, the bf16 weights beside them; with LoRA the adapters'). A trainer loading either rebuilds
+    the weights bitwise, even over other weights, and its next update is the unbroken one's; the HF export of either
+    is the same bytes. ~6 s each."""
+    from runtime.models import load_hf_config
+    from runtime.tracking.model_registry import EXPORT_MARKER, export_trainer_checkpoint, stored_dtype
+    from runtime.trainer import master_weights
+    from tests.test_resume import assert_same_checkpoint, checkpoint_tensors
+    from tests.test_trainer_memory import _batch, _trainer
+    hf, td = tiny_checkpoint
+    tiny, vocab = {"hf": hf, "td": td}, load_hf_config(hf).vocab_size
+    train = {"lora": {"enabled": True, "rank": 4, "alpha": 8.0}} if lora else {}
+
+    def state(tr) -> dict[str, torch.Tensor]:  # trained weights and their masters, copied
+        trained = [(n, p) for n, p in tr.model.named_parameters() if p.requires_grad]
+        return {**{n: p.detach().clone() for n, p in trained},
+                **{f"{n}.master": p.main_param.detach().clone() for n, p in trained}}
+
+    def assert_same(a: dict, b: dict) -> None:
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
+
+    a = _trainer(tiny, dtype="bfloat16", **train)
+    a.train(_batch(vocab, seed=0))
+    a.save(str(tmp_path / "new" / "model"))
+    with monkeypatch.context() as m:  # the previous version's save: every weight kept, no marker
+        m.setattr(master_weights, "master_backed", lambda *_: set())
+        a.save(str(tmp_path / "old" / "model"))
+    saved = state(a)
+    a.train(_batch(vocab, seed=1))
+    unbroken = state(a)
+
+    from torch.distributed.checkpoint import FileSystemReader
+    n = sum(p.numel() for p in a.model.parameters() if p.requires_grad)
+    for v, per_param in (("new", 12), ("old", 14)):
+        size = sum(f.stat().st_size for f in (tmp_path / v / "model").glob("*.distcp"))
+        items = len(FileSystemReader(str(tmp_path / v / "model")).read_metadata().storage_data)
+        # each stored tensor in its own torch.save record: ~1.5 KB of header
+        assert per_param * n <= size < per_param * n + 2048 * items, (v, size, n, items)
+    new, old = (checkpoint_tensors(tmp_path / v, tmp_path) for v in ("new", "old"))
+    assert all(k.startswith("optimizer.state.") for k in new) and new.keys() < old.keys()
+    assert_same_checkpoint(new, {k: old[k] for k in new})  # the same masters and moments
+    assert stored_dtype(tmp_path / "new" / "model") == torch.bfloat16  # as the weights said (LoRA: the base)
+    assert stored_dtype(tmp_path / "old" / "model") == (None if lora else torch.bfloat16)
+
+    b = _trainer(tiny, dtype="bfloat16", **train)
+    for v in ("old", "new", "old"):  # each load over the weights of the update after the checkpoint
+        b.load(str(tmp_path / v / "model"))
+        assert_same(state(b), saved)
+        b.train(_batch(vocab, seed=1))
+        assert_same(state(b), unbroken)
+
+    # the LoRA export's dtype defaults to the base's where the checkpoint does not say it (the old one): fp32 here,
+    # bf16 in a bf16 run, whose base is converted in bf16
+    base = {"base_dir": td, "dtype": torch.bfloat16} if lora else {}
+    exports = {v: export_trainer_checkpoint(tmp_path / v / "model", hf, tmp_path / f"{v}-hf", **base)
+               for v in ("new", "old")}
+    assert exports["new"]["dtype"] == "bfloat16" and exports["new"]["files"] == exports["old"]["files"]
+    for f in exports["new"]["files"]:
+        if f != EXPORT_MARKER:  # it names its source
+            assert (tmp_path / "new-hf" / f).read_bytes() == (tmp_path / "old-hf" / f).read_bytes(), f

@@ -44,7 +44,7 @@ def test_the_4_gpu_configs_fit_gpu_host_and_the_disk_they_assume(config, gpu, ho
     disk = _row(out, "disk of the run directory", "total")
     assert "(storage.disk_gb): fits" in disk
     checkpoints = _row(out, "disk of the run directory", "checkpoints")
-    assert "2 x 122.57 GiB: keep_last 1 + the one being written" in checkpoints  # 14 B x 9.4 B parameters
+    assert "2 x 105.06 GiB: keep_last 1 + the one being written" in checkpoints  # 12 B x 9.4 B parameters
     assert "3 x 17.51 GiB of 150 eval points" in _row(out, "disk of the run directory", "exports")
     cfg, seed = load_config(ROOT / config), load_config(ROOT / "configs/glm-z1-9b-dapo.yaml")
     # the seed's run, laid out for 4 GPUs and a disk: only layout, memory placement and retention differ
@@ -56,6 +56,6 @@ def test_the_lent_machines_235_gib_disk_is_refused_with_the_storage_it_needs(cap
     code, _, err = _validate(capsys, H200, "--set", "storage.disk_gb=235")
     assert code == 2 and len(err) == 1, err
     line = err[0]
-    assert "disk: the run directory needs 332.7 GiB of disk at its peak but storage.disk_gb allows 235.0 GiB" in line
-    assert "cannot hold one durable checkpoint while the next is written beside the models (280.2 GiB)" in line
+    assert "disk: the run directory needs 297.7 GiB of disk at its peak but storage.disk_gb allows 235.0 GiB" in line
+    assert "cannot hold one durable checkpoint while the next is written beside the models (245.1 GiB)" in line
     assert "a larger disk for storage.root" in line and "s3://" in line

@@ -37,18 +37,14 @@ FILES_BYTES = 64 * 2**10
 # An HF tokenizer.json per vocabulary entry: Qwen3's 11.4 MB for 151,669 entries (75 B)
 TOKENIZER_BYTES_PER_TOKEN = 80
 
-# Which writer keeps a copy of the model in its dtype beside the fp32 master (``checkpoint.background``: the
-# background writer, or the inline save). The master determines that copy; a writer that drops it saves 12 bytes a
-# bf16 parameter instead of 14: flip its entry when it does.
-WRITER_SAVES_MODEL_COPY = {True: True, False: True}
 
-
-def checkpoint_bytes_per_param(weight_bytes: int, *, background: bool) -> int:
-    """Bytes of one checkpoint per trained parameter: the model in its dtype (where the writer keeps it), the fp32
-    master (none for fp32 weights: they are their own master) and Adam's two fp32 moments. bf16: 2 + 4 + 8 = 14."""
-    model = weight_bytes if WRITER_SAVES_MODEL_COPY[background] or weight_bytes == 4 else 0
-    master = 4 if weight_bytes < 4 else 0
-    return model + master + 8
+def checkpoint_bytes_per_param(weight_bytes: int) -> int:
+    """Bytes of one checkpoint per trained parameter: fp32 weights (their own master), or the fp32 master of
+    half-precision weights (the weights left out: the master determines them, runtime/trainer/master_weights.py),
+    and Adam's two fp32 moments. 4 + 8 = 12 either way; a checkpoint written before the weights were left out holds
+    them too (bf16: 14)."""
+    weights_or_master = 4 if weight_bytes < 4 else weight_bytes
+    return weights_or_master + 8
 
 
 def converted_bytes_per_param(trainer_dtype: str) -> int:
@@ -97,7 +93,7 @@ def disk_terms(cfg, hf_config, *, device: str) -> dict[str, Any]:
     lora = lora_memory.config_lora(cfg)
     adapters = lora_memory.adapter_params(m, lora, 1)[0] if lora else 0
     trained = adapters if lora else n_params
-    per_ckpt = trained * checkpoint_bytes_per_param(e, background=cfg.checkpoint.background)
+    per_ckpt = trained * checkpoint_bytes_per_param(e)
     n_ckpts = min(cfg.checkpoint.keep_last + 1, len(cfg.chunk_bounds()))
     registered = len([p for p in cfg.eval_points() if p > 0]) if cfg.data.eval and cfg.tracking.enabled else 0
     n_exports = exports_at_peak(registered, cfg.tracking.keep_exports)
@@ -110,7 +106,7 @@ def disk_terms(cfg, hf_config, *, device: str) -> dict[str, Any]:
     exact["total"] = sum(exact.values())
     out: dict[str, Any] = {k: v / GIB for k, v in exact.items()}
     out.update(bytes=exact, checkpoints_n=n_ckpts, checkpoint_bytes=per_ckpt,
-               checkpoint_bytes_per_param=checkpoint_bytes_per_param(e, background=cfg.checkpoint.background),
+               checkpoint_bytes_per_param=checkpoint_bytes_per_param(e),
                trained_params=trained, lora=bool(lora), exports_n=n_exports, registered_n=registered,
                export_bytes=per_export, trainer_dtype=trainer_dtype, export_dtype=_hf_dtype(hf_config),
                keep_last=cfg.checkpoint.keep_last, keep_exports=cfg.tracking.keep_exports)

@@ -16,7 +16,8 @@ Per trainer rank (``runtime/trainer``):
 With ``checkpoint.background`` (runtime/trainer/checkpoint_writer.py) each rank keeps a host copy of what it writes
 of a checkpoint while the files are written beside the next chunk: the tensors it held on the GPU in pinned buffers
 kept from save to save (each rounded as pinned), the ones already on the host (the host optimizer's state) cloned.
-Summed over the ranks that is the checkpoint, model and optimizer (:func:`checkpoint_copy`).
+Summed over the ranks that is the checkpoint, optimizer and model, the half-precision weights left to their
+masters (:func:`checkpoint_copy`).
 
 Per process on the node (``PROCESS_BYTES``): the CUDA context, torch, megatron-core and transformers as they sit
 in a process's resident memory. The processes: the driver, plus under ``cluster.backend: local`` one per trainer
@@ -82,13 +83,15 @@ def offload_pinned(numels: list[int], *, grads: int, weight_bytes: int, dp: int,
 
 
 def checkpoint_copy(numels: list[int], *, tp: int, dp: int, weight_bytes: int, optimizer_on_host: bool) -> int:
-    """The background writer's host copy of one checkpoint, over all ranks: each trained tensor's TP shards in the
-    weights' dtype, and its fp32 master (where the weights are not fp32) and two moments, split over the DP ranks
+    """The background writer's host copy of one checkpoint, over all ranks: each trained tensor's TP shards as fp32
+    weights (their own master) or as the fp32 master of half-precision weights (the weights themselves are left
+    out: runtime/trainer/master_weights.py), and its two moments, the master and moments split over the DP ranks
     that write them; pinned (rounded) where they were on the GPU, a plain clone where the host optimizer holds them."""
     master = 4 if weight_bytes < 4 else 0
+    model = 0 if master else weight_bytes  # half-precision weights are left to their masters
     state = (lambda n: (master + 8) * n) if optimizer_on_host else \
         (lambda n: dp * sum(_pinned(b * -(-n // dp)) for b in ((master, 4, 4) if master else (4, 4))))
-    return tp * sum(_pinned(weight_bytes * n) + state(n) for n in numels)
+    return tp * sum(_pinned(model * n) + state(n) for n in numels)
 
 
 def host_terms(shape: dict[str, Any], *, tp: int, dp: int, per_rank: int, opt_params: int, weight_bytes: int,

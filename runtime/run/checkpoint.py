@@ -1,6 +1,7 @@
 """Training checkpoints: complete state written under a temp name, renamed, verified on load.
 
-`checkpoints/rollout_<N>/` holds `model/` (torch_dist model + optimizer + LR schedule),
+`checkpoints/rollout_<N>/` holds `model/` (torch_dist model + optimizer + LR schedule; bf16 weights as their fp32
+masters, runtime/trainer/master_weights.py),
 `trainer_state.json` (rollouts done, data cursor, metrics of the chunk) and `manifest.json` (every
 file with its size and sha256), written last. `checkpoints/latest` names the newest complete one and
 is replaced atomically after it. A checkpoint whose manifest does not match is skipped on load.

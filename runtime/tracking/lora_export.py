@@ -29,17 +29,23 @@ def load_merged(ckpt_model_dir: str | Path, base_dir: str | Path, hf_config, lor
     from runtime.mcore.convert import _quiet_checkpoint_warnings, load_torch_dist_into
     from runtime.mcore.env import build_gpt_model, cuda_to_cpu
     from runtime.trainer import lora as lora_model
+    from runtime.trainer import master_weights
 
     model = build_gpt_model(hf_config, dtype=torch.float32, device="cpu", init_weights=False)
     load_torch_dist_into(model, base_dir)
     lora_model.attach(model, lora, seed=0)  # the initial values are replaced by the checkpoint's
+    trained = master_weights.marked_dtype(ckpt_model_dir)
     with cuda_to_cpu(), _quiet_checkpoint_warnings():
         try:
-            loaded = dist_checkpointing.load({"model": lora_model.sharded_state_dict(model)}, str(ckpt_model_dir))
+            sharded = lora_model.sharded_state_dict(model)
+            if trained is None:
+                loaded = dist_checkpointing.load({"model": sharded}, str(ckpt_model_dir))["model"]
+            else:  # the adapters are their fp32 masters rounded to the trained dtype: the trainer's, bitwise
+                loaded = master_weights.read_weights(sharded, ckpt_model_dir, trained)
         except CheckpointingException as e:
             raise ModelError(f"{ckpt_model_dir}: its adapters do not fit the model built from config.json "
                              f"({str(e)[:200]})") from None
-    lora_model.load_adapters(model, loaded["model"])
+    lora_model.load_adapters(model, loaded)
     adapters = lora_model.adapter_tensors(model)
     base = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v) and not k.endswith("_extra_state")}
     return lora_model.merge(base, adapters, lora.scale), adapters

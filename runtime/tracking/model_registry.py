@@ -240,10 +240,15 @@ def _export_gpu_bytes(ckpt_model_dir, hf_config_dir, *args, dtype=None, **kwargs
 
 def stored_dtype(ckpt_model_dir: str | os.PathLike):
     """The dtype of the model weights a torch_dist checkpoint holds (a trainer's: the dtype it trained in, bf16
-    for a bf16 run; its fp32 master and Adam moments are other tensors), read from its metadata alone; None
-    where it holds no word embeddings (a LoRA checkpoint: adapters only)."""
+    for a bf16 run; its fp32 master and Adam moments are other tensors), read from its metadata alone, or from its
+    marker where the weights are left to their masters (runtime/trainer/master_weights.py); None where it holds
+    neither word embeddings nor that marker (an fp32 LoRA checkpoint: adapters only)."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    from runtime.trainer.master_weights import marked_dtype
+    marked = marked_dtype(ckpt_model_dir)  # weights left to their fp32 masters: the dtype they were trained in
+    if marked is not None:
+        return marked
     meta = FileSystemReader(str(ckpt_model_dir)).read_metadata().state_dict_metadata
     for key, item in meta.items():
         props = getattr(item, "properties", None)
@@ -258,7 +263,8 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
                               provenance: dict | None = None, base_dir: str | os.PathLike | None = None,
                               adapter_dir: str | None = None) -> dict[str, Any]:
     """Export a trainer checkpoint's ``model/`` dir (a torch_dist save of ``{"model": ..., "optimizer":
-    ..., "scheduler": ..., "steps_done": ...}``) to an HF model dir, loading only the model part, on
+    ..., "scheduler": ..., "steps_done": ...}``) to an HF model dir, loading only the model part (bf16 weights left
+    to their masters: the masters rounded, runtime/trainer/master_weights.py), on
     ``device`` ("cpu", "cuda", or "auto": the GPU where one has room), written in ``dtype`` (default: the
     dtype the checkpoint's weights were trained in, :func:`stored_dtype`).
 
@@ -306,13 +312,18 @@ def export_trainer_checkpoint(ckpt_model_dir: str | os.PathLike, hf_config_dir: 
                                                           base_model=str(hf_config_dir))["path"]
     else:
         model = build_gpt_model(hf_config, dtype=loading_dtype(device, dtype), device=device, init_weights=False)
+        from runtime.trainer import master_weights
+        trained = master_weights.marked_dtype(ckpt)
         with cuda_to_cpu(), _quiet_checkpoint_warnings():
             try:
-                loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
+                if trained is None:
+                    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))["model"]
+                else:  # the weights are their fp32 masters rounded to the trained dtype: the trainer's, bitwise
+                    loaded = master_weights.read_weights(model.sharded_state_dict(), ckpt, trained)
             except CheckpointingException as e:
                 raise ModelError(f"{ckpt} does not match the model built from {hf_config_dir}/config.json "
                                  f"({str(e)[:200]})") from None
-        model.load_state_dict(loaded["model"], strict=True)
+        model.load_state_dict(loaded, strict=True)
         del loaded
         hf_state = hf_named_weights(model, hf_config, dtype)
         del model

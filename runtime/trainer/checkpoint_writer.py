@@ -21,8 +21,8 @@ Why not ``AsyncCallsQueue``: it forks a writer process per save from a CUDA proc
 fed through a ``multiprocessing.Manager`` queue) — the orphans runtime/mcore/env.py removed — and megatron's
 multi-process write (``write_preloaded_data_multiproc``) forks again per bucket. A thread in the trainer needs
 neither, and dies with it: a killed trainer leaves only the temp directory a resume discards. Why not
-StateOffload's pinned copies: they hold the grads, master and Adam but not the model weights, exist only when
-offloading, and are overwritten by the next offload while a write could still read them.
+StateOffload's pinned copies (the master and Adam a bf16 checkpoint holds, runtime/trainer/master_weights.py): they
+exist only when offloading, and are overwritten by the next offload while a write could still read them.
 
 Host memory: a background save holds one host copy of this rank's checkpoint bytes until its files are written
 (on a GPU in pinned buffers kept for the next save).

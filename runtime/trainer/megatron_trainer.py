@@ -497,19 +497,24 @@ class MegatronTrainer:
         thread while training goes on (``background``; runtime/trainer/checkpoint_writer.py). Every rank then
         calls :meth:`save_finish` before the next save or load. Returns the seconds this took (``stall_s``)."""
         from runtime.mcore import env as menv
-        from runtime.trainer import optimizer_checkpoint
+        from runtime.trainer import master_weights, optimizer_checkpoint
         os.makedirs(path, exist_ok=True)
         self.offload.reload()
         menv.save_results_in_this_process()
         with menv.cuda_to_cpu():
             msd = self._model_sharded_state_dict()
+            # the weights the fp32 masters determine are left out (runtime/trainer/master_weights.py)
+            kept, left = master_weights.split(msd, master_weights.master_backed(self.optimizer, self.model))
             # one optimizer format for every layout (runtime/trainer/optimizer_checkpoint.py)
-            state = {"model": msd, "optimizer": optimizer_checkpoint.sharded_state_dict(self.optimizer, self.model, msd),
+            state = {"model": kept, "optimizer": optimizer_checkpoint.sharded_state_dict(self.optimizer, self.model, msd),
                      "scheduler": self.scheduler.state_dict(), "steps_done": self.steps_done}
             began = self.writer.begin(state, path, background=background)
-        if self.lora is not None and self.rank == 0:  # adapters only: the base is the run's converted model
-            from runtime.trainer import lora
-            lora.write_description(path, self.lora)
+        if self.rank == 0:
+            if left:
+                master_weights.write_marker(path, left)
+            if self.lora is not None:  # adapters only: the base is the run's converted model
+                from runtime.trainer import lora
+                lora.write_description(path, self.lora)
         return began
 
     def save_done(self) -> bool:
@@ -525,29 +530,45 @@ class MegatronTrainer:
             return self.writer.finish()
 
     def load(self, path: str) -> None:
+        """The state :meth:`save` wrote at ``path`` (every rank takes part). Weights the checkpoint leaves to their
+        fp32 masters are rebuilt from the loaded masters as a step does; a checkpoint holding them (written before)
+        loads them."""
         from megatron.core import dist_checkpointing
 
         from runtime.mcore import env as menv
         from runtime.mcore.convert import _quiet_checkpoint_warnings
-        from runtime.trainer import optimizer_checkpoint
+        from runtime.trainer import master_weights, optimizer_checkpoint
         self.offload.reload()
         with menv.cuda_to_cpu(), _quiet_checkpoint_warnings():
             msd = self._model_sharded_state_dict()
-            state = {"model": msd, "optimizer": optimizer_checkpoint.sharded_state_dict(
+            marked = master_weights.marked_dtype(path)
+            from_masters = marked is not None
+            kept, left = master_weights.split(msd, master_weights.master_backed(self.optimizer, self.model)) \
+                if from_masters else (msd, {})
+            if from_masters and not left:
+                raise ValueError(f"checkpoint {path} holds {marked} weights as their fp32 masters; this trainer's "
+                                 f"{self.params_dtype} weights have none: resume with the model.dtype it was written in")
+            state = {"model": kept, "optimizer": optimizer_checkpoint.sharded_state_dict(
                 self.optimizer, self.model, msd, is_loading=True), "scheduler": None, "steps_done": None}
             loaded = dist_checkpointing.load(state, path)
-            if self.lora is None:
-                self.model.load_state_dict(loaded["model"])
-            else:
+            if self.lora is None:  # from the masters: all but the weights rebuilt below
+                missing = set(menv.unwrap_model(self.model).load_state_dict(loaded["model"],
+                                                                           strict=not from_masters).missing_keys)
+                if missing != set(left):
+                    raise ValueError(f"checkpoint {path} lacks model entries: {sorted(missing - set(left))[:3]}")
+            elif not from_masters:
                 from runtime.trainer import lora
                 lora.load_adapters(self.model, loaded["model"])
             optimizer_checkpoint.load_state_dict(self.optimizer, self.model, self._model_sharded_state_dict(),
                                                  loaded["optimizer"])
+            if from_masters:
+                master_weights.rebuild(self.optimizer)
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.steps_done = int(loaded["steps_done"])
 
     def _model_sharded_state_dict(self) -> dict:
-        """What a checkpoint holds of the model: every weight, or with LoRA the adapters only."""
+        """The model's sharded state dict a checkpoint is made from: every weight, or with LoRA the adapters only
+        (the weights their fp32 masters determine are then left out, runtime/trainer/master_weights.py)."""
         if self.lora is None:
             return self.model.sharded_state_dict()
         from runtime.trainer import lora
