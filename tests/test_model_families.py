@@ -1,4 +1,4 @@
-"""GLM4, LLaMA and Qwen2 families: tiny random models built from the transformers config classes,
+"""GLM4, LLaMA, Qwen2 and Qwen3-MoE families: tiny random models built from the transformers config classes,
 converted HF -> torch_dist (fp32 logit parity with HF eager <= 1e-4) and back (bitwise), then one
 GRPO rollout through the megatron trainer and the built-in engine.
 
@@ -26,6 +26,8 @@ EOS_ID, PAD_ID = 2, 0  # the tiny tokenizer's <|im_end|> and <|endoftext|>
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 GLM4_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+           router_aux_loss_coef=0.01, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 
 # name -> (transformers config class name, extra config kwargs)
 VARIANTS = {
@@ -39,8 +41,11 @@ VARIANTS = {
                                          rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
     "glm4_untied": ("Glm4Config", dict(tie_word_embeddings=False, attention_bias=True, rope_parameters=GLM4_ROPE)),
     "glm4_tied": ("Glm4Config", dict(tie_word_embeddings=True, attention_bias=True, rope_parameters=GLM4_ROPE)),
+    # both routers: top-k of the softmax renormalised (norm_topk_prob, Qwen3-30B-A3B's) and as it is
+    "qwen3_moe_untied": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, **MOE)),
+    "qwen3_moe_tied": ("Qwen3MoeConfig", dict(tie_word_embeddings=True, **dict(MOE, norm_topk_prob=False))),
 }
-ROLLOUT_VARIANTS = ("qwen2_untied", "llama_tied_llama3_rope", "glm4_untied")
+ROLLOUT_VARIANTS = ("qwen2_untied", "llama_tied_llama3_rope", "glm4_untied", "qwen3_moe_untied")
 
 
 def build_tiny_family_model(path: Path, config_class: str, vocab_size: int, tokenizer_dir: Path, seed: int = 0,
@@ -109,7 +114,7 @@ def test_logit_parity_with_hf(converted, name):
     print(f"{name}: max |logit diff| {report['max_abs_logit_diff']:.3e} "
           f"(max |logit| {report['max_abs_logit']:.2f})")
     assert report["max_abs_logit_diff"] <= TOL
-    assert report["model_type"] == name.split("_")[0]
+    assert report["model_type"] == ("qwen3_moe" if name.startswith("qwen3_moe") else name.split("_")[0])
     assert report["tie_word_embeddings"] == ("_tied" in name)
     assert report["max_abs_logit"] > 1000 * TOL  # the logits are not trivially ~0
     # a fresh model from the saved checkpoint, on a longer probe
@@ -248,13 +253,13 @@ def test_unmappable_configs_are_refused(hf_dirs):
 
 
 def test_unsupported_architecture_names_the_supported_ones(work):
-    assert supported_model_types() == ["glm4", "llama", "qwen2", "qwen3"]
+    assert supported_model_types() == ["glm4", "llama", "qwen2", "qwen3", "qwen3_moe"]
     d = work / "gpt2_dir"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     with pytest.raises(ModelError) as e:
         load_hf_config(d)
-    assert str(e.value) == ("model_type 'gpt2' is not supported (supported: glm4, llama, qwen2, qwen3); "
+    assert str(e.value) == ("model_type 'gpt2' is not supported (supported: glm4, llama, qwen2, qwen3, qwen3_moe); "
                             "add a family in runtime/models/ (see docs/model-families.md)")
     assert Path(__file__).resolve().parents[1].joinpath("docs", "model-families.md").is_file()
 
@@ -296,6 +301,8 @@ def test_one_grpo_rollout_with_trainer_and_builtin_engine(converted, name):
         metrics = trainer.train(batch)
         assert metrics["train_tokens"] == batch.response_token_count()
         assert metrics["train_rollout_logp_absdiff"] <= TOL
+        if name.startswith("qwen3_moe"):  # the load-balancing loss: 1 at perfect balance, up to E / top-k
+            assert 1.0 <= metrics["router_aux_loss"] <= 2.0 and "router_z_loss" not in metrics
         engine.update_weights(trainer.hf_weights(), version=1)
         assert engine.weight_version == 1
         after = trainer.compute_logprobs(batch)
@@ -310,7 +317,7 @@ def test_one_grpo_rollout_with_trainer_and_builtin_engine(converted, name):
 
 
 # ---- memory estimate (the rest is in tests/test_memory.py) ---------------------------------------
-@pytest.mark.parametrize("name", ["qwen2_tied", "llama_untied", "glm4_untied"])
+@pytest.mark.parametrize("name", ["qwen2_tied", "llama_untied", "glm4_untied", "qwen3_moe_untied"])
 def test_param_count_matches_hf(hf_dirs, name):
     from transformers import AutoModelForCausalLM
 
