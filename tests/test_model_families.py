@@ -383,3 +383,50 @@ def test_paged_fast_path_draws_the_hf_paths_tokens(hf_dirs, name):
             assert max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.response_logprobs, y.response_logprobs)) < 1e-4
         assert paged.decoder.pool.used == 0
         assert (preempted > 0) == (pages is not None), preempted
+
+
+# ---- a mixture of experts: the router's loss, and a resumed trainer ------------------------------------------
+def _moe_batch(vocab: int, seed: int):
+    from runtime.trainer.batch import TrainBatch
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(3, vocab, (int(torch.randint(8, 16, (1,), generator=g)),), generator=g).tolist()
+              for _ in range(8)]
+    return TrainBatch(tokens=tokens, prompt_lens=[4] * 8, advantages=[(-1.0) ** i for i in range(8)],
+                      loss_masks=[[1] * (len(t) - 4) for t in tokens],
+                      rollout_logprobs=[[-1.0] * (len(t) - 4) for t in tokens])
+
+
+def test_moe_trainer_resumes_bitwise_and_the_router_losses_train(converted, tmp_path):
+    """Two updates unbroken against one, a checkpoint, a new trainer loading it and the second: the same weights
+    bit for bit (experts, router, their optimizer state). With the z-loss on, it is reported and moves the router
+    differently (it is in the gradient)."""
+    from runtime.config import GrpoConfig
+    from runtime.trainer.megatron_trainer import MegatronTrainer
+
+    hf_dir, td, _ = converted["qwen3_moe_untied"]
+    vocab = load_hf_config(hf_dir).vocab_size
+    batches = [_moe_batch(vocab, 0), _moe_batch(vocab, 1)]
+
+    def trainer(**train):
+        cfg = GrpoConfig()
+        t = cfg.train.model_copy(update=dict(micro_batch_size=4, global_batch_size=8, **train))
+        return MegatronTrainer(hf_dir=str(hf_dir), init_checkpoint=str(td), train=t, algorithm=cfg.algorithm,
+                               temperature=1.0)
+
+    unbroken = trainer()
+    for b in batches:
+        unbroken.train(b)
+    first = trainer()
+    first.train(batches[0])
+    first.save(str(tmp_path / "ckpt"))
+    resumed = trainer()
+    resumed.load(str(tmp_path / "ckpt"))
+    resumed.train(batches[1])
+    want, got = unbroken.hf_weights(), resumed.hf_weights()
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+
+    router = "model.layers.0.mlp.gate.weight"
+    z = trainer(router_z_loss_coef=0.1)
+    metrics = z.train(batches[0])
+    assert metrics["router_z_loss"] > 0 and metrics["router_aux_loss"] >= 1.0
+    assert not torch.equal(z.hf_weights()[router], first.hf_weights()[router])
