@@ -352,7 +352,8 @@ def test_glm_z1_9b_config_and_its_estimate():
 
 
 # ---- the built-in engine's paged fast path: every family draws the HF path's tokens -------------------------
-@pytest.mark.parametrize("name", ["glm4_untied", "glm4_tied", "qwen2_untied", "llama_tied_llama3_rope"])
+@pytest.mark.parametrize("name", ["glm4_untied", "glm4_tied", "qwen2_untied", "llama_tied_llama3_rope",
+                                  "qwen3_moe_untied"])
 def test_paged_fast_path_draws_the_hf_paths_tokens(hf_dirs, name):
     from runtime.rollout.base import SampleRequest, SamplingParams
     from runtime.rollout.builtin import BuiltinEngine
@@ -430,3 +431,26 @@ def test_moe_trainer_resumes_bitwise_and_the_router_losses_train(converted, tmp_
     metrics = z.train(batches[0])
     assert metrics["router_z_loss"] > 0 and metrics["router_aux_loss"] >= 1.0
     assert not torch.equal(z.hf_weights()[router], first.hf_weights()[router])
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_untied", "qwen3_moe_tied"])
+def test_the_engines_moe_forward_is_hfs(hf_dirs, name):
+    """The engine's forward (routing with and without norm_topk_prob, grouped expert GEMMs) gives HF's logits, and
+    a weight update by the hub's per-expert names lands in transformers' fused experts that it reads."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime.rollout.decode_model import FusedModel
+    from runtime.rollout.hf_weights import update_targets
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dirs[name], dtype=torch.float32).eval()
+    ids = torch.randint(3, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(input_ids=ids[None]).logits[0]
+    fused = FusedModel(hf, compile=False)
+    assert (fused.sequence_logits(ids) - want).abs().max().item() <= 1e-5
+    targets = update_targets(hf)
+    down = "model.layers.1.mlp.experts.2.down_proj.weight"
+    with torch.no_grad():
+        targets[down].mul_(-1.0)
+    assert torch.equal(hf.model.layers[1].mlp.experts.down_proj[2], targets[down])
+    assert (fused.sequence_logits(ids) - want).abs().max().item() > 1e-3
