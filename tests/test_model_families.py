@@ -223,6 +223,23 @@ def test_a_wrong_glm4_mapping_fails_parity(hf_dirs, work, monkeypatch):
     assert not (work / "glm4_wrong_norms").exists() and not (work / "glm4_wrong_rope").exists()
 
 
+def test_a_wrong_moe_router_fails_parity(hf_dirs, work, monkeypatch):
+    """The other norm_topk_prob semantics (top-k weights renormalised or not) is caught by the parity check."""
+    from runtime.mcore.convert import hf_to_torch_dist
+    from runtime.models.qwen3_moe import Qwen3MoeAdapter
+
+    original = Qwen3MoeAdapter.transformer_config_kwargs
+
+    def flipped(self, hf_config):
+        kwargs = original(self, hf_config)
+        return dict(kwargs, moe_router_pre_softmax=not kwargs["moe_router_pre_softmax"])
+
+    monkeypatch.setattr(Qwen3MoeAdapter, "transformer_config_kwargs", flipped)
+    with pytest.raises(ModelError, match=r"max \|logit diff\| .* > tolerance 0\.0001"):
+        hf_to_torch_dist(hf_dirs["qwen3_moe_untied"], work / "moe_wrong_router", tolerance=TOL)
+    assert not (work / "moe_wrong_router").exists()
+
+
 def test_unmappable_configs_are_refused(hf_dirs):
     llama = load_hf_config(hf_dirs["llama_untied"])
     a = get_adapter(llama)
@@ -245,6 +262,11 @@ def test_unmappable_configs_are_refused(hf_dirs):
     qwen2.use_sliding_window = True
     with pytest.raises(ModelError, match="use_sliding_window=true"):
         get_adapter(qwen2).transformer_config_kwargs(qwen2)
+
+    moe = load_hf_config(hf_dirs["qwen3_moe_untied"])
+    moe.mlp_only_layers = [1]
+    with pytest.raises(ModelError, match="mlp_only_layers=\\[1\\]: dense MLP layers between the MoE layers"):
+        get_adapter(moe).transformer_config_kwargs(moe)
 
     glm = load_hf_config(hf_dirs["glm4_untied"])
     glm.rope_parameters = dict(GLM4_ROPE, partial_rotary_factor=0.3)
@@ -327,6 +349,19 @@ def test_param_count_matches_hf(hf_dirs, name):
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(cfg)
     assert param_counts(cfg)[0] == sum(p.numel() for p in hf.parameters())  # tied: counted once
+
+
+def test_qwen3_30b_a3b_shipped_config_counts_its_parameters():
+    """30.5 B parameters, as Qwen publishes, and the experts split over tensor parallelism, the router not."""
+    from runtime.plan.memory import param_counts
+    from runtime.plan.summary import KNOWN_CONFIGS
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig.from_json_file(str(KNOWN_CONFIGS / "Qwen3-30B-A3B.json"))
+    n, per_rank = param_counts(cfg, tp=2)
+    assert 30.4e9 < n < 30.6e9
+    router = 48 * 128 * 2048
+    assert per_rank - router - 48 * (2 * 2048 + 2 * 128) - 2048 == (n - router - 48 * (2 * 2048 + 2 * 128) - 2048) // 2
 
 
 def test_glm_z1_9b_config_and_its_estimate():

@@ -63,6 +63,10 @@ class MegatronTrainer:
         self.model = self._build_model(train=True)
         load_torch_dist_into(self.model, init_checkpoint)
         self.lora = train.lora if train.lora.enabled else None  # the base frozen, adapters trained
+        if self.lora is not None and router_losses.is_moe(self.hf_config):
+            from runtime.errors import ConfigError
+            raise ConfigError(f"train.lora on a mixture of experts ({self.hf_config.model_type}) is not supported; "
+                              f"set train.lora.enabled: false")
         if self.lora is not None:
             from runtime.trainer import lora
             lora.attach(self.model, self.lora, seed=train.seed)
