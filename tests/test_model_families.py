@@ -489,3 +489,41 @@ def test_the_engines_moe_forward_is_hfs(hf_dirs, name):
         targets[down].mul_(-1.0)
     assert torch.equal(hf.model.layers[1].mlp.experts.down_proj[2], targets[down])
     assert (fused.sequence_logits(ids) - want).abs().max().item() > 1e-3
+
+
+def _broadcast_checkpoint(hf_dir: str, port: int) -> None:
+    """A trainer rank 0's side of the weight sync, in a process of its own: the checkpoint's tensors by its names."""
+    from runtime.mcore.convert import load_hf_state_dict
+    from runtime.placement import weight_sync
+    group = weight_sync.init_group("127.0.0.1", port, 0, 2, group_name="moe_bcast")
+    weight_sync.send(group, load_hf_state_dict(hf_dir), "cpu")
+    weight_sync.destroy_group(group)
+
+
+def test_a_broadcast_by_the_hubs_expert_names_lands_in_the_engines_fused_experts(hf_dirs):
+    """The trainer broadcasts a checkpoint's names (one tensor per expert); each lands in its block of the engine's
+    fused expert weights, the parameters it decodes with (not replaced by new tensors)."""
+    import multiprocessing
+
+    from runtime.mcore.convert import load_hf_state_dict
+    from runtime.placement import weight_sync
+    from runtime.placement.ports import free_port
+    from runtime.rollout.builtin import BuiltinEngine
+
+    engine = BuiltinEngine(str(hf_dirs["qwen3_moe_untied"]))
+    experts = engine.model.model.layers[1].mlp.experts
+    fused_ptr = experts.gate_up_proj.data_ptr()
+    sent = load_hf_state_dict(hf_dirs["qwen3_moe_tied"])  # other weights, the same shapes
+    port = free_port("127.0.0.1")
+    sender = multiprocessing.get_context("spawn").Process(target=_broadcast_checkpoint,
+                                                          args=(str(hf_dirs["qwen3_moe_tied"]), port))
+    sender.start()
+    try:
+        engine.init_weight_sync("127.0.0.1", port, 1, 2, "moe_bcast")
+        engine.receive_weights(weight_sync.metadata_of(sent), version=3)
+    finally:
+        sender.join(timeout=120)
+        engine.shutdown()
+    assert sender.exitcode == 0 and engine.weight_version == 3 and experts.gate_up_proj.data_ptr() == fused_ptr
+    assert torch.equal(experts.gate_up_proj[2, 32:], sent["model.layers.1.mlp.experts.2.up_proj.weight"])
+    assert torch.equal(experts.down_proj[3], sent["model.layers.1.mlp.experts.3.down_proj.weight"])
