@@ -32,25 +32,24 @@ def config_overrides(train) -> dict:
 class _Step:
     moe_layers: int
     micro_batches: int
-
-
-def _moe_layers(model) -> int:
-    from runtime.mcore.env import unwrap_model
-    config = unwrap_model(model).config
-    return int(config.num_layers) if getattr(config, "num_moe_experts", None) else 0
+    losses: tuple[str, ...]  # the tracker's names of the losses this model computes
 
 
 def begin_step(model, micro_batches: int, device: torch.device) -> _Step | None:
     """Before an optimizer step's first micro-batch: the router losses' gradient scale, the tracker emptied.
     None for a model without experts."""
-    layers = _moe_layers(model)
-    if not layers:
+    from runtime.mcore.env import unwrap_model
+    config = unwrap_model(model).config
+    if not getattr(config, "num_moe_experts", None):
         return None
+    # the tracker is the process's: a name another model left there (emptied) is not this model's
+    losses = tuple(name for name, on in (("load_balancing_loss", config.moe_aux_loss_coeff),
+                                         ("z_loss", config.moe_z_loss_coeff)) if on)
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, clear_aux_losses_tracker
     n = max(int(micro_batches), 1)
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / n, dtype=torch.float32, device=device))
     clear_aux_losses_tracker()
-    return _Step(layers, n)
+    return _Step(int(config.num_layers), n, losses)
 
 
 def end_step(step: _Step | None, dp_size: int) -> dict[str, torch.Tensor]:
@@ -60,8 +59,9 @@ def end_step(step: _Step | None, dp_size: int) -> dict[str, torch.Tensor]:
         return {}
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
     out = {}
-    for name, entry in get_moe_layer_wise_logging_tracker().items():
-        if name in _METRICS:
-            out[_METRICS[name]] = entry["values"].detach().sum() / (step.moe_layers * step.micro_batches * dp_size)
+    tracker = get_moe_layer_wise_logging_tracker()
+    for name in step.losses:
+        if name in tracker:
+            out[_METRICS[name]] = tracker[name]["values"].detach().sum() / (step.moe_layers * step.micro_batches * dp_size)
     clear_aux_losses_tracker()
     return out
