@@ -53,7 +53,7 @@ def _no_credentials(uri: str) -> str:
 
 
 class ModelSection(Section):
-    source: str = Field("builtin://tiny-qwen3", description="hf://org/name[@rev], a local dir, s3://..., or builtin://tiny-qwen3")
+    source: str = Field("builtin://tiny-qwen3", description="hf://org/name[@rev], a local dir, s3://..., or builtin://tiny-qwen3 (-moe)")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     parity_tolerance: float = Field(1e-4, gt=0)
     builtin_seed: int = 0
