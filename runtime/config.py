@@ -53,7 +53,7 @@ def _no_credentials(uri: str) -> str:
 
 
 class ModelSection(Section):
-    source: str = Field("builtin://tiny-qwen3", description="hf://org/name[@rev], a local dir, s3://..., or builtin://tiny-qwen3")
+    source: str = Field("builtin://tiny-qwen3", description="hf://org/name[@rev], a local dir, s3://..., or builtin://tiny-qwen3 (-moe)")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     parity_tolerance: float = Field(1e-4, gt=0)
     builtin_seed: int = 0
@@ -271,6 +271,10 @@ class TrainSection(Section):
     tensor_parallel: int = Field(1, gt=0)
     data_parallel: int = Field(1, gt=0, description="unset: cluster.trainer_gpus / tensor_parallel (1 without GPUs)")
     seed: int = 1234
+    # a mixture of experts (Qwen3-MoE): the router z-loss's coefficient (megatron's moe_z_loss_coeff, the squared
+    # log-partition of the router logits), added to the loss and reported as router_z_loss; 0: off. The
+    # load-balancing loss's coefficient is the model's own (config.json router_aux_loss_coef).
+    router_z_loss_coef: float = Field(0.0, ge=0)
     # -- memory (runtime/plan/memory.py models each of these; `grpoflow validate` names the ones that fit) --
     # megatron activation recomputation: none; selective (the named submodules of every layer are run again
     # in the backward instead of keeping their outputs; "core_attn" saves nothing beside flash attention);

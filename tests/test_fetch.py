@@ -87,8 +87,8 @@ def test_bad_sources(tmp_path):
 def test_builtin_model_calls_the_tiny_builder_into_a_scratch_dir(tmp_path, monkeypatch):
     calls = []
 
-    def build_tiny_qwen3(dest_dir, seed=0):
-        calls.append((dest_dir, seed))
+    def build_tiny_qwen3(dest_dir, seed=0, num_experts=0):
+        calls.append((dest_dir, seed, num_experts))
         make_model_dir(Path(dest_dir) / "x")  # lay out a model, then move it up into dest_dir
         for p in (Path(dest_dir) / "x").iterdir():
             if p.is_file():
@@ -99,8 +99,10 @@ def test_builtin_model_calls_the_tiny_builder_into_a_scratch_dir(tmp_path, monke
     monkeypatch.setitem(sys.modules, "runtime.models.tiny", fake)
     dest = tmp_path / "model" / "hf"
     report = fetch_model("builtin://tiny-qwen3", str(dest), builtin_seed=5)
-    assert calls and calls[0][1] == 5 and calls[0][0] != str(dest)  # built beside, then renamed
+    assert calls and calls[0][1:] == (5, 0) and calls[0][0] != str(dest)  # built beside, then renamed
     assert report["kind"] == "builtin" and (dest / "config.json").is_file()
+    fetch_model("builtin://tiny-qwen3-moe", str(tmp_path / "moe"), builtin_seed=5)
+    assert calls[1][1:] == (5, 4)  # the mixture of experts: 4 of them
 
 
 def test_builtin_model_with_the_real_builder(tmp_path):

@@ -1,4 +1,4 @@
-"""GLM4, LLaMA and Qwen2 families: tiny random models built from the transformers config classes,
+"""GLM4, LLaMA, Qwen2 and Qwen3-MoE families: tiny random models built from the transformers config classes,
 converted HF -> torch_dist (fp32 logit parity with HF eager <= 1e-4) and back (bitwise), then one
 GRPO rollout through the megatron trainer and the built-in engine.
 
@@ -26,6 +26,8 @@ EOS_ID, PAD_ID = 2, 0  # the tiny tokenizer's <|im_end|> and <|endoftext|>
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 GLM4_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+           router_aux_loss_coef=0.01, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 
 # name -> (transformers config class name, extra config kwargs)
 VARIANTS = {
@@ -39,8 +41,11 @@ VARIANTS = {
                                          rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
     "glm4_untied": ("Glm4Config", dict(tie_word_embeddings=False, attention_bias=True, rope_parameters=GLM4_ROPE)),
     "glm4_tied": ("Glm4Config", dict(tie_word_embeddings=True, attention_bias=True, rope_parameters=GLM4_ROPE)),
+    # both routers: top-k of the softmax renormalised (norm_topk_prob, Qwen3-30B-A3B's) and as it is
+    "qwen3_moe_untied": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, **MOE)),
+    "qwen3_moe_tied": ("Qwen3MoeConfig", dict(tie_word_embeddings=True, **dict(MOE, norm_topk_prob=False))),
 }
-ROLLOUT_VARIANTS = ("qwen2_untied", "llama_tied_llama3_rope", "glm4_untied")
+ROLLOUT_VARIANTS = ("qwen2_untied", "llama_tied_llama3_rope", "glm4_untied", "qwen3_moe_untied")
 
 
 def build_tiny_family_model(path: Path, config_class: str, vocab_size: int, tokenizer_dir: Path, seed: int = 0,
@@ -109,7 +114,7 @@ def test_logit_parity_with_hf(converted, name):
     print(f"{name}: max |logit diff| {report['max_abs_logit_diff']:.3e} "
           f"(max |logit| {report['max_abs_logit']:.2f})")
     assert report["max_abs_logit_diff"] <= TOL
-    assert report["model_type"] == name.split("_")[0]
+    assert report["model_type"] == ("qwen3_moe" if name.startswith("qwen3_moe") else name.split("_")[0])
     assert report["tie_word_embeddings"] == ("_tied" in name)
     assert report["max_abs_logit"] > 1000 * TOL  # the logits are not trivially ~0
     # a fresh model from the saved checkpoint, on a longer probe
@@ -218,6 +223,23 @@ def test_a_wrong_glm4_mapping_fails_parity(hf_dirs, work, monkeypatch):
     assert not (work / "glm4_wrong_norms").exists() and not (work / "glm4_wrong_rope").exists()
 
 
+def test_a_wrong_moe_router_fails_parity(hf_dirs, work, monkeypatch):
+    """The other norm_topk_prob semantics (top-k weights renormalised or not) is caught by the parity check."""
+    from runtime.mcore.convert import hf_to_torch_dist
+    from runtime.models.qwen3_moe import Qwen3MoeAdapter
+
+    original = Qwen3MoeAdapter.transformer_config_kwargs
+
+    def flipped(self, hf_config):
+        kwargs = original(self, hf_config)
+        return dict(kwargs, moe_router_pre_softmax=not kwargs["moe_router_pre_softmax"])
+
+    monkeypatch.setattr(Qwen3MoeAdapter, "transformer_config_kwargs", flipped)
+    with pytest.raises(ModelError, match=r"max \|logit diff\| .* > tolerance 0\.0001"):
+        hf_to_torch_dist(hf_dirs["qwen3_moe_untied"], work / "moe_wrong_router", tolerance=TOL)
+    assert not (work / "moe_wrong_router").exists()
+
+
 def test_unmappable_configs_are_refused(hf_dirs):
     llama = load_hf_config(hf_dirs["llama_untied"])
     a = get_adapter(llama)
@@ -241,6 +263,11 @@ def test_unmappable_configs_are_refused(hf_dirs):
     with pytest.raises(ModelError, match="use_sliding_window=true"):
         get_adapter(qwen2).transformer_config_kwargs(qwen2)
 
+    moe = load_hf_config(hf_dirs["qwen3_moe_untied"])
+    moe.mlp_only_layers = [1]
+    with pytest.raises(ModelError, match="mlp_only_layers=\\[1\\]: dense MLP layers between the MoE layers"):
+        get_adapter(moe).transformer_config_kwargs(moe)
+
     glm = load_hf_config(hf_dirs["glm4_untied"])
     glm.rope_parameters = dict(GLM4_ROPE, partial_rotary_factor=0.3)
     with pytest.raises(ModelError, match="must rotate an even number"):
@@ -248,13 +275,13 @@ def test_unmappable_configs_are_refused(hf_dirs):
 
 
 def test_unsupported_architecture_names_the_supported_ones(work):
-    assert supported_model_types() == ["glm4", "llama", "qwen2", "qwen3"]
+    assert supported_model_types() == ["glm4", "llama", "qwen2", "qwen3", "qwen3_moe"]
     d = work / "gpt2_dir"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     with pytest.raises(ModelError) as e:
         load_hf_config(d)
-    assert str(e.value) == ("model_type 'gpt2' is not supported (supported: glm4, llama, qwen2, qwen3); "
+    assert str(e.value) == ("model_type 'gpt2' is not supported (supported: glm4, llama, qwen2, qwen3, qwen3_moe); "
                             "add a family in runtime/models/ (see docs/model-families.md)")
     assert Path(__file__).resolve().parents[1].joinpath("docs", "model-families.md").is_file()
 
@@ -296,6 +323,8 @@ def test_one_grpo_rollout_with_trainer_and_builtin_engine(converted, name):
         metrics = trainer.train(batch)
         assert metrics["train_tokens"] == batch.response_token_count()
         assert metrics["train_rollout_logp_absdiff"] <= TOL
+        if name.startswith("qwen3_moe"):  # the load-balancing loss: 1 at perfect balance, up to E / top-k
+            assert 1.0 <= metrics["router_aux_loss"] <= 2.0 and "router_z_loss" not in metrics
         engine.update_weights(trainer.hf_weights(), version=1)
         assert engine.weight_version == 1
         after = trainer.compute_logprobs(batch)
@@ -310,7 +339,7 @@ def test_one_grpo_rollout_with_trainer_and_builtin_engine(converted, name):
 
 
 # ---- memory estimate (the rest is in tests/test_memory.py) ---------------------------------------
-@pytest.mark.parametrize("name", ["qwen2_tied", "llama_untied", "glm4_untied"])
+@pytest.mark.parametrize("name", ["qwen2_tied", "llama_untied", "glm4_untied", "qwen3_moe_untied"])
 def test_param_count_matches_hf(hf_dirs, name):
     from transformers import AutoModelForCausalLM
 
@@ -320,6 +349,19 @@ def test_param_count_matches_hf(hf_dirs, name):
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(cfg)
     assert param_counts(cfg)[0] == sum(p.numel() for p in hf.parameters())  # tied: counted once
+
+
+def test_qwen3_30b_a3b_shipped_config_counts_its_parameters():
+    """30.5 B parameters, as Qwen publishes, and the experts split over tensor parallelism, the router not."""
+    from runtime.plan.memory import param_counts
+    from runtime.plan.summary import KNOWN_CONFIGS
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig.from_json_file(str(KNOWN_CONFIGS / "Qwen3-30B-A3B.json"))
+    n, per_rank = param_counts(cfg, tp=2)
+    assert 30.4e9 < n < 30.6e9
+    router = 48 * 128 * 2048
+    assert per_rank - router - 48 * (2 * 2048 + 2 * 128) - 2048 == (n - router - 48 * (2 * 2048 + 2 * 128) - 2048) // 2
 
 
 def test_glm_z1_9b_config_and_its_estimate():
@@ -345,7 +387,8 @@ def test_glm_z1_9b_config_and_its_estimate():
 
 
 # ---- the built-in engine's paged fast path: every family draws the HF path's tokens -------------------------
-@pytest.mark.parametrize("name", ["glm4_untied", "glm4_tied", "qwen2_untied", "llama_tied_llama3_rope"])
+@pytest.mark.parametrize("name", ["glm4_untied", "glm4_tied", "qwen2_untied", "llama_tied_llama3_rope",
+                                  "qwen3_moe_untied"])
 def test_paged_fast_path_draws_the_hf_paths_tokens(hf_dirs, name):
     from runtime.rollout.base import SampleRequest, SamplingParams
     from runtime.rollout.builtin import BuiltinEngine
@@ -376,3 +419,112 @@ def test_paged_fast_path_draws_the_hf_paths_tokens(hf_dirs, name):
             assert max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.response_logprobs, y.response_logprobs)) < 1e-4
         assert paged.decoder.pool.used == 0
         assert (preempted > 0) == (pages is not None), preempted
+
+
+# ---- a mixture of experts: the router's loss, and a resumed trainer ------------------------------------------
+def _moe_batch(vocab: int, seed: int):
+    from runtime.trainer.batch import TrainBatch
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(3, vocab, (int(torch.randint(8, 16, (1,), generator=g)),), generator=g).tolist()
+              for _ in range(8)]
+    return TrainBatch(tokens=tokens, prompt_lens=[4] * 8, advantages=[(-1.0) ** i for i in range(8)],
+                      loss_masks=[[1] * (len(t) - 4) for t in tokens],
+                      rollout_logprobs=[[-1.0] * (len(t) - 4) for t in tokens])
+
+
+def test_moe_trainer_resumes_bitwise_and_the_router_losses_train(converted, tmp_path):
+    """Two updates unbroken against one, a checkpoint, a new trainer loading it and the second: the same weights
+    bit for bit (experts, router, their optimizer state). With the z-loss on, it is reported and moves the router
+    differently (it is in the gradient)."""
+    from runtime.config import GrpoConfig
+    from runtime.trainer.megatron_trainer import MegatronTrainer
+
+    hf_dir, td, _ = converted["qwen3_moe_untied"]
+    vocab = load_hf_config(hf_dir).vocab_size
+    batches = [_moe_batch(vocab, 0), _moe_batch(vocab, 1)]
+
+    def trainer(**train):
+        cfg = GrpoConfig()
+        t = cfg.train.model_copy(update=dict(micro_batch_size=4, global_batch_size=8, **train))
+        return MegatronTrainer(hf_dir=str(hf_dir), init_checkpoint=str(td), train=t, algorithm=cfg.algorithm,
+                               temperature=1.0)
+
+    unbroken = trainer()
+    for b in batches:
+        unbroken.train(b)
+    first = trainer()
+    first.train(batches[0])
+    first.save(str(tmp_path / "ckpt"))
+    resumed = trainer()
+    resumed.load(str(tmp_path / "ckpt"))
+    resumed.train(batches[1])
+    want, got = unbroken.hf_weights(), resumed.hf_weights()
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+
+    router = "model.layers.0.mlp.gate.weight"
+    z = trainer(router_z_loss_coef=0.1)
+    metrics = z.train(batches[0])
+    assert metrics["router_z_loss"] > 0 and metrics["router_aux_loss"] >= 1.0
+    assert not torch.equal(z.hf_weights()[router], first.hf_weights()[router])
+    assert "router_z_loss" not in trainer().train(batches[0])  # the process's tracker still has the name
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_untied", "qwen3_moe_tied"])
+def test_the_engines_moe_forward_is_hfs(hf_dirs, name):
+    """The engine's forward (routing with and without norm_topk_prob, grouped expert GEMMs) gives HF's logits, and
+    a weight update by the hub's per-expert names lands in transformers' fused experts that it reads."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime.rollout.decode_model import FusedModel
+    from runtime.rollout.hf_weights import update_targets
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dirs[name], dtype=torch.float32).eval()
+    ids = torch.randint(3, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(input_ids=ids[None]).logits[0]
+    fused = FusedModel(hf, compile=False)
+    assert (fused.sequence_logits(ids) - want).abs().max().item() <= 1e-5
+    targets = update_targets(hf)
+    down = "model.layers.1.mlp.experts.2.down_proj.weight"
+    with torch.no_grad():
+        targets[down].mul_(-1.0)
+    assert torch.equal(hf.model.layers[1].mlp.experts.down_proj[2], targets[down])
+    assert (fused.sequence_logits(ids) - want).abs().max().item() > 1e-3
+
+
+def _broadcast_checkpoint(hf_dir: str, port: int) -> None:
+    """A trainer rank 0's side of the weight sync, in a process of its own: the checkpoint's tensors by its names."""
+    from runtime.mcore.convert import load_hf_state_dict
+    from runtime.placement import weight_sync
+    group = weight_sync.init_group("127.0.0.1", port, 0, 2, group_name="moe_bcast")
+    weight_sync.send(group, load_hf_state_dict(hf_dir), "cpu")
+    weight_sync.destroy_group(group)
+
+
+def test_a_broadcast_by_the_hubs_expert_names_lands_in_the_engines_fused_experts(hf_dirs):
+    """The trainer broadcasts a checkpoint's names (one tensor per expert); each lands in its block of the engine's
+    fused expert weights, the parameters it decodes with (not replaced by new tensors)."""
+    import multiprocessing
+
+    from runtime.mcore.convert import load_hf_state_dict
+    from runtime.placement import weight_sync
+    from runtime.placement.ports import free_port
+    from runtime.rollout.builtin import BuiltinEngine
+
+    engine = BuiltinEngine(str(hf_dirs["qwen3_moe_untied"]))
+    experts = engine.model.model.layers[1].mlp.experts
+    fused_ptr = experts.gate_up_proj.data_ptr()
+    sent = load_hf_state_dict(hf_dirs["qwen3_moe_tied"])  # other weights, the same shapes
+    port = free_port("127.0.0.1")
+    sender = multiprocessing.get_context("spawn").Process(target=_broadcast_checkpoint,
+                                                          args=(str(hf_dirs["qwen3_moe_tied"]), port))
+    sender.start()
+    try:
+        engine.init_weight_sync("127.0.0.1", port, 1, 2, "moe_bcast")
+        engine.receive_weights(weight_sync.metadata_of(sent), version=3)
+    finally:
+        sender.join(timeout=120)
+        engine.shutdown()
+    assert sender.exitcode == 0 and engine.weight_version == 3 and experts.gate_up_proj.data_ptr() == fused_ptr
+    assert torch.equal(experts.gate_up_proj[2, 32:], sent["model.layers.1.mlp.experts.2.up_proj.weight"])
+    assert torch.equal(experts.down_proj[3], sent["model.layers.1.mlp.experts.3.down_proj.weight"])

@@ -30,7 +30,7 @@ MODEL_FILE_PATTERNS = (
     "*.safetensors", "*.safetensors.index.json",
 )
 DATASET_EXTENSIONS = (".jsonl", ".json", ".parquet")
-BUILTIN_MODELS = ("tiny-qwen3",)
+BUILTIN_MODELS = ("tiny-qwen3", "tiny-qwen3-moe")  # the second: 4 experts, 2 routed per token
 
 
 def _wanted(name: str) -> bool:
@@ -158,7 +158,7 @@ def fetch_model(source: str, dest_dir: str, *, builtin_seed: int = 0) -> dict:
         def fill(scratch: Path) -> None:
             from runtime.models.tiny import build_tiny_qwen3  # imports torch: only when asked for
 
-            build_tiny_qwen3(str(scratch), seed=builtin_seed)
+            build_tiny_qwen3(str(scratch), seed=builtin_seed, num_experts=4 if name == "tiny-qwen3-moe" else 0)
         kind = "builtin"
     elif source.startswith("hf://"):
         repo_id, revision = _split_hf(source, "model")

@@ -212,6 +212,15 @@ def _patch_checkpoint_without_output() -> None:
     cls._grpoflow_no_fp8 = True
 
 
+def _patch_router_gemm() -> None:
+    """megatron-core's MoE router gating (``RouterGatingLinearFunction``) tests ``te_general_gemm is not None``,
+    a name its module leaves undefined when Transformer Engine is missing (0.16.1): a NameError at the first
+    routed token. Without TE the name is None, and the router's own torch GEMM runs."""
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def recompute_kwargs(recompute: str = "none", modules=("layernorm", "mlp"), num_layers: int | None = None,
                      total_layers: int | None = None) -> dict:
     """``TransformerConfig`` fields for ``train.recompute`` / ``recompute_modules`` / ``recompute_num_layers``.
@@ -246,6 +255,8 @@ def build_transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, d
     from runtime.models import get_adapter
 
     kwargs = get_adapter(hf_config).transformer_config_kwargs(hf_config)
+    if kwargs.get("num_moe_experts"):
+        _patch_router_gemm()
     device = _resolve_device(device)
     kwargs.update(
         hidden_dropout=0.0,

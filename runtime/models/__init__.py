@@ -15,8 +15,9 @@ from runtime.models.glm4 import Glm4Adapter
 from runtime.models.llama import LlamaAdapter
 from runtime.models.qwen2 import Qwen2Adapter
 from runtime.models.qwen3 import Qwen3Adapter
+from runtime.models.qwen3_moe import Qwen3MoeAdapter
 
-_FAMILIES: tuple[type[ModelAdapter], ...] = (Qwen3Adapter, Qwen2Adapter, LlamaAdapter, Glm4Adapter)
+_FAMILIES: tuple[type[ModelAdapter], ...] = (Qwen3Adapter, Qwen3MoeAdapter, Qwen2Adapter, LlamaAdapter, Glm4Adapter)
 _REGISTRY: dict[str, type[ModelAdapter]] = {t: cls for cls in _FAMILIES for t in cls.model_types}
 
 

@@ -275,8 +275,7 @@ class DenseDecoderAdapter(ModelAdapter):
                 take(hp + "self_attn.v_proj.weight"), nh, ng, d),
             mp + "self_attention.linear_proj.weight": take(hp + "self_attn.o_proj.weight"),
             mp + "pre_mlp_layernorm.weight": take(hp + "post_attention_layernorm.weight"),
-            mp + "mlp.linear_fc1.weight": self.fc1_from_hf(take, hp),
-            mp + "mlp.linear_fc2.weight": take(hp + "mlp.down_proj.weight"),
+            **self.mlp_from_hf(take, hp, mp, hf_config),
         }
         if self.qkv_bias(hf_config):
             out[mp + "self_attention.linear_qkv.bias"] = fuse_qkv(
@@ -286,6 +285,17 @@ class DenseDecoderAdapter(ModelAdapter):
             out[mp + "self_attention.q_layernorm.weight"] = take(hp + "self_attn.q_norm.weight")
             out[mp + "self_attention.k_layernorm.weight"] = take(hp + "self_attn.k_norm.weight")
         return out
+
+    def mlp_from_hf(self, take: Callable[[str], torch.Tensor], hp: str, mp: str,
+                    hf_config) -> dict[str, torch.Tensor]:
+        """One layer's MLP (a mixture of experts overrides it)."""
+        return {mp + "mlp.linear_fc1.weight": self.fc1_from_hf(take, hp),
+                mp + "mlp.linear_fc2.weight": take(hp + "mlp.down_proj.weight")}
+
+    def mlp_to_hf(self, take: Callable[[str], torch.Tensor], hp: str, mp: str,
+                  hf_config) -> dict[str, torch.Tensor]:
+        return {**self.fc1_to_hf(take(mp + "mlp.linear_fc1.weight"), hp),
+                hp + "mlp.down_proj.weight": take(mp + "mlp.linear_fc2.weight")}
 
     def fc1_from_hf(self, take: Callable[[str], torch.Tensor], hp: str) -> torch.Tensor:
         """Megatron's fused fc1 is cat(gate, up) along the output dim."""
@@ -306,8 +316,7 @@ class DenseDecoderAdapter(ModelAdapter):
             hp + "self_attn.v_proj.weight": v,
             hp + "self_attn.o_proj.weight": take(mp + "self_attention.linear_proj.weight"),
             hp + "post_attention_layernorm.weight": take(mp + "pre_mlp_layernorm.weight"),
-            **self.fc1_to_hf(take(mp + "mlp.linear_fc1.weight"), hp),
-            hp + "mlp.down_proj.weight": take(mp + "mlp.linear_fc2.weight"),
+            **self.mlp_to_hf(take, hp, mp, hf_config),
         }
         if self.qkv_bias(hf_config):
             qb, kb, vb = split_qkv(take(mp + "self_attention.linear_qkv.bias"), nh, ng, d)

@@ -147,11 +147,12 @@ def _write_tokenizer(tok, out: Path) -> None:
 
 def _init_weights(cfg, seed: int) -> dict[str, torch.Tensor]:
     """HF-style init (normal(0, initializer_range), norms 1) from a private generator: the global
-    RNG is untouched and the bytes do not depend on transformers' own init code."""
-    from transformers import Qwen3ForCausalLM
+    RNG is untouched and the bytes do not depend on transformers' own init code. A mixture of experts is
+    written as the hub's checkpoints hold it: one tensor per expert and projection."""
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        shapes = {n: p.shape for n, p in Qwen3ForCausalLM(cfg).state_dict().items()}
+        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name in sorted(shapes):
@@ -164,6 +165,13 @@ def _init_weights(cfg, seed: int) -> dict[str, torch.Tensor]:
         else:
             out[name] = torch.empty(shapes[name], dtype=torch.float32).normal_(
                 0.0, cfg.initializer_range, generator=g)
+    for name in [n for n in out if n.endswith("mlp.experts.gate_up_proj")]:  # transformers' fused experts
+        prefix = name[: -len("gate_up_proj")]
+        gate_up, down = out.pop(name), out.pop(prefix + "down_proj")
+        gate, up = gate_up.chunk(2, dim=1)
+        for e in range(gate_up.shape[0]):
+            out.update({f"{prefix}{e}.gate_proj.weight": gate[e].clone(), f"{prefix}{e}.up_proj.weight": up[e].clone(),
+                        f"{prefix}{e}.down_proj.weight": down[e].clone()})
     return out
 
 
@@ -181,18 +189,26 @@ def build_tiny_qwen3(
     corpus: list[str] | None = None,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     tokenizer: str = "chars",
+    num_experts: int = 0,
+    experts_per_token: int = 2,
+    expert_ffn_size: int = 64,
 ) -> dict[str, Any]:
     """Write a random tiny Qwen3 HF model dir to ``out_dir`` (atomically); return
     ``{"path", "vocab_size", "n_params"}``. ``tokenizer``: "chars" (one token per character,
-    ~56 tokens; the default, learnable from scratch) or "bpe" (byte-level BPE of ``vocab_size``)."""
+    ~56 tokens; the default, learnable from scratch) or "bpe" (byte-level BPE of ``vocab_size``).
+    ``num_experts`` > 0: a Qwen3-MoE instead, every layer's MLP ``num_experts`` experts of ``expert_ffn_size``,
+    ``experts_per_token`` routed per token (renormalised, as Qwen3-30B-A3B; load-balancing coefficient 0.001)."""
     from safetensors.torch import save_file
-    from transformers import GenerationConfig, Qwen3Config
+    from transformers import GenerationConfig, Qwen3Config, Qwen3MoeConfig
 
     text = corpus if corpus is not None else builtin_corpus(seed)
     tok = _char_tokenizer(text) if tokenizer == "chars" else _train_tokenizer(text, vocab_size)
     n_vocab = tok.get_vocab_size(with_added_tokens=True)
     pad_id, eos_id = tok.token_to_id(PAD_TOKEN), tok.token_to_id(IM_END)
-    cfg = Qwen3Config(
+    moe = dict(num_experts=num_experts, num_experts_per_tok=experts_per_token, moe_intermediate_size=expert_ffn_size,
+               norm_topk_prob=True, router_aux_loss_coef=0.001) if num_experts else {}
+    cfg = (Qwen3MoeConfig if num_experts else Qwen3Config)(
+        **moe,
         vocab_size=n_vocab,
         hidden_size=hidden_size,
         intermediate_size=ffn_hidden_size,
@@ -212,7 +228,7 @@ def build_tiny_qwen3(
         pad_token_id=pad_id,
         dtype="float32",
     )
-    cfg.architectures = ["Qwen3ForCausalLM"]
+    cfg.architectures = ["Qwen3MoeForCausalLM" if num_experts else "Qwen3ForCausalLM"]
     weights = _init_weights(cfg, seed)
     gen = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True, temperature=1.0,
                            top_p=1.0, top_k=0)

@@ -53,7 +53,10 @@ def param_tensor_numels(m: dict[str, Any], tp: int) -> list[int]:
     model shape ``m`` (runtime/plan/memory.py ``_shape``)."""
     V, h, L, f, nh, ng, d = m["V"], m["h"], m["L"], m["f"], m["nh"], m["ng"], m["d"]
     qkv = (nh + 2 * ng) * d
-    layer = [h, qkv * h // tp, nh * d * h // tp, h, 2 * f * h // tp, f * h // tp]
+    if m.get("E"):  # the router, then each expert's fc1 and fc2
+        layer = [h, qkv * h // tp, nh * d * h // tp, h, m["E"] * h] + [2 * m["fe"] * h // tp, m["fe"] * h // tp] * m["E"]
+    else:
+        layer = [h, qkv * h // tp, nh * d * h // tp, h, 2 * f * h // tp, f * h // tp]
     if m["qkv_bias"]:
         layer.append(qkv // tp)
     if m["qk_norm"]:

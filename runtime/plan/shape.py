@@ -17,7 +17,9 @@ def dtype_bytes(dtype) -> int:
 
 def model_shape(hf_config) -> dict[str, Any]:
     """V (vocab), h (hidden), L (layers), f (ffn), nh / ng (attention heads / key-value groups), d (head dim), rot
-    (rotary dims), and the family's switches (qkv bias, q/k norms, GLM4's post-norms, tied embeddings)."""
+    (rotary dims), and the family's switches (qkv bias, q/k norms, GLM4's post-norms, tied embeddings). A mixture of
+    experts: E experts of ffn fe each and the router, and f the ffn width a token passes through (its topk experts'),
+    what the activation and compute terms read."""
     from runtime.models import get_adapter
     from runtime.models.base import head_dim
 
@@ -25,8 +27,11 @@ def model_shape(hf_config) -> dict[str, Any]:
     kw = adapter.transformer_config_kwargs(hf_config)  # also refuses configs the family cannot map
     d = head_dim(hf_config)
     rot = int(d * float(kw.get("rotary_percent", 1.0)))
+    experts, topk, fe = int(kw.get("num_moe_experts") or 0), int(kw.get("moe_router_topk") or 0), \
+        int(kw.get("moe_ffn_hidden_size") or 0)
     return dict(
-        V=int(hf_config.vocab_size), h=kw["hidden_size"], L=kw["num_layers"], f=kw["ffn_hidden_size"],
+        V=int(hf_config.vocab_size), h=kw["hidden_size"], L=kw["num_layers"],
+        f=topk * fe if experts else kw["ffn_hidden_size"], E=experts, fe=fe,
         nh=kw["num_attention_heads"], ng=kw["num_query_groups"], d=d, rot=rot - rot % 2,
         qkv_bias=bool(kw["add_qkv_bias"]), qk_norm=bool(kw["qk_layernorm"]),
         post_norms=bool(getattr(adapter, "post_norms", False)),
@@ -45,6 +50,8 @@ def shape_param_counts(m: dict[str, Any], tp: int = 1) -> tuple[int, int]:
         raise ValueError(f"tensor_parallel={tp} must divide vocab_size {V}, attention heads {nh}, "
                          f"key-value heads {ng} and ffn size {f}")
     qkv = (nh + 2 * ng) * d
-    split = (1 if m["tied"] else 2) * V * h + L * (h * qkv + (qkv if m["qkv_bias"] else 0) + nh * d * h + 3 * h * f)
-    replicated = L * (2 * h + (2 * h if m["post_norms"] else 0) + (2 * d if m["qk_norm"] else 0)) + h
+    mlp = 3 * h * m["fe"] * m["E"] if m.get("E") else 3 * h * f
+    split = (1 if m["tied"] else 2) * V * h + L * (h * qkv + (qkv if m["qkv_bias"] else 0) + nh * d * h + mlp)
+    router = m["E"] * h if m.get("E") else 0  # megatron replicates the router over TP
+    replicated = L * (2 * h + (2 * h if m["post_norms"] else 0) + (2 * d if m["qk_norm"] else 0) + router) + h
     return split + replicated, split // tp + replicated

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from runtime.errors import ConfigError, ModelError
 from runtime.rollout.base import (GroupsDone, RolloutEngine, SampleRequest, SampleResult, SamplingParams,
                                   drive_generation)
+from runtime.rollout.hf_weights import update_targets
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_key_hash, sample_next
 from runtime.rollout.kv_pages import DEFAULT_PAGE_SIZE
 
@@ -256,7 +257,7 @@ class BuiltinEngine(RolloutEngine):
         if self.lora is not None:
             self._update_adapters(named_tensors, version)
             return
-        state = self.model.state_dict()  # tensors share storage with the parameters
+        state = update_targets(self.model)  # tensors share storage with the parameters
         unknown = sorted(name for name in named_tensors if name not in state)
         if unknown:
             raise ValueError(f"update_weights: {len(unknown)} name(s) not in the model, e.g. {unknown[:3]}")
@@ -322,7 +323,7 @@ class BuiltinEngine(RolloutEngine):
         if self.lora is not None:  # the adapters: received whole, then copied into the decoder's buffers
             self._update_adapters(weight_sync.receive(self._sync_group, metadata, self.device), version)
             return
-        state = self.model.state_dict()
+        state = update_targets(self.model)
         quantized = self._fp8_targets()
         if quantized:  # one tensor at a time, quantised as it comes (the bf16 weights are never all here at once)
             bad = [f"{name} {tuple(shape)}" for name, _, shape in metadata

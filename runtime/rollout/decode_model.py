@@ -12,7 +12,8 @@ piece compiled on whatever call came first would give other bits to the same cal
 another (a rebuilt engine against the one it replaces). GLM4 differs in three
 places, each a setting of the same pieces: RoPE on the first `partial_rotary_factor` of each head with
 interleaved pairs, a norm after the attention and after the MLP (before each residual add), and q/k/v
-biases (which Qwen2 has too).
+biases (which Qwen2 has too). Qwen3-MoE's MLP is a mixture of experts (`_routed_experts`: top-k routing and
+grouped GEMMs over transformers' fused expert weights).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, 
 from runtime.rollout.speed_features import guarded
 from runtime.rollout.lora_forward import EngineAdapters, add_lora
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "glm4")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "glm4", "qwen3_moe")
 
 
 def unsupported_config_reason(cfg) -> str | None:
@@ -49,6 +50,8 @@ def unsupported_config_reason(cfg) -> str | None:
         return f"hidden_act {cfg.hidden_act!r} (only silu)"
     if getattr(cfg, "mlp_bias", False):
         return "mlp_bias is not implemented"
+    if mt == "qwen3_moe" and (int(getattr(cfg, "decoder_sparse_step", 1) or 1) != 1 or getattr(cfg, "mlp_only_layers", None)):
+        return "dense MLP layers between the MoE layers (decoder_sparse_step, mlp_only_layers) are not implemented"
     return None
 
 
@@ -131,6 +134,45 @@ def _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps: float, ff
     return h + (m if pm_w is None else _rms(m, pm_w, eps))
 
 
+def _grouped_mm(x, w, offs):
+    """Rows ``offs[e-1]:offs[e]`` of ``x`` times ``w[e]``: one grouped GEMM (any dtype on the CPU, bf16 on CUDA), else
+    a loop over the experts (CUDA in another dtype; it reads the offsets on the host)."""
+    if not x.is_cuda or x.dtype == torch.bfloat16:
+        return F.grouped_mm(x, w, offs=offs)
+    ends = offs.tolist()
+    return torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))])
+
+
+def _routed_experts(x, router_w, gu_w, down_w, ffn: int, topk: int, norm_topk: bool):
+    """A mixture of experts' MLP on [T, H]: HF's Qwen3-MoE routing (softmax over every expert in fp32, the top-k,
+    renormalised to sum 1 when ``norm_topk``; the router's linear in fp32, as the trainer's megatron router) and the
+    experts' SwiGLU as two grouped GEMMs over the routed copies sorted by expert (``gu_w`` [E, 2F, H] = cat(gate,
+    up), ``down_w`` [E, H, F]: transformers' fused layout). No host sync, no atomics: each copy's output goes back to
+    its (token, slot) and a token's k slots are summed in slot order."""
+    t, h = x.shape
+    probs = F.linear(x.float(), router_w.float()).softmax(dim=-1)
+    weights, experts = probs.topk(topk, dim=-1)  # [T, k]
+    if norm_topk:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)  # the routed copies grouped by expert
+    offs = torch.bincount(flat, minlength=gu_w.shape[0]).cumsum(0).to(torch.int32)
+    xs = x.index_select(0, order // topk)
+    gu = _grouped_mm(xs, gu_w.transpose(-2, -1), offs)
+    g, u = gu.split([ffn, ffn], dim=-1)
+    y = _grouped_mm(F.silu(g) * u, down_w.transpose(-2, -1), offs)
+    y = y * weights.to(x.dtype).reshape(-1).index_select(0, order)[:, None]
+    slots = torch.empty_like(y).index_copy_(0, order, y)
+    return slots.view(t, topk, h).sum(dim=1)
+
+
+def _post_attn_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps: float, ffn: int, topk: int,
+                   norm_topk: bool):
+    """`_post_attn` with a mixture of experts for the MLP (Qwen3-MoE: no post-norms, no LoRA)."""
+    h = h + F.linear(attn, o_w, o_b)
+    return h + _routed_experts(_rms(h, ln_w, eps), router_w, gu_w, down_w, ffn, topk, norm_topk)
+
+
 def _logits(h, norm_w, lm_w, eps: float):
     return F.linear(_rms(h, norm_w, eps), lm_w)
 
@@ -204,9 +246,17 @@ class _Layer:
     gu_s: torch.Tensor | None = None
     down_s: torch.Tensor | None = None
 
+    router: torch.Tensor | None = None  # a mixture of experts: gu_w [E, 2F, H] and down_w [E, H, F] then
+
     @property
     def post_scales(self) -> tuple:
         return self.o_s, self.gu_s, self.down_s
+
+    def post_args(self) -> tuple:
+        """The weights `FusedModel._post` takes after the hidden states and the attention output."""
+        if self.router is not None:
+            return self.o_w, self.o_b, self.ln2, self.gu_w, self.down_w, self.router
+        return self.o_w, self.o_b, self.ln2, self.gu_w, self.down_w, self.pa, self.pm, *self.post_scales, *self.post_lora
 
 
 # the engine's linear layers by their _Layer field; embeddings, the head and the norms stay in the model's dtype
@@ -260,7 +310,15 @@ class FusedModel:
         cuda = self.device.type == "cuda"
         self.nh, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.ffn = cfg.intermediate_size
+        # a mixture of experts (Qwen3-MoE): each expert's ffn, the experts a token is routed to, renormalised or not
+        self.moe = cfg.model_type == "qwen3_moe"
+        self.ffn = cfg.moe_intermediate_size if self.moe else cfg.intermediate_size
+        self.topk = int(cfg.num_experts_per_tok) if self.moe else 0
+        self.norm_topk = bool(getattr(cfg, "norm_topk_prob", False))
+        if self.moe and (lora is not None or shared_base is not None):
+            raise ValueError("fast decode path: LoRA on a mixture of experts is not implemented")
+        if self.moe and weights_dtype == "fp8":  # the experts' [E, rows, cols] weights have no rowwise FP8 path yet
+            raise ValueError("rollout.weights_dtype fp8: not for a mixture of experts yet; use rollout.weights_dtype: bf16")
         self.eps = float(cfg.rms_norm_eps)
         self.scale = self.hd ** -0.5
         self.n_layers = cfg.num_hidden_layers
@@ -333,20 +391,25 @@ class FusedModel:
             for layer in inner.layers:
                 a, m = layer.self_attn, layer.mlp
                 qkv_b = _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
-                gate_up = m.gate_up_proj.weight if hasattr(m, "gate_up_proj") else \
-                    _fuse([m.gate_proj.weight, m.up_proj.weight])
-                self._hf_linears.append({
-                    "qkv_w": [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], "o_w": [a.o_proj.weight],
-                    "gu_w": [m.gate_up_proj.weight] if hasattr(m, "gate_up_proj") else [m.gate_proj.weight,
-                                                                                        m.up_proj.weight],
-                    "down_w": [m.down_proj.weight]})
+                router = None
+                if self.moe:  # transformers' fused experts, as they are
+                    router, gate_up, down = m.gate.weight, m.experts.gate_up_proj, m.experts.down_proj
+                else:
+                    gate_up = m.gate_up_proj.weight if hasattr(m, "gate_up_proj") else \
+                        _fuse([m.gate_proj.weight, m.up_proj.weight])
+                    down = m.down_proj.weight
+                    self._hf_linears.append({
+                        "qkv_w": [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], "o_w": [a.o_proj.weight],
+                        "gu_w": [m.gate_up_proj.weight] if hasattr(m, "gate_up_proj") else [m.gate_proj.weight,
+                                                                                            m.up_proj.weight],
+                        "down_w": [m.down_proj.weight]})
                 self.layers.append(_Layer(
                     ln1=layer.input_layernorm.weight, qkv_w=_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
                     qkv_b=qkv_b, qn=getattr(getattr(a, "q_norm", None), "weight", None),
                     kn=getattr(getattr(a, "k_norm", None), "weight", None), o_w=a.o_proj.weight, o_b=a.o_proj.bias,
-                    ln2=layer.post_attention_layernorm.weight, gu_w=gate_up, down_w=m.down_proj.weight,
+                    ln2=layer.post_attention_layernorm.weight, gu_w=gate_up, down_w=down,
                     pa=getattr(getattr(layer, "post_self_attn_layernorm", None), "weight", None),
-                    pm=getattr(getattr(layer, "post_mlp_layernorm", None), "weight", None)))
+                    pm=getattr(getattr(layer, "post_mlp_layernorm", None), "weight", None), router=router))
 
     def _quantize_linears(self, drop_bf16: bool) -> None:
         """Each layer's linears to rowwise e4m3 in buffers of their own (`fp8_targets` names their HF row ranges);
@@ -425,10 +488,15 @@ class FusedModel:
             return _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps, ffn, o_s, gu_s, dn_s, o_a, o_lb,
                               gu_a, gu_lb, dn_a, dn_lb, lscale)
 
+        topk, norm_topk = self.topk, self.norm_topk
+
+        def post_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w):
+            return _post_attn_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps, ffn, topk, norm_topk)
+
         def head(h, norm_w, lm_w):
             return _logits(h, norm_w, lm_w, eps)
 
-        self._pre, self._post, self._head, self._plain = pre, post, head, plain_sample
+        self._pre, self._post, self._head, self._plain = pre, post_moe if self.moe else post, head, plain_sample
         self._gumbel = gumbel_noise
 
     @torch.inference_mode()
@@ -463,8 +531,7 @@ class FusedModel:
         h = torch.zeros(n, self.embed.shape[1], dtype=self.dtype, device=dev)
         cos, sin = self.rope_tables(torch.arange(n, device=dev))
         self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, w.qkv_s, *w.pre_lora)
-        self._post(h, torch.zeros(n, self.nh * self.hd, dtype=self.dtype, device=dev), w.o_w, w.o_b,
-                   w.ln2, w.gu_w, w.down_w, w.pa, w.pm, *w.post_scales, *w.post_lora)
+        self._post(h, torch.zeros(n, self.nh * self.hd, dtype=self.dtype, device=dev), *w.post_args())
 
     def rope_tables(self, pos: torch.Tensor):
         return _cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype, self.interleaved)
@@ -479,8 +546,7 @@ class FusedModel:
         for w in self.layers:
             q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, w.qkv_s, *w.pre_lora)
             a = _sdpa_prefill(q, k, v, [ids.shape[0]], self.scale)
-            h = self._post(h, a.reshape(h.shape[0], -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm,
-                           *w.post_scales, *w.post_lora)
+            h = self._post(h, a.reshape(h.shape[0], -1), *w.post_args())
         return self._head(h, self.norm, self.lm)
 
     def kv_bytes_per_token(self) -> int:

@@ -204,8 +204,7 @@ class PagedDecoder(FusedModel):
                 a = self._flash(q, k, v, cu, cu, max(lens), max(lens), True, self.scale)
             else:
                 a = _sdpa_prefill(q, k, v, lens, self.scale)
-            h = self._post(h, a.reshape(h.shape[0], -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm,
-                           *w.post_scales, *w.post_lora)
+            h = self._post(h, a.reshape(h.shape[0], -1), *w.post_args())
         return h.index_select(0, torch.tensor(want, dtype=torch.long, device=dev))
 
     def _step(self, b: int, sample_fn: Callable) -> None:
@@ -229,8 +228,7 @@ class PagedDecoder(FusedModel):
                                           split_tokens=self._chunk_split_tokens)
             else:
                 a = reference_paged_decode_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols, self.scale)
-            h = self._post(h, a.reshape(b, -1), w.o_w, w.o_b, w.ln2, w.gu_w, w.down_w, w.pa, w.pm, *w.post_scales,
-                           *w.post_lora)
+            h = self._post(h, a.reshape(b, -1), *w.post_args())
         logits = self._head(h, self.norm, self.lm)
         t, lp = sample_fn(logits, self.key_hash[:b], self.spos[:b])
         self.out_tok[:b].index_copy_(1, self.chunk_i, t[:, None])

@@ -15,6 +15,8 @@ COLUMNS = [("loss", "loss", "{:+.4f}"), ("reward", "reward_mean", "{:.3f}"),
            ("len_max", "response_len_max", "{:d}"), ("trunc", "truncated_frac", "{:.2f}"),
            ("roll tok/s", "rollout_tok_s", "{:.0f}"), ("train tok/s", "train_tok_s", "{:.0f}"),
            ("step s", "step_time_s", "{:.2f}")]
+# shown when the first row has them: a mixture of experts' router losses (unscaled, mean over layers)
+OPTIONAL_COLUMNS = [("aux", "router_aux_loss", "{:.4f}"), ("z_loss", "router_z_loss", "{:.4f}")]
 PROGRESS = ["rollout", "elapsed", "eta"]
 
 
@@ -58,6 +60,7 @@ class RolloutTable:
         self._t0 = now()
         self._rows = 0
         digits = len(str(total)) if total else 4
+        self.columns = list(COLUMNS)
         self.widths = [max(2 * digits + 1, len("rollout")), 7, 7] + [max(len(h), 8) for h, _, _ in COLUMNS]
         self._header = False
 
@@ -73,9 +76,12 @@ class RolloutTable:
 
     def row(self, m: dict) -> None:
         if not self._header:
-            heads = PROGRESS + [h for h, _, _ in COLUMNS]
+            extra = [c for c in OPTIONAL_COLUMNS if m.get(c[1]) is not None]
+            self.columns += extra
+            self.widths += [max(len(h), 8) for h, _, _ in extra]
+            heads = PROGRESS + [h for h, _, _ in self.columns]
             self.console.print("  ".join(h.rjust(w) for h, w in zip(heads, self.widths)), style="bold", soft_wrap=True)
             self._header = True
-        cells = self.progress(m) + [_fmt(f, m.get(k)) for _, k, f in COLUMNS]
+        cells = self.progress(m) + [_fmt(f, m.get(k)) for _, k, f in self.columns]
         # one line per rollout however narrow the terminal or log (a row is ~170 characters)
         self.console.print("  ".join(c.rjust(w) for c, w in zip(cells, self.widths)), soft_wrap=True)

@@ -18,6 +18,7 @@ from runtime.config import AlgorithmSection, TrainSection
 from runtime.mcore.determinism import fix_cublas_workspace, strict_if_deterministic, trainer_compute
 from runtime.testing.moments import moment
 from runtime.trainer.batch import TrainBatch, by_length, pack, pack_varlen, step_slices, token_budget_micro_batches
+from runtime.trainer import router_losses
 from runtime.trainer.checkpoint_writer import CheckpointWriter
 from runtime.trainer.state_offload import StateOffload
 from runtime.trainer.tp_replicas import replicated_parameters, take_rank0_gradients
@@ -62,6 +63,10 @@ class MegatronTrainer:
         self.model = self._build_model(train=True)
         load_torch_dist_into(self.model, init_checkpoint)
         self.lora = train.lora if train.lora.enabled else None  # the base frozen, adapters trained
+        if self.lora is not None and router_losses.is_moe(self.hf_config):
+            from runtime.errors import ConfigError
+            raise ConfigError(f"train.lora on a mixture of experts ({self.hf_config.model_type}) is not supported; "
+                              f"set train.lora.enabled: false")
         if self.lora is not None:
             from runtime.trainer import lora
             lora.attach(self.model, self.lora, seed=train.seed)
@@ -112,6 +117,8 @@ class MegatronTrainer:
             check_available(t.packed_attention)
         recompute = dict(recompute=t.recompute, recompute_modules=tuple(t.recompute_modules),
                          recompute_num_layers=t.recompute_num_layers) if train else {}
+        if router_losses.is_moe(self.hf_config):
+            recompute.update(router_losses.config_overrides(t))
         return menv.build_gpt_model(self.hf_config, dtype=self.params_dtype, device=self.device, init_weights=False,
                                     fusions=t.fusions, core_attention=t.core_attention, packed=self.packs,
                                     packed_attention=t.packed_attention, **recompute)
@@ -289,6 +296,7 @@ class MegatronTrainer:
             normalizer = float(step_tokens if a.loss_agg == "token_mean" else len(step_idx))
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
+            moe = router_losses.begin_step(self.model, len(micro_batches), self._device_obj())
             for m, idx in enumerate(micro_batches):
                 mb = self._pack(batch, idx)
                 if self.lora is not None and self.lora.dropout > 0:
@@ -321,6 +329,8 @@ class MegatronTrainer:
                 if s == 0:
                     _accumulate(sums, "_logp_absdiff", ((logp.detach() - mb.rollout_logp).abs() * mb.resp_mask).sum())
                     _accumulate(sums, "_tokens_step0", n_tok)
+            for k, v in router_losses.end_step(moe, self.dp_size).items():  # the mean over DP ranks once summed
+                _accumulate(sums, k, v)
             moment("train-grads-accumulated")  # every micro-batch's backward done; grads not reduced, not applied
             finalize_model_grads([self.ddp])
             if self.tp_replicas:  # they step from TP rank 0's gradient: one tensor on every rank, as a checkpoint keeps
