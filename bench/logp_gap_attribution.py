@@ -264,26 +264,43 @@ def trainer_common_linear(tr):
 
 # ---- the common row-invariant attention --------------------------------------------------------------------
 
-def common_attention(q, k, v, scale: float):
+def common_attention(q, k, v, scale: float, rows: int | None = FIXED_ROWS):
     """Causal attention of one sequence (q [n, nh, hd], k/v [n, nkv, hd]) with every query row as the engine's
     decode reference (runtime/rollout/decode_attention.py `reference_paged_decode_attention`) computes one row: its
     positions [0, i] in blocks of REFERENCE_BLOCK from 0 under a running softmax in fp32, the same expressions, K/V
-    laid out [rows, block, nkv, hd] as the reference gathers them. Rows are independent; whether their bits are the
-    same at another row count is what the variant measures."""
+    laid out [rows, block, nkv, hd] as the reference gathers them. The query rows go `rows` at a time (the last
+    block padded with the last row), as `common_decode` hands the reference the engine's rows: every einsum and
+    reduction then has one shape on both sides, so cuBLAS and torch's reduction kernels pick one configuration (on
+    CPU the shapes do not change a row's bits; on a GPU they do). `rows=None`: all rows in one call (the first
+    GPU run's version)."""
+    torch = _torch()
+    n = q.shape[0]
+    if rows is None:
+        return _attention_rows(q, k, v, scale, torch.arange(n, device=q.device))
+    out = []
+    for s in range(0, n, rows):
+        idx = torch.arange(s, s + rows, device=q.device).clamp(max=n - 1)
+        out.append(_attention_rows(q, k, v, scale, idx)[:min(rows, n - s)])
+    return torch.cat(out)
+
+
+def _attention_rows(q, k, v, scale: float, idx):
+    """The query rows `idx` of one causal sequence, each over its positions [0, idx] (see `common_attention`)."""
     torch = _torch()
     from runtime.rollout.decode_attention import REFERENCE_BLOCK as block
     n, nh, hd = q.shape
     nkv = k.shape[1]
-    total = torch.arange(1, n + 1, device=q.device)[:, None]
-    qf = q.float().reshape(n, nkv, nh // nkv, hd) * scale
-    m = torch.full((n, nkv, nh // nkv), float("-inf"), device=q.device)
+    b = idx.shape[0]
+    total = (idx + 1)[:, None]
+    qf = q.index_select(0, idx).float().reshape(b, nkv, nh // nkv, hd) * scale
+    m = torch.full((b, nkv, nh // nkv), float("-inf"), device=q.device)
     denom = torch.zeros_like(m)
-    acc = torch.zeros(n, nkv, nh // nkv, hd, device=q.device)
-    for start in range(0, n, block):
+    acc = torch.zeros(b, nkv, nh // nkv, hd, device=q.device)
+    for start in range(0, int(idx.max()) + 1, block):
         j = torch.arange(start, start + block, device=q.device)[None, :]
         at = j[0].clamp(max=n - 1)
-        kb = k[at][None].expand(n, block, nkv, hd).contiguous().float()
-        vb = v[at][None].expand(n, block, nkv, hd).contiguous().float()
+        kb = k[at][None].expand(b, block, nkv, hd).contiguous().float()
+        vb = v[at][None].expand(b, block, nkv, hd).contiguous().float()
         sc = torch.einsum("bgrd,bjgd->bgrj", qf, kb).masked_fill(~(j < total)[:, None, None, :], float("-inf"))
         m_new = torch.maximum(m, sc.amax(-1))
         alpha = torch.exp(m - m_new).nan_to_num(0.0)
@@ -291,7 +308,24 @@ def common_attention(q, k, v, scale: float):
         denom = denom * alpha + p.sum(-1)
         acc = acc * alpha[..., None] + torch.einsum("bgrj,bjgd->bgrd", p, vb)
         m = m_new
-    return (acc / denom[..., None]).reshape(n, nh, hd).to(q.dtype)
+    return (acc / denom[..., None]).reshape(b, nh, hd).to(q.dtype)
+
+
+def common_decode(q, k_pool, v_pool, table, prefix_len, own_len, prefix_cols: int, scale: float, split_tokens=None):
+    """The engine's paged-attention signature: `reference_paged_decode_attention` on the live rows FIXED_ROWS at a
+    time (the last block padded with copies of row 0), so that its einsums and reductions have the shapes of
+    `common_attention`'s on the trainer's side, whatever the number of live rows."""
+    torch = _torch()
+    from runtime.rollout.decode_attention import reference_paged_decode_attention as ref
+    B = q.shape[0]
+    out = []
+    for s in range(0, B, FIXED_ROWS):
+        idx = torch.arange(s, s + FIXED_ROWS, device=q.device)
+        idx = torch.where(idx < B, idx, torch.zeros_like(idx))
+        sel = lambda t: t.index_select(0, idx)  # noqa: E731
+        out.append(ref(sel(q), k_pool, v_pool, sel(table), sel(prefix_len), sel(own_len), prefix_cols,
+                       scale)[:min(FIXED_ROWS, B - s)])
+    return torch.cat(out)
 
 
 def common_prefill(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
@@ -429,6 +463,82 @@ class TrainerKernels:
         return out
 
 
+# ---- row invariance of each aligned kernel, by itself -----------------------------------------------------
+
+def row_invariance(S, tr, K: TrainerKernels, dec) -> dict:
+    """Each kernel the all-aligned set runs on both sides, called on random inputs at the engine's shape (a decode
+    step's B rows) and at the trainer's ([s, 1, ...] for one sequence of s tokens), the same rows compared: equal
+    bits, or the max |diff|. On CPU every row is expected equal; on a GPU a False names a kernel whose
+    configuration follows the shape: what the all-aligned gap is made of (the gap's size says nothing there, in
+    bf16 one differing bit anywhere grows to about the full gap)."""
+    torch = _torch()
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    from runtime.mcore import env as menv
+    from runtime.rollout.decode_attention import reference_paged_decode_attention
+    dev, dt = torch.device(S["device"]), dtype_of(S)
+    g = torch.Generator(device=dev).manual_seed(1)
+    rnd = lambda *shape: torch.randn(*shape, generator=g, device=dev).to(dt)  # noqa: E731
+    n, B = S["prompt_len"] + S["new"], S["prompts"] * S["samples"]
+    nh, nkv, hd, Hd, F2 = dec.nh, dec.nkv, dec.hd, dec.embed.shape[1], 2 * dec.ffn
+    rows = torch.linspace(0, n - 1, B, device=dev).long()  # the engine's rows: positions spread over the sequence
+    out = {}
+
+    def cmp(name, engine, trainer):
+        d = (engine.float() - trainer.float()).abs()
+        out[name] = {"bitwise": bool(torch.equal(engine, trainer)), "max_abs": float(d.max()) if d.numel() else 0.0}
+
+    with torch.no_grad(), K.mode():
+        x = rnd(n, Hd)
+        w = rnd(Hd)
+        cmp("norm (hidden)", K.norm(x[rows], w, dec.eps), K.norm(x.view(n, 1, Hd), w, dec.eps)[rows, 0])
+        qh = rnd(n, nh, hd)
+        gpt = menv.unwrap_model(tr.model)
+        qn = getattr(gpt.decoder.layers[0].self_attention, "q_layernorm", None)
+        if getattr(qn, "weight", None) is not None:  # Qwen3's; GLM4 has none
+            cmp("q-norm (engine: the norm module's forward; trainer: its q_layernorm)",
+                K.norm(qh[rows], qn.weight, dec.eps), qn(qh.view(n, 1, nh, hd))[rows, 0])
+            out["q_layernorm_class"] = type(qn).__name__
+        for N, what in ((dec.layers[0].qkv_w.shape[0], "qkv"), (F2, "gate/up"), (dec.lm.shape[0], "lm head")):
+            wt = rnd(N, Hd) * 0.05
+            cmp(f"matmul {what}, F.linear", torch.nn.functional.linear(x[rows], wt),
+                torch.nn.functional.linear(x.view(n, 1, Hd), wt)[rows, 0])
+            cmp(f"matmul {what}, fixed_shape_mm", fixed_shape_mm(x[rows], wt),
+                fixed_shape_mm(x.view(n, 1, Hd), wt)[rows, 0])
+        # the q/k/v columns in HF's order (the engine's) and megatron's per-group order (the trainer's)
+        r = nh // nkv
+        heads = [list(range(k * r, (k + 1) * r)) + [nh + k, nh + nkv + k] for k in range(nkv)]
+        perm = torch.tensor([h * hd + i for grp in heads for h in grp for i in range(hd)], device=dev)
+        wq = rnd((nh + 2 * nkv) * hd, Hd) * 0.05
+        cmp("matmul qkv, fixed_shape_mm, HF vs megatron column order", fixed_shape_mm(x[rows], wq)[:, perm],
+            fixed_shape_mm(x[rows], wq[perm]))
+        freqs = K.freqs[:n]
+        cmp("rope", K.rope(qh[rows], freqs[rows], None),
+            apply_rotary_pos_emb(qh.view(n, 1, nh, hd), freqs, config=K.cfg)[rows, 0])
+        gu = rnd(n, F2)
+        cmp("swiglu", K.swiglu(gu[rows]), K.swiglu(gu.view(n, 1, F2))[rows, 0])
+        z = rnd(n, dec.lm.shape[0]) * 3
+        t = torch.randint(0, dec.lm.shape[0], (n,), generator=g, device=dev)
+        cmp("log-softmax", K.logsoftmax(z[rows], t[rows], 1.0), K.logsoftmax(z, t, 1.0)[rows])
+        q, k, v = rnd(n, nh, hd), rnd(n, nkv, hd), rnd(n, nkv, hd)
+        # the engine's decode of row i (its context: positions [0, i], one sequence's pages) vs the trainer's call
+        P = dec.page_size
+        pages = -(-n // P)
+        pool = lambda t: torch.cat([t, t.new_zeros(pages * P - n, nkv, hd)]).view(pages, P, nkv, hd)  # noqa: E731
+        table = torch.arange(pages, device=dev, dtype=torch.int32)[None].expand(B, pages).contiguous()
+        plen, own = rows + 1, torch.zeros_like(rows)
+        scale = hd ** -0.5
+        for tag, fn_t, fn_e in (
+                ("one call", lambda: common_attention(q, k, v, scale, rows=None),
+                 lambda: reference_paged_decode_attention(q[rows], pool(k), pool(v), table, plen, own, pages, scale)),
+                (f"rows in blocks of {FIXED_ROWS}", lambda: common_attention(q, k, v, scale),
+                 lambda: common_decode(q[rows], pool(k), pool(v), table, plen, own, pages, scale))):
+            cmp(f"attention, common ({tag}): engine decode vs trainer", fn_e(), fn_t()[rows])
+        cmp("attention, common: prefill of 1/2 the sequence vs trainer", common_attention(q[:n // 2], k[:n // 2],
+            v[:n // 2], scale), common_attention(q, k, v, scale)[:n // 2])
+    return out
+
+
 # ---- the engine's forward with slots ----------------------------------------------------------------------
 
 def _renamed(fn, tag: str):
@@ -528,8 +638,8 @@ class EngineForward:
             d.__dict__.pop(name, None)
         if "rope" in aligned:
             d.rope_tables = K.rope_table
-        if "attention_common" in aligned:  # decode by the reference itself; prefill and trainer row by row alike
-            d.use_triton = False
+        if "attention_common" in aligned:  # decode by the reference, prefill and trainer alike, rows in fixed blocks
+            d._paged_attention, d.use_triton = torch.compiler.disable(common_decode), True
             d._flash, d.use_flash = common_prefill, True
         elif "attention" in aligned:
             d._paged_attention, d.use_triton = K.opaque(K.decode_attention), True
@@ -614,6 +724,9 @@ def run(S, W: Path, a, t_start: float) -> dict:
     # -- one class at a time, then cumulatively
     from runtime.rollout.decode_model import SETTLE_TOKENS
     K = TrainerKernels(tr, max(S["prompt_len"] + S["new"] + 64, SETTLE_TOKENS))  # the settle call's positions too
+    t0 = time.time()
+    res["row_invariance"] = row_invariance(S, tr, K, dec)
+    print("ROW_INVARIANCE", json.dumps(res["row_invariance"]), f"({time.time() - t0:.1f} s)", flush=True)
     fwd = EngineForward(dec)
     # cumulatively in the given order; attention_common takes the place of attention (one attention per engine)
     cumulative = [("cumulative +" + c, tuple(x for x in classes[:i + 1] if not (
@@ -680,6 +793,9 @@ def print_table(summary: dict) -> None:
         rows.append((v["variant"], v["tokens"], f"{v['mean']:.3g}", v.get("mean_vs_baseline", "-"), f"{v['p99']:.3g}",
                      f"{v['max']:.3g}", v["bitwise_equal_frac"], same))
     H.print_columns(rows)
+    if r.get("row_invariance"):
+        H.print_columns([("kernel, engine shape vs trainer shape", "bitwise", "max |diff|")] + [
+            (k, v["bitwise"], f"{v['max_abs']:.3g}") for k, v in r["row_invariance"].items() if isinstance(v, dict)])
     for k in ("batch_invariance", "preemption"):
         if k in r:
             print(k, json.dumps(r[k]))
@@ -695,8 +811,12 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="cut the known config to this many layers")
     ap.add_argument("--classes", default=",".join(CLASSES),
                     help=f"kernel classes to align, in the cumulative order (of {', '.join(CLASSES)})")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                    help="both sides' dtype (default: bfloat16 on the GPU, float32 with --cpu)")
     a = ap.parse_args(argv)
     S = dict(SHAPES["cpu" if a.cpu else "gpu"])
+    if a.dtype:
+        S["dtype"] = a.dtype
     out, W = H.start(a, "logp_gap_attribution")
     if a.cpu:
         _torch().set_num_threads(1)
