@@ -24,16 +24,18 @@ rounded where the trainer rounds it; in the trainer's deterministic mode):
               compiled grpoflow kernel on CUDA for rotate-half RoPE)
   swiglu      megatron's `bias_swiglu_impl` when the trainer fuses it, else megatron's glu expression
   logsoftmax  the sampled token's log-prob by the trainer's `_fwd_math` (runtime/trainer/logprobs.py, compiled on
-              CUDA) on the engine's logits; the engine still draws the token itself
+              CUDA) on the engine's logits, rows in blocks of FIXED_ROWS (`fixed_rows`; the trainer's side so too
+              where the matmuls are aligned); the engine still draws the token itself
   attention   the trainer's core attention module (SdpaCoreAttention on CUDA) at every step: prefill causal per
               prompt, decode one query against the row's whole context read from the pages (the trainer runs every
               query of a sequence in one call: the engine cannot, so this is the trainer's kernel at another shape)
   attention_common
               BOTH sides: every query row as the engine's decode reference computes one (`common_attention`: key
-              blocks of 256 from position 0 under a running fp32 softmax): the engine's decode by
-              `reference_paged_decode_attention` itself, its prefill and the trainer's core attention row by row
-              alike (the trainer's patched for the bench only); it takes the place of `attention` where both are
-              listed
+              blocks of 256 from position 0 under a running fp32 softmax), query rows in blocks of FIXED_ROWS so
+              every einsum and reduction has one shape: the engine's decode by `reference_paged_decode_attention`
+              on its rows 64 at a time (`common_decode`), its prefill and the trainer's core attention (patched for
+              the bench only) alike. The first GPU run called each side's rows in one call (engine decode: the
+              live rows; prefill: the prompt; trainer: the sequence): on CPU the same bits, on the GPU not
   linear      no swap is possible (both sides call cuBLAS through the same op; the bits differ because the row
               count picks the kernel): BOTH sides use a common batch-invariant matmul (`fixed_shape_mm`: rows in
               blocks of a fixed count, so every call has one shape), the trainer's linear layers and its chunked
@@ -109,6 +111,10 @@ def setup(S, W: Path, family: str, layers: int | None) -> dict:
     torch.manual_seed(0)
     with torch.device(S["device"]):
         model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # a trained model's norms and biases: HF's init leaves them 1 and 0, where the norm's
+        for name, p in model.named_parameters():  # rounding (before or after the weight) and the bias's place
+            if p.dim() == 1:  # (inside or after the GEMM) change no bit
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn_like(p))
     model.to(dtype_of(S)).save_pretrained(W / "hf")
     del model
     H.copy_tokenizer(W)
@@ -224,10 +230,25 @@ def fixed_shape_mm(x, w, b=None):
     return out if b is None else out + b
 
 
+def fixed_rows(fn, x, *per_row):
+    """fn(x_block, *per_row_blocks) -> tuple of per-row tensors, on rows in blocks of FIXED_ROWS (the last block
+    padded with copies of row 0): every call of `fn` has one shape, whatever the row count (a compiled reduction's
+    configuration may follow the shape)."""
+    torch = _torch()
+    n = x.shape[0]
+    outs = []
+    for s in range(0, n, FIXED_ROWS):
+        idx = torch.arange(s, s + FIXED_ROWS, device=x.device)
+        idx = torch.where(idx < n, idx, torch.zeros_like(idx))
+        r = fn(x.index_select(0, idx), *(t.index_select(0, idx) for t in per_row))
+        outs.append(tuple(t[:min(FIXED_ROWS, n - s)] if t is not None else None for t in r))
+    return tuple(torch.cat(ts) if ts[0] is not None else None for ts in zip(*outs))
+
+
 def common_linear_logprobs(hidden, weight, targets, temperature: float = 1.0, *, chunk: int = 2048,
                            with_entropy: bool = False):
     """runtime/trainer/logprobs.linear_logprobs's forward (no autograd: log-prob passes only) with the output layer's
-    GEMM by `fixed_shape_mm`."""
+    GEMM by `fixed_shape_mm` and its log-softmax on rows in fixed blocks (`fixed_rows`), as the engine's."""
     torch = _torch()
     from runtime.trainer import logprobs as L
     assert not with_entropy and not torch.is_grad_enabled()
@@ -235,7 +256,8 @@ def common_linear_logprobs(hidden, weight, targets, temperature: float = 1.0, *,
     out = []
     for s in range(0, hidden.shape[0], chunk):
         zb = fixed_shape_mm(hidden[s:s + chunk], weight)
-        out.append(L._call(fwd, L._fwd_math, zb, targets[s:s + chunk], temperature, False)[0])
+        math = lambda z, t: L._call(fwd, L._fwd_math, z, t, temperature, False)  # noqa: E731
+        out.append(fixed_rows(math, zb, targets[s:s + chunk])[0])
     return torch.cat(out), None
 
 
@@ -411,6 +433,13 @@ class TrainerKernels:
         return cfg.activation_func(a) * (b + cfg.glu_linear_offset)
 
     def logsoftmax(self, logits, tokens, temperature: float):
+        """The trainer's log-softmax math on rows in fixed blocks (`fixed_rows`): the trainer's side calls it so too
+        when the matmuls are aligned (`common_linear_logprobs`)."""
+        from runtime.trainer import logprobs as L
+        fwd, _ = L._fns(logits.device)
+        return fixed_rows(lambda z, t: L._call(fwd, L._fwd_math, z, t, temperature, False), logits, tokens)[0]
+
+    def logsoftmax_one_call(self, logits, tokens, temperature: float):
         from runtime.trainer import logprobs as L
         fwd, _ = L._fns(logits.device)
         return L._call(fwd, L._fwd_math, logits, tokens, temperature, False)[0]
@@ -519,7 +548,10 @@ def row_invariance(S, tr, K: TrainerKernels, dec) -> dict:
         cmp("swiglu", K.swiglu(gu[rows]), K.swiglu(gu.view(n, 1, F2))[rows, 0])
         z = rnd(n, dec.lm.shape[0]) * 3
         t = torch.randint(0, dec.lm.shape[0], (n,), generator=g, device=dev)
-        cmp("log-softmax", K.logsoftmax(z[rows], t[rows], 1.0), K.logsoftmax(z, t, 1.0)[rows])
+        cmp("log-softmax (one call)", K.logsoftmax_one_call(z[rows], t[rows], 1.0),
+            K.logsoftmax_one_call(z, t, 1.0)[rows])
+        cmp(f"log-softmax (rows in blocks of {FIXED_ROWS})", K.logsoftmax(z[rows], t[rows], 1.0),
+            K.logsoftmax(z, t, 1.0)[rows])
         q, k, v = rnd(n, nh, hd), rnd(n, nkv, hd), rnd(n, nkv, hd)
         # the engine's decode of row i (its context: positions [0, i], one sequence's pages) vs the trainer's call
         P = dec.page_size
@@ -736,6 +768,10 @@ def run(S, W: Path, a, t_start: float) -> dict:
         alls.append(("all, the trainer's attention", tuple(c for c in classes if c != "attention_common")))
     # the all-aligned rows right after the copy: if the deadline cuts the list, it cuts the partial sums
     plan = [("copy (nothing aligned)", ())] + alls + [(f"align {c}", (c,)) for c in classes] + cumulative[:-1]
+    if a.leave_one_out and alls:  # in bf16 one differing bit grows to about the whole gap: what each class carries
+        # shows as the gap that comes back when everything but it is aligned
+        plan = [("copy (nothing aligned)", ()), alls[0]] + [
+            (f"all but {c}", tuple(x for x in alls[0][1] if x != c)) for c in alls[0][1]]
     per_variant_s = None
     for name, aligned in plan:
         if per_variant_s is not None and left() < 1.3 * per_variant_s + 10:
@@ -811,6 +847,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="cut the known config to this many layers")
     ap.add_argument("--classes", default=",".join(CLASSES),
                     help=f"kernel classes to align, in the cumulative order (of {', '.join(CLASSES)})")
+    ap.add_argument("--leave-one-out", action="store_true",
+                    help="rows: everything aligned, then everything but each class (instead of each class alone and "
+                         "the partial sums)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                     help="both sides' dtype (default: bfloat16 on the GPU, float32 with --cpu)")
     a = ap.parse_args(argv)
