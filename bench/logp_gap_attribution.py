@@ -3,6 +3,7 @@
     python3 bench/logp_gap_attribution.py --out $OUT                 # one GPU, Qwen3-0.6B shape, < 450 s
     python3 bench/logp_gap_attribution.py --family glm4 --layers 4   # GLM-4-9B's shape, 4 layers
     python3 bench/logp_gap_attribution.py --cpu                      # smoke: tiny model, fp32, same code paths
+    python3 bench/logp_gap_attribution.py --cpu --dtype bfloat16 --leave-one-out   # the bf16 attribution on CPU
 
 One process holds both sides (as bench/gpu_grpo.py's trainer section does): a random model of the family's known
 config (runtime/models/known_configs; `--layers` cuts it), converted to torch_dist; the megatron trainer
@@ -44,7 +45,10 @@ rounded where the trainer rounds it; in the trainer's deterministic mode):
               wherever it sits, unless the kernel cuBLAS picks splits K per tile (stream-K)
 
 Rows: the engine, the copy, everything aligned (first: if `--deadline` cuts the list, it cuts the partial sums), each
-class alone, then cumulatively in the order given (`--classes`). Besides: batch invariance (a few samples alone
+class alone, then cumulatively in the order given (`--classes`); with `--leave-one-out`, everything aligned and then
+everything but each class (in bf16 a class aligned alone leaves about the whole gap: one differing bit anywhere grows
+to it). Before them, `row_invariance`: each aligned kernel at the engine's and the trainer's shape, the same rows
+compared (on a GPU, what keeps the all-aligned row from 0). Besides: batch invariance (a few samples alone
 against the same samples in the batch of 64) and preempted-and-recomputed samples (a pool too small for the batch)
 against the same keys unpreempted, for the default engine and the all-aligned one. Nothing in runtime/ changes: the
 swaps are instance attributes of this bench's engine and trainer. JSON in OUT/logp_gap_attribution.json
