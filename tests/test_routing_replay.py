@@ -117,3 +117,54 @@ def test_the_trainer_routes_every_token_where_the_engine_did(near_tie_moe):
     assert gap_replayed <= 1e-4 < gap_own
     # the update replays too (its first micro-step's gap is the metric's)
     assert trainer.train(replayed)["train_rollout_logp_absdiff"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_partial_rollout_carries_the_routes_and_a_resumed_run_replays_them(tmp_path_factory, tmp_path):
+    """configs/tiny-moe.yaml with R3 and partial rollout through a real session: the unfinished samples' routes
+    are in the checkpointed buffer (prompt and tokens so far), and a session resumed from the checkpoint (a new
+    engine and trainer) ends bitwise as the unbroken one."""
+    import shutil
+
+    from runtime.config import load_config
+    from runtime.grpo.partial import decode_routes
+    from runtime.grpo.session import TrainSession
+    from runtime.run import stages
+    from runtime.run.directory import RunDir
+    from tests.test_partial_rollout import PARTIAL, _untimed
+    from tests.test_resume import assert_same_checkpoint, checkpoint_tensors
+
+    def session(root):
+        cfg = load_config("configs/tiny-moe.yaml", PARTIAL + ["rollout.routing_replay=true", f"storage.root={root}"])
+        rd = RunDir(str(root), "r3")
+        if not (root / "runs" / "r3" / "model").exists():
+            fetched = stages.fetch(cfg, rd)
+            stages.convert(cfg, rd, fetched)
+            stages.prepare(cfg, rd, fetched)
+        return TrainSession(cfg, rd)
+
+    root = tmp_path_factory.mktemp("r3-partial")
+    s = session(root)
+    try:
+        first = s.run_chunk(0, 2)["metrics"]
+        s.wait_durable(2)
+        buffer = s.state["partial"]["buffer"]
+        copy = tmp_path_factory.mktemp("r3-partial-at-2") / "root"
+        shutil.copytree(root, copy)
+        second = s.run_chunk(2, 4)["metrics"]
+    finally:
+        s.close()
+    carried = [(g["prompt"]["prompt_ids"], c) for g in buffer for c in g["samples"] if c["ids"]]
+    assert carried and any(c["finish"] == "abort" for _, c in carried)
+    for prompt_ids, c in carried:  # the prompt's routes and those of every token so far but the last
+        assert tuple(decode_routes(c["routes"]).shape) == (len(prompt_ids) + len(c["ids"]) - 1, 2, 2)
+    assert any(m["partial_tokens_reused"] > 0 for m in second)
+    assert first[0]["train_rollout_logp_absdiff"] < 1e-5  # nothing carried yet: one set of weights, same routes
+    resumed = session(copy)
+    try:
+        again = resumed.run_chunk(2, 4)["metrics"]
+    finally:
+        resumed.close()
+    assert _untimed(again) == _untimed(second)
+    assert_same_checkpoint(checkpoint_tensors(RunDir(str(copy), "r3").checkpoint(4), tmp_path),
+                           checkpoint_tensors(RunDir(str(root), "r3").checkpoint(4), tmp_path))
