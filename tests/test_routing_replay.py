@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # builds trainers and engines
+
 TIED = (1, 2)  # the experts whose router rows are a few ulps apart
 
 
@@ -119,7 +121,6 @@ def test_the_trainer_routes_every_token_where_the_engine_did(near_tie_moe):
     assert trainer.train(replayed)["train_rollout_logp_absdiff"] <= 1e-5
 
 
-@pytest.mark.slow
 def test_partial_rollout_carries_the_routes_and_a_resumed_run_replays_them(tmp_path_factory, tmp_path):
     """configs/tiny-moe.yaml with R3 and partial rollout through a real session: the unfinished samples' routes
     are in the checkpointed buffer (prompt and tokens so far), and a session resumed from the checkpoint (a new
