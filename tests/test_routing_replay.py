@@ -121,6 +121,44 @@ def test_the_trainer_routes_every_token_where_the_engine_did(near_tie_moe):
     assert trainer.train(replayed)["train_rollout_logp_absdiff"] <= 1e-5
 
 
+def test_preempted_and_continued_samples_record_the_routes_of_an_unbroken_call(tmp_path):
+    """Routes are per position, the first recorded standing: a call whose pool is too small for its rows (rows
+    preempted, their prompt and tokens prefilled again) and samples continued from half their tokens with the
+    routes recorded for them (partial rollout) come back with the routes of an unpressed, unbroken call. (On a
+    router without near-ties: at a near-tie the route follows the decode batch's rounding, which the pressed call's
+    smaller batches change; replay trains on whichever the engine ran.)"""
+    from runtime.models.tiny import build_tiny_qwen3
+    from runtime.rollout.base import SampleRequest, SamplingParams
+    from runtime.rollout.builtin import BuiltinEngine
+    from runtime.rollout.kv_pages import kv_bytes_per_token
+
+    hf_dir = build_tiny_qwen3(tmp_path / "moe", seed=3, hidden_size=64, head_dim=16, num_experts=8,
+                              experts_per_token=2, expert_ffn_size=32, ffn_hidden_size=64)["path"]
+    reqs = [SampleRequest(prompt_ids=[5 + (3 * p + j) % 40 for j in range(4 + 2 * p)], key=(1, 0, p, s))
+            for p in range(3) for s in range(3)]
+    sp = SamplingParams(max_new_tokens=20)
+    roomy = BuiltinEngine(str(hf_dir), routing_replay=True, max_batch_size=9)
+    want = roomy.generate(reqs, sp)
+    per_page = 4 * kv_bytes_per_token(roomy.model.config, "float32")
+    roomy.shutdown()
+    pressed = BuiltinEngine(str(hf_dir), routing_replay=True, max_batch_size=6, page_size=4, sync_every=4,
+                            kv_cache_gb=12 * per_page / 2**30)
+    try:
+        got = pressed.generate(reqs, sp)
+        assert pressed.decoder.stats["preemptions"] > 0
+        cut = [len(r.response_ids) // 2 for r in want]
+        continued = pressed.generate([
+            SampleRequest(prompt_ids=q.prompt_ids, key=q.key, prefix_ids=r.response_ids[:m],
+                          prefix_logprobs=r.response_logprobs[:m],
+                          prefix_routes=r.routed_experts[:len(q.prompt_ids) + m - 1] if m else None)
+            for q, r, m in zip(reqs, want, cut)], sp)
+    finally:
+        pressed.shutdown()
+    for ours in (got, continued):
+        assert [r.response_ids for r in ours] == [r.response_ids for r in want]
+        assert all(torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(ours, want))
+
+
 def test_partial_rollout_carries_the_routes_and_a_resumed_run_replays_them(tmp_path_factory, tmp_path):
     """configs/tiny-moe.yaml with R3 and partial rollout through a real session: the unfinished samples' routes
     are in the checkpointed buffer (prompt and tokens so far), and a session resumed from the checkpoint (a new
