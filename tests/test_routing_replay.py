@@ -117,8 +117,12 @@ def test_the_trainer_routes_every_token_where_the_engine_did(near_tie_moe):
     gap_replayed, gap_own = gap(replayed), gap(own)
     print(f"tokens routed differently without replay: {differ}; log-prob gap {gap_own:.2e} -> {gap_replayed:.2e}")
     assert gap_replayed <= 1e-4 < gap_own
-    # the update replays too (its first micro-step's gap is the metric's)
+    # the update replays too (its first micro-step's gap is the metric's), and the router still trains (the routing
+    # weights at the replayed experts are its own softmax; its load-balancing loss)
+    router = "model.layers.0.mlp.gate.weight"
+    before = trainer.hf_weights()[router].clone()  # on the CPU a view of the parameter
     assert trainer.train(replayed)["train_rollout_logp_absdiff"] <= 1e-5
+    assert not torch.equal(trainer.hf_weights()[router], before)
 
 
 def test_preempted_and_continued_samples_record_the_routes_of_an_unbroken_call(tmp_path):
