@@ -104,17 +104,21 @@ def test_the_trainer_routes_every_token_where_the_engine_did(near_tie_moe):
               loss_masks=[r.effective_loss_mask() for r in results],
               rollout_logprobs=[r.response_logprobs for r in results])
     replayed, own = TrainBatch(**kw, routes=[r.routed_experts for r in results]), TrainBatch(**kw)
-    trainer = _trainer(hf_dir, td)
     engine_sets = [r.routed_experts.long().sort(-1).values for r in results]
+    # packed micro-batches (every sample back to back in one row) lay the routes out as padded ones do
+    packed = _trainer(hf_dir, td, max_tokens_per_micro_batch=128)
+    assert all(torch.equal(a, b) for a, b in zip(_trainer_routes(packed, replayed), engine_sets))
+    trainer = _trainer(hf_dir, td)
     with_replay, without = _trainer_routes(trainer, replayed), _trainer_routes(trainer, own)
     assert all(torch.equal(a, b) for a, b in zip(with_replay, engine_sets))
     differ = sum(int((a != b).any(-1).sum()) for a, b in zip(without, engine_sets))
     assert differ > 0, "the near-tie made no token route differently: the test shows nothing"
 
-    def gap(batch):
-        got = trainer.compute_logprobs(batch)
+    def gap(batch, by=trainer):
+        got = by.compute_logprobs(batch)
         return max(abs(a - b) for g, r in zip(got, results) for a, b in zip(g, r.response_logprobs))
     gap_replayed, gap_own = gap(replayed), gap(own)
+    assert gap(replayed, packed) <= 1e-4
     print(f"tokens routed differently without replay: {differ}; log-prob gap {gap_own:.2e} -> {gap_replayed:.2e}")
     assert gap_replayed <= 1e-4 < gap_own
     # the update replays too (its first micro-step's gap is the metric's), and the router still trains (the routing
