@@ -432,8 +432,8 @@ class PagedDecoder(FusedModel):
         has run (the prompt's, the response's but its last), on the host, starting with `prefix_routes` (a continued
         request's, recorded before). A position keeps the first route recorded for it: the one its next token was
         drawn under. A preempted request's recompute (prompt and tokens so far, a prefill where they were decode
-        steps) and a continued request's prefill record nothing where a route is held; their routes may differ
-        from the decode steps' only where prefill and decode round differently (a GPU's kernels; not on the CPU)."""
+        steps) and a continued request's prefill record nothing where a route is held (at a near-tie of two experts
+        the recompute may round the other way: another kernel, another batch)."""
         n = len(prompts)
         P = self.page_size
         max_new = int(sampling.max_new_tokens)
