@@ -127,6 +127,12 @@ def test_the_trainer_routes_every_token_where_the_engine_did(near_tie_moe):
     before = trainer.hf_weights()[router].clone()  # on the CPU a view of the parameter
     assert trainer.train(replayed)["train_rollout_logp_absdiff"] <= 1e-5
     assert not torch.equal(trainer.hf_weights()[router], before)
+    # whole layers recomputed in the backward route by the same routes (else the near-tie tokens' recomputed
+    # activations, hence the update, would differ)
+    recomputed = _trainer(hf_dir, td, recompute="full")
+    recomputed.train(replayed)
+    want, got = trainer.hf_weights(), recomputed.hf_weights()
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
 
 
 def test_preempted_and_continued_samples_record_the_routes_of_an_unbroken_call(tmp_path):
