@@ -90,6 +90,7 @@ def test_the_trainer_routes_every_token_where_the_engine_did(near_tie_moe):
 
     hf_dir, td = near_tie_moe
     engine = BuiltinEngine(str(hf_dir), routing_replay=True, max_batch_size=16)
+    assert engine.health()["records_routes"] is True
     try:
         prompts = [[5 + (7 * p + j) % 40 for j in range(6 + p)] for p in range(4)]
         results = engine.generate([SampleRequest(prompt_ids=q, key=(0, 0, p, s)) for p, q in enumerate(prompts)

@@ -383,6 +383,7 @@ class BuiltinEngine(RolloutEngine):
             "lora_rank": None if self.lora is None else self.lora.rank,
             "shares_base": self.shares_base,
             "weights_dtype": self.weights_dtype,
+            "records_routes": bool(self.decoder is not None and self.decoder.record_routes),  # rollout.routing_replay
         }
 
     def shutdown(self) -> None:
