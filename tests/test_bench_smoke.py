@@ -473,3 +473,15 @@ def test_logp_gap_common_attention_is_the_engines_decode_reference_row_by_row():
     w = torch.randn(96, 64, generator=g)
     x = torch.randn(70, 64, generator=g)
     assert torch.equal(lga.fixed_shape_mm(x, w)[5:6], lga.fixed_shape_mm(x[5:6], w))
+
+
+def test_routing_replay_bench_cpu_mode_runs(tmp_path):
+    """bench/routing_replay.py --cpu: the engine's recorded routes replayed by megatron's model leave no token on
+    other experts than the engine's (fp32 on the CPU: routing itself agrees too)."""
+    out = tmp_path / "routing_replay.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "routing_replay.py"), "--cpu", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["benchmark"] == "routing_replay" and rep["device"] == "cpu" and rep["replay"]["response_tokens"] > 0
+    assert rep["replay"]["expert_set_differs_token_layer"] == 0.0 and rep["replay"]["logp_gap_max"] < 1e-4
