@@ -109,7 +109,7 @@ def test_partial_rollout_bench_sizes_the_24gb_plan_from_its_config(tmp_path):
 def test_lora_bench_cpu_mode_runs(tmp_path):
     """bench/lora_grpo.py on a 2-layer GLM4: the base built by megatron and saved as torch_dist (no HF weights),
     the train stage with LoRA and the engine on the trainer's base, rollouts at the keyed lengths."""
-    summary = _cpu_bench("lora_grpo", tmp_path)
+    summary = _cpu_bench("lora_grpo", tmp_path, "--rollouts", "2")  # the second one is the steady one
     sec = summary["sections"]
     assert {k for k, v in sec.items() if v["status"] == "ok"} == {"setup", "stage"}
     assert sec["setup"]["model_type"] == "glm4" and sec["setup"]["base"]["torch_dist_GiB"] >= 0
@@ -157,7 +157,7 @@ def test_memory_check_cpu_mode_runs(tmp_path):
 
 def test_ray_pipeline_bench_cpu_mode_runs(tmp_path):
     """`grpoflow run` under Ray as the GPU bench drives it (keyed lengths forced in the actors by the bench's
-    hook), the same rollouts under the local backend, and the weight path under both."""
+    hook), the same rollouts under the local backend, and the weight path under Ray."""
     summary = _cpu_bench("ray_pipeline", tmp_path)
     sec = summary["sections"]
     assert {k for k, v in sec.items() if v["status"] == "ok"} == {"setup", "ray-colocated", "local-colocated",
@@ -173,8 +173,8 @@ def test_ray_pipeline_bench_cpu_mode_runs(tmp_path):
     assert row["same_samples_as_local"] is True
     assert 0 < ray_run["rollouts"][0]["response_len_mean"] < 24  # keyed lengths (median 10), not the 40-token cap
     sync = row["sync"]
-    assert sync["ray"]["transport"] == "host" and sync["local"]["transport"] == "as_is"  # CPU: no CUDA IPC
-    assert sync["ray"]["logprob_gap"]["max"] == sync["local"]["logprob_gap"]["max"] == 0.0  # fp32: exact
+    assert set(sync) == {"ray"} and sync["ray"]["transport"] == "host"  # CPU: no CUDA IPC
+    assert sync["ray"]["logprob_gap"]["max"] == 0.0  # fp32: exact
 
 
 # ---- bench/glm9b_host_optimizer.py: GLM-Z1-9B with the optimizer on the host (issue 36) ---------------------
@@ -183,7 +183,8 @@ def test_glm9b_host_optimizer_bench_cpu_mode_runs(tmp_path):
     """A tiny GLM4 through every section: the bf16 model built on the device into HF and torch_dist, the real
     train stage of configs/glm-z1-9b-dapo-2xh100.yaml (TP 2 ranks and 2 engines as processes, the optimizer on
     the host, the keyed lengths forced in the engine processes, memory sampled in each), and save -> resume ->
-    next update with the optimizer on the host and on the device."""
+    next update with the optimizer on the host (that a host checkpoint loads into megatron's optimizer on the device
+    is tests/test_host_optimizer.py's)."""
     summary = _cpu_bench("glm9b_host_optimizer", tmp_path, timeout=900)
     sec = summary["sections"]
     assert {k for k, v in sec.items() if v["status"] == "ok"} == set(sec) == {"setup", "stage", "resume"}
@@ -203,9 +204,9 @@ def test_glm9b_host_optimizer_bench_cpu_mode_runs(tmp_path):
     assert r["ok"], r
     # the unbroken trainer's own reload and 3rd update (the GPU's noise floor) is exact on CPU
     assert r["rerun"]["masters_at_load_bitwise"] and r["rerun"]["next_update_max_abs_diff"] == 0
-    for name in ("resumed_host", "resumed_gpu_optimizer"):
-        assert r[name]["masters_at_load_bitwise"] and r[name]["next_update_max_abs_diff"] <= r["bound_per_update"]
-        assert r[name]["vs_rerun_max_abs_diff"] <= r["bound_per_update"]
+    host = r["resumed_host"]
+    assert host["masters_at_load_bitwise"] and host["next_update_max_abs_diff"] <= r["bound_per_update"]
+    assert host["vs_rerun_max_abs_diff"] <= r["bound_per_update"]
 
 
 def test_grad_trace_fingerprints_tell_one_ulp_and_place_the_first_difference():
