@@ -140,11 +140,11 @@ def force_keyed_lengths(S) -> list[dict]:
     calls: list[dict] = []
     plain = PagedDecoder.steps
 
-    def steps(self, prompts, key_hash, sampling, stop_ids, stop_at=None, prefixes=None):
+    def steps(self, prompts, key_hash, sampling, stop_ids, stop_at=None, *rest, **more):  # rest: as the decoder's
         timed = int(sampling.max_new_tokens) == S["max_new"]
         if timed:
             stop_at = rollout_bench.lengths_for_hashes(S, key_hash)
-        out = yield from plain(self, prompts, key_hash, sampling, stop_ids, stop_at=stop_at, prefixes=prefixes)
+        out = yield from plain(self, prompts, key_hash, sampling, stop_ids, stop_at, *rest, **more)
         if timed:
             calls.append({k: self.stats.get(k) for k in ("decode_steps", "row_steps", "rows", "decode_s",
                                                          "prefill_s", "total_s", "new_tokens", "max_active",
