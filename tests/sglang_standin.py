@@ -158,6 +158,11 @@ class FakeModel:
         self.weights.update({k: v for k, v in table.items() if not self.skips(k)})
         self.digest = self._digest()
 
+    def lose(self) -> None:
+        """Released weights resumed: the memory saver keeps no copy (no --enable-weights-cpu-backup), so the
+        weights are whatever was left in that memory until loaded again."""
+        self.digest = hashlib.sha256(b"uninitialised memory: " + self.digest.encode()).hexdigest()
+
     def _digest(self) -> str:
         return hashlib.sha256(json.dumps(sorted(self.weights.items())).encode()).hexdigest()
 
@@ -177,6 +182,7 @@ class State:
         self.model_path = args.model_path
         self.weight_version = args.weight_version
         self.released: set[str] = set()
+        self.tensor_update: tuple[str | None, str] = (None, "")  # (weight version, digest) of the last tensor update
         self.calls: list[dict] = []
         self.inflight_generate = 0
         self.max_inflight_generate = 0
@@ -358,6 +364,10 @@ def update_from_disk(state: State, body: dict) -> tuple[int, object]:
         return 400, {"success": False, "message": f"Failed to get weights iterator: {e}.", "num_paused_requests": 0}
     if not state.args.ignore_weight_updates:
         state.model.load(table)
+        tensor_version, tensor_digest = state.tensor_update
+        if tensor_version is not None and body.get("weight_version") == tensor_version:
+            # the disk copy the client wrote of the tensors it sent (the stand-in does not open them): the same weights
+            state.model.digest = tensor_digest
     state.model_path = path
     if body.get("weight_version") is not None:
         state.weight_version = body["weight_version"]
@@ -374,6 +384,7 @@ def update_from_tensor(state: State, body: dict) -> tuple[int, object]:
         return 400, {"success": False, "message": f"stand-in: payload is not base64: {e}"}
     if not state.args.ignore_weight_updates:  # the tensors themselves (torch IPC handles) are not opened
         state.model.digest = hashlib.sha256(b"".join(raw)).hexdigest()
+        state.tensor_update = (body.get("weight_version"), state.model.digest)
     if body.get("weight_version") is not None:
         state.weight_version = body["weight_version"]
     return 200, {"success": True, "message": "Succeeded to update model weights."}
@@ -477,6 +488,8 @@ def memory(state: State, body: dict, release: bool) -> tuple[int, object]:
         return 500, f"KeyError: {sorted(not_released)[0]!r}"
     else:
         state.released -= set(tags)
+        if "weights" in tags:
+            state.model.lose()
     return 200, None  # sglang's handler returns nothing: FastAPI answers `null`
 
 

@@ -280,7 +280,10 @@ def test_colocate_release_and_resume_order(start):
     assert seq == [("/flush_cache", None), ("/release_memory_occupation", every),
                    ("/resume_memory_occupation", ["weights"]), ("/update_weights_from_disk", None),
                    ("/resume_memory_occupation", ["kv_cache", "cuda_graph"]),
-                   ("/flush_cache", None), ("/release_memory_occupation", every), ("/resume_memory_occupation", every)]
+                   ("/flush_cache", None), ("/release_memory_occupation", every),
+                   # released weights come back as uninitialised memory: loaded again before serving
+                   ("/resume_memory_occupation", ["weights"]), ("/update_weights_from_disk", None),
+                   ("/resume_memory_occupation", ["kv_cache", "cuda_graph"])]
 
 
 def test_resume_memory_takes_it_back_before_any_request(start):
@@ -297,7 +300,10 @@ def test_resume_memory_takes_it_back_before_any_request(start):
     eng.resume_memory()
     assert not eng.health()["released"]
     every = {"tags": ["weights", "kv_cache", "cuda_graph"]}
-    expected = [("/flush_cache", None), ("/release_memory_occupation", every), ("/resume_memory_occupation", every)]
+    reload = {"model_path": eng.model_dir, "weight_version": "0", "flush_cache": True, "abort_all_requests": False}
+    expected = [("/flush_cache", None), ("/release_memory_occupation", every),
+                ("/resume_memory_occupation", {"tags": ["weights"]}), ("/update_weights_from_disk", reload),
+                ("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})]
     assert memory_calls() == expected
     # generate sends no resume of its own, and the stand-in (which answers 400 to a /generate while
     # anything is released) serves it: the memory is back
@@ -307,6 +313,24 @@ def test_resume_memory_takes_it_back_before_any_request(start):
     plain = start()
     plain.release_memory()
     assert not plain.health()["released"]
+
+
+@pytest.mark.parametrize("weight_sync", ["disk", "tensor"])
+def test_samples_after_release_and_resume_equal_those_before(start, weight_sync):
+    """SGLang's memory saver keeps no copy of released weights: an engine turn that resumes them without a weight
+    update (an evaluation's, then the next rollout's) must load them again, or it samples from whatever the
+    trainer left in that memory (0.365 mean |Δ log p| on an H200; the stand-in models the loss)."""
+    eng = start(colocate=True, weight_sync=weight_sync)
+    eng.update_weights({"w": torch.randn(3)}, 1)
+    before = eng.generate(make_requests(2, 2), SAMPLING)
+    eng.release_memory()
+    eng.resume_memory()
+    after_resume = eng.generate(make_requests(2, 2), SAMPLING)
+    eng.release_memory()
+    after_generate = eng.generate(make_requests(2, 2), SAMPLING)  # resumes by itself
+    for got in (after_resume, after_generate):
+        assert [(r.response_ids, r.response_logprobs) for r in got] == [(r.response_ids, r.response_logprobs) for r in before]
+    assert eng.weight_version == 1
 
 
 def test_tensor_sync_payloads(start):

@@ -11,7 +11,8 @@ and `until` (stop once enough groups are complete, abort the rest) are described
 Memory (colocate mode, `cluster.colocate`): the servers start with `--enable-memory-saver`;
 `release_memory()` frees their GPU memory (weights, KV cache, CUDA graphs) for training and `resume_memory()`
 takes it back. `generate`, `logprobs_of` and the weight updates take it back by themselves when it is
-released (an update resumes the weights first and the rest after the new weights are in).
+released (an update resumes the weights first and the rest after the new weights are in). Released weights
+are lost (SGLang keeps no copy), so a resume with no update loads the current version from disk again.
 """
 
 from __future__ import annotations
@@ -201,7 +202,9 @@ class SGLangEngine(RolloutEngine):
             self._resume_if_released()
 
     def _resume_if_released(self) -> None:
-        if self.pool.released:
+        if "weights" in self.pool.released:
+            self._loop.run(self.weights.reload())  # released weights come back as uninitialised memory
+        elif self.pool.released:
             self._loop.run(self.pool.resume_memory())
 
     # ---- extras ------------------------------------------------------------------------------

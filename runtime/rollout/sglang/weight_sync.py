@@ -257,6 +257,26 @@ class EngineWeights:
                 s.last_fault = ""
                 await pool.set_state(s, READY)
 
+    async def reload(self) -> None:
+        """Take back released memory whose weights must be loaded again: SGLang's memory saver keeps no copy of
+        released weights (no `--enable-weights-cpu-backup`), so resumed weights are whatever the trainer left in
+        that memory until loaded. The current version's disk copy (or the model dir at version 0) is loaded
+        again, and the probe must give the current version's log-probs again."""
+        version, path = self._target
+        if version != self._target_disk_version:
+            raise SGLangError(f"the SGLang engines' weights were released and weight version {version} came by "
+                              f"broadcast, with no copy on disk to load again; set cluster.weight_sync: direct with "
+                              f"cluster.colocate")
+        source = str(path) if path is not None else self.model_dir
+        before = self._probe
+        await self._load(version, lambda: self.pool.all(lambda s: self.pool.post(
+            s, "/update_weights_from_disk", {"model_path": source, "weight_version": str(version),
+                                             "flush_cache": True, "abort_all_requests": False})))
+        diff = 0.0 if before is None else max(abs(a - b) for a, b in zip(self._probe, before))
+        if diff > PROBE_TOLERANCE:
+            raise SGLangError(f"SGLang engines reloaded weight version {version} but their probe log-probs differ by "
+                              f"{diff:.3g} from before the release")
+
     async def check_startup(self) -> None:
         """Every freshly started server serves version 0 and the same weights (their probes agree)."""
         probes = await asyncio.gather(*(self._probe_server(s) for s in self.pool.servers))
