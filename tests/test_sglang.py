@@ -333,6 +333,19 @@ def test_samples_after_release_and_resume_equal_those_before(start, weight_sync)
     assert eng.weight_version == 1
 
 
+def test_the_server_runs_nccl_with_the_trainers_cumem_setting(start, monkeypatch):
+    """SGLang would set NCCL_CUMEM_ENABLE=0 for itself while the trainer's NCCL keeps its default, and the first
+    broadcast of the weight-sync group hung on two H200s: the server gets the trainer's setting explicitly."""
+    def server_environ(eng) -> dict[str, str]:
+        raw = Path(f"/proc/{eng.pool.servers[0].proc.pid}/environ").read_bytes()
+        return dict(kv.split("=", 1) for kv in raw.decode().split("\0") if "=" in kv)
+
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    assert server_environ(start())["NCCL_CUMEM_ENABLE"] == "1"
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "0")  # a user's own choice reaches both sides as it is
+    assert server_environ(start())["NCCL_CUMEM_ENABLE"] == "0"
+
+
 def test_tensor_sync_payloads(start):
     eng = start(tp_size=2, weight_sync="tensor")
     eng.update_weights({"w": torch.randn(4, 4), "b": torch.randn(4)}, 1)

@@ -76,6 +76,15 @@ def server_command(settings: SGLangSettings, model_dir: str, server: Server) -> 
     return cmd
 
 
+def server_env() -> dict[str, str]:
+    """The server's environment: this process's, with NCCL's cuMem setting made explicit. SGLang sets
+    NCCL_CUMEM_ENABLE=0 in its scheduler unless it is set already, while the trainer's NCCL runs with its default
+    (1): peers of one weight-sync group that disagree on it hang in the first broadcast."""
+    env = dict(os.environ)
+    env.setdefault("NCCL_CUMEM_ENABLE", "1")
+    return env
+
+
 def launch_server(settings: SGLangSettings, model_dir: str, server: Server, taken_ports: set[int]) -> subprocess.Popen:
     """Start `server`'s process on its port (a fresh free one unless rollout.sglang.port is set);
     it is STARTING in a new epoch."""
@@ -92,7 +101,7 @@ def launch_server(settings: SGLangSettings, model_dir: str, server: Server, take
                    f"{' '.join(cmd)}\n".encode())
         logf.flush()
         server.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True, cwd=os.getcwd())
+                                       start_new_session=True, cwd=os.getcwd(), env=server_env())
         # the pid in the log: the server may die before it prints anything itself
         logf.write(f"==== grpoflow: engine {server.index} is pid {server.proc.pid}\n".encode())
     server.epoch += 1
