@@ -309,6 +309,46 @@ def test_resume_memory_takes_it_back_before_any_request(start):
     assert not plain.health()["released"]
 
 
+@pytest.mark.race
+def test_engine_killed_while_released_gives_its_memory_back(start):
+    """A server restarted while the pool is released (the trainer holds the GPU) is released again once healthy and
+    re-synced, and every resume goes only to the tags a server released (0.5.17 answers a resume of a tag it holds
+    with a 500, as the stand-in does)."""
+    eng = start("--sglang-version", "0.5.17", num_engines=2, colocate=True)
+    eng.update_weights({"w": torch.randn(6)}, 1)
+    every = ["weights", "kv_cache", "cuda_graph"]
+
+    def kill(index: int) -> int:
+        pid, proc = eng.pids[index], eng.pool.servers[index].proc
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)  # dead and reaped: the pool sees it exited
+        return pid
+
+    eng.release_memory()
+    victim = kill(0)
+    assert not eng.weight_sync_ready()  # its check restarts what exited (no group was formed: False anyway)
+    row = eng.health()["engines"][0]
+    assert row["restarts"] == 1 and eng.pids[0] != victim and row["state"] == "ready" and row["released"] == every
+    fresh = [(c["path"], (c.get("body") or {}).get("tags")) for c in read_calls(start.calls_file)
+             if c["pid"] == eng.pids[0] and c["path"] not in ("/health", "/health_generate")]
+    assert fresh == [("/update_weights_from_disk", None), ("/generate", None),  # re-synced and probed, then released
+                     ("/flush_cache", None), ("/release_memory_occupation", every)]
+    eng.resume_memory()
+    assert not eng.health()["released"]
+    assert len(eng.generate(make_requests(1, 2), SAMPLING)) == 2  # the stand-in answers 400 while anything is released
+
+    # killed while released, found by the resume itself: restarted to what stays released (nothing), not resumed
+    eng.release_memory()
+    victim = kill(1)
+    eng.resume_memory()
+    h = eng.health()
+    assert h["ok"] and h["engines"][1]["restarts"] == 1 and eng.pids[1] != victim and not h["released"]
+    assert len(eng.generate(make_requests(2, 2), SAMPLING)) == 4
+    resumes = [c for c in read_calls(start.calls_file) if c["path"] == "/resume_memory_occupation"]
+    assert all(c["status"] == 200 for c in resumes)
+    assert sorted(c["pid"] for c in resumes) == sorted([eng.pids[0], eng.pids[0], victim])  # none to the fresh one
+
+
 def test_tensor_sync_payloads(start):
     eng = start(tp_size=2, weight_sync="tensor")
     eng.update_weights({"w": torch.randn(4, 4), "b": torch.randn(4)}, 1)

@@ -154,7 +154,7 @@ class SGLangEngine(RolloutEngine):
             "weight_version": self.weights.version,
             "model_dir": self.model_dir,
             "weights_dir": str(self.weights.weights_dir) if self.weights.weights_dir else None,
-            "released": bool(self.pool.released),
+            "released": bool(self.pool.released_tags()),
             "weight_sync_group": self.weights.sync.name if self.weights.sync else None,
             "engines": engines,
         }
@@ -201,7 +201,7 @@ class SGLangEngine(RolloutEngine):
             self._resume_if_released()
 
     def _resume_if_released(self) -> None:
-        if self.pool.released:
+        if self.pool.released_tags():
             self._loop.run(self.pool.resume_memory())
 
     # ---- extras ------------------------------------------------------------------------------

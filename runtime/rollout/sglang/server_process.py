@@ -45,6 +45,7 @@ class Server:
     restarts: int = 0
     epoch: int = 0            # bumped on every (re)start; a fault seen on an older epoch is stale
     last_fault: str = ""
+    released: set[str] = field(default_factory=set)  # memory tags this process released (colocate mode)
     fault_task: asyncio.Task | None = field(default=None, repr=False)
 
     @property
@@ -97,6 +98,7 @@ def launch_server(settings: SGLangSettings, model_dir: str, server: Server, take
         logf.write(f"==== grpoflow: engine {server.index} is pid {server.proc.pid}\n".encode())
     server.epoch += 1
     server.state = STARTING
+    server.released = set()  # a fresh process holds all its memory
     log.info("sglang engine %d: pid %d on %s:%d (log %s)", server.index, server.proc.pid, sec.host, server.port,
              server.log_path)
     return server.proc
