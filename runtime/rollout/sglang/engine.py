@@ -32,6 +32,7 @@ from runtime.rollout.base import GroupsDone, RolloutEngine, SampleRequest, Sampl
 from runtime.rollout.sglang.engine_pool import EnginePool
 from runtime.rollout.sglang.http_protocol import Aborted, EngineFault, SGLangError, abort_payload, parse_generated
 from runtime.rollout.sglang.partial import Continuation, GroupsWatch, ModelTokens
+from runtime.rollout.sglang.routes import RouteLayout
 from runtime.rollout.sglang.server_process import DEAD, READY, Server, kill_all
 from runtime.rollout.sglang.settings import INSTALL_HINT, SGLangSettings, check_sglang_installed
 from runtime.rollout.sglang.weight_sync import EngineWeights
@@ -93,6 +94,9 @@ class SGLangEngine(RolloutEngine):
             raise ModelError("SGLangEngine needs model_dir: an HF checkpoint directory (or hub id) SGLang can load")
         self.model_dir = str(model_dir)
         self.model_tokens = ModelTokens.read(self.model_dir)  # to tell a finished carried sample from a cut one
+        # rollout.routing_replay: the experts of every token, from servers started to return them (routes.py);
+        # None when off, or for a dense model (nothing to record, as in the built-in engine)
+        self.route_layout = RouteLayout.read(self.model_dir) if settings.routing_replay else None
         scratch_dir = settings.section.scratch_dir
         self._own_scratch = scratch_dir is None
         base = Path(scratch_dir) if scratch_dir else Path(tempfile.gettempdir())
@@ -155,6 +159,7 @@ class SGLangEngine(RolloutEngine):
             "model_dir": self.model_dir,
             "weights_dir": str(self.weights.weights_dir) if self.weights.weights_dir else None,
             "released": bool(self.pool.released_tags()),
+            "records_routes": self.route_layout is not None,  # rollout.routing_replay
             "weight_sync_group": self.weights.sync.name if self.weights.sync else None,
             "engines": engines,
         }
@@ -268,7 +273,7 @@ class SGLangEngine(RolloutEngine):
     async def _agenerate(self, requests: list[SampleRequest], sampling: SamplingParams,
                          until: GroupsDone | None) -> list[SampleResult]:
         expected = str(self.weights.version)
-        plans = [Continuation.of(r, sampling, self.model_tokens) for r in requests]
+        plans = [Continuation.of(r, sampling, self.model_tokens, self.route_layout) for r in requests]
         watch = GroupsWatch(until, [p.finished is not None for p in plans])
         tasks = [asyncio.ensure_future(self._aone(i, p, sampling, expected, watch)) for i, p in enumerate(plans)]
         try:
@@ -301,7 +306,7 @@ class SGLangEngine(RolloutEngine):
                 got = parse_generated(body, expected, abort_ok=watch.reached)
                 if got.finish != "abort":
                     await self._abort(watch.complete(index))
-                return plan.result(got)
+                return plan.result(got, server.index)
             except Aborted as exc:
                 problems.append(f"engine {server.index}: aborted ({exc})")
             except EngineFault as exc:

@@ -23,6 +23,7 @@ from pathlib import Path
 from runtime.config import SGLANG_PORT_STRIDE
 from runtime.errors import ModelError, TransientError
 from runtime.placement.ports import free_port
+from runtime.rollout.sglang.routes import SERVER_FLAG as ROUTES_FLAG, RouteLayout
 from runtime.rollout.sglang.settings import SGLangSettings
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ def server_command(settings: SGLangSettings, model_dir: str, server: Server) -> 
         cmd.append("--enable-memory-saver")
     if sec.deterministic:
         cmd.append("--enable-deterministic-inference")
+    if settings.routing_replay and RouteLayout.read(model_dir) is not None:  # a dense model has no experts to return
+        cmd.append(ROUTES_FLAG)
     return cmd
 
 
