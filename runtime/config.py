@@ -181,7 +181,8 @@ class RolloutSection(Section):
     # layer (prompt and response; SGLang's servers return them: runtime/rollout/sglang/routes.py), the samples carry
     # them (partial rollout's buffer and checkpoints too), and the trainer's forwards (log-probs, the update, its
     # recompute) route every token to those experts instead of its own top-k (the weights from its own router at
-    # those experts, so the router still trains: megatron's router replay). Off until measured on the GPU. A dense model has nothing to route: a no-op there.
+    # those experts, so the router still trains: megatron's router replay). Off until measured on the GPU. A dense
+    # model has nothing to route: a no-op there.
     routing_replay: bool = False
     sglang: SGLangSection = SGLangSection()
 
