@@ -147,7 +147,8 @@ class FakeModel:
         self.vocab_size = int(config.get("vocab_size", 64))
         # a mixture of experts (routed experts are returned for it): its layers, experts and experts per token
         self.layers = int(config.get("num_hidden_layers", 1))
-        self.num_experts, self.topk = int(config.get("num_experts") or 0), int(config.get("num_experts_per_tok") or 0)
+        self.num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+        self.topk = int(config.get("num_experts_per_tok") or 0)
         eos = config.get("eos_token_id", 0)
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         # sglang's Qwen/Llama load_weights skip lm_head.weight when the embeddings are tied
@@ -684,6 +685,7 @@ def main(argv=None) -> None:
         sys.exit(1)
     state = State(args)
     ThreadingHTTPServer.allow_reuse_address = True
+    ThreadingHTTPServer.request_queue_size = 256  # the client opens up to concurrency x engines connections at once
     server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
     server.daemon_threads = True
     print(f"The server is fired up and ready to roll! port={args.port}", flush=True)

@@ -718,8 +718,12 @@ def test_routing_replay_refusals_and_a_dense_model(start, model_dir, moe_dir):
     settings = SGLangSettings(routing_replay=True)
     dense_cmd = server_command(settings, str(model_dir), Server(index=0, port=1, log_path=Path("x")))
     assert "--enable-return-routed-experts" not in dense_cmd and RouteLayout.read(str(model_dir)) is None
+    # transformers 5 saves a Qwen3-MoE's expert count as num_local_experts
+    (moe_dir / "config.json").write_text(json.dumps({**{k: v for k, v in MOE.items() if k != "num_experts"},
+                                                    "num_local_experts": 8}))
     # an answer without routes (a server without the flag, a release that drops them) is one clear error
     layout = RouteLayout.read(str(moe_dir))
+    assert (layout.layers, layout.topk, layout.experts, layout.dtype) == (3, 2, 8, torch.uint8)
     plan = Continuation.of(SampleRequest(prompt_ids=[10, 20], key=(1, 0, 0, 0)), SAMPLING, ModelTokens.read(str(moe_dir)),
                            layout)
     with pytest.raises(SGLangError, match="--enable-return-routed-experts"):

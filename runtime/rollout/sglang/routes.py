@@ -59,12 +59,15 @@ class RouteLayout:
             raise ModelError(f"rollout.routing_replay on SGLang reads the model's experts from {path}, which cannot "
                              f"be read: point the engine at a local HF checkpoint directory, or set "
                              f"rollout.routing_replay: false") from None
-        if not cfg.get("num_experts_per_tok") or not cfg.get("num_experts"):
+        if not cfg.get("num_experts_per_tok"):
             return None
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
+        if not experts:
+            raise ModelError(f"{path} names num_experts_per_tok but not how many experts there are (num_experts or "
+                             f"num_local_experts): rollout.routing_replay cannot lay out the routes")
         # SGLang's capturer has a row per hidden layer; the families here refuse dense layers between MoE layers
         # (runtime/models/qwen3_moe.py), so every hidden layer is an MoE layer
-        return cls(layers=int(cfg["num_hidden_layers"]), topk=int(cfg["num_experts_per_tok"]),
-                   experts=int(cfg["num_experts"]))
+        return cls(layers=int(cfg["num_hidden_layers"]), topk=int(cfg["num_experts_per_tok"]), experts=int(experts))
 
     def decode(self, encoded: str | None, rows: int, server_index: int) -> torch.Tensor:
         """`meta_info["routed_experts"]` of an answer that must cover `rows` positions, as [rows, layers, k]."""
