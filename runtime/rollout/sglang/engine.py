@@ -190,10 +190,11 @@ class SGLangEngine(RolloutEngine):
 
     def release_memory(self) -> None:
         """Colocate mode: free the servers' GPU memory (weights, KV cache, CUDA graphs) for the trainer
-        (`/flush_cache`, then `/release_memory_occupation`). No-op otherwise, or when already released."""
+        (`/flush_cache`, then `/release_memory_occupation`), each server what it still holds: a release that failed
+        part-way is finished by the next call. No-op otherwise, or when every server is released already."""
         with self._lock:
             self._check_open()
-            if not self.settings.colocate or self.pool.released:
+            if not self.settings.colocate:
                 return
             self._loop.run(self.pool.release_memory())
 
