@@ -10,6 +10,9 @@ last restart is ignored); a server that is dead or does not answer is killed by 
 relaunched, re-synced to the current weights (the `resync` the engine gives) and only then serves again.
 After `rollout.sglang.max_restarts` restarts it is given up ("dead").
 
+Colocate mode's released memory is tracked per server: a fresh process holds all of its memory, so a server restarted
+while the pool is released is released again once re-synced, and a resume names to each server only what it released.
+
 A request the server refuses is not a server fault: a 4xx on `/generate`, or a 500 from a server whose check
 finds it healthy (SGLang 0.5.17 answers an unknown sampling key with a 500 and stays up), is RequestRejected -
 one line naming the endpoint, SGLang's message (for a 500, the error line its log gained) and the fix; the
