@@ -19,6 +19,16 @@ deterministic mode (warm tok/s of one workload on this server and on a second on
 `--enable-deterministic-inference`).
 `--skip ROW,...` leaves rows out (restart, det-cost: the two that start a server); `--deadline` skips det-cost when
 less than `--start-budget` seconds are left.
+
+`--routes-only` runs one row instead, on a server of its own: routing replay (R3, `rollout.routing_replay`) through
+SGLang's `return_routed_experts` (runtime/rollout/sglang/routes.py) on a random Qwen3-MoE of Qwen3-30B-A3B's width
+and `--moe-layers` layers (built on the GPU as moe_engine.py, saved as an HF dir with the tiny tokenizer): every
+sample's `routed_experts` has the built-in engine's layout [prompt + response - 1, layers, 8], a continued sample
+keeps its routes and gets the rest from its last kept token on (the server honours `routed_experts_start_len`), and
+SGLang's expert sets against HF's router on the same weights and tokens (the fraction of (token, layer) pairs whose
+top-8 set agrees: a bf16 near-tie may round either way; reported, the row's verdict is the layout). `--standin`
+runs that row on the CPU against tests/sglang_standin.py (a 2-layer, 8-expert model; its routes are pseudo-random,
+so no agreement is computed): the script's smoke.
 Results: OUT/sglang_real.json.
 """
 from __future__ import annotations
@@ -52,6 +62,7 @@ def launch_prefix(site: str) -> list[str]:
 
 
 OPTIONAL_ROWS = ("tensor", "broadcast", "partial", "restart", "rejected", "det-cost")
+STANDIN = ROOT / "tests" / "sglang_standin.py"
 
 
 def gpu_used_gib() -> float:
@@ -269,6 +280,113 @@ def det_cost_row(a, model_dir: str, work: Path, out: Path, rows: list, row, t_en
         engine.shutdown()
 
 
+def make_moe_model(work: Path, layers: int, device: str):
+    """(HF dir, the model) of a random Qwen3-MoE: Qwen3-30B-A3B's width and `layers` layers on the GPU (moe_engine's
+    TINY on the CPU), eos 2 and the tiny tokenizer as rollout_bench's make_model (its ids stay below the vocab)."""
+    import torch
+    from transformers import GenerationConfig
+
+    from moe_engine import QWEN3_30B_A3B, TINY, build
+    from runtime.models.tiny import build_tiny_qwen3
+    cfg = dict(TINY) if device == "cpu" else dict(QWEN3_30B_A3B, num_hidden_layers=layers)
+    cfg.update(bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    model = build(cfg, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    hf = work / f"moe-hf-{device}-{cfg['num_hidden_layers']}"
+    if not (hf / "config.json").exists():
+        build_tiny_qwen3(work / "tok")
+        model.save_pretrained(hf)
+        for f in os.listdir(work / "tok"):
+            if f.startswith("tokenizer") or f == "special_tokens_map.json":
+                (hf / f).write_bytes((work / "tok" / f).read_bytes())
+        GenerationConfig(eos_token_id=2, pad_token_id=0).save_pretrained(hf)
+    return str(hf), model
+
+
+def hf_agreement(model, samples) -> dict:
+    """Of SGLang's routes against HF's router on the same weights and tokens: the fraction of (token, MoE layer)
+    pairs with the same top-k set, and of tokens whose sets agree in every layer."""
+    import torch
+    pairs = agree = tokens = all_layers = 0
+    dev = next(model.parameters()).device
+    k = model.config.num_experts_per_tok
+    with torch.no_grad():
+        for q, r in samples:
+            ids = q.prompt_ids + r.response_ids
+            logits = model(torch.tensor([ids], device=dev), output_router_logits=True).router_logits
+            hf = torch.stack([lg.reshape(len(ids), -1)[:-1].float().topk(k, dim=-1).indices for lg in logits], 1)
+            same = (hf.sort(-1).values.cpu() == r.routed_experts.long().sort(-1).values).all(-1)  # [tokens - 1, layers]
+            pairs, agree = pairs + same.numel(), agree + int(same.sum())
+            tokens, all_layers = tokens + same.shape[0], all_layers + int(same.all(-1).sum())
+    return {"pairs_same_set": round(agree / pairs, 4), "tokens_same_in_every_layer": round(all_layers / tokens, 4),
+            "pairs": pairs}
+
+
+def routes_row(a, work: Path, out: Path, row) -> None:
+    """Routing replay through SGLang (the module docstring): layout, a continued sample, agreement with HF."""
+    import torch
+
+    from runtime.config import SGLangSection
+    from runtime.rollout.base import SampleRequest, SamplingParams
+    from runtime.rollout.sglang.engine import SGLangEngine
+    from runtime.rollout.sglang.settings import SGLangSettings
+    device = "cpu" if a.standin else "cuda"
+    t0 = time.time()
+    model_dir, model = make_moe_model(work, a.moe_layers, device)
+    model_s = time.time() - t0
+    launch = [sys.executable, str(STANDIN)] if a.standin else launch_prefix(a.site)
+    section = SGLangSection(launch=launch, mem_fraction=0.5, startup_timeout_s=600, scratch_dir=str(work / "scratch-routes"))
+    settings = SGLangSettings(section=section, colocate=False, random_seed=1, sync_backend="gloo" if a.standin else "nccl",
+                              routing_replay=True)
+    name = "routing replay: return_routed_experts in the built-in engine's layout"
+    try:
+        t0 = time.time()
+        engine = SGLangEngine(settings, model_dir)
+        start_s = time.time() - t0
+    except Exception:  # noqa: BLE001
+        row(name, False, error=traceback.format_exc()[-2000:])
+        keep_logs(work / "scratch-routes", out, "-routes")
+        return
+    try:
+        layers, k = model.config.num_hidden_layers, model.config.num_experts_per_tok
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(3, 50, (64,), generator=g).tolist() for _ in range(8)]
+        reqs = [SampleRequest(prompt_ids=p, key=(7, 0, i, j)) for i, p in enumerate(prompts) for j in range(4)]
+        sp = SamplingParams(temperature=1.0, max_new_tokens=a.max_new)
+        t0 = time.time()
+        got = engine.generate(reqs, sp)
+        gen_s = time.time() - t0
+
+        def laid_out(q, r) -> bool:
+            want = (len(q.prompt_ids) + len(r.response_ids) - 1, layers, k)
+            return r.routed_experts is not None and tuple(r.routed_experts.shape) == want and \
+                r.routed_experts.dtype == torch.uint8 and int(r.routed_experts.max()) < model.config.num_experts
+        shaped = sum(laid_out(q, r) for q, r in zip(reqs, got))
+        # continued: each sample of 4+ tokens cut to half, continued on the same weights
+        cut = [(q, r, len(r.response_ids) // 2) for q, r in zip(reqs, got) if len(r.response_ids) >= 4]
+        again = [SampleRequest(prompt_ids=q.prompt_ids, key=q.key, prefix_ids=r.response_ids[:h],
+                               prefix_logprobs=r.response_logprobs[:h], prefix_routes=r.routed_experts)
+                 for q, r, h in cut]
+        cont = engine.generate(again, sp)
+        kept = sum(torch.equal(c.routed_experts[:len(q.prompt_ids) + h - 1], r.routed_experts[:len(q.prompt_ids) + h - 1])
+                   for c, (q, r, h) in zip(cont, cut))
+        cont_shaped = sum(laid_out(q, c) for q, c in zip(again, cont))
+        agreement = None
+        if not a.standin:
+            try:
+                agreement = hf_agreement(model, list(zip(reqs, got))[:8])
+            except Exception:  # noqa: BLE001 - the layout rows stand; the comparison says what broke
+                agreement = {"error": traceback.format_exc()[-1500:]}
+        row(name, shaped == len(reqs) and cont_shaped == kept == len(again) > 0, model_s=round(model_s, 1),
+            start_s=round(start_s, 1), generate_s=round(gen_s, 2), samples=len(reqs), laid_out=shaped,
+            bytes_per_token=layers * k, continued=len(again), continued_laid_out=cont_shaped, prefix_routes_kept=kept,
+            hf_agreement=agreement, health=engine.health()["records_routes"])
+    except Exception:  # noqa: BLE001
+        row(name, False, error=traceback.format_exc()[-3000:])
+    finally:
+        keep_logs(work / "scratch-routes", out, "-routes")
+        engine.shutdown()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
@@ -280,6 +398,9 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help=f"rows to leave out: {', '.join(OPTIONAL_ROWS)}")
     ap.add_argument("--deadline", type=float, default=570.0, help="seconds for the whole call")
     ap.add_argument("--start-budget", type=float, default=200.0, help="seconds a second server start may take")
+    ap.add_argument("--routes-only", action="store_true", help="only the routing-replay row (its own server)")
+    ap.add_argument("--moe-layers", type=int, default=4, help="routes row: layers of the Qwen3-30B-A3B-wide model")
+    ap.add_argument("--standin", action="store_true", help="with --routes-only: on the CPU against the stand-in")
     a = ap.parse_args(argv)
     t_end = time.monotonic() + a.deadline
     skip = {x for x in a.skip.split(",") if x}
@@ -288,6 +409,18 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     import torch
+
+    if a.routes_only:
+        rows_only: list[dict] = []
+        facts_only = {"device": "cpu (stand-in)" if a.standin else torch.cuda.get_device_name(0),
+                      "date": datetime.date.today().isoformat(), "rows": rows_only}
+
+        def row_only(name: str, ok: bool, **seen) -> None:
+            rows_only.append({"check": name, "ok": bool(ok), **seen})
+            print(f"{'ok ' if ok else 'BAD'} {name}: {json.dumps(seen)[:600]}", flush=True)
+            (out / "sglang_real_routes.json").write_text(json.dumps(facts_only, indent=1))
+        routes_row(a, Path(a.work), out, row_only)
+        return 0 if all(r["ok"] for r in rows_only) else 1
 
     from rollout_bench import SHAPES, make_model
     from runtime.config import SGLangSection

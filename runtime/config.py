@@ -92,7 +92,7 @@ class DataSection(Section):
 # The `sglang.launch_server` flags the SGLang backend sets from rollout.sglang itself; `launch` may not repeat them.
 SGLANG_MANAGED_FLAGS = ("--model-path", "--model", "--tp-size", "--tensor-parallel-size", "--mem-fraction-static",
                         "--host", "--port", "--random-seed", "--weight-version", "--base-gpu-id",
-                        "--enable-memory-saver", "--enable-deterministic-inference")
+                        "--enable-memory-saver", "--enable-deterministic-inference", "--enable-return-routed-experts")
 SGLANG_PORT_STRIDE = 10  # with a fixed base port, engine i listens on port + 10 * i
 
 
@@ -177,11 +177,12 @@ class RolloutSection(Section):
     # the bytes a decode step reads; its log-probs then differ from the trainer's more than bf16's, so fp8 turns
     # algorithm.use_tis on unless the config sets it.
     weights_dtype: Literal["bf16", "fp8"] = "bf16"
-    # Rollout routing replay (R3), for a mixture of experts: the built-in engine records each token's top-k experts
-    # per MoE layer (prompt and response), the samples carry them (partial rollout's buffer and checkpoints too),
-    # and the trainer's forwards (log-probs, the update, its recompute) route every token to those experts instead
-    # of its own top-k (the weights from its own router at those experts, so the router still trains: megatron's
-    # router replay). Off until measured on the GPU. A dense model has nothing to route: a no-op there.
+    # Rollout routing replay (R3), for a mixture of experts: the engine records each token's top-k experts per MoE
+    # layer (prompt and response; SGLang's servers return them: runtime/rollout/sglang/routes.py), the samples carry
+    # them (partial rollout's buffer and checkpoints too), and the trainer's forwards (log-probs, the update, its
+    # recompute) route every token to those experts instead of its own top-k (the weights from its own router at
+    # those experts, so the router still trains: megatron's router replay). Off until measured on the GPU. A dense
+    # model has nothing to route: a no-op there.
     routing_replay: bool = False
     sglang: SGLangSection = SGLangSection()
 
@@ -496,10 +497,7 @@ class GrpoConfig(Section):
         r = self.rollout
         if not r.routing_replay:
             return self
-        if r.engine == "sglang":  # its half is return_routed_experts (docs/model-families.md): not wired here yet
-            raise ValueError("rollout.routing_replay: the routes are recorded by the built-in engine only; use "
-                             "rollout.engine: builtin, or rollout.routing_replay: false")
-        if r.decode_path == "hf":
+        if r.engine != "sglang" and r.decode_path == "hf":  # SGLang records them itself (return_routed_experts)
             raise ValueError("rollout.routing_replay: the routes are recorded by the built-in engine's paged decoder; "
                              "set rollout.decode_path: auto (or paged), or rollout.routing_replay: false")
         if r.custom_rollout:

@@ -62,6 +62,12 @@ Test-only extras:
                  changes the rule. (Other requests honour an abort between tokens, as SGLang does; they
                  are computed at once, so in tests an abort finds them finished: a no-op.)
   --weight-sync-timeout-s S        the weight-sync group's timeout (joining, each broadcast)
+  --enable-return-routed-experts   as SGLang's flag: a /generate with `return_routed_experts` gets
+                 meta_info.routed_experts (base64 of int32 [positions, layers, k] for the input positions from
+                 `routed_experts_start_len` on) for a mixture-of-experts config (num_experts, num_experts_per_tok;
+                 without them the flag fails start-up). No router runs: a route is a pseudo-random function of the
+                 weights' digest and the last few tokens, so only the layout and the plumbing are tested. Read from
+                 0.5.17's source (runtime/rollout/sglang/routes.py); the 0.5.23 mode answers the same, an assumption
 Stdlib only until a weight-sync group is joined, so it starts in a fraction of a second.
 """
 
@@ -76,6 +82,7 @@ import math
 import os
 import random
 import re
+import struct
 import sys
 import threading
 import time
@@ -102,7 +109,6 @@ SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF1
 
 def read_safetensors(path: str) -> dict[str, tuple[str, list[int], str]]:
     """name -> (dtype, shape, sha256 of the raw little-endian bytes) for one .safetensors file."""
-    import struct
     out = {}
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -139,6 +145,10 @@ class FakeModel:
         with open(os.path.join(model_path, "config.json")) as f:
             config = json.load(f)
         self.vocab_size = int(config.get("vocab_size", 64))
+        # a mixture of experts (routed experts are returned for it): its layers, experts and experts per token
+        self.layers = int(config.get("num_hidden_layers", 1))
+        self.num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+        self.topk = int(config.get("num_experts_per_tok") or 0)
         eos = config.get("eos_token_id", 0)
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         # sglang's Qwen/Llama load_weights skip lm_head.weight when the embeddings are tied
@@ -165,6 +175,12 @@ class FakeModel:
 
     def _digest(self) -> str:
         return hashlib.sha256(json.dumps(sorted(self.weights.items())).encode()).hexdigest()
+
+    def route(self, context: list[int]) -> list[list[int]]:
+        """The experts [layers][k] the last token of `context` goes to: a pseudo-random function of the weights'
+        digest and the last few tokens, as the logits are (no real router runs here)."""
+        return [random.Random(_u64(self.digest, "route", layer, *context[-CONTEXT_TOKENS:])).sample(
+            range(self.num_experts), self.topk) for layer in range(self.layers)]
 
     def log_softmax(self, context: list[int], temperature: float) -> list[float]:
         rng = random.Random(_u64(self.digest, *context[-CONTEXT_TOKENS:]))
@@ -271,6 +287,11 @@ def generate(state: State, body: dict, run: Running | None = None, held: bool = 
     if state.released:  # sglang would run on paused memory and answer wrong log-probs: fail loudly here
         return 400, {"error": {"message": f"stand-in: memory is released ({sorted(state.released)}); resume it first"}}
     model = state.model
+    routes_from = int(body.get("routed_experts_start_len") or 0)
+    if body.get("return_routed_experts") and not 0 <= routes_from <= len(input_ids):  # the scheduler aborts it: a 400
+        return 400, {"error": {"message": f"recv_req.routed_experts_start_len={routes_from} is higher than the number "
+                                          f"of input tokens len(req.origin_input_ids)={len(input_ids)}. Please use a "
+                                          f"smaller routed_experts_start_len."}}
     if any(t < 0 or t >= model.vocab_size for t in input_ids):
         return 400, {"error": {"message": f"The input_ids {input_ids} contains values greater than the vocab size ({model.vocab_size})."}}
     max_new = sp.get("max_new_tokens", 128)
@@ -349,6 +370,13 @@ def generate(state: State, body: dict, run: Running | None = None, held: bool = 
         meta["input_token_logprobs"] = logprob_entries(start) if start >= 0 else []
         meta["output_token_logprobs"] = output_lps
         meta["output_token_logprobs_length"] = len(output_lps)
+    if body.get("return_routed_experts") and state.args.enable_return_routed_experts and output_ids:
+        # every position that was an input from routed_experts_start_len on, int32 [positions, layers, k] in base64
+        # (batch_result_processor._maybe_collect_routed_experts, detokenizer_manager); none for a request that
+        # never ran, nor from a server without the flag
+        rows = [model.route(context[:pos + 1]) for pos in range(routes_from, len(context) - 1)]
+        flat = [e for row in rows for layer in row for e in layer]
+        meta["routed_experts"] = base64.b64encode(struct.pack(f"<{len(flat)}i", *flat)).decode()
     if state.args.gen_jitter:
         time.sleep(random.Random(_u64("jitter", *input_ids, seed)).random() * state.args.gen_jitter)
     return 200, {"text": "".join(f"<{t}>" for t in output_ids), "output_ids": output_ids, "meta_info": meta}
@@ -636,6 +664,7 @@ def parse_args(argv=None):
     p.add_argument("--base-gpu-id", type=int, default=0)
     p.add_argument("--enable-memory-saver", action="store_true")
     p.add_argument("--enable-deterministic-inference", action="store_true")
+    p.add_argument("--enable-return-routed-experts", action="store_true")
     # test-only
     p.add_argument("--sglang-version", choices=("0.5.23", "0.5.17"), default="0.5.23")
     p.add_argument("--calls-file", default=None)
@@ -660,8 +689,16 @@ def main(argv=None) -> None:
               file=sys.stderr, flush=True)
         sys.exit(1)
     time.sleep(args.startup_delay)
+    with open(os.path.join(args.model_path, "config.json")) as f:
+        experts_per_token = json.load(f).get("num_experts_per_tok")
+    if args.enable_return_routed_experts and not experts_per_token:  # RoutedExpertsCapturer reads it from the config
+        print("Traceback (most recent call last):", file=sys.stderr)
+        print("AttributeError: stand-in: --enable-return-routed-experts on a model without num_experts_per_tok",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
     state = State(args)
     ThreadingHTTPServer.allow_reuse_address = True
+    ThreadingHTTPServer.request_queue_size = 256  # the client opens up to concurrency x engines connections at once
     server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
     server.daemon_threads = True
     print(f"The server is fired up and ready to roll! port={args.port}", flush=True)

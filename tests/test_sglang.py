@@ -20,9 +20,11 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -36,7 +38,7 @@ from runtime.rollout.base import SampleRequest, SamplingParams
 from runtime.rollout.sglang import INSTALL_HINT, SGLangEngine, SGLangError, SGLangSettings, Supervision
 from runtime.rollout.sglang import http_protocol
 from runtime.rollout.sglang.http_protocol import Aborted, StaleWeights, parse_generated, sampling_seed_for
-from runtime.rollout.sglang.server_process import server_command
+from runtime.rollout.sglang.server_process import Server, server_command
 
 STANDIN = Path(__file__).with_name("sglang_standin.py")
 VOCAB, EOS = 96, 2
@@ -60,12 +62,12 @@ def start(tmp_path, model_dir):
     made: list[SGLangEngine] = []
     calls_file = tmp_path / "calls.jsonl"
 
-    def _start(*flags, model=None, colocate=False, sync_backend="nccl", **section):
+    def _start(*flags, model=None, colocate=False, sync_backend="nccl", routing_replay=False, **section):
         keys = dict(launch=["{python}", str(STANDIN), "--calls-file", str(calls_file), *flags],
                     scratch_dir=str(tmp_path / "scratch"), request_timeout_s=60.0, startup_timeout_s=60.0)
         keys.update(section)
         settings = SGLangSettings(section=SGLangSection(**keys), colocate=colocate, random_seed=1,
-                                  sync_backend=sync_backend,
+                                  sync_backend=sync_backend, routing_replay=routing_replay,
                                   supervision=Supervision(health_poll_s=0.05, kill_grace_s=2.0, health_timeout_s=0.5))
         eng = SGLangEngine(settings, str(model or model_dir))
         made.append(eng)
@@ -344,6 +346,51 @@ def test_the_server_runs_nccl_with_the_trainers_cumem_setting(start, monkeypatch
     assert server_environ(start())["NCCL_CUMEM_ENABLE"] == "1"
     monkeypatch.setenv("NCCL_CUMEM_ENABLE", "0")  # a user's own choice reaches both sides as it is
     assert server_environ(start())["NCCL_CUMEM_ENABLE"] == "0"
+
+
+@pytest.mark.race
+def test_engine_killed_while_released_gives_its_memory_back(start):
+    """A server restarted while the pool is released (the trainer holds the GPU) is released again once healthy and
+    re-synced, and every resume goes only to the tags a server released (0.5.17 answers a resume of a tag it holds
+    with a 500, as the stand-in does)."""
+    eng = start("--sglang-version", "0.5.17", num_engines=2, colocate=True)
+    eng.update_weights({"w": torch.randn(6)}, 1)
+    every = ["weights", "kv_cache", "cuda_graph"]
+
+    def kill(index: int) -> int:
+        pid, proc = eng.pids[index], eng.pool.servers[index].proc
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)  # dead and reaped: the pool sees it exited
+        return pid
+
+    eng.release_memory()
+    victim = kill(0)
+    assert not eng.weight_sync_ready()  # its check restarts what exited (no group was formed: False anyway)
+    row = eng.health()["engines"][0]
+    assert row["restarts"] == 1 and eng.pids[0] != victim and row["state"] == "ready" and row["released"] == every
+    fresh = [(c["path"], (c.get("body") or {}).get("tags")) for c in read_calls(start.calls_file)
+             if c["pid"] == eng.pids[0] and c["path"] not in ("/health", "/health_generate")]
+    assert fresh == [("/update_weights_from_disk", None), ("/generate", None),  # re-synced and probed, then released
+                     ("/flush_cache", None), ("/release_memory_occupation", every)]
+    eng.resume_memory()
+    assert not eng.health()["released"]
+    assert len(eng.generate(make_requests(1, 2), SAMPLING)) == 2  # the stand-in answers 400 while anything is released
+
+    # killed while released, found by the resume itself: restarted to what stays released (nothing), not resumed
+    eng.release_memory()
+    victim = kill(1)
+    eng.resume_memory()
+    h = eng.health()
+    assert h["ok"] and h["engines"][1]["restarts"] == 1 and eng.pids[1] != victim and not h["released"]
+    assert len(eng.generate(make_requests(2, 2), SAMPLING)) == 4
+    resumes = [c for c in read_calls(start.calls_file) if c["path"] == "/resume_memory_occupation"]
+    assert all(c["status"] == 200 for c in resumes)
+    # a resume is two calls (the weights, loaded again, then the rest); engine 1's fresh process came up while the
+    # weights' call was under way: released to what stayed released, it is resumed for that only
+    fresh = [(c["path"], (c.get("body") or {}).get("tags")) for c in read_calls(start.calls_file)
+             if c["pid"] == eng.pids[1] and c["path"] in ("/release_memory_occupation", "/resume_memory_occupation")]
+    assert fresh == [("/release_memory_occupation", ["kv_cache", "cuda_graph"]),
+                     ("/resume_memory_occupation", ["kv_cache", "cuda_graph"])]
 
 
 def test_tensor_sync_payloads(start):
@@ -632,6 +679,106 @@ def test_the_client_against_sglang_0_5_17(start):
     assert eng.logprobs_of(r.prompt_ids, r.response_ids, SAMPLING.temperature) == pytest.approx(r.response_logprobs)
     assert {c["body"]["weight_version"] for c in read_calls(start.calls_file)
             if c["path"] == "/update_weights_from_disk"} == {"1"}
+
+
+# ---- routing replay (R3): routed experts -------------------------------------------------------------
+
+MOE = {"model_type": "qwen3_moe", "vocab_size": VOCAB, "eos_token_id": EOS, "num_hidden_layers": 3, "num_experts": 8,
+       "num_experts_per_tok": 2}
+
+
+@pytest.fixture
+def moe_dir(tmp_path):
+    d = tmp_path / "moe"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(MOE))
+    save_file({"w": torch.zeros(2, 2)}, str(d / "model.safetensors"))
+    return d
+
+
+def standin_routes(eng, tokens: list[int]) -> torch.Tensor:
+    """The stand-in's routes of every position of `tokens` but the last, under the weights engine 0 serves."""
+    sys.path.insert(0, str(STANDIN.parent))
+    try:
+        from sglang_standin import FakeModel
+    finally:
+        sys.path.pop(0)
+    model = FakeModel(eng.model_dir)
+    model.digest = httpx.get(eng.urls[0] + "/_weights", trust_env=False, timeout=60).json()["digest"]
+    return torch.tensor([model.route(tokens[:pos + 1]) for pos in range(len(tokens) - 1)], dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.17"])
+def test_routing_replay_returns_the_routes_in_the_builtin_layout(start, moe_dir, version):
+    """rollout.routing_replay: the servers start with --enable-return-routed-experts, each request asks for the routes
+    of every input position, and they come back as SampleResult.routed_experts [prompt + response - 1, layers, k] in
+    the built-in engine's dtype - the stand-in's pseudo-random routes (no router runs: layout and plumbing only). A
+    continued sample keeps the routes it has and asks SGLang only from its last token on, under the new weights."""
+    from runtime.trainer.batch import TrainBatch, pack
+    eng = start("--sglang-version", version, model=moe_dir, routing_replay=True)
+    assert "--enable-return-routed-experts" in server_command(eng.settings, eng.model_dir, eng.pool.servers[0])
+    assert eng.health()["records_routes"]
+    requests = make_requests(2, 2)
+    results = eng.generate(requests, SAMPLING)
+    for req, r in zip(requests, results):
+        tokens = req.prompt_ids + r.response_ids
+        assert r.routed_experts.dtype == torch.uint8 and r.routed_experts.shape == (len(tokens) - 1, 3, 2)
+        assert torch.equal(r.routed_experts, standin_routes(eng, tokens))
+    sent = rollout_generates(read_calls(start.calls_file))
+    assert all(c["body"]["return_routed_experts"] is True and c["body"]["routed_experts_start_len"] == 0 for c in sent)
+    # the trainer takes them as the built-in engine's: one route per token but the last, in the router's order
+    tb = TrainBatch(tokens=[q.prompt_ids + r.response_ids for q, r in zip(requests, results)],
+                    prompt_lens=[len(q.prompt_ids) for q in requests], advantages=[1.0] * 4,
+                    loss_masks=[[1] * len(r.response_ids) for r in results],
+                    rollout_logprobs=[r.response_logprobs for r in results], routes=[r.routed_experts for r in results])
+    width = max(len(t) for t in tb.tokens)
+    assert pack(tb, [0, 1, 2, 3]).routes.shape == (3, width * 4, 2)
+
+    # continued under new weights: the prefix's routes stand, the rest are the new weights'
+    eng.update_weights({"w": torch.randn(6)}, 1)
+    first = results[0]
+    kept = len(requests[0].prompt_ids) + 2 - 1
+    carried = SampleRequest(prompt_ids=requests[0].prompt_ids, key=requests[0].key, prefix_ids=first.response_ids[:2],
+                            prefix_logprobs=first.response_logprobs[:2], prefix_routes=first.routed_experts)
+    before = len(rollout_generates(read_calls(start.calls_file)))
+    (out,) = eng.generate([carried], replace(SAMPLING, stop_token_ids=[]))
+    (body,) = [c["body"] for c in rollout_generates(read_calls(start.calls_file))[before:]]
+    assert body["routed_experts_start_len"] == kept
+    tokens = carried.prompt_ids + out.response_ids
+    assert out.routed_experts.shape == (len(tokens) - 1, 3, 2) and len(out.response_ids) > 2
+    assert torch.equal(out.routed_experts[:kept], first.routed_experts[:kept])
+    now = standin_routes(eng, tokens)
+    assert torch.equal(out.routed_experts[kept:], now[kept:]) and not torch.equal(out.routed_experts[:kept], now[:kept])
+
+
+def test_routing_replay_refusals_and_a_dense_model(start, model_dir, moe_dir):
+    from runtime.rollout.sglang.http_protocol import Generated
+    from runtime.rollout.sglang.partial import Continuation, ModelTokens
+    from runtime.rollout.sglang.routes import RouteLayout
+    cfg = config_from_dict({"rollout": {"engine": "sglang", "routing_replay": True}})  # no longer refused
+    assert SGLangSettings.from_config(cfg).routing_replay
+    settings = SGLangSettings(routing_replay=True)
+    dense_cmd = server_command(settings, str(model_dir), Server(index=0, port=1, log_path=Path("x")))
+    assert "--enable-return-routed-experts" not in dense_cmd and RouteLayout.read(str(model_dir)) is None
+    # transformers 5 saves a Qwen3-MoE's expert count as num_local_experts
+    (moe_dir / "config.json").write_text(json.dumps({**{k: v for k, v in MOE.items() if k != "num_experts"},
+                                                    "num_local_experts": 8}))
+    # an answer without routes (a server without the flag, a release that drops them) is one clear error
+    layout = RouteLayout.read(str(moe_dir))
+    assert (layout.layers, layout.topk, layout.experts, layout.dtype) == (3, 2, 8, torch.uint8)
+    plan = Continuation.of(SampleRequest(prompt_ids=[10, 20], key=(1, 0, 0, 0)), SAMPLING, ModelTokens.read(str(moe_dir)),
+                           layout)
+    with pytest.raises(SGLangError, match="--enable-return-routed-experts"):
+        plan.result(Generated(ids=[7], logprobs=[-1.0], text="", finish="length"))
+    with pytest.raises(SGLangError, match="expected 2 positions x 3 layers x 2"):
+        plan.result(Generated(ids=[7], logprobs=[-1.0], text="", finish="length", routed_experts="AAAAAA=="))
+    # the client passes the flag itself (launch may not repeat it), and never for a dense model: SGLang's capturer
+    # reads num_experts_per_tok from the config, and the stand-in fails start-up there too
+    with pytest.raises(ConfigError, match="--enable-return-routed-experts"):
+        config_from_dict({"rollout": {"sglang": {"launch": ["{python}", "x", "--enable-return-routed-experts"]}}})
+    dense = subprocess.run([sys.executable, str(STANDIN), "--model-path", str(model_dir), "--port", "0",
+                            "--enable-return-routed-experts"], capture_output=True, text=True, timeout=60)
+    assert dense.returncode == 1 and "num_experts_per_tok" in dense.stderr
 
 
 # ---- start-up and shutdown ------------------------------------------------------------------------

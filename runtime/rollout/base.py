@@ -118,6 +118,12 @@ def keyed_requests(prompts_ids: list[list[int]], *, seed: int, slot: int, n: int
             for i, ids in enumerate(prompts_ids)]
 
 
+def routes_dtype(num_experts: int) -> torch.dtype:
+    """The dtype recorded expert indices are kept in (`SampleResult.routed_experts`): a byte up to 256 experts,
+    else int16."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
 @dataclass
 class SampleResult:
     """A generated response.

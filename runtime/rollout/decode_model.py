@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.devices import is_out_of_memory
+from runtime.rollout.base import routes_dtype
 from runtime.rollout.fp8_weights import (WEIGHTS_DTYPES, fp8_linear, fp8_shape_reason, quantize_rows,
                                          quantize_rows_into)
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_next, uniform_noise
@@ -276,11 +277,6 @@ class _Layer:
 
 # the engine's linear layers by their _Layer field; embeddings, the head and the norms stay in the model's dtype
 _LINEARS = (("qkv_w", "qkv_s"), ("o_w", "o_s"), ("gu_w", "gu_s"), ("down_w", "down_s"))
-
-
-def routes_dtype(num_experts: int) -> torch.dtype:
-    """The dtype recorded expert indices are kept in: a byte up to 256 experts, else int16."""
-    return torch.uint8 if num_experts <= 256 else torch.int16
 
 
 def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:

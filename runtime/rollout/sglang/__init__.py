@@ -12,6 +12,7 @@ By concern:
   engine_pool.py     the servers as a pool: request slots, fan-out, memory, fault checks and restarts
   weight_sync.py     new weights into every server (disk, tensor, broadcast) and the probe check
   partial.py         partial rollout: continuing carried samples, aborting once enough groups are complete
+  routes.py          routing replay (R3): each token's experts asked of the servers, decoded as the built-in engine's
   engine.py          SGLangEngine, the RolloutEngine over all of it
 """
 

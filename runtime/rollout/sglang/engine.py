@@ -33,6 +33,7 @@ from runtime.rollout.base import GroupsDone, RolloutEngine, SampleRequest, Sampl
 from runtime.rollout.sglang.engine_pool import EnginePool
 from runtime.rollout.sglang.http_protocol import Aborted, EngineFault, SGLangError, abort_payload, parse_generated
 from runtime.rollout.sglang.partial import Continuation, GroupsWatch, ModelTokens
+from runtime.rollout.sglang.routes import RouteLayout
 from runtime.rollout.sglang.server_process import DEAD, READY, Server, kill_all
 from runtime.rollout.sglang.settings import INSTALL_HINT, SGLangSettings, check_sglang_installed
 from runtime.rollout.sglang.weight_sync import EngineWeights
@@ -94,6 +95,9 @@ class SGLangEngine(RolloutEngine):
             raise ModelError("SGLangEngine needs model_dir: an HF checkpoint directory (or hub id) SGLang can load")
         self.model_dir = str(model_dir)
         self.model_tokens = ModelTokens.read(self.model_dir)  # to tell a finished carried sample from a cut one
+        # rollout.routing_replay: the experts of every token, from servers started to return them (routes.py);
+        # None when off, or for a dense model (nothing to record, as in the built-in engine)
+        self.route_layout = RouteLayout.read(self.model_dir) if settings.routing_replay else None
         scratch_dir = settings.section.scratch_dir
         self._own_scratch = scratch_dir is None
         base = Path(scratch_dir) if scratch_dir else Path(tempfile.gettempdir())
@@ -155,7 +159,8 @@ class SGLangEngine(RolloutEngine):
             "weight_version": self.weights.version,
             "model_dir": self.model_dir,
             "weights_dir": str(self.weights.weights_dir) if self.weights.weights_dir else None,
-            "released": bool(self.pool.released),
+            "released": bool(self.pool.released_tags()),
+            "records_routes": self.route_layout is not None,  # rollout.routing_replay
             "weight_sync_group": self.weights.sync.name if self.weights.sync else None,
             "engines": engines,
         }
@@ -186,10 +191,11 @@ class SGLangEngine(RolloutEngine):
 
     def release_memory(self) -> None:
         """Colocate mode: free the servers' GPU memory (weights, KV cache, CUDA graphs) for the trainer
-        (`/flush_cache`, then `/release_memory_occupation`). No-op otherwise, or when already released."""
+        (`/flush_cache`, then `/release_memory_occupation`), each server what it still holds: a release that failed
+        part-way is finished by the next call. No-op otherwise, or when every server is released already."""
         with self._lock:
             self._check_open()
-            if not self.settings.colocate or self.pool.released:
+            if not self.settings.colocate:
                 return
             self._loop.run(self.pool.release_memory())
 
@@ -202,9 +208,10 @@ class SGLangEngine(RolloutEngine):
             self._resume_if_released()
 
     def _resume_if_released(self) -> None:
-        if "weights" in self.pool.released:
+        released = self.pool.released_tags()
+        if "weights" in released:
             self._loop.run(self.weights.reload())  # released weights come back as uninitialised memory
-        elif self.pool.released:
+        elif released:
             self._loop.run(self.pool.resume_memory())
 
     # ---- extras ------------------------------------------------------------------------------
@@ -271,7 +278,7 @@ class SGLangEngine(RolloutEngine):
     async def _agenerate(self, requests: list[SampleRequest], sampling: SamplingParams,
                          until: GroupsDone | None) -> list[SampleResult]:
         expected = str(self.weights.version)
-        plans = [Continuation.of(r, sampling, self.model_tokens) for r in requests]
+        plans = [Continuation.of(r, sampling, self.model_tokens, self.route_layout) for r in requests]
         watch = GroupsWatch(until, [p.finished is not None for p in plans])
         tasks = [asyncio.ensure_future(self._aone(i, p, sampling, expected, watch)) for i, p in enumerate(plans)]
         try:
@@ -304,7 +311,7 @@ class SGLangEngine(RolloutEngine):
                 got = parse_generated(body, expected, abort_ok=watch.reached)
                 if got.finish != "abort":
                     await self._abort(watch.complete(index))
-                return plan.result(got)
+                return plan.result(got, server.index)
             except Aborted as exc:
                 problems.append(f"engine {server.index}: aborted ({exc})")
             except EngineFault as exc:

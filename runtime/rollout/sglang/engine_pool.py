@@ -10,6 +10,9 @@ last restart is ignored); a server that is dead or does not answer is killed by 
 relaunched, re-synced to the current weights (the `resync` the engine gives) and only then serves again.
 After `rollout.sglang.max_restarts` restarts it is given up ("dead").
 
+Colocate mode's released memory is tracked per server: a fresh process holds all of its memory, so a server restarted
+while the pool is released is released again once re-synced, and a resume names to each server only what it released.
+
 A request the server refuses is not a server fault: a 4xx on `/generate`, or a 500 from a server whose check
 finds it healthy (SGLang 0.5.17 answers an unknown sampling key with a 500 and stays up), is RequestRejected -
 one line naming the endpoint, SGLang's message (for a 500, the error line its log gained) and the fix; the
@@ -80,7 +83,9 @@ class EnginePool:
                         for i in range(settings.section.num_engines)]
         self.procs: list[subprocess.Popen] = []  # every process started, restarts too: all are killed at the end
         self.closed = False                      # no more launches or requests
-        self.released: set[str] = set()          # memory tags released on every server (colocate mode)
+        # colocate mode: the memory tags the pool keeps released (the trainer holds the GPU); each server's own
+        # are `Server.released`, which a launch empties (a fresh server holds all its memory)
+        self.released: set[str] = set()
 
     # ---- start and stop ------------------------------------------------------------------------
 
@@ -213,19 +218,40 @@ class EnginePool:
 
     # ---- memory (colocate mode: servers started with --enable-memory-saver) ---------------------
 
+    def released_tags(self) -> set[str]:
+        """The memory tags released on the pool (its target) or still released on a live server."""
+        return set(self.released).union(*(s.released for s in self.servers if s.state != DEAD))
+
     async def release_memory(self) -> None:
-        """Free every server's weights, KV cache and CUDA graphs (SGLang wants no request running: the cache is flushed first)."""
-        await self.all(lambda s: self.post(s, "/flush_cache", None))
-        await self.all(lambda s: self.post(s, "/release_memory_occupation", {"tags": list(MEMORY_TAGS)}))
+        """Free every server's weights, KV cache and CUDA graphs (SGLang wants no request running: the cache is
+        flushed first). The pool's target is set first: a server restarted meanwhile is released too."""
         self.released = set(MEMORY_TAGS)
+        await self.all(lambda s: self._release(s, MEMORY_TAGS))
 
     async def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
-        """Take back the released memory named by `tags` (None: all that is released) on every server."""
-        tags = tuple(t for t in MEMORY_TAGS if t in self.released) if tags is None else tags
+        """Take back the released memory named by `tags` (None: all that is released) on every server, each only
+        the tags it released (SGLang 0.5.17 answers a resume of a tag it holds with a 500). The target is set
+        first: a server restarted meanwhile is released only to what stays released."""
+        tags = tuple(t for t in MEMORY_TAGS if t in self.released_tags()) if tags is None else tags
         if not tags:
             return
-        await self.all(lambda s: self.post(s, "/resume_memory_occupation", {"tags": list(tags)}))
         self.released -= set(tags)
+        await self.all(lambda s: self._resume(s, tags))
+
+    async def _release(self, s: Server, tags) -> None:
+        mine = [t for t in tags if t not in s.released]
+        if not mine:
+            return
+        await self.post(s, "/flush_cache", None)
+        await self.post(s, "/release_memory_occupation", {"tags": mine})
+        s.released |= set(mine)
+
+    async def _resume(self, s: Server, tags) -> None:
+        mine = [t for t in tags if t in s.released]
+        if not mine:
+            return
+        await self.post(s, "/resume_memory_occupation", {"tags": mine})
+        s.released -= set(mine)
 
     # ---- supervision ---------------------------------------------------------------------------
 
@@ -281,16 +307,18 @@ class EnginePool:
                 await self.set_state(s, DEAD)
                 return
             s.restarts += 1
+            needs: NeedsWeights | None = None
             try:
                 self.launch(s)
                 await wait_healthy(self._client, self.settings, self.model_dir, s)
-                version = await self._resync(s)
-            except NeedsWeights as exc:
-                s.last_fault = f"restart {s.restarts}: {exc}"
-                log.warning("sglang engine %d restarted (pid %d) but %s: it gets no requests until new weights "
-                            "reach it (a broadcast on a group it joined, or update_weights)", s.index, s.pid, exc)
-                await self.set_state(s, STALE)
-                return
+                try:
+                    version = await self._resync(s)
+                except NeedsWeights as exc:
+                    needs = exc
+                # a fresh server holds all its memory (SGLang 0.5.17 cannot start released): while the pool is
+                # released (the trainer holds the GPU) it gives back what the others gave before it serves, and
+                # takes part in the next resume like them
+                await self._release(s, tuple(t for t in MEMORY_TAGS if t in self.released))
             except SGLangError as exc:  # a consistency fault: restarting again will not fix it
                 s.last_fault = f"restart {s.restarts}: {exc}"
                 log.error("sglang engine %d: %s", s.index, s.last_fault)
@@ -301,6 +329,12 @@ class EnginePool:
                 reason = f"restart {s.restarts} failed: {exc}"
                 s.last_fault = reason
                 continue
+            if needs is not None:
+                s.last_fault = f"restart {s.restarts}: {needs}"
+                log.warning("sglang engine %d restarted (pid %d) but %s: it gets no requests until new weights "
+                            "reach it (a broadcast on a group it joined, or update_weights)", s.index, s.pid, needs)
+                await self.set_state(s, STALE)
+                return
             log.warning("sglang engine %d restarted (pid %d) and serves weight version %d", s.index, s.pid, version)
             await self.set_state(s, READY)
             return
@@ -311,4 +345,4 @@ class EnginePool:
         host = self.settings.section.host
         return [{"index": s.index, "url": s.url(host), "pid": s.pid, "state": s.state,
                  "alive": s.proc is not None and s.proc.poll() is None, "restarts": s.restarts,
-                 "last_fault": s.last_fault, "log": str(s.log_path)} for s in self.servers]
+                 "released": [t for t in MEMORY_TAGS if t in s.released], "last_fault": s.last_fault, "log": str(s.log_path)} for s in self.servers]

@@ -13,7 +13,8 @@ traceback in its log, the server up), where 0.5.23 answers 400 (both are Request
   `/resume_memory_occupation`; their status codes (400 with `{"success": false, "message"}` or
   `{"error": {"message"}}`).
 - `sglang/srt/managers/io_struct.py`: `GenerateReqInput` (`input_ids`, `sampling_params`,
-  `return_logprob`, `logprob_start_len`, `rid`), `UpdateWeightFromDiskReqInput` (`model_path`,
+  `return_logprob`, `logprob_start_len`, `rid`; `return_routed_experts`, `routed_experts_start_len`, read from
+  0.5.17: routes.py), `UpdateWeightFromDiskReqInput` (`model_path`,
   `weight_version`, `flush_cache`, `abort_all_requests`), `UpdateWeightsFromTensorReqInput`
   (`serialized_named_tensors`: one base64 ForkingPickler payload per TP rank),
   `UpdateWeightsFromDistributedReqInput` (`names`, `dtypes`, `shapes`, `group_name`,
@@ -99,6 +100,7 @@ class Generated:
     logprobs: list[float]
     text: str
     finish: FinishReason
+    routed_experts: str | None = None  # meta_info["routed_experts"] as SGLang sent it (base64; routes.py decodes it)
 
 
 def sampling_seed_for(key: tuple[int, int, int, int]) -> int:
@@ -120,16 +122,22 @@ def sglang_sampling_params(sampling: SamplingParams, seed: int) -> dict:
     return params
 
 
-def generate_payload(key: tuple[int, int, int, int], input_ids: list[int], sampling: SamplingParams) -> dict:
+def generate_payload(key: tuple[int, int, int, int], input_ids: list[int], sampling: SamplingParams,
+                     routes_from: int | None = None) -> dict:
     """The `/generate` body for one sample (GenerateReqInput, single-prompt form): `input_ids` is the prompt,
     or the prompt and the response so far for a continued sample. The `rid` names the key (tests and the
-    server logs read it) plus a fresh suffix, so every attempt can be aborted on its own."""
-    return {
+    server logs read it) plus a fresh suffix, so every attempt can be aborted on its own. `routes_from`
+    (rollout.routing_replay): ask for the experts of every input position from there on (routes.py)."""
+    body = {
         "rid": f"gf-{key[0]}-{key[1]}-{key[2]}-{key[3]}-{uuid.uuid4().hex[:8]}",
         "input_ids": [int(t) for t in input_ids],
         "sampling_params": sglang_sampling_params(sampling, sampling_seed_for(key)),
         "return_logprob": True,
     }
+    if routes_from is not None:
+        body["return_routed_experts"] = True
+        body["routed_experts_start_len"] = int(routes_from)
+    return body
 
 
 def abort_payload(rid: str) -> dict:
@@ -211,7 +219,8 @@ def parse_generated(body: Any, expected_version: str | None = None, *, abort_ok:
         raise SGLangError(f"SGLang completion_tokens={completion} but {len(response_ids)} output tokens came back")
     if expected_version is not None and meta.get("weight_version") is not None and str(meta["weight_version"]) != expected_version:
         raise StaleWeights(f"engine serves weight_version {meta['weight_version']!r}, expected {expected_version!r}")
-    return Generated(ids=response_ids, logprobs=logprobs, text=body.get("text") or "", finish=kind)
+    return Generated(ids=response_ids, logprobs=logprobs, text=body.get("text") or "", finish=kind,
+                     routed_experts=meta.get("routed_experts"))
 
 
 SENT_SAMPLING_KEYS = "temperature, top_p, top_k, max_new_tokens, stop_token_ids, sampling_seed"

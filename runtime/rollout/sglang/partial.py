@@ -7,7 +7,8 @@ Two things, as the built-in engine does them (runtime/rollout/builtin.py):
   `max_new_tokens` cut by the tokens it already has (`max_new_tokens` caps the whole response). SGLang
   prefills prompt + prefix and samples on; the result is the tokens so far (their log-probs as recorded
   when they were made, under older weights) followed by the new ones. A sample whose tokens so far already
-  end it (the model's eos or a stop token, or the cap) is not sent at all.
+  end it (the model's eos or a stop token, or the cap) is not sent at all. With rollout.routing_replay its
+  routes so far stand too, and SGLang is asked for those of its last token on only (routes.py).
 - **Stopping once enough groups are complete** (`GroupsDone`): every request carries its own `rid`; once
   the answers make `count` groups complete, the client POSTs `/abort_request` for each request still
   running, and SGLang answers each of those `/generate` calls with finish_reason "abort" and the tokens
@@ -25,9 +26,12 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from runtime.errors import ModelError
 from runtime.rollout.base import FinishReason, GroupsDone, SampleRequest, SampleResult, SamplingParams
 from runtime.rollout.sglang.http_protocol import Generated, generate_payload
+from runtime.rollout.sglang.routes import RouteLayout, kept_routes
 from runtime.rollout.sglang.server_process import Server
 
 
@@ -69,16 +73,20 @@ class ModelTokens:
 @dataclass(frozen=True)
 class Continuation:
     """One request of a generate call as the client sends it: the sample's tokens so far (cut to the cap, as
-    the built-in engine cuts them), how many more SGLang may add, or why it is finished already."""
+    the built-in engine cuts them), how many more SGLang may add, or why it is finished already. With
+    rollout.routing_replay (`layout`): the routes that stand for those tokens (routes.py)."""
 
     request: SampleRequest
     tokens: list[int]       # the response so far (empty for a new sample)
     logprobs: list[float]   # theirs, as recorded when they were made
     budget: int             # max_new_tokens left for SGLang: the cap minus the tokens so far
     finished: FinishReason | None  # "stop" / "length" when the tokens so far end the response: nothing to send
+    layout: RouteLayout | None = None    # rollout.routing_replay on a mixture of experts, else None
+    routes: torch.Tensor | None = None   # the routes kept: the prompt's and the tokens so far but the last
 
     @classmethod
-    def of(cls, request: SampleRequest, sampling: SamplingParams, model: ModelTokens) -> "Continuation":
+    def of(cls, request: SampleRequest, sampling: SamplingParams, model: ModelTokens,
+           layout: RouteLayout | None = None) -> "Continuation":
         cap = sampling.max_new_tokens
         tokens, logprobs = list(request.prefix_ids[:cap]), list(request.prefix_logprobs[:cap])
         finished: FinishReason | None = None
@@ -86,26 +94,41 @@ class Continuation:
             finished = "stop"
         elif len(tokens) >= cap:
             finished = "length"
-        return cls(request=request, tokens=tokens, logprobs=logprobs, budget=cap - len(tokens), finished=finished)
+        routes = kept_routes(request.prefix_routes, len(request.prompt_ids), len(tokens)) if layout else None
+        return cls(request=request, tokens=tokens, logprobs=logprobs, budget=cap - len(tokens), finished=finished,
+                   layout=layout, routes=routes)
+
+    @property
+    def routes_from(self) -> int | None:
+        """The first position whose route SGLang is asked for: the first the sample has none for."""
+        if self.layout is None:
+            return None
+        return 0 if self.routes is None else len(self.routes)
 
     def payload(self, sampling: SamplingParams) -> dict:
         """The `/generate` body: prompt + tokens so far as input_ids, the budget as max_new_tokens, the key's
         seed (the noise of a position is SGLang's to choose; see http_protocol.py on determinism)."""
         return generate_payload(self.request.key, list(self.request.prompt_ids) + self.tokens,
-                                replace(sampling, max_new_tokens=self.budget))
+                                replace(sampling, max_new_tokens=self.budget), routes_from=self.routes_from)
 
-    def result(self, got: Generated) -> SampleResult:
+    def result(self, got: Generated, server_index: int = 0) -> SampleResult:
         """The whole response: the tokens so far, then what SGLang added. `text` is SGLang's text of the added
         tokens only (the client has no tokenizer); partial rollout decodes whole responses itself."""
-        return self._result(self.tokens + got.ids, self.logprobs + got.logprobs, got.finish, got.text)
+        routes = self.routes
+        if self.layout is not None and got.ids:  # (an abort before its first token ran nothing: no routes)
+            inputs = len(self.request.prompt_ids) + len(self.tokens) + len(got.ids) - 1
+            new = self.layout.decode(got.routed_experts, inputs - self.routes_from, server_index)
+            routes = new if routes is None else torch.cat([routes, new])
+        return self._result(self.tokens + got.ids, self.logprobs + got.logprobs, got.finish, got.text, routes)
 
     def as_given(self) -> SampleResult:
         """Not sent: finished already, or enough groups were complete before it was (then "abort")."""
-        return self._result(list(self.tokens), list(self.logprobs), self.finished or "abort", "")
+        return self._result(list(self.tokens), list(self.logprobs), self.finished or "abort", "", self.routes)
 
-    def _result(self, ids: list[int], logprobs: list[float], finish: FinishReason, text: str) -> SampleResult:
+    def _result(self, ids: list[int], logprobs: list[float], finish: FinishReason, text: str,
+                routes: torch.Tensor | None) -> SampleResult:
         return SampleResult(prompt_ids=list(self.request.prompt_ids), response_ids=ids, response_logprobs=logprobs,
-                            text=text, finish_reason=finish)
+                            text=text, finish_reason=finish, routed_experts=routes)
 
 
 @dataclass

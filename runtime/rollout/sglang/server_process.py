@@ -23,6 +23,7 @@ from pathlib import Path
 from runtime.config import SGLANG_PORT_STRIDE
 from runtime.errors import ModelError, TransientError
 from runtime.placement.ports import free_port
+from runtime.rollout.sglang.routes import SERVER_FLAG as ROUTES_FLAG, RouteLayout
 from runtime.rollout.sglang.settings import SGLangSettings
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class Server:
     restarts: int = 0
     epoch: int = 0            # bumped on every (re)start; a fault seen on an older epoch is stale
     last_fault: str = ""
+    released: set[str] = field(default_factory=set)  # memory tags this process released (colocate mode)
     fault_task: asyncio.Task | None = field(default=None, repr=False)
 
     @property
@@ -73,6 +75,8 @@ def server_command(settings: SGLangSettings, model_dir: str, server: Server) -> 
         cmd.append("--enable-memory-saver")
     if sec.deterministic:
         cmd.append("--enable-deterministic-inference")
+    if settings.routing_replay and RouteLayout.read(model_dir) is not None:  # a dense model has no experts to return
+        cmd.append(ROUTES_FLAG)
     return cmd
 
 
@@ -106,6 +110,7 @@ def launch_server(settings: SGLangSettings, model_dir: str, server: Server, take
         logf.write(f"==== grpoflow: engine {server.index} is pid {server.proc.pid}\n".encode())
     server.epoch += 1
     server.state = STARTING
+    server.released = set()  # a fresh process holds all its memory
     log.info("sglang engine %d: pid %d on %s:%d (log %s)", server.index, server.proc.pid, sec.host, server.port,
              server.log_path)
     return server.proc

@@ -38,6 +38,7 @@ class SGLangSettings:
     # the torch.distributed backend the servers join a weight-sync group with: the trainer's (nccl when the
     # trainer runs on CUDA; gloo, on CPU, only the stand-in can take)
     sync_backend: Literal["nccl", "gloo"] = "nccl"
+    routing_replay: bool = False    # rollout.routing_replay: servers return each token's experts (routes.py)
     supervision: Supervision = field(default_factory=Supervision)
 
     def __post_init__(self):
@@ -47,7 +48,8 @@ class SGLangSettings:
     @classmethod
     def from_config(cls, cfg: GrpoConfig, supervision: Supervision | None = None) -> "SGLangSettings":
         return cls(section=cfg.rollout.sglang, colocate=bool(cfg.cluster.colocate), random_seed=int(cfg.train.seed),
-                   sync_backend=backend_for(resolve_device(cfg)), supervision=supervision or Supervision())
+                   sync_backend=backend_for(resolve_device(cfg)), routing_replay=bool(cfg.rollout.routing_replay),
+                   supervision=supervision or Supervision())
 
     def launch_prefix(self) -> list[str]:
         """The server command before grpoflow's flags: `rollout.sglang.launch` with "{python}" = this Python."""

@@ -247,7 +247,7 @@ class EngineWeights:
         CUDA graphs), verify. Stale servers take part, and serve again once the check shows the new weights."""
         pool = self.pool
         stale = {s.index: s.epoch for s in pool.servers if s.state == STALE}
-        if "weights" in pool.released:
+        if "weights" in pool.released_tags():
             await pool.resume_memory(("weights",))
         await send()
         await pool.resume_memory()  # the KV cache and the CUDA graphs' memory
