@@ -28,6 +28,8 @@ CASES = [
     (["rollout.routing_replay=true", "rollout.engine=sglang"], "rollout.routing_replay"),
     (["rollout.routing_replay=true", "rollout.decode_path=hf"], "rollout.decode_path: auto"),
     (["rollout.routing_replay=true", f"rollout.custom_rollout={__name__}:NOT_A_FUNCTION"], "rollout.routing_replay"),
+    (["rollout.cascade_attention=true", "rollout.engine=sglang"], "rollout.cascade_attention"),  # the paged decoder's
+    (["rollout.cascade_attention=true", "rollout.decode_path=hf"], "rollout.decode_path: auto"),
 ]
 
 
