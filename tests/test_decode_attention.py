@@ -199,3 +199,34 @@ def test_on_a_gpu_a_wider_table_changes_no_bit():
     out = paged_decode_attention(q, k, v, table, plen, own, prefix_cols, hd ** -0.5, split_tokens=256)
     assert torch.equal(out, paged_decode_attention(q, k, v, wide, plen, own, prefix_cols + wide_extra, hd ** -0.5,
                                                    split_tokens=256))
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the cascade kernel in bf16: a GPU")
+def test_on_a_gpu_the_cascade_kernel_matches_the_plain_one_and_a_wider_table_changes_no_bit():
+    """The recipe's shape: groups of 8 rows (16 query rows a tile), 1024-token prompts, own lengths up to 2048."""
+    import torch
+
+    from runtime.rollout.decode_attention import (cascade_decode_attention, group_rows_for, paged_decode_attention,
+                                                  reference_paged_decode_attention)
+    torch.manual_seed(0)
+    rows, page, nkv, hd, nh, pages = 32, 16, 8, 128, 16, 8000
+    prefix_cols, own_cols = 64, 129
+    k = torch.randn(pages, page, nkv, hd, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(rows, nh, hd, device="cuda", dtype=torch.bfloat16)
+    table = torch.randint(1, pages, (rows, prefix_cols + own_cols), device="cuda", dtype=torch.int32)
+    gr = group_rows_for(nh // nkv)
+    for g in range(0, rows, gr):
+        table[g:g + gr, :prefix_cols] = table[g, :prefix_cols]
+    plen = torch.full((rows,), 1000, device="cuda")
+    own = torch.randint(1, 2048, (rows,), device="cuda")
+    groups = torch.full((rows, gr), -1, device="cuda", dtype=torch.int32)
+    groups[:rows // gr] = torch.arange(rows, device="cuda", dtype=torch.int32).view(-1, gr)
+    ref = reference_paged_decode_attention(q.float(), k.float(), v.float(), table, plen, own, prefix_cols, hd ** -0.5)
+    plain = paged_decode_attention(q, k, v, table, plen, own, prefix_cols, hd ** -0.5, split_tokens=512)
+    out = cascade_decode_attention(q, k, v, table, plen, own, prefix_cols, groups, hd ** -0.5, split_tokens=512)
+    assert (out.float() - ref).abs().max() <= 2 * (plain.float() - ref).abs().max() + 1e-3
+    wide = torch.zeros(rows, prefix_cols + 16 + own_cols, device="cuda", dtype=torch.int32)
+    wide[:, :prefix_cols], wide[:, prefix_cols + 16:] = table[:, :prefix_cols], table[:, prefix_cols:]
+    assert torch.equal(out, cascade_decode_attention(q, k, v, wide, plen, own, prefix_cols + 16, groups, hd ** -0.5,
+                                                     split_tokens=512))

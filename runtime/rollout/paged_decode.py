@@ -300,7 +300,7 @@ class PagedDecoder(FusedModel):
         if not self.use_graphs:
             self._step(b, sample_fn)
             return
-        key = (b, skey, self._chunk_split_tokens if self.use_triton else None)
+        key = (b, skey, self._chunk_split_tokens if self.use_triton else None, self.cascade)
         try:
             g = self.graphs.get(key)
             if g is not None:
