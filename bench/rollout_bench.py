@@ -290,7 +290,8 @@ def _place_rows(dec, rows: int, prompt_len: int, own_len: int, group: int) -> li
     e = torch.tensor(entries, dtype=torch.long, device=dec.device)
     dec.table[e[:, 0], e[:, 1]] = e[:, 2].to(torch.int32)
     if dec.cascade:  # the group table the engine writes before each chunk
-        dec.set_groups(list(range(rows)), [s // group for s in range(rows)], next(x for x in dec._buckets() if x >= rows))
+        dec.set_groups(list(range(rows)), [s // group for s in range(rows)], next(x for x in dec._buckets() if x >= rows),
+                       prompt_len)
     dec.live[:rows] = 1
     dec.plen[:rows] = prompt_len
     dec.pos[:rows] = prompt_len + own_len
@@ -331,6 +332,8 @@ def step_latency(S, eng, rows: int, own_len: int, group: int, steps: int = 16, p
             sync(S)
             out["ms_per_step"] = round((time.perf_counter() - t0) / (steps - 1) * 1e3, 3)
             out["split_tokens"] = dec._chunk_split_tokens
+            if dec.cascade:
+                out["prompt_split_tokens"] = dec._chunk_prompt_split_tokens
             if profile and S["device"] == "cuda":
                 from bench.gpu_grpo import kernel_profile
                 _clear_rows(dec, held)

@@ -115,12 +115,13 @@ def _check_cascade() -> None:
         table, plen, own, pc, groups, scale = args_of(c)
         plain = reference_paged_decode_attention(q.float(), k.float(), v.float(), table, plen, own, pc, scale)
         assert (ref - plain).abs().max() < 1e-5
-        for split_tokens in (16, 32):
-            out = cascade_decode_attention(q, k, v, *args_of(c), split_tokens=split_tokens, block_n=16)
+        for split_tokens, prompt_split in ((16, None), (32, 16), (16, 32)):
+            out = cascade_decode_attention(q, k, v, *args_of(c), split_tokens=split_tokens,
+                                           prompt_split_tokens=prompt_split, block_n=16)
             err = (out.float() - ref).abs().max().item()
-            assert out.dtype == dtype and err < tol, (dtype, split_tokens, err)
+            assert out.dtype == dtype and err < tol, (dtype, split_tokens, prompt_split, err)
     # fp32 (the interpreter is slow): pages and positions outside a row's prompt and own lengths are never read
-    kw = dict(split_tokens=16, block_n=16)
+    kw = dict(split_tokens=32, prompt_split_tokens=16, block_n=16)
     base = cascade_decode_attention(q.float(), k.float(), v.float(), *args_of(c), **kw)
     k2, v2 = k.float(), v.float()
     used = {(int(table[b, col]), t) for b in range(6) for col in range(table.shape[1]) for t in range(4)
@@ -224,9 +225,10 @@ def test_on_a_gpu_the_cascade_kernel_matches_the_plain_one_and_a_wider_table_cha
     groups[:rows // gr] = torch.arange(rows, device="cuda", dtype=torch.int32).view(-1, gr)
     ref = reference_paged_decode_attention(q.float(), k.float(), v.float(), table, plen, own, prefix_cols, hd ** -0.5)
     plain = paged_decode_attention(q, k, v, table, plen, own, prefix_cols, hd ** -0.5, split_tokens=512)
-    out = cascade_decode_attention(q, k, v, table, plen, own, prefix_cols, groups, hd ** -0.5, split_tokens=512)
+    kw = dict(split_tokens=512, prompt_split_tokens=256)
+    out = cascade_decode_attention(q, k, v, table, plen, own, prefix_cols, groups, hd ** -0.5, **kw)
     assert (out.float() - ref).abs().max() <= 2 * (plain.float() - ref).abs().max() + 1e-3
     wide = torch.zeros(rows, prefix_cols + 16 + own_cols, device="cuda", dtype=torch.int32)
     wide[:, :prefix_cols], wide[:, prefix_cols + 16:] = table[:, :prefix_cols], table[:, prefix_cols:]
     assert torch.equal(out, cascade_decode_attention(q, k, v, wide, plen, own, prefix_cols + 16, groups, hd ** -0.5,
-                                                     split_tokens=512))
+                                                     **kw))

@@ -277,15 +277,15 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(OPART, LSE, OUT, PLEN, OLEN, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b,
-                      stride_h, split_tokens, prompt_slots, SPLIT_BLOCK: tl.constexpr, HD: tl.constexpr,
-                      CASCADE: tl.constexpr = False):
+                      stride_h, split_tokens, prompt_slots, prompt_split_tokens, SPLIT_BLOCK: tl.constexpr,
+                      HD: tl.constexpr, CASCADE: tl.constexpr = False):
         # in blocks of splits: a few long rows can have ~70 of them, too many to hold at once. CASCADE: the row's
         # prompt splits at [0, n_prompt), its own at [prompt_slots, ...), summed as one list in that order (a
         # table's width moves prompt_slots, not the order)
         b = tl.program_id(0)
         h = tl.program_id(1)
         if CASCADE:
-            n_prompt = tl.cdiv(tl.load(PLEN + b).to(tl.int32), split_tokens)
+            n_prompt = tl.cdiv(tl.load(PLEN + b).to(tl.int32), prompt_split_tokens)
             n = n_prompt + tl.cdiv(tl.load(OLEN + b).to(tl.int32), split_tokens)
             gap = prompt_slots - n_prompt
         else:
@@ -347,18 +347,21 @@ def paged_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len, p
     out = torch.empty(b, nh, hd, dtype=q.dtype, device=q.device)
     _merge_kernel[(b, nh)](o_part, lse, out, prefix_len, own_len, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), int(split_tokens), 0,
-                           SPLIT_BLOCK=merge_block, HD=hd, num_warps=4)
+                           int(split_tokens), SPLIT_BLOCK=merge_block, HD=hd, num_warps=4)
     return out
 
 
 def cascade_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len, prefix_cols: int, groups,
-                             scale: float, split_tokens: int | None = None, block_n: int = 64, num_warps: int = 4,
-                             num_stages: int = 2, merge_block: int = 16, group_warps: int = 4):
+                             scale: float, split_tokens: int | None = None, prompt_split_tokens: int | None = None,
+                             block_n: int = 64, num_warps: int = 4, num_stages: int = 2, merge_block: int = 16,
+                             group_warps: int = 4):
     """The kernel version of :func:`reference_cascade_decode_attention` (same arguments and result): the prompt
     pass (`_group_prompt_kernel`, one program per group line, KV head and split of the prompt), the own pass
     (`_paged_split_kernel` over each row's own positions) and the merge of both passes' splits by log-sum-exp.
-    Both passes split at multiples of `split_tokens` from their own start. Every length and the group table are
-    read on the device: a CUDA graph replays it for any groups of the same shape."""
+    The own pass splits at multiples of `split_tokens` from the row's first own token, the prompt pass at multiples
+    of `prompt_split_tokens` (default: the same) from the prompt's start: a few groups read their prompts in more,
+    shorter splits than many rows their own tokens. Every length and the group table are read on the device: a
+    CUDA graph replays it for any groups of the same shape."""
     b, nh, hd = q.shape
     page_size, nkv = k_pool.shape[1], k_pool.shape[2]
     rep = nh // nkv
@@ -366,8 +369,9 @@ def cascade_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len,
     capacity = page_table.shape[1] * page_size
     if split_tokens is None:
         split_tokens = split_tokens_for(b, nkv, capacity, q.device)
-    assert split_tokens % block_n == 0
-    prompt_slots = -(-prefix_cols * page_size // split_tokens)
+    prompt_split_tokens = prompt_split_tokens or split_tokens
+    assert split_tokens % block_n == 0 and prompt_split_tokens % block_n == 0
+    prompt_slots = -(-prefix_cols * page_size // prompt_split_tokens)
     own_slots = -(-(capacity - prefix_cols * page_size) // split_tokens)
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1 and q.stride(-1) == 1
     assert page_table.stride(-1) == 1 and groups.stride(-1) == 1
@@ -379,7 +383,7 @@ def cascade_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len,
             q, k_pool, v_pool, page_table, prefix_len, groups, o_part, lse,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), page_table.stride(0),
             groups.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-            scale_log2, int(split_tokens), REP=rep, GROUP_ROWS=group_rows,
+            scale_log2, int(prompt_split_tokens), REP=rep, GROUP_ROWS=group_rows,
             TILE=max(16, triton.next_power_of_2(group_rows * rep)), HD=hd, BLOCK_N=block_n, PAGE=page_size,
             num_warps=group_warps, num_stages=num_stages)
     own_part, own_lse = o_part[:, :, prompt_slots:], lse[:, :, prompt_slots:]
@@ -393,7 +397,7 @@ def cascade_decode_attention(q, k_pool, v_pool, page_table, prefix_len, own_len,
     out = torch.empty(b, nh, hd, dtype=q.dtype, device=q.device)
     _merge_kernel[(b, nh)](o_part, lse, out, prefix_len, own_len, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), int(split_tokens), prompt_slots,
-                           SPLIT_BLOCK=merge_block, HD=hd, CASCADE=True, num_warps=4)
+                           int(prompt_split_tokens), SPLIT_BLOCK=merge_block, HD=hd, CASCADE=True, num_warps=4)
     return out
 
 

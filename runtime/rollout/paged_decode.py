@@ -114,6 +114,7 @@ class PagedDecoder(FusedModel):
         self.use_triton = fits_kernel and (attention == "triton" or (attention == "auto" and self.use_flash))
         self.split_tokens: int | None = None  # the kernel's tokens per split; None: chosen per chunk
         self._chunk_split_tokens = 4096
+        self._chunk_prompt_split_tokens = 4096  # cascade: the prompt pass's (`set_groups`)
         self.use_graphs = cuda if cuda_graphs is None else bool(cuda_graphs and cuda)
         self.gpu_memory_gb = gpu_memory_gb
         self._paged_attention = guarded("triton", paged_decode_attention)
@@ -251,7 +252,8 @@ class PagedDecoder(FusedModel):
             vc.view(-1, self.nkv, self.hd).index_copy_(0, widx, v)
             if self.cascade and self.use_triton:
                 a = self._cascade_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols, self.groups[:b],
-                                            self.scale, split_tokens=self._chunk_split_tokens)
+                                            self.scale, split_tokens=self._chunk_split_tokens,
+                                            prompt_split_tokens=self._chunk_prompt_split_tokens)
             elif self.cascade:
                 a = reference_cascade_decode_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols,
                                                        self.groups[:b], self.scale)
@@ -275,10 +277,11 @@ class PagedDecoder(FusedModel):
         self.spos[:b].add_(live)
         self.chunk_i.add_(1)
 
-    def set_groups(self, rows: list[int], keys: list, b: int) -> None:
+    def set_groups(self, rows: list[int], keys: list, b: int, longest_prompt: int) -> None:
         """Write the group table for a step over rows [0, b): the rows among `rows` with the same key (their prompt)
         are one group, cut into lines of `group_rows` in row order; the other lines empty. Queued on the stream like
-        the other writes between chunks, so a chunk already queued keeps the table it was launched with."""
+        the other writes between chunks, so a chunk already queued keeps the table it was launched with. Picks the
+        prompt pass's split for that many lines of prompts up to `longest_prompt` tokens."""
         by_key: dict = {}
         for s, key in sorted(zip(rows, keys), key=lambda x: x[0]):
             by_key.setdefault(key, []).append(s)
@@ -288,6 +291,8 @@ class PagedDecoder(FusedModel):
         for i, line in enumerate(lines):
             flat[i * self.group_rows:i * self.group_rows + len(line)] = line
         self.groups[:b].view(-1).copy_(self._on_device(flat))
+        self._chunk_prompt_split_tokens = self.split_tokens or split_tokens_for(len(lines), self.nkv, longest_prompt,
+                                                                                self.device)
 
     def _buckets(self) -> list[int]:
         out, b = [], 8
@@ -300,7 +305,8 @@ class PagedDecoder(FusedModel):
         if not self.use_graphs:
             self._step(b, sample_fn)
             return
-        key = (b, skey, self._chunk_split_tokens if self.use_triton else None, self.cascade)
+        splits = (self._chunk_split_tokens, self._chunk_prompt_split_tokens if self.cascade else None)
+        key = (b, skey, splits if self.use_triton else None, self.cascade)
         try:
             g = self.graphs.get(key)
             if g is not None:
@@ -628,7 +634,7 @@ class PagedDecoder(FusedModel):
             longest = max(len(prompts[row_req[s]]) + len(out_ids[row_req[s]]) for s in active) + ahead + steps
             self._chunk_split_tokens = self.split_tokens or split_tokens_for(len(active), self.nkv, longest, dev)
             if self.cascade:
-                self.set_groups(active, [row_key[s] for s in active], b)
+                self.set_groups(active, [row_key[s] for s in active], b, max(len(row_key[s]) for s in active))
             half = stats["chunks"] % 2
             t0 = time.perf_counter()
             self.chunk_i.fill_(half * S)
