@@ -12,6 +12,11 @@ kernel merges the splits by their log-sum-exp. The caller picks the split size f
 split per row when many are active, many short ones when a few long rows are left. Every length is read
 on the device, so the launch is the same at every step and a CUDA graph can replay it.
 
+`cascade_decode_attention` (``rollout.cascade_attention``) computes the same attention with a group's prompt read once:
+a prompt pass per line of a group table (up to `group_rows_for(rep)` rows sharing prompt pages, their query heads one
+tensor-core tile), each row's own pass, and the merge of both by log-sum-exp (docs/cascade-attention.md);
+`reference_cascade_decode_attention` is its PyTorch form.
+
 `reference_paged_decode_attention` is the same function in plain PyTorch (each row's positions gathered
 in order, a block at a time under a running softmax): CPU, and the check the kernel is tested against.
 
