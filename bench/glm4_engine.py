@@ -6,6 +6,8 @@ engine holds.
 
     python3 bench/glm4_engine.py --out $OUT/glm4_engine.json          # one H200 (or H100), < 8 min
     python3 bench/glm4_engine.py --cpu                                # smoke: a 2-layer GLM4 on CPU
+    python3 bench/glm4_engine.py --skip-hf --cascade-ab --out ...      # also the fixed and realistic rows with
+                                                                      # rollout.cascade_attention on (same engine)
 
 Random init (normal 0.02, norms 1, biases 0), bf16, built on the GPU directly (no 18 GB checkpoint on disk):
 the paged decoder (`runtime.rollout.paged_decode.PagedDecoder`) wraps the HF model as the engine does.
@@ -82,6 +84,8 @@ def main() -> int:
     ap.add_argument("--realistic-prompts", type=int, default=16)
     ap.add_argument("--kv-gib", type=float, default=60.0)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--cascade-ab", action="store_true",
+                    help="the fixed and realistic rows again with cascade attention on (docs/cascade-attention.md)")
     args = ap.parse_args()
     from runtime.plan.memory import GIB, estimate_memory
     from runtime.rollout.base import SamplingParams
@@ -138,6 +142,17 @@ def main() -> int:
                                          lengths, cuda)}
     if cuda:
         res["realistic"]["rollout_extra_GiB"] = round((torch.cuda.max_memory_allocated() - before) / GIB, 2)
+    if args.cascade_ab:  # the same engine with a group's prompt read once per step (group_rows rows to a tile)
+        dec.cascade = True
+        dec.graphs.clear()
+        timed_generate(dec, warm, SamplingParams(temperature=1.0, max_new_tokens=32), [32] * len(warm), cuda)
+        on = {"group_rows": dec.group_rows, "fixed": timed_generate(dec, reqs, sp, [fx["new"]] * rows, cuda),
+              "realistic": timed_generate(dec, rreqs, SamplingParams(temperature=1.0, max_new_tokens=S["max_new"]),
+                                          lengths, cuda)}
+        on["on_vs_off_tok_s"] = {k: round(on[k]["tok_s"] / res[k]["tok_s"], 3) for k in ("fixed", "realistic")}
+        res["cascade_on"] = on
+        dec.cascade = False
+        dec.graphs.clear()
     # ---- the plan's engine terms ----
     hf_cfg = Glm4Config(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "torch_dtype")})
     est = estimate_memory(hf_cfg, micro_batch_size=1, seq_len=S["prompt_len"] + S["max_new"],

@@ -122,7 +122,8 @@ def patch(module) -> None:
 
 
 # -- the engine's side: what each generate call started from, how it was scheduled, what it drew -------------
-ENGINE_STATE = ("prefix_cols", "own_cols", "rows", "_chunk_split_tokens", "compiled", "use_graphs", "use_triton")
+ENGINE_STATE = ("prefix_cols", "own_cols", "rows", "_chunk_split_tokens", "compiled", "use_graphs", "use_triton",
+                "cascade", "_chunk_prompt_split_tokens")
 ENGINE_SCHEDULE = ("prefills", "prefill_tokens", "prefill_pack_max", "decode_steps", "row_steps", "chunks",
                    "max_active", "compactions", "preemptions", "reprefill_tokens", "peak_pages_used", "aborted",
                    "new_tokens")

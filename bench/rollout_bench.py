@@ -22,6 +22,12 @@ Sections, each its own process (the capped one under ../shared/tools/gpu-cap, ca
   capped   the paged decoder on the same schedule under a 24 GiB card (GPU_CAP_GIB = 24 - the measured
            CUDA context), its pool at the default size (a share of what is free)
   kernels  the paged attention kernel against FlexAttention's paged path (torch's experimental PagedAttention)
+  cascade  (not in the default set: --sections cascade) one engine, KV_GIB of pages, with cascade attention off and
+           on (``rollout.cascade_attention``: a group's prompt pages read once per step for its samples): the
+           realistic rollout, the decode step at the rollout's start (every request, 16 tokens made), middle (128
+           rows at the mean length, groups of 8) and tail (8 rows of distinct prompts at the longest length), the
+           fixed 512 shape with the engine's log-probs against HF's forward; the tail-aware floor from the off
+           engine's batch-8 latencies and the HBM bandwidth, and each mode's time against it
 (The retired sweep, merge and settle sections: bench/README.md.)
 Results: OUT/results.jsonl (one line per section) and OUT/rollout_bench.json (summary: device, date, floor,
 ratios, targets); with --results-dir a copy named by device and date.
@@ -51,7 +57,8 @@ SHAPES = {
                 fixed=dict(prompts=2, samples=2, prompt_len=8, new=8, reps=1)),
 }
 SECTIONS = ("paged", "capped", "kernels")
-SECTION_MAX_S = {"paged": 200, "capped": 150, "kernels": 90}
+ALL_SECTIONS = SECTIONS + ("cascade",)
+SECTION_MAX_S = {"paged": 200, "capped": 150, "kernels": 90, "cascade": 480}
 # the fixed-slot decoder on this schedule (H100, same KV GiB, CUDA graphs), before it was deleted
 FIXED_SLOT_TOK_S = {"file": "bench/results/rollout_bench_H100_2026-11-23_run2.json", "tok_s": 6808, "new_tokens": 809287}
 SEED = 18
@@ -282,6 +289,9 @@ def _place_rows(dec, rows: int, prompt_len: int, own_len: int, group: int) -> li
             entries += [(s, dec.prefix_cols + c, p) for c, p in enumerate(own)]
     e = torch.tensor(entries, dtype=torch.long, device=dec.device)
     dec.table[e[:, 0], e[:, 1]] = e[:, 2].to(torch.int32)
+    if dec.cascade:  # the group table the engine writes before each chunk
+        dec.set_groups(list(range(rows)), [s // group for s in range(rows)], next(x for x in dec._buckets() if x >= rows),
+                       prompt_len)
     dec.live[:rows] = 1
     dec.plen[:rows] = prompt_len
     dec.pos[:rows] = prompt_len + own_len
@@ -322,6 +332,8 @@ def step_latency(S, eng, rows: int, own_len: int, group: int, steps: int = 16, p
             sync(S)
             out["ms_per_step"] = round((time.perf_counter() - t0) / (steps - 1) * 1e3, 3)
             out["split_tokens"] = dec._chunk_split_tokens
+            if dec.cascade:
+                out["prompt_split_tokens"] = dec._chunk_prompt_split_tokens
             if profile and S["device"] == "cuda":
                 from bench.gpu_grpo import kernel_profile
                 _clear_rows(dec, held)
@@ -490,7 +502,43 @@ def sec_kernels(S, W: Path) -> dict:
     return {"name": "kernels", "attention_ab": attention_ab(S) if S["device"] == "cuda" else None}
 
 
-FUNCS = {"paged": sec_paged, "capped": sec_capped, "kernels": sec_kernels}
+def sec_cascade(S, W: Path) -> dict:
+    """Cascade attention off and on in one engine (the same weights, pool and schedule): see the module doc."""
+    torch = _torch()
+    res: dict = {"name": "cascade", "setup": make_model(S, W)}
+    lengths = schedule(S)
+    rows = len(lengths)
+    eng = engine(S, W, "paged", S["kv_gib"], rows)
+    dec = eng.decoder
+    res["group_rows"] = dec.group_rows
+    longest, mean_len = max(lengths), int(sum(lengths) / len(lengths))
+    points = {"start": (rows, S["min_len"], S["samples"]), "middle": (min(rows, 128), mean_len, S["samples"]),
+              "tail": (8, longest - 32, 1)}
+    for mode in ("off", "on"):
+        dec.cascade = mode == "on"
+        dec.graphs.clear()
+        out: dict = {"realistic": run_schedule(S, eng, lengths)}
+        H.append_result(Path(os.environ.get("ROLLOUT_BENCH_OUT", W)),
+                        {**res, mode: out, "name": f"cascade_{mode}_realistic_only", "status": "partial"})
+        out["steps"] = {k: step_latency(S, eng, *v, profile=k == "middle") for k, v in points.items()}
+        if mode == "off":
+            res["step_latency_batch8"] = [step_latency(S, eng, 8, own, 1) for own in
+                                          sorted({16, longest // 3, 2 * longest // 3, longest - 32})]
+        out["fixed_512"] = fixed_shape(S, eng)
+        res[mode] = out
+    eng.shutdown()
+    del eng, dec
+    if S["device"] == "cuda":
+        torch.cuda.empty_cache()
+        res["hbm_GBps"] = hbm_bandwidth(S)
+    off, on = res["off"]["realistic"], res["on"]["realistic"]
+    assert on["attention"].endswith("_cascade") and not off["attention"].endswith("_cascade")
+    res["on_vs_off_tok_s"] = round(on["tok_s"] / off["tok_s"], 3)
+    res["step_ms_on_vs_off"] = {k: [res[m]["steps"][k].get("ms_per_step") for m in ("off", "on")] for k in points}
+    return res
+
+
+FUNCS = {"paged": sec_paged, "capped": sec_capped, "kernels": sec_kernels, "cascade": sec_cascade}
 
 
 def cuda_context_gib() -> float:
@@ -538,7 +586,10 @@ def summarize(S, res: dict, info: dict) -> dict:
         res.pop("paged_realistic_only", None)  # the partial record of a section that went on to finish
     elif "paged_realistic_only" in res:
         res["paged"] = res.pop("paged_realistic_only")
-    pg, cp = (res.get(k) or {} for k in ("paged", "capped"))
+    if (res.get("cascade") or {}).get("status") == "ok":  # its partial records, kept in case it was cut off
+        for mode in ("off", "on"):
+            res.pop(f"cascade_{mode}_realistic_only", None)
+    pg, cp, cs = (res.get(k) or {} for k in ("paged", "capped", "cascade"))
     pr, cr = pg.get("realistic") or {}, cp.get("realistic") or {}
     floor = tail_aware_floor(S, lengths, pg.get("step_latency_batch8") or [], pg.get("hbm_GBps"))
     ratios, targets = {}, {}
@@ -550,6 +601,13 @@ def summarize(S, res: dict, info: dict) -> dict:
         targets["paged<=1.5x_floor"] = ratios["paged_vs_floor"] <= 1.5
     if cr.get("tok_s") and pr.get("tok_s"):
         ratios["capped_vs_uncapped"] = round(cr["tok_s"] / pr["tok_s"], 2)
+    if cs.get("status") == "ok":
+        cf = tail_aware_floor(S, lengths, cs.get("step_latency_batch8") or [], cs.get("hbm_GBps"))
+        if cf.get("floor_s"):
+            for mode in ("off", "on"):
+                ratios[f"cascade_{mode}_vs_floor"] = round(cs[mode]["realistic"]["s"] / cf["floor_s"], 2)
+            targets["cascade_on<=1.25x_floor"] = ratios["cascade_on_vs_floor"] <= 1.25
+        ratios["cascade_on_vs_off_tok_s"] = cs["on_vs_off_tok_s"]
     fx = (pg.get("fixed_512") or {}).get("tok_s")
     if fx:
         targets["fixed_512>=30500"] = fx >= 30500
@@ -578,6 +636,10 @@ def print_table(summary: dict) -> None:
             ("fixed 512 shape on paged: tok/s", (pg.get("fixed_512") or {}).get("tok_s", "-")),
             ("  the same, waiting for every chunk", (pg.get("fixed_512_waiting_every_chunk") or {}).get("tok_s", "-")),
             ("realistic waiting for every chunk: tok/s", (pg.get("realistic_waiting_every_chunk") or {}).get("tok_s", "-")),
+            ("cascade off / on: tok/s", " / ".join(str(((s.get("cascade") or {}).get(m) or {}).get("realistic", {})
+                                                        .get("tok_s", "-")) for m in ("off", "on"))),
+            ("cascade off / on: ms per step (start, middle, tail)", json.dumps((s.get("cascade") or {})
+                                                                               .get("step_ms_on_vs_off"))),
             ("hand-off (release/resume/recapture s)", json.dumps((pg.get("fixed_512") or {}).get("handoff"))),
             ("floor", json.dumps(summary["floor"])),
             ("ratios", json.dumps(summary["ratios"])), ("targets", json.dumps(summary["targets_met"]))]
@@ -603,7 +665,7 @@ def main(argv=None) -> int:
         return H.section_exit(H.run_section(a.section, S, W, out, FUNCS[a.section]))
     t_start = time.time()
     H.clear_results(out)
-    sections = H.sections_of(a, SECTIONS, known=FUNCS)
+    sections = H.sections_of(a, SECTIONS, known=FUNCS)  # the cascade section only when asked for
     if a.cpu:
         for name in sections:
             H.run_section(name, S, W, out, FUNCS[name])

@@ -184,6 +184,11 @@ class RolloutSection(Section):
     # those experts, so the router still trains: megatron's router replay). Off until measured on the GPU. A dense
     # model has nothing to route: a no-op there.
     routing_replay: bool = False
+    # Cascade attention in the built-in engine's paged decoder: each decode step reads a group's shared prompt pages
+    # once for all its live samples (8 samples x the query heads of a KV head: one tensor-core tile), merged with
+    # each sample's own pages by log-sum-exp (docs/cascade-attention.md). Same attention, summed in another order:
+    # log-probs within float noise of off. Off until measured on the GPU (bench/rollout_bench.py --cascade-ab).
+    cascade_attention: bool = False
     sglang: SGLangSection = SGLangSection()
 
     @model_validator(mode="before")
@@ -503,6 +508,17 @@ class GrpoConfig(Section):
         if r.custom_rollout:
             raise ValueError("rollout.routing_replay: a custom rollout's samples carry no routes; unset "
                              "rollout.custom_rollout, or set rollout.routing_replay: false")
+        return self
+
+    @model_validator(mode="after")
+    def _cascade_attention(self) -> "GrpoConfig":
+        r = self.rollout
+        if r.cascade_attention and r.engine == "sglang":
+            raise ValueError("rollout.cascade_attention is the built-in engine's (SGLang has its own radix attention): "
+                             "use rollout.engine: builtin, or rollout.cascade_attention: false")
+        if r.cascade_attention and r.decode_path == "hf":
+            raise ValueError("rollout.cascade_attention runs in the built-in engine's paged decoder; set "
+                             "rollout.decode_path: auto (or paged), or rollout.cascade_attention: false")
         return self
 
     @model_validator(mode="after")

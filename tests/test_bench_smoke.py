@@ -46,10 +46,19 @@ def test_gpu_bench_cpu_mode_runs(tmp_path):
 
 
 def test_rollout_bench_cpu_mode_runs(tmp_path):
-    summary = _cpu_bench("rollout_bench", tmp_path)
+    summary = _cpu_bench("rollout_bench", tmp_path, "--sections", "paged,capped,kernels,cascade")
     assert summary["benchmark"] == "rollout_bench" and summary["device"] == "cpu" and summary["date"]
     sec = summary["sections"]
-    assert {k for k, v in sec.items() if v["status"] == "ok"} == set(sec) == {"paged", "capped", "kernels"}
+    assert {k for k, v in sec.items() if v["status"] == "ok"} == set(sec) == {"paged", "capped", "kernels", "cascade"}
+    # cascade attention off and on in one engine: the schedule's tokens both ways, HF's log-probs (fp32)
+    cascade = sec["cascade"]
+    assert [cascade[m]["realistic"]["attention"] for m in ("off", "on")] == ["sdpa_paged_reference",
+                                                                             "sdpa_paged_reference_cascade"]
+    for m in ("off", "on"):
+        assert cascade[m]["realistic"]["new_tokens"] == summary["schedule"]["total"]
+        assert cascade[m]["fixed_512"]["engine_vs_hf_forward_logprobs"]["max_abs_diff"] < 1e-5
+        assert all(cascade[m]["steps"][k]["ms_per_step"] > 0 for k in ("start", "middle", "tail"))
+    assert summary["ratios"]["cascade_on_vs_off_tok_s"] > 0
     sched = summary["schedule"]
     paged, capped = (sec[k]["realistic"] for k in ("paged", "capped"))
     # the forced stops make every engine produce exactly the schedule's tokens

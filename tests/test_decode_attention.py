@@ -76,6 +76,87 @@ def _check_paged() -> None:
     assert torch.allclose(ref[b:b + 1], direct, atol=1e-5)
 
 
+def _cascade_case(dtype):
+    """Rows 0, 1, 5 share prompt pages [5, 9, 2] (10 tokens), cut into two group lines of 2 rows; row 2 its own
+    prompt; row 3 idle (no prompt, one token on the null page); row 4 a 1-token prompt; an empty group line."""
+    import torch
+    torch.manual_seed(1)
+    pages, page, nkv, hd, nh = 24, 4, 2, 16, 4
+    prefix_cols, own_cols = 3, 6
+    table = torch.zeros(6, prefix_cols + own_cols, dtype=torch.int32)
+    for r in (0, 1, 5):
+        table[r, :3] = torch.tensor([5, 9, 2])
+    table[0, 3:4], table[1, 3:8], table[5, 3:5] = torch.tensor([7]), torch.tensor([11, 3, 14, 1, 6]), torch.tensor([20, 21])
+    table[2, :3], table[2, 3:9] = torch.tensor([4, 8, 10]), torch.tensor([12, 13, 15, 16, 17, 18])
+    table[4, :1], table[4, 3:5] = torch.tensor([19]), torch.tensor([22, 23])
+    plen = torch.tensor([10, 10, 12, 0, 1, 10])
+    own = torch.tensor([1, 17, 24, 1, 7, 5])
+    groups = torch.tensor([[5, 0], [1, -1], [2, -1], [-1, -1], [4, -1]], dtype=torch.int32)
+    k = torch.randn(pages, page, nkv, hd).to(dtype)
+    return dict(q=torch.randn(6, nh, hd).to(dtype), k=k, v=torch.randn_like(k), table=table, plen=plen, own=own,
+                prefix_cols=prefix_cols, groups=groups, scale=hd ** -0.5)
+
+
+def _check_cascade() -> None:
+    """The cascade kernel (a group's prompt read once for its rows, merged with each row's own pass by log-sum-exp)
+    against its reference and the plain paged one."""
+    import torch
+
+    from runtime.rollout.decode_attention import (cascade_decode_attention, reference_cascade_decode_attention,
+                                                  reference_paged_decode_attention)
+
+    def args_of(c):
+        return c["table"], c["plen"], c["own"], c["prefix_cols"], c["groups"], c["scale"]
+
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        c = _cascade_case(dtype)
+        q, k, v = c["q"], c["k"], c["v"]
+        ref = reference_cascade_decode_attention(q.float(), k.float(), v.float(), *args_of(c))
+        table, plen, own, pc, groups, scale = args_of(c)
+        plain = reference_paged_decode_attention(q.float(), k.float(), v.float(), table, plen, own, pc, scale)
+        assert (ref - plain).abs().max() < 1e-5
+        for split_tokens, prompt_split in ((16, None), (32, 16), (16, 32)):
+            out = cascade_decode_attention(q, k, v, *args_of(c), split_tokens=split_tokens,
+                                           prompt_split_tokens=prompt_split, block_n=16)
+            err = (out.float() - ref).abs().max().item()
+            assert out.dtype == dtype and err < tol, (dtype, split_tokens, prompt_split, err)
+    # fp32 (the interpreter is slow): pages and positions outside a row's prompt and own lengths are never read
+    kw = dict(split_tokens=32, prompt_split_tokens=16, block_n=16)
+    base = cascade_decode_attention(q.float(), k.float(), v.float(), *args_of(c), **kw)
+    k2, v2 = k.float(), v.float()
+    used = {(int(table[b, col]), t) for b in range(6) for col in range(table.shape[1]) for t in range(4)
+            if (col < pc and col * 4 + t < plen[b]) or (col >= pc and (col - pc) * 4 + t < own[b])}
+    for p in range(k.shape[0]):
+        for t in range(4):
+            if (p, t) not in used:
+                k2[p, t], v2[p, t] = 1e4, float("nan")
+    assert torch.equal(cascade_decode_attention(q.float(), k2, v2, *args_of(c), **kw), base)
+    # a wider table (2 more prompt columns, 9 more own ones) changes no bit, in the kernel or the reference
+    wide = torch.zeros(6, table.shape[1] + 11, dtype=torch.int32)
+    wide[:, :pc], wide[:, pc + 2:table.shape[1] + 2] = table[:, :pc], table[:, pc:]
+    assert torch.equal(cascade_decode_attention(q.float(), k.float(), v.float(), wide, plen, own, pc + 2, groups,
+                                                scale, **kw), base)
+    assert torch.equal(reference_cascade_decode_attention(q.float(), k.float(), v.float(), wide, plen, own, pc + 2,
+                                                          groups, scale), ref)
+
+
+def test_the_cascade_reference_is_the_paged_reference():
+    """On CPU without Triton's interpreter: the prompt pass per group line and the own pass per row, merged by
+    log-sum-exp, are plain paged attention; a group cut into lines of any size gives the same."""
+    import torch
+
+    from runtime.rollout.decode_attention import (reference_cascade_decode_attention,
+                                                  reference_paged_decode_attention)
+    c = _cascade_case(torch.float32)
+    args = (c["q"], c["k"], c["v"], c["table"], c["plen"], c["own"], c["prefix_cols"])
+    plain = reference_paged_decode_attention(*args, c["scale"])
+    one_line = torch.tensor([[0, 1, 5], [2, -1, -1], [4, -1, -1]], dtype=torch.int32)
+    for groups in (c["groups"], one_line):
+        for block in (8, 256):
+            out = reference_cascade_decode_attention(*args, groups, c["scale"], block=block)
+            assert (out - plain).abs().max() < 1e-5
+
+
 def _interpreter_reads_loop_bounds() -> bool:
     """Triton's interpreter before 3.7 holds a loaded scalar as a one-element array, which it cannot turn into a loop
     bound (the kernel's `range(lo, hi, ...)`: numpy's "only 0-dimensional arrays" error); torch 2.11 ships 3.6."""
@@ -94,6 +175,7 @@ def test_triton_kernel_matches_the_reference():
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     _check_paged()
+    _check_cascade()
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the kernel's own reduction order: a GPU")
@@ -118,3 +200,35 @@ def test_on_a_gpu_a_wider_table_changes_no_bit():
     out = paged_decode_attention(q, k, v, table, plen, own, prefix_cols, hd ** -0.5, split_tokens=256)
     assert torch.equal(out, paged_decode_attention(q, k, v, wide, plen, own, prefix_cols + wide_extra, hd ** -0.5,
                                                    split_tokens=256))
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the cascade kernel in bf16: a GPU")
+def test_on_a_gpu_the_cascade_kernel_matches_the_plain_one_and_a_wider_table_changes_no_bit():
+    """The recipe's shape: groups of 8 rows (16 query rows a tile), 1024-token prompts, own lengths up to 2048."""
+    import torch
+
+    from runtime.rollout.decode_attention import (cascade_decode_attention, group_rows_for, paged_decode_attention,
+                                                  reference_paged_decode_attention)
+    torch.manual_seed(0)
+    rows, page, nkv, hd, nh, pages = 32, 16, 8, 128, 16, 8000
+    prefix_cols, own_cols = 64, 129
+    k = torch.randn(pages, page, nkv, hd, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(rows, nh, hd, device="cuda", dtype=torch.bfloat16)
+    table = torch.randint(1, pages, (rows, prefix_cols + own_cols), device="cuda", dtype=torch.int32)
+    gr = group_rows_for(nh // nkv)
+    for g in range(0, rows, gr):
+        table[g:g + gr, :prefix_cols] = table[g, :prefix_cols]
+    plen = torch.full((rows,), 1000, device="cuda")
+    own = torch.randint(1, 2048, (rows,), device="cuda")
+    groups = torch.full((rows, gr), -1, device="cuda", dtype=torch.int32)
+    groups[:rows // gr] = torch.arange(rows, device="cuda", dtype=torch.int32).view(-1, gr)
+    ref = reference_paged_decode_attention(q.float(), k.float(), v.float(), table, plen, own, prefix_cols, hd ** -0.5)
+    plain = paged_decode_attention(q, k, v, table, plen, own, prefix_cols, hd ** -0.5, split_tokens=512)
+    kw = dict(split_tokens=512, prompt_split_tokens=256)
+    out = cascade_decode_attention(q, k, v, table, plen, own, prefix_cols, groups, hd ** -0.5, **kw)
+    assert (out.float() - ref).abs().max() <= 2 * (plain.float() - ref).abs().max() + 1e-3
+    wide = torch.zeros(rows, prefix_cols + 16 + own_cols, device="cuda", dtype=torch.int32)
+    wide[:, :prefix_cols], wide[:, prefix_cols + 16:] = table[:, :prefix_cols], table[:, prefix_cols:]
+    assert torch.equal(out, cascade_decode_attention(q, k, v, wide, plen, own, prefix_cols + 16, groups, hd ** -0.5,
+                                                     **kw))

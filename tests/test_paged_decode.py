@@ -32,12 +32,12 @@ def hf(model_dir):
     return BuiltinEngine(model_dir, decode_path="hf")
 
 
-def _paged(model_dir, rows: int, pages: int | None = None, sync_every: int = 16) -> BuiltinEngine:
+def _paged(model_dir, rows: int, pages: int | None = None, sync_every: int = 16, cascade: bool = False) -> BuiltinEngine:
     from transformers import AutoConfig
     per_page = PAGE * kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), "float32")
     gb = None if pages is None else pages * per_page / 2**30
     eng = BuiltinEngine(model_dir, decode_path="paged", max_batch_size=rows, page_size=PAGE, kv_cache_gb=gb,
-                        sync_every=sync_every)
+                        sync_every=sync_every, cascade_attention=cascade)
     assert eng.decode_path == "paged" and (pages is None or eng.decoder.kv_cache_bytes() == 0)
     return eng
 
@@ -115,6 +115,41 @@ def test_a_chunk_queued_before_the_last_is_read_changes_no_token(model_dir, hf):
     _same(waits.generate(reqs, sp, until=until), got)
     assert "abort" in [r.finish_reason for r in got] and ahead.decoder.stats["queued_ahead"] > 0
     assert ahead.decoder.pool.used == 0 and int(ahead.decoder.table.abs().sum()) == 0
+
+
+def test_cascade_attention_draws_the_same_tokens_and_the_same_bits_twice(model_dir, hf):
+    """rollout.cascade_attention: a group's prompt pages read once per step for its rows (here lines of 2, so a group
+    of 3 is cut in two), merged with each row's own pages by log-sum-exp. The tokens of the plain engine (and HF's),
+    log-probs within float noise, the same bits twice and from a fresh engine (the resume contract), also with
+    rows preempted and with a caller that stops once a group is complete."""
+    from runtime.rollout import GroupsDone
+
+    def cascade(rows, **kw):
+        eng = _paged(model_dir, rows=rows, cascade=True, **kw)
+        eng.decoder.group_rows = 2
+        lines = []
+        set_groups = eng.decoder.set_groups
+        eng.decoder.set_groups = lambda *a: (set_groups(*a), lines.append(eng.decoder.groups.clone()))[0]
+        return eng, lines
+
+    reqs, sp = _requests(), SAMPLINGS[0]
+    plain = _paged(model_dir, rows=6)
+    on, lines = cascade(6)
+    got = on.generate(reqs, sp)
+    _same(plain.generate(reqs, sp), got)
+    assert on.decoder.stats["attention"] == "sdpa_paged_reference_cascade" and on.health()["cascade_attention"]
+    assert any(((g >= 0).sum(1) == 2).any() for g in lines)  # some step read a prompt once for two rows
+    again, fresh = on.generate(reqs, sp), cascade(6)[0].generate(reqs, sp)
+    for other in (again, fresh):
+        assert [r.response_ids for r in other] == [r.response_ids for r in got]
+        assert [r.response_logprobs for r in other] == [r.response_logprobs for r in got]
+    # 12 pages of 4 tokens for 6 rows: rows preempted and prefilled again
+    small = cascade(6, pages=12)[0]
+    _same(hf.generate(reqs, SamplingParams(max_new_tokens=20)), small.generate(reqs, SamplingParams(max_new_tokens=20)))
+    assert small.decoder.stats["preemptions"] > 0 and small.decoder.pool.used == 0
+    until = GroupsDone(group_size=3, count=1)
+    _same(plain.generate(reqs, sp, until=until), on.generate(reqs, sp, until=until))
+    assert int(on.decoder.table.abs().sum()) == 0 and on.decoder.pool.used == 0
 
 
 def test_each_decode_chunk_is_a_moment_named_by_its_place_in_the_call(model_dir, tmp_path, monkeypatch):

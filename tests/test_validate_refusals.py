@@ -27,6 +27,8 @@ CASES = [
     # R3: the built-in engine's paged decoder records the routes (SGLang its own); a custom rollout's samples carry none
     (["rollout.routing_replay=true", "rollout.decode_path=hf"], "rollout.decode_path: auto"),
     (["rollout.routing_replay=true", f"rollout.custom_rollout={__name__}:NOT_A_FUNCTION"], "rollout.routing_replay"),
+    (["rollout.cascade_attention=true", "rollout.engine=sglang"], "rollout.cascade_attention"),  # the paged decoder's
+    (["rollout.cascade_attention=true", "rollout.decode_path=hf"], "rollout.decode_path: auto"),
 ]
 
 

@@ -27,6 +27,10 @@ responses actually reach, not the longest they could reach.
 * Attention: on CUDA the split-KV Triton kernel reading through the page table
   (`decode_attention.paged_decode_attention`); elsewhere its PyTorch reference. Prefill uses
   FlashAttention-2's varlen kernel on CUDA, SDPA elsewhere.
+* Cascade attention (`cascade`, ``rollout.cascade_attention``): each chunk the host writes a group table (a
+  static [rows, group_rows] buffer: the live rows sharing a prompt, `group_rows` to a line) and the step's
+  attention reads each group's prompt pages once for all its rows, merged with each row's own pages by
+  log-sum-exp (`decode_attention.cascade_decode_attention`, its reference off CUDA; docs/cascade-attention.md).
 * `release()` frees the pool and the captured graphs (the trainer trains meanwhile); the next call
   makes them again.
 * Speed features (`speed_features`): a failure inside the compiler, a graph capture, the Triton or the
@@ -47,7 +51,8 @@ import torch.nn.functional as F
 
 from runtime.devices import is_out_of_memory, out_of_memory_error
 from runtime.errors import MemoryPlanError
-from runtime.rollout.decode_attention import (paged_decode_attention, reference_paged_decode_attention,
+from runtime.rollout.decode_attention import (cascade_decode_attention, group_rows_for, paged_decode_attention,
+                                              reference_cascade_decode_attention, reference_paged_decode_attention,
                                               split_tokens_for, triton_available)
 from runtime.rollout.decode_model import FusedModel, _cumsum, _flash, _sdpa_prefill
 from runtime.rollout.kv_pages import (NULL_PAGE, DEFAULT_PAGE_SIZE, KV_FREE_FRACTION, PagePool, kv_pool_bytes,
@@ -81,14 +86,15 @@ class PagedDecoder(FusedModel):
                  sync_every: int = 16, prefill_tokens: int = 16384, attention: str = "auto",
                  overlap_chunks: bool = True, gpu_memory_gb: float | None = None, lora=None,
                  shared_base: dict | None = None, deterministic: bool = True, weights_dtype: str = "bf16",
-                 drop_bf16: bool = True, record_routes: bool = False):
+                 drop_bf16: bool = True, record_routes: bool = False, cascade: bool = False):
         """attention: "auto" (the Triton kernel on CUDA where it applies, else the PyTorch reference),
         "triton" or "reference". overlap_chunks: queue the next decode chunk before reading the last one
         (the tokens are the same either way; off only to measure what it saves). gpu_memory_gb: the card
         the run's plan is for (`cluster.gpu_memory_gb`), named when the device runs out of memory. lora,
         shared_base, weights_dtype, drop_bf16: `FusedModel`'s (the adapters' buffers and the FP8 weights are static:
         the captured graphs read them as they are updated). record_routes (``rollout.routing_replay``): each token's
-        experts per MoE layer come back with the tokens (`routes`)."""
+        experts per MoE layer come back with the tokens (`routes`). cascade (``rollout.cascade_attention``): a group's
+        prompt pages read once per step for all its live rows (the module doc)."""
         super().__init__(model, compile=compile, lora=lora, shared_base=shared_base, deterministic=deterministic,
                          settle_rows=max_rows, weights_dtype=weights_dtype, drop_bf16=drop_bf16,
                          record_routes=record_routes)
@@ -108,9 +114,13 @@ class PagedDecoder(FusedModel):
         self.use_triton = fits_kernel and (attention == "triton" or (attention == "auto" and self.use_flash))
         self.split_tokens: int | None = None  # the kernel's tokens per split; None: chosen per chunk
         self._chunk_split_tokens = 4096
+        self._chunk_prompt_split_tokens = 4096  # cascade: the prompt pass's (`set_groups`)
         self.use_graphs = cuda if cuda_graphs is None else bool(cuda_graphs and cuda)
         self.gpu_memory_gb = gpu_memory_gb
         self._paged_attention = guarded("triton", paged_decode_attention)
+        self.cascade = bool(cascade)
+        self.group_rows = group_rows_for(self.nh // self.nkv)
+        self._cascade_attention = guarded("triton", cascade_decode_attention)
         self._flash = guarded("flash", _flash)
         self._pool_budget = 0  # bytes the pool was last made with (or was being made with)
         self.pool: PagePool | None = None
@@ -174,6 +184,8 @@ class PagedDecoder(FusedModel):
         self.spos = torch.zeros(n, dtype=torch.long, device=dev)      # response position of the token to draw
         self.live = torch.zeros(n, dtype=torch.long, device=dev)      # 1 while the row decodes, 0 idle
         self.key_hash = torch.zeros(n, dtype=torch.long, device=dev)
+        # cascade: each line the rows (-1: none) reading one prompt's pages, written before every chunk (`set_groups`)
+        self.groups = torch.full((n, self.group_rows), -1, dtype=torch.int32, device=dev)
         # two chunks' columns: one chunk writes its half while the host reads the other's
         self.out_tok = torch.zeros(n, 2 * self.sync_every, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros(n, 2 * self.sync_every, dtype=torch.float32, device=dev)
@@ -238,7 +250,14 @@ class PagedDecoder(FusedModel):
             kc, vc = self.k_pool[li], self.v_pool[li]
             kc.view(-1, self.nkv, self.hd).index_copy_(0, widx, k)
             vc.view(-1, self.nkv, self.hd).index_copy_(0, widx, v)
-            if self.use_triton:
+            if self.cascade and self.use_triton:
+                a = self._cascade_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols, self.groups[:b],
+                                            self.scale, split_tokens=self._chunk_split_tokens,
+                                            prompt_split_tokens=self._chunk_prompt_split_tokens)
+            elif self.cascade:
+                a = reference_cascade_decode_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols,
+                                                       self.groups[:b], self.scale)
+            elif self.use_triton:
                 a = self._paged_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols, self.scale,
                                           split_tokens=self._chunk_split_tokens)
             else:
@@ -258,6 +277,23 @@ class PagedDecoder(FusedModel):
         self.spos[:b].add_(live)
         self.chunk_i.add_(1)
 
+    def set_groups(self, rows: list[int], keys: list, b: int, longest_prompt: int) -> None:
+        """Write the group table for a step over rows [0, b): the rows among `rows` with the same key (their prompt)
+        are one group, cut into lines of `group_rows` in row order; the other lines empty. Queued on the stream like
+        the other writes between chunks, so a chunk already queued keeps the table it was launched with. Picks the
+        prompt pass's split for that many lines of prompts up to `longest_prompt` tokens."""
+        by_key: dict = {}
+        for s, key in sorted(zip(rows, keys), key=lambda x: x[0]):
+            by_key.setdefault(key, []).append(s)
+        lines = [members[i:i + self.group_rows] for members in by_key.values()
+                 for i in range(0, len(members), self.group_rows)]
+        flat = [-1] * (b * self.group_rows)
+        for i, line in enumerate(lines):
+            flat[i * self.group_rows:i * self.group_rows + len(line)] = line
+        self.groups[:b].view(-1).copy_(self._on_device(flat))
+        self._chunk_prompt_split_tokens = self.split_tokens or split_tokens_for(len(lines), self.nkv, longest_prompt,
+                                                                                self.device)
+
     def _buckets(self) -> list[int]:
         out, b = [], 8
         while b < self.rows:
@@ -269,7 +305,8 @@ class PagedDecoder(FusedModel):
         if not self.use_graphs:
             self._step(b, sample_fn)
             return
-        key = (b, skey, self._chunk_split_tokens if self.use_triton else None)
+        splits = (self._chunk_split_tokens, self._chunk_prompt_split_tokens if self.cascade else None)
+        key = (b, skey, splits if self.use_triton else None, self.cascade)
         try:
             g = self.graphs.get(key)
             if g is not None:
@@ -596,6 +633,8 @@ class PagedDecoder(FusedModel):
             waits. ahead: steps already queued for these rows and not yet read."""
             longest = max(len(prompts[row_req[s]]) + len(out_ids[row_req[s]]) for s in active) + ahead + steps
             self._chunk_split_tokens = self.split_tokens or split_tokens_for(len(active), self.nkv, longest, dev)
+            if self.cascade:
+                self.set_groups(active, [row_key[s] for s in active], b, max(len(row_key[s]) for s in active))
             half = stats["chunks"] % 2
             t0 = time.perf_counter()
             self.chunk_i.fill_(half * S)
@@ -842,7 +881,8 @@ class PagedDecoder(FusedModel):
         stats["compiled"] = self.compiled
         stats["weights_dtype"] = self.weights_dtype
         stats["cuda_graphs"] = self.use_graphs
-        stats["attention"] = "triton_paged_split_kv" if self.use_triton else "sdpa_paged_reference"
+        stats["attention"] = ("triton_paged_split_kv" if self.use_triton else "sdpa_paged_reference") \
+            + ("_cascade" if self.cascade else "")
         stats["prefill_attention"] = "flash_varlen" if self.use_flash else "sdpa"
         if self.compile_error:
             stats["compile_error"] = self.compile_error
