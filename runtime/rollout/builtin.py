@@ -85,6 +85,7 @@ class BuiltinEngine(RolloutEngine):
         deterministic: bool = True,
         weights_dtype: str = "bf16",
         routing_replay: bool = False,
+        true_on_policy: bool = False,
     ):
         """decode_path: "auto" = the paged decoder (`paged_decode`) where the model family has it, else HF's
         forward; "paged" insists (error if the family lacks it); "hf" = HF's forward with a dynamic cache
@@ -99,7 +100,9 @@ class BuiltinEngine(RolloutEngine):
         (runtime/rollout/fp8_weights.py), re-quantised from the trainer's weights at each update (timed:
         `last_quantize_s`); the engine's log-probs (`logprobs_of`) are then its own forward's.
         routing_replay (``rollout.routing_replay``): the paged decoder records each token's experts (a mixture of
-        experts; nothing for a dense model), returned as `SampleResult.routed_experts`."""
+        experts; nothing for a dense model), returned as `SampleResult.routed_experts`.
+        true_on_policy (``rollout.true_on_policy``): the paged decoder's batch-invariant forward, the trainer's
+        (runtime/kernels/batch_invariant.py); refused where the paged decoder is not taken."""
         if max_batch_size < 1:
             raise ConfigError(f"rollout max_batch_size must be >= 1, got {max_batch_size}: fix rollout.max_batch_size")
         if attn_implementation not in _ATTN_IMPLEMENTATIONS:
@@ -138,6 +141,8 @@ class BuiltinEngine(RolloutEngine):
         self.decoder = None  # PagedDecoder; None: HF's forward (`_generate_batch`)
         if (lora is not None or shared_base is not None) and decode_path == "hf":
             raise ConfigError("train.lora is applied by the paged decoder: set rollout.decode_path: auto (or paged)")
+        if true_on_policy and decode_path == "hf":
+            raise ConfigError("rollout.true_on_policy runs in the paged decoder: set rollout.decode_path: auto (or paged)")
         if weights_dtype != "bf16" and decode_path == "hf":
             raise ConfigError(f"rollout.weights_dtype {weights_dtype} runs in the paged decoder: set "
                               f"rollout.decode_path: auto (or paged), or rollout.weights_dtype: bf16")
@@ -154,10 +159,14 @@ class BuiltinEngine(RolloutEngine):
                                             page_size=page_size, cuda_graphs=cuda_graphs, compile=compile_decode,
                                             sync_every=sync_every, gpu_memory_gb=gpu_memory_gb, lora=lora,
                                             shared_base=shared_base, deterministic=deterministic,
-                                            weights_dtype=weights_dtype, record_routes=routing_replay)
+                                            weights_dtype=weights_dtype, record_routes=routing_replay,
+                                            true_on_policy=true_on_policy)
             elif lora is not None or shared_base is not None:
                 raise ConfigError(f"train.lora needs the built-in engine's paged decoder, which {model_dir} lacks: "
                                   f"{reason}")
+            elif true_on_policy:
+                raise ConfigError(f"rollout.true_on_policy needs the built-in engine's paged decoder, which {model_dir} "
+                                  f"lacks: {reason}; set rollout.true_on_policy: false")
             elif routing_replay:
                 raise ConfigError(f"rollout.routing_replay needs the built-in engine's paged decoder, which {model_dir} "
                                   f"lacks: {reason}; set rollout.routing_replay: false")

@@ -1,0 +1,138 @@
+"""rollout.true_on_policy (issue 61): the built-in engine and the megatron trainer on one batch-invariant set of
+kernels (runtime/kernels/batch_invariant.py), so every sampled token's engine log-prob is bitwise the trainer's,
+in its log-prob pass and in its training forward, preempted samples included. CPU, bf16, tiny Qwen3 and GLM4 with
+norms and biases away from HF's 1 and 0 (where the two sides' roundings differ); the trainer's micro-batches padded
+(Qwen3) and packed (GLM4)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.config import AlgorithmSection, GrpoConfig, TrainSection
+
+FAMILIES = {
+    "qwen3": ("Qwen3Config", {}, dict(micro_batch_size=2)),
+    "glm4": ("Glm4Config", dict(attention_bias=True,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.5}),
+             dict(micro_batch_size=1, max_tokens_per_micro_batch=160)),
+}
+PROMPTS, SAMPLES, PROMPT_LEN, NEW = 2, 4, 12, 40
+
+
+def _tiny(path, config_class: str, extra: dict, tok_dir, vocab: int):
+    """A 2-layer random model of the family in bf16, norms 1 + 0.1 N(0, 1) and biases 0.1 N(0, 1) (the bench's)."""
+    import shutil
+
+    import transformers
+    from transformers import AutoModelForCausalLM
+    cfg = getattr(transformers, config_class)(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=512, initializer_range=0.1,
+        eos_token_id=2, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn_like(p))
+    model.to(torch.bfloat16).save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(tok_dir / f, path / f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from pathlib import Path
+
+    from runtime.mcore.convert import hf_to_torch_dist
+    from runtime.models.tiny import build_tiny_qwen3
+    work = tmp_path_factory.mktemp("true-on-policy")
+    info = build_tiny_qwen3(work / "tok", seed=0)
+    out = {}
+    for name, (cls, extra, _) in FAMILIES.items():
+        hf = _tiny(work / f"{name}_hf", cls, extra, Path(info["path"]), info["vocab_size"])
+        hf_to_torch_dist(hf, work / f"{name}_td", dtype="bfloat16", tolerance=1.0)
+        out[name] = (str(hf), str(work / f"{name}_td"))
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_engine_logprobs_are_the_trainers_bitwise(models, family):
+    from runtime.rollout.base import SampleRequest, SamplingParams
+    from runtime.rollout.builtin import BuiltinEngine
+    from runtime.trainer.batch import TrainBatch
+    from runtime.trainer.megatron_trainer import MegatronTrainer
+
+    hf, td = models[family]
+    torch.manual_seed(0)
+    # a pool of 10 pages of 16 tokens for 2 prompts and 8 samples of 40 tokens: rows are preempted and recomputed
+    page_bytes = 16 * 2 * 2 * 2 * 16 * 2
+    engine = BuiltinEngine(hf, dtype=torch.bfloat16, max_batch_size=PROMPTS * SAMPLES, decode_path="paged",
+                           kv_cache_gb=10 * page_bytes / 2**30, sync_every=4, true_on_policy=True)
+    engine.eos_token_ids = set()  # fixed length: a random model stops at random
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, engine.vocab_size, (PROMPTS, PROMPT_LEN), generator=g).tolist()
+    reqs = [SampleRequest(prompt_ids=ids[p], key=(61, 0, p, j)) for p in range(PROMPTS) for j in range(SAMPLES)]
+    results = engine.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=NEW))
+    assert engine.decoder.stats["preemptions"] > 0 and engine.decoder.stats["attention"] == "batch_invariant"
+    engine.shutdown()
+    alone = results[0]
+    batch = TrainBatch(tokens=[r.prompt_ids + r.response_ids for r in results],
+                       prompt_lens=[len(r.prompt_ids) for r in results],
+                       advantages=[1.0 if i % 2 == 0 else -1.0 for i in range(len(results))],
+                       loss_masks=[r.effective_loss_mask() for r in results],
+                       rollout_logprobs=[r.response_logprobs for r in results])
+    train = TrainSection(lr=1e-4, num_rollout=1, num_steps_per_rollout=1, global_batch_size=len(results),
+                         **FAMILIES[family][2])
+    trainer = MegatronTrainer(hf_dir=hf, init_checkpoint=td, train=train, algorithm=AlgorithmSection(),
+                              temperature=1.0, dtype="bfloat16", true_on_policy=True)
+    scored = trainer.compute_logprobs(batch)
+    engine_lp = torch.tensor([x for r in results for x in r.response_logprobs], dtype=torch.float64)
+    trainer_lp = torch.tensor([x for row in scored for x in row], dtype=torch.float64)
+    assert engine_lp.numel() == PROMPTS * SAMPLES * NEW
+    assert (engine_lp - trainer_lp).abs().max().item() == 0.0
+    metrics = trainer.train(batch)  # the training forward's log-probs against the engine's
+    assert metrics["train_tokens"] == PROMPTS * SAMPLES * NEW
+    assert metrics["train_rollout_logp_absdiff"] == 0.0
+    assert alone.response_logprobs  # noqa
+
+
+def test_a_train_session_has_no_gap(tmp_path):
+    """The product path (the session `grpoflow run` drives, the built-in engine and the trainer from the config, the
+    weights synced after each update): train_rollout_logp_absdiff is exactly 0 at every rollout."""
+    from runtime.config import load_config
+    from runtime.grpo.session import TrainSession
+    from runtime.run import stages
+    from runtime.run.directory import RunDir
+    from tests.conftest import SMALL_BATCH
+    cfg = load_config("configs/tiny.yaml", SMALL_BATCH + [
+        "rollout.true_on_policy=true", "model.dtype=bfloat16", "rollout.max_new_tokens=8", "train.num_rollout=2",
+        "checkpoint.interval=2", "eval.interval=null", "tracking.enabled=false", f"storage.root={tmp_path}"])
+    rd = RunDir(str(tmp_path), "onpolicy")
+    fetched = stages.fetch(cfg, rd)
+    stages.convert(cfg, rd, fetched)
+    stages.prepare(cfg, rd, fetched)
+    session = TrainSession(cfg, rd)
+    try:
+        metrics = session.run_chunk(0, 2)["metrics"]
+    finally:
+        session.close()
+    assert [m["train_rollout_logp_absdiff"] for m in metrics] == [0.0, 0.0]
+    assert all(m["train_tokens"] > 0 for m in metrics)
+
+
+@pytest.mark.parametrize("override, names", [
+    ("train.tensor_parallel=2", "train.tensor_parallel=2 is out of scope"),
+    ("train.lora.enabled=true train.lora.dropout=0.1", "train.lora.dropout=0.1 is out of scope"),
+    ("rollout.engine=sglang", "rollout.engine=sglang is out of scope"),
+    ("rollout.weights_dtype=fp8", "rollout.weights_dtype=fp8 is out of scope"),
+    ("rollout.partial=true algorithm.use_tis=true", "rollout.partial is out of scope"),
+])
+def test_what_is_out_of_scope_is_refused_in_one_line(override, names):
+    from runtime.config import load_config
+    with pytest.raises(Exception) as e:
+        load_config("configs/tiny.yaml", ["rollout.true_on_policy=true", *override.split()])
+    assert names in str(e.value) and "issue 61" in str(e.value)
+    load_config("configs/tiny.yaml", override.split())  # refused for the setting only
