@@ -187,7 +187,8 @@ class RolloutSection(Section):
     # attention and the sampled token's log-prob with one batch-invariant set of kernels (runtime/kernels/
     # batch_invariant.py), so every token sampled under the current weights has an engine log-prob bitwise equal to
     # the trainer's in its training forward (train_rollout_logp_absdiff is 0), preempted samples included. Dense
-    # models, TP 1, no LoRA, bf16 engine weights, no partial rollout; slower (plain-PyTorch attention), off by default.
+    # models, TP 1, LoRA without dropout, bf16 engine weights, no partial rollout; slower (plain-PyTorch attention),
+    # off by default.
     true_on_policy: bool = False
     sglang: SGLangSection = SGLangSection()
 
@@ -607,13 +608,11 @@ class GrpoConfig(Section):
         out = "is out of scope of rollout.true_on_policy (issue 61)"
         if t.tensor_parallel > 1:
             raise ValueError(f"train.tensor_parallel={t.tensor_parallel} {out}: a TP > 1 trainer sums partial products "
-                             f"in another order than the engine; set train.tensor_parallel: 1 or rollout.true_on_policy: false")
+                             f"in another order than the engine; set train.tensor_parallel: 1 or "
+                             f"rollout.true_on_policy: false")
         if t.lora.enabled and t.lora.dropout > 0:
             raise ValueError(f"train.lora.dropout={t.lora.dropout} {out}: the training forward drops what the engine "
                              f"kept; set train.lora.dropout: 0 or rollout.true_on_policy: false")
-        if t.lora.enabled:
-            raise ValueError(f"train.lora {out} yet (the adapters' products are not batch-invariant); set "
-                             f"train.lora.enabled: false or rollout.true_on_policy: false")
         if r.engine != "builtin":
             raise ValueError(f"rollout.engine={r.engine} {out}: only the built-in engine runs the trainer's kernels; "
                              f"set rollout.engine: builtin or rollout.true_on_policy: false")

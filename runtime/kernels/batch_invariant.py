@@ -39,12 +39,25 @@ def fixed_shape_mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
     return out if b is None else out + b
 
 
+def fixed_shape_addmm(out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``out + scale * h b^T`` (a LoRA adapter's up-projection added to its linear's output, one rounding:
+    runtime/models/base.py `add_lora_up`) with rows in blocks of FIXED_ROWS, one addmm per block. Not in place."""
+    rows, acc = h.reshape(-1, h.shape[-1]), out.reshape(-1, out.shape[-1])
+    n = rows.shape[0]
+    pad = (-n) % FIXED_ROWS
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+        acc = torch.cat([acc, acc.new_zeros(pad, acc.shape[1])])
+    bt = b.t()
+    res = torch.cat([torch.addmm(a, r, bt, alpha=scale) for a, r in zip(acc.split(FIXED_ROWS), rows.split(FIXED_ROWS))])
+    return (res.split(n)[0] if pad else res).view(out.shape)
+
+
 def fixed_rows(fn, x: torch.Tensor, *per_row: torch.Tensor) -> tuple:
     """fn(x_block, *per_row_blocks) -> tuple of per-row tensors (or None), on rows in blocks of FIXED_ROWS (the last
     block padded with copies of row 0), each block contiguous: every call of `fn` has one shape and layout, whatever
     the row count. Blocks are `split`'s views (a gather or a slice would cost autograd a full-size gradient per
     block)."""
-    n = x.shape[0]
     outs = []
     for blocks in zip(*(t.split(FIXED_ROWS) for t in (x, *per_row))):
         rows = blocks[0].shape[0]
@@ -178,5 +191,5 @@ def common_prefill(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, seqused_k=N
     return torch.cat([common_attention(q[s:e], k[s:e], v[s:e], scale) for s, e in zip(cu[:-1], cu[1:])])
 
 
-__all__ = ["FIXED_ROWS", "REFERENCE_BLOCK", "fixed_shape_mm", "fixed_rows", "rms_norm", "logprob_math",
+__all__ = ["FIXED_ROWS", "REFERENCE_BLOCK", "fixed_shape_mm", "fixed_shape_addmm", "fixed_rows", "rms_norm", "logprob_math",
            "token_logprobs", "common_attention", "trainable_attention", "common_decode", "common_prefill"]

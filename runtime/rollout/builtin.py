@@ -142,7 +142,8 @@ class BuiltinEngine(RolloutEngine):
         if (lora is not None or shared_base is not None) and decode_path == "hf":
             raise ConfigError("train.lora is applied by the paged decoder: set rollout.decode_path: auto (or paged)")
         if true_on_policy and decode_path == "hf":
-            raise ConfigError("rollout.true_on_policy runs in the paged decoder: set rollout.decode_path: auto (or paged)")
+            raise ConfigError("rollout.true_on_policy runs in the paged decoder: set rollout.decode_path: auto "
+                              "(or paged)")
         if weights_dtype != "bf16" and decode_path == "hf":
             raise ConfigError(f"rollout.weights_dtype {weights_dtype} runs in the paged decoder: set "
                               f"rollout.decode_path: auto (or paged), or rollout.weights_dtype: bf16")
@@ -165,8 +166,8 @@ class BuiltinEngine(RolloutEngine):
                 raise ConfigError(f"train.lora needs the built-in engine's paged decoder, which {model_dir} lacks: "
                                   f"{reason}")
             elif true_on_policy:
-                raise ConfigError(f"rollout.true_on_policy needs the built-in engine's paged decoder, which {model_dir} "
-                                  f"lacks: {reason}; set rollout.true_on_policy: false")
+                raise ConfigError(f"rollout.true_on_policy needs the built-in engine's paged decoder, which "
+                                  f"{model_dir} lacks: {reason}; set rollout.true_on_policy: false")
             elif routing_replay:
                 raise ConfigError(f"rollout.routing_replay needs the built-in engine's paged decoder, which {model_dir} "
                                   f"lacks: {reason}; set rollout.routing_replay: false")

@@ -350,11 +350,10 @@ class FusedModel:
         # eager (a compiled piece may fuse the norm with its neighbours and drop the roundings between them)
         self.true_on_policy = bool(true_on_policy)
         if self.true_on_policy:
-            why = ("a mixture of experts" if self.moe else "LoRA" if lora is not None or shared_base is not None
-                   else "FP8 weights" if weights_dtype != "bf16" else None)
+            why = "a mixture of experts" if self.moe else "FP8 weights" if weights_dtype != "bf16" else None
             if why:
-                raise ValueError(f"rollout.true_on_policy: {why} is out of scope (issue 61); set rollout.true_on_policy: "
-                                 f"false")
+                raise ValueError(f"rollout.true_on_policy: {why} is out of scope (issue 61); set "
+                                 f"rollout.true_on_policy: false")
         self.compiled = (cuda if compile is None else bool(compile)) and not self.true_on_policy
         # the rows the head and the samplers are compiled on (`settle_compiled`): a decode step's most
         self.settle_rows = max(int(settle_rows), 2)  # 0 and 1 would be fixed in the graph
@@ -532,7 +531,8 @@ class FusedModel:
         self._pre, self._post, self._head, self._plain = pre, post_moe if self.moe else post, head, plain_sample
         self._gumbel = gumbel_noise
         if self.true_on_policy:
-            self._pre, self._post, self._head = _batch_invariant_pieces(nh, nkv, hd, ffn, eps, interleaved)
+            self._pre, self._post, self._head = _batch_invariant_pieces(nh, nkv, hd, ffn, eps, interleaved, grouped,
+                                                                        lscale)
 
     @torch.inference_mode()
     def settle_compiled(self, samplers: tuple = ()) -> None:
@@ -619,27 +619,38 @@ class FusedModel:
         return slow, skey, slow
 
 
-def _batch_invariant_pieces(nh: int, nkv: int, hd: int, ffn: int, eps: float, interleaved: bool):
-    """`_pre_attn`, `_post_attn` and `_logits` (bf16 weights in HF's q/k/v order, no LoRA) over the batch-invariant
-    kernels the trainer runs under ``rollout.true_on_policy``: the norm with the trainer's rounding, every GEMM by
-    `fixed_shape_mm` (a bias added to its rounded output). RoPE, SwiGLU and the residual adds are the same eager ops
-    as megatron's unfused ones (the trainer's fusions are off under the setting)."""
-    from runtime.kernels.batch_invariant import fixed_shape_mm as mm, rms_norm as norm
+def _batch_invariant_pieces(nh: int, nkv: int, hd: int, ffn: int, eps: float, interleaved: bool, grouped: bool,
+                            lscale: float):
+    """`_pre_attn`, `_post_attn` and `_logits` (bf16 weights) over the batch-invariant kernels the trainer runs under
+    ``rollout.true_on_policy``: the norm with the trainer's rounding, every GEMM by `fixed_shape_mm` (a bias added to
+    its rounded output), a LoRA adapter's up-projection by `fixed_shape_addmm`. RoPE, SwiGLU and the residual adds are
+    the same eager ops as megatron's unfused ones (the trainer's fusions are off under the setting)."""
+    from runtime.kernels.batch_invariant import fixed_shape_addmm as addmm, fixed_shape_mm as mm, rms_norm as norm
     rope = _rope_interleaved if interleaved else _rope
 
+    def proj(x, w, b=None, a=None, lb=None):
+        out = mm(x, w, b)
+        return out if a is None else addmm(out, mm(x, a), lb, lscale)
+
     def pre(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, qkv_s=None, qkv_a=None, qkv_lb=None):
-        qkv = mm(norm(h, ln_w, eps), qkv_w, qkv_b)
-        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q, k = q.reshape(-1, nh, hd), k.reshape(-1, nkv, hd)
+        qkv = proj(norm(h, ln_w, eps), qkv_w, qkv_b, qkv_a, qkv_lb)
+        if grouped:  # a shared base's rows: megatron's per-group order (as `_pre_attn`)
+            per = nh // nkv
+            g = qkv.view(-1, nkv, per + 2, hd)
+            q, k, v = g[:, :, :per].reshape(-1, nh, hd), g[:, :, per], g[:, :, per + 1]
+        else:
+            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            q, k = q.reshape(-1, nh, hd), k.reshape(-1, nkv, hd)
         if qn_w is not None:
             q, k = norm(q, qn_w, eps), norm(k, kn_w, eps)
         return rope(q, cos, sin), rope(k, cos, sin), v.reshape(-1, nkv, hd).contiguous()
 
-    def post(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, *no_fp8_no_lora):
-        a = mm(attn, o_w, o_b)
+    def post(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, o_s=None, gu_s=None, dn_s=None, o_a=None, o_lb=None,
+             gu_a=None, gu_lb=None, dn_a=None, dn_lb=None):
+        a = proj(attn, o_w, o_b, o_a, o_lb)
         h = h + (a if pa_w is None else norm(a, pa_w, eps))
-        g, u = mm(norm(h, ln_w, eps), gu_w).split([ffn, ffn], dim=-1)
-        m = mm(F.silu(g) * u, down_w)
+        g, u = proj(norm(h, ln_w, eps), gu_w, None, gu_a, gu_lb).split([ffn, ffn], dim=-1)
+        m = proj(F.silu(g) * u, down_w, None, dn_a, dn_lb)
         return h + (m if pm_w is None else norm(m, pm_w, eps))
 
     def head(h, norm_w, lm_w):

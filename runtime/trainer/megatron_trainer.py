@@ -77,7 +77,7 @@ class MegatronTrainer:
                               f"set train.lora.enabled: false")
         if self.lora is not None:
             from runtime.trainer import lora
-            lora.attach(self.model, self.lora, seed=train.seed)
+            lora.attach(self.model, self.lora, seed=train.seed, batch_invariant=self.true_on_policy)
         self.ref_model = None  # with LoRA the reference is the base with the adapters off: no second model
         self.tp_replicas = replicated_parameters(self.model) if self.tp_size > 1 else []
         if algorithm.kl_coef > 0 and self.lora is None:
