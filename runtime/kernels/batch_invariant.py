@@ -39,6 +39,12 @@ def fixed_shape_mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
     return out if b is None else out + b
 
 
+def rope_inv_freq(base: float, dim: int) -> torch.Tensor:
+    """RoPE's inverse frequencies [dim / 2], fp32, computed on the host (HF's and megatron's expression; megatron
+    computes it on the GPU, where `pow` may round another way): both sides take this one table."""
+    return 1.0 / (float(base) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
 def fixed_shape_addmm(out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """``out + scale * h b^T`` (a LoRA adapter's up-projection added to its linear's output, one rounding:
     runtime/models/base.py `add_lora_up`) with rows in blocks of FIXED_ROWS, one addmm per block. Not in place."""
@@ -191,5 +197,5 @@ def common_prefill(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, seqused_k=N
     return torch.cat([common_attention(q[s:e], k[s:e], v[s:e], scale) for s, e in zip(cu[:-1], cu[1:])])
 
 
-__all__ = ["FIXED_ROWS", "REFERENCE_BLOCK", "fixed_shape_mm", "fixed_shape_addmm", "fixed_rows", "rms_norm", "logprob_math",
+__all__ = ["FIXED_ROWS", "REFERENCE_BLOCK", "rope_inv_freq", "fixed_shape_mm", "fixed_shape_addmm", "fixed_rows", "rms_norm", "logprob_math",
            "token_logprobs", "common_attention", "trainable_attention", "common_decode", "common_prefill"]

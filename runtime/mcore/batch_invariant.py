@@ -3,7 +3,8 @@
 Bound when the model is built (`runtime.mcore.env.build_gpt_model(batch_invariant=True)`), not a branch per call:
 the core attention is :class:`BatchInvariantCoreAttention` (`common_attention` on each sequence: a micro-batch's
 rows, or each sample of a packed one by ``cu_seqlens``), every ``torch.nn.RMSNorm`` is :class:`BatchInvariantRMSNorm`
-and every column/row-parallel linear's GEMM is `fixed_shape_mm` (`use_batch_invariant_linears`). TP 1 only (a TP 2
+every column/row-parallel linear's GEMM is `fixed_shape_mm` (`use_batch_invariant_linears`), and RoPE's table is
+the host's (`use_host_rope_table`). TP 1 only (a TP 2
 trainer sums partial products in another order than a TP 1 engine). The forward's bits are what must equal the
 engine's; the backward is autograd through the same plain-PyTorch ops, the attention's a plain causal attention's
 (`batch_invariant.trainable_attention`).
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from runtime.kernels.batch_invariant import fixed_shape_mm, rms_norm, trainable_attention
+from runtime.kernels.batch_invariant import fixed_shape_mm, rms_norm, rope_inv_freq, trainable_attention
 
 
 class BatchInvariantRMSNorm(torch.nn.RMSNorm):
@@ -33,6 +34,16 @@ def use_batch_invariant_norms(model: torch.nn.Module) -> int:
             m.__class__ = BatchInvariantRMSNorm
             n += 1
     return n
+
+
+def use_host_rope_table(model: torch.nn.Module) -> None:
+    """The model's RoPE inverse frequencies from `rope_inv_freq` (the engine's table), in place of the ones megatron
+    computed on the GPU."""
+    rot = getattr(model, "rotary_pos_emb", None)
+    if rot is None or not hasattr(rot, "inv_freq"):
+        raise ValueError("rollout.true_on_policy: this model has no rotary embedding table to align")
+    rot.inv_freq = rope_inv_freq(model.rotary_base, 2 * rot.inv_freq.numel()).to(rot.inv_freq.device)
+    rot.forward.cache_clear()  # megatron caches the angles per length
 
 
 def _fixed_shape_linear(input, weight, bias=None, **_tp_arguments):

@@ -340,9 +340,11 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: st
     if "norm" in megatron_fusions.active(device, fusions):
         megatron_fusions.use_compiled_norms(model)
     if batch_invariant:
-        from runtime.mcore.batch_invariant import use_batch_invariant_linears, use_batch_invariant_norms
+        from runtime.mcore.batch_invariant import (use_batch_invariant_linears, use_batch_invariant_norms,
+                                                   use_host_rope_table)
         use_batch_invariant_norms(model)
         use_batch_invariant_linears(model)
+        use_host_rope_table(model)
     if device == "cuda":
         model = model.cuda(torch.cuda.current_device())
     if dtype in (torch.bfloat16, torch.float16):

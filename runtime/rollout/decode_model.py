@@ -364,6 +364,10 @@ class FusedModel:
         # the skeleton of a shared base is on the meta device: its RoPE tables are made again on the host
         rotary = inner.rotary_emb if shared_base is None else type(inner.rotary_emb)(cfg)
         self.inv_freq = rotary.inv_freq.to(self.device, torch.float32)
+        if self.true_on_policy:  # the host's table, the trainer's too (megatron computes its own on the GPU)
+            from runtime.kernels.batch_invariant import rope_inv_freq
+            from runtime.models.base import rope_parameters
+            self.inv_freq = rope_inv_freq(rope_parameters(cfg)["rope_theta"], 2 * self.inv_freq.numel()).to(self.device)
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         # the engine's own weights, or (a shared base) the trainer's it decodes with: named when memory runs out
         self.weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
