@@ -111,6 +111,11 @@ class BuiltinEngine(RolloutEngine):
             raise ConfigError(f"rollout.decode_path must be one of {DECODE_PATHS}, got {decode_path!r}")
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             raise ModelError(f"no HF model at {model_dir} (config.json missing): point the engine at an HF checkpoint directory")
+        if true_on_policy:  # the trainer's cuBLAS workspace, before this process's first handle (in a process of
+            # its own the engine would otherwise get the default, and the workspace can steer which GEMM kernel a shape
+            # gets)
+            from runtime.mcore.determinism import fix_cublas_workspace
+            fix_cublas_workspace()
         self.model_dir = str(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
