@@ -97,8 +97,8 @@ def test_engine_logprobs_are_the_trainers_bitwise(models, family):
     assert metrics["train_rollout_logp_absdiff"] == 0.0
 
 
-@pytest.mark.parametrize("sets", [(), pytest.param(("train.lora.enabled=true", "train.lr=1e-2"), marks=pytest.mark.slow)],
-                         ids=["full", "lora"])
+@pytest.mark.slow  # a run's stages and session: the pipeline's, as the other session tests
+@pytest.mark.parametrize("sets", [(), ("train.lora.enabled=true", "train.lr=1e-2")], ids=["full", "lora"])
 def test_a_train_session_has_no_gap(tmp_path, sets):
     """The product path (the session `grpoflow run` drives, the built-in engine and the trainer from the config, the
     weights synced after each update; with LoRA the adapters, the engine decoding from the trainer's base):
