@@ -197,5 +197,6 @@ def common_prefill(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, seqused_k=N
     return torch.cat([common_attention(q[s:e], k[s:e], v[s:e], scale) for s, e in zip(cu[:-1], cu[1:])])
 
 
-__all__ = ["FIXED_ROWS", "REFERENCE_BLOCK", "rope_inv_freq", "fixed_shape_mm", "fixed_shape_addmm", "fixed_rows", "rms_norm", "logprob_math",
-           "token_logprobs", "common_attention", "trainable_attention", "common_decode", "common_prefill"]
+__all__ = ["FIXED_ROWS", "REFERENCE_BLOCK", "rope_inv_freq", "fixed_shape_mm", "fixed_shape_addmm", "fixed_rows",
+           "rms_norm", "logprob_math", "token_logprobs", "common_attention", "trainable_attention", "common_decode",
+           "common_prefill"]
