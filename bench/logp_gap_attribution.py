@@ -66,6 +66,10 @@ from pathlib import Path
 import harness as H
 from harness import ROOT
 
+# the batch-invariant set both sides take under rollout.true_on_policy; the bench's variants install it piecewise
+from runtime.kernels.batch_invariant import (FIXED_ROWS, common_attention, common_decode,  # noqa: F401 (tests)
+                                             common_prefill, fixed_rows, fixed_shape_mm)
+
 CLASSES = ("logsoftmax", "norm", "rope", "swiglu", "linear", "attention", "attention_common")
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=512)
@@ -77,7 +81,6 @@ SHAPES = {
 }
 KNOWN = {"qwen3": "Qwen3-0.6B.json", "glm4": "GLM-4-9B-0414.json"}
 PIECE_CLASSES = {"norm", "linear", "rope", "swiglu"}  # the classes inside the engine's compiled per-layer pieces
-FIXED_ROWS = 64  # the common matmul's row block: every GEMM call of a weight has this many rows
 
 
 def _torch():
@@ -217,40 +220,10 @@ def scored(samples, tr, trainer_ctx=contextlib.nullcontext) -> tuple[list, dict]
     return trainer_lp, gap_stats([s.response_logprobs for s in samples], trainer_lp)
 
 
-# ---- the common batch-invariant matmul ---------------------------------------------------------------------
-
-def fixed_shape_mm(x, w, b=None):
-    """x [..., K] @ w[N, K].T (+ b): rows in blocks of FIXED_ROWS (the last block zero-padded), one GEMM per block, so
-    every call on a weight has one shape and cuBLAS one kernel: a row's bits do not depend on how many rows came with
-    it. The bias is added after the GEMM in the output dtype, as megatron's linear does."""
-    torch = _torch()
-    rows = x.reshape(-1, x.shape[-1]).contiguous()  # one leading dimension on both sides: cuBLAS picks by it too
-    n = rows.shape[0]
-    pad = (-n) % FIXED_ROWS
-    if pad:
-        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
-    out = torch.cat([torch.mm(rows[i:i + FIXED_ROWS], w.t()) for i in range(0, rows.shape[0], FIXED_ROWS)])[:n]
-    out = out.view(*x.shape[:-1], w.shape[0])
-    return out if b is None else out + b
-
-
-def fixed_rows(fn, x, *per_row):
-    """fn(x_block, *per_row_blocks) -> tuple of per-row tensors, on rows in blocks of FIXED_ROWS (the last block
-    padded with copies of row 0): every call of `fn` has one shape, whatever the row count (a compiled reduction's
-    configuration may follow the shape)."""
-    torch = _torch()
-    n = x.shape[0]
-    outs = []
-    for s in range(0, n, FIXED_ROWS):
-        idx = torch.arange(s, s + FIXED_ROWS, device=x.device)
-        idx = torch.where(idx < n, idx, torch.zeros_like(idx))
-        r = fn(x.index_select(0, idx), *(t.index_select(0, idx) for t in per_row))
-        outs.append(tuple(t[:min(FIXED_ROWS, n - s)] if t is not None else None for t in r))
-    return tuple(torch.cat(ts) if ts[0] is not None else None for ts in zip(*outs))
-
+# ---- the trainer's side of the common classes (patched by this bench for its variants) ------------------
 
 def common_linear_logprobs(hidden, weight, targets, temperature: float = 1.0, *, chunk: int = 2048,
-                           with_entropy: bool = False):
+                           with_entropy: bool = False, batch_invariant: bool = False):
     """runtime/trainer/logprobs.linear_logprobs's forward (no autograd: log-prob passes only) with the output layer's
     GEMM by `fixed_shape_mm` and its log-softmax on rows in fixed blocks (`fixed_rows`), as the engine's."""
     torch = _torch()
@@ -286,79 +259,6 @@ def trainer_common_linear(tr):
         L.linear_logprobs = before
         for m in mods:
             del m._forward_impl
-
-
-# ---- the common row-invariant attention --------------------------------------------------------------------
-
-def common_attention(q, k, v, scale: float, rows: int | None = FIXED_ROWS):
-    """Causal attention of one sequence (q [n, nh, hd], k/v [n, nkv, hd]) with every query row as the engine's
-    decode reference (runtime/rollout/decode_attention.py `reference_paged_decode_attention`) computes one row: its
-    positions [0, i] in blocks of REFERENCE_BLOCK from 0 under a running softmax in fp32, the same expressions, K/V
-    laid out [rows, block, nkv, hd] as the reference gathers them. The query rows go `rows` at a time (the last
-    block padded with the last row), as `common_decode` hands the reference the engine's rows: every einsum and
-    reduction then has one shape on both sides, so cuBLAS and torch's reduction kernels pick one configuration (on
-    CPU the shapes do not change a row's bits; on a GPU they do). `rows=None`: all rows in one call (the first
-    GPU run's version)."""
-    torch = _torch()
-    n = q.shape[0]
-    if rows is None:
-        return _attention_rows(q, k, v, scale, torch.arange(n, device=q.device))
-    out = []
-    for s in range(0, n, rows):
-        idx = torch.arange(s, s + rows, device=q.device).clamp(max=n - 1)
-        out.append(_attention_rows(q, k, v, scale, idx)[:min(rows, n - s)])
-    return torch.cat(out)
-
-
-def _attention_rows(q, k, v, scale: float, idx):
-    """The query rows `idx` of one causal sequence, each over its positions [0, idx] (see `common_attention`)."""
-    torch = _torch()
-    from runtime.rollout.decode_attention import REFERENCE_BLOCK as block
-    n, nh, hd = q.shape
-    nkv = k.shape[1]
-    b = idx.shape[0]
-    total = (idx + 1)[:, None]
-    qf = q.index_select(0, idx).float().reshape(b, nkv, nh // nkv, hd) * scale
-    m = torch.full((b, nkv, nh // nkv), float("-inf"), device=q.device)
-    denom = torch.zeros_like(m)
-    acc = torch.zeros(b, nkv, nh // nkv, hd, device=q.device)
-    for start in range(0, int(idx.max()) + 1, block):
-        j = torch.arange(start, start + block, device=q.device)[None, :]
-        at = j[0].clamp(max=n - 1)
-        kb = k[at][None].expand(b, block, nkv, hd).contiguous().float()
-        vb = v[at][None].expand(b, block, nkv, hd).contiguous().float()
-        sc = torch.einsum("bgrd,bjgd->bgrj", qf, kb).masked_fill(~(j < total)[:, None, None, :], float("-inf"))
-        m_new = torch.maximum(m, sc.amax(-1))
-        alpha = torch.exp(m - m_new).nan_to_num(0.0)
-        p = torch.exp(sc - m_new[..., None]).nan_to_num(0.0)
-        denom = denom * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + torch.einsum("bgrj,bjgd->bgrd", p, vb)
-        m = m_new
-    return (acc / denom[..., None]).reshape(b, nh, hd).to(q.dtype)
-
-
-def common_decode(q, k_pool, v_pool, table, prefix_len, own_len, prefix_cols: int, scale: float, split_tokens=None):
-    """The engine's paged-attention signature: `reference_paged_decode_attention` on the live rows FIXED_ROWS at a
-    time (the last block padded with copies of row 0), so that its einsums and reductions have the shapes of
-    `common_attention`'s on the trainer's side, whatever the number of live rows."""
-    torch = _torch()
-    from runtime.rollout.decode_attention import reference_paged_decode_attention as ref
-    B = q.shape[0]
-    out = []
-    for s in range(0, B, FIXED_ROWS):
-        idx = torch.arange(s, s + FIXED_ROWS, device=q.device)
-        idx = torch.where(idx < B, idx, torch.zeros_like(idx))
-        sel = lambda t: t.index_select(0, idx)  # noqa: E731
-        out.append(ref(sel(q), k_pool, v_pool, sel(table), sel(prefix_len), sel(own_len), prefix_cols,
-                       scale)[:min(FIXED_ROWS, B - s)])
-    return torch.cat(out)
-
-
-def common_prefill(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    """The engine's `_flash` signature: each packed sequence by `common_attention`."""
-    torch = _torch()
-    cu = cu_q.tolist()
-    return torch.cat([common_attention(q[s:e], k[s:e], v[s:e], scale) for s, e in zip(cu[:-1], cu[1:])])
 
 
 @contextlib.contextmanager

@@ -189,6 +189,13 @@ class RolloutSection(Section):
     # each sample's own pages by log-sum-exp (docs/cascade-attention.md). Same attention, summed in another order:
     # log-probs within float noise of off. Off until measured on the GPU (bench/rollout_bench.py --cascade-ab).
     cascade_attention: bool = False
+    # True on-policy (issue 61, docs/true-on-policy.md): the built-in engine and the trainer compute the forward, the
+    # attention and the sampled token's log-prob with one batch-invariant set of kernels (runtime/kernels/
+    # batch_invariant.py), so every token sampled under the current weights has an engine log-prob bitwise equal to
+    # the trainer's in its training forward (train_rollout_logp_absdiff is 0), preempted samples included. Dense
+    # models, TP 1, LoRA without dropout, bf16 engine weights, no partial rollout; slower (plain-PyTorch attention),
+    # off by default.
+    true_on_policy: bool = False
     sglang: SGLangSection = SGLangSection()
 
     @model_validator(mode="before")
@@ -577,6 +584,8 @@ class GrpoConfig(Section):
             raise ValueError(
                 f"eval.interval={self.eval.interval} must be a multiple of checkpoint.interval="
                 f"{self.checkpoint.interval} (an eval needs a checkpoint to export)")
+        if r.true_on_policy:
+            self._true_on_policy_scope()
         if r.top_k == 0:
             raise ValueError("rollout.top_k=0 keeps no token: use -1 (off) or a count >= 1")
         if r.partial:
@@ -606,6 +615,36 @@ class GrpoConfig(Section):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
             raise ValueError(f"name={self.name!r}: use letters, digits, '.', '_' and '-'")
         return self
+
+    def _true_on_policy_scope(self) -> None:
+        """What rollout.true_on_policy does not cover, refused in one line each (issue 61)."""
+        r, t = self.rollout, self.train
+        out = "is out of scope of rollout.true_on_policy (issue 61)"
+        if t.tensor_parallel > 1:
+            raise ValueError(f"train.tensor_parallel={t.tensor_parallel} {out}: a TP > 1 trainer sums partial products "
+                             f"in another order than the engine; set train.tensor_parallel: 1 or "
+                             f"rollout.true_on_policy: false")
+        if t.lora.enabled and t.lora.dropout > 0:
+            raise ValueError(f"train.lora.dropout={t.lora.dropout} {out}: the training forward drops what the engine "
+                             f"kept; set train.lora.dropout: 0 or rollout.true_on_policy: false")
+        if r.engine != "builtin":
+            raise ValueError(f"rollout.engine={r.engine} {out}: only the built-in engine runs the trainer's kernels; "
+                             f"set rollout.engine: builtin or rollout.true_on_policy: false")
+        if r.weights_dtype != "bf16":
+            raise ValueError(f"rollout.weights_dtype={r.weights_dtype} {out}: FP8 weights are not the trainer's; set "
+                             f"rollout.weights_dtype: bf16 or rollout.true_on_policy: false")
+        if r.partial:
+            raise ValueError(f"rollout.partial {out}: carried tokens were sampled under older weights; set "
+                             f"rollout.partial: false or rollout.true_on_policy: false")
+        if r.cascade_attention:
+            raise ValueError(f"rollout.cascade_attention {out}: it sums a row's attention in another order than the "
+                             f"trainer; set rollout.cascade_attention: false or rollout.true_on_policy: false")
+        if r.decode_path == "hf":
+            raise ValueError("rollout.decode_path=hf: rollout.true_on_policy runs in the paged decoder; set "
+                             "rollout.decode_path: auto (or paged)")
+        if r.custom_rollout:
+            raise ValueError(f"rollout.custom_rollout {out}: a custom rollout makes its own log-probs; remove it or "
+                             f"set rollout.true_on_policy: false")
 
     # -- derived quantities --------------------------------------------------------------------
     @property

@@ -65,7 +65,8 @@ class TrainSession:
         c = self.cfg
         self.trainer = self.cluster.trainer(
             hf_dir=self.rd.local(self.rd.hf_model), init_checkpoint=self.rd.local(self.rd.torch_dist),
-            train=c.train, algorithm=c.algorithm, temperature=c.rollout.temperature)
+            train=c.train, algorithm=c.algorithm, temperature=c.rollout.temperature,
+            true_on_policy=c.rollout.true_on_policy)
         # LoRA with trainer and engine in this process: one copy of the base, the trainer's (runtime/placement/layout.py)
         shared = self.trainer.shared_base() if layout.shares_base(c) else None
         self.engine = self.cluster.engine(self.rd.local(self.rd.hf_model), shared_base=shared)

@@ -296,7 +296,7 @@ def uses_sdpa_attention(device: str, core_attention: str = "auto", packed: bool 
 def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                     init_weights: bool = True, parallel_output: bool = True, fusions: str | list = "auto",
                     core_attention: str = "auto", packed: bool = False, packed_attention: str = "flash2",
-                    **config_overrides):
+                    batch_invariant: bool = False, **config_overrides):
     """A megatron ``GPTModel`` with the architecture of ``hf_config`` and its family's layer spec
     (``adapter.layer_spec``: megatron-core's local spec unless the family needs its own), its core
     attention per :func:`uses_sdpa_attention` (``packed``: the model will see packed micro-batches, through the
@@ -305,6 +305,8 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: st
     ``init_weights=False`` skips the random init (the weights are garbage until loaded): use it
     when a checkpoint is loaded right after. Calls :func:`ensure_parallel` first.
     ``config_overrides``: :func:`build_transformer_config`'s keywords (recompute, TransformerConfig fields).
+    ``batch_invariant`` (``rollout.true_on_policy``): no fusions, and the core attention, norms and linear layers
+    the engine runs too (runtime/mcore/batch_invariant.py).
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -313,6 +315,8 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: st
 
     device = _resolve_device(device)
     ensure_parallel(device)
+    if batch_invariant:  # the fused RoPE / SwiGLU / norm kernels drop roundings the engine's eager ops make
+        fusions = "none"
     config = build_transformer_config(hf_config, dtype=dtype, device=device, init_weights=init_weights,
                                       fusions=fusions, **config_overrides)
     adapter = get_adapter(hf_config)
@@ -320,6 +324,9 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: st
     if uses_sdpa_attention(device, core_attention, packed):
         native_gqa = "gqa" in megatron_fusions.active(device, fusions) and megatron_fusions.sdpa_supports_gqa()
         spec = _with_sdpa_core_attention(spec, native_gqa, packed_attention)
+    if batch_invariant:
+        from runtime.mcore.batch_invariant import with_batch_invariant_core_attention
+        spec = with_batch_invariant_core_attention(spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -332,6 +339,12 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: st
         _mark_tensor_parallel_params(model)
     if "norm" in megatron_fusions.active(device, fusions):
         megatron_fusions.use_compiled_norms(model)
+    if batch_invariant:
+        from runtime.mcore.batch_invariant import (use_batch_invariant_linears, use_batch_invariant_norms,
+                                                   use_host_rope_table)
+        use_batch_invariant_norms(model)
+        use_batch_invariant_linears(model)
+        use_host_rope_table(model)
     if device == "cuda":
         model = model.cuda(torch.cuda.current_device())
     if dtype in (torch.bfloat16, torch.float16):

@@ -86,6 +86,7 @@ class BuiltinEngine(RolloutEngine):
         weights_dtype: str = "bf16",
         routing_replay: bool = False,
         cascade_attention: bool = False,
+        true_on_policy: bool = False,
     ):
         """decode_path: "auto" = the paged decoder (`paged_decode`) where the model family has it, else HF's
         forward; "paged" insists (error if the family lacks it); "hf" = HF's forward with a dynamic cache
@@ -102,7 +103,9 @@ class BuiltinEngine(RolloutEngine):
         routing_replay (``rollout.routing_replay``): the paged decoder records each token's experts (a mixture of
         experts; nothing for a dense model), returned as `SampleResult.routed_experts`.
         cascade_attention (``rollout.cascade_attention``): the paged decoder reads a group's prompt pages once per step
-        for all its samples (`paged_decode`); on HF's path (hf, or a family without the paged decoder) refused."""
+        for all its samples (`paged_decode`); on HF's path (hf, or a family without the paged decoder) refused.
+        true_on_policy (``rollout.true_on_policy``): the paged decoder's batch-invariant forward, the trainer's
+        (runtime/kernels/batch_invariant.py); refused where the paged decoder is not taken."""
         if max_batch_size < 1:
             raise ConfigError(f"rollout max_batch_size must be >= 1, got {max_batch_size}: fix rollout.max_batch_size")
         if attn_implementation not in _ATTN_IMPLEMENTATIONS:
@@ -111,6 +114,11 @@ class BuiltinEngine(RolloutEngine):
             raise ConfigError(f"rollout.decode_path must be one of {DECODE_PATHS}, got {decode_path!r}")
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             raise ModelError(f"no HF model at {model_dir} (config.json missing): point the engine at an HF checkpoint directory")
+        if true_on_policy:  # the trainer's cuBLAS workspace, before this process's first handle (in a process of
+            # its own the engine would otherwise get the default, and the workspace can steer which GEMM kernel a shape
+            # gets)
+            from runtime.mcore.determinism import fix_cublas_workspace
+            fix_cublas_workspace()
         self.model_dir = str(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -144,6 +152,9 @@ class BuiltinEngine(RolloutEngine):
         if cascade_attention and decode_path == "hf":
             raise ConfigError("rollout.cascade_attention runs in the paged decoder: set rollout.decode_path: auto (or "
                               "paged), or rollout.cascade_attention: false")
+        if true_on_policy and decode_path == "hf":
+            raise ConfigError("rollout.true_on_policy runs in the paged decoder: set rollout.decode_path: auto "
+                              "(or paged)")
         if weights_dtype != "bf16" and decode_path == "hf":
             raise ConfigError(f"rollout.weights_dtype {weights_dtype} runs in the paged decoder: set "
                               f"rollout.decode_path: auto (or paged), or rollout.weights_dtype: bf16")
@@ -161,10 +172,13 @@ class BuiltinEngine(RolloutEngine):
                                             sync_every=sync_every, gpu_memory_gb=gpu_memory_gb, lora=lora,
                                             shared_base=shared_base, deterministic=deterministic,
                                             weights_dtype=weights_dtype, record_routes=routing_replay,
-                                            cascade=cascade_attention)
+                                            cascade=cascade_attention, true_on_policy=true_on_policy)
             elif lora is not None or shared_base is not None:
                 raise ConfigError(f"train.lora needs the built-in engine's paged decoder, which {model_dir} lacks: "
                                   f"{reason}")
+            elif true_on_policy:
+                raise ConfigError(f"rollout.true_on_policy needs the built-in engine's paged decoder, which "
+                                  f"{model_dir} lacks: {reason}; set rollout.true_on_policy: false")
             elif routing_replay:
                 raise ConfigError(f"rollout.routing_replay needs the built-in engine's paged decoder, which {model_dir} "
                                   f"lacks: {reason}; set rollout.routing_replay: false")

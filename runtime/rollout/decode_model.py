@@ -313,7 +313,7 @@ class FusedModel:
 
     def __init__(self, model, *, compile: bool | None = None, lora=None, shared_base: dict | None = None,
                  deterministic: bool = True, settle_rows: int = 64, weights_dtype: str = "bf16",
-                 drop_bf16: bool = True, record_routes: bool = False):
+                 drop_bf16: bool = True, record_routes: bool = False, true_on_policy: bool = False):
         reason = unsupported_config_reason(model.config) if shared_base is not None else unsupported_reason(model)
         if reason:
             raise ValueError(f"fast decode path: {reason}")
@@ -342,7 +342,15 @@ class FusedModel:
         self.eps = float(cfg.rms_norm_eps)
         self.scale = self.hd ** -0.5
         self.n_layers = cfg.num_hidden_layers
-        self.compiled = cuda if compile is None else bool(compile)
+        # rollout.true_on_policy: the batch-invariant pieces the trainer runs too (runtime/kernels/batch_invariant.py),
+        # eager (a compiled piece may fuse the norm with its neighbours and drop the roundings between them)
+        self.true_on_policy = bool(true_on_policy)
+        if self.true_on_policy:
+            why = "a mixture of experts" if self.moe else "FP8 weights" if weights_dtype != "bf16" else None
+            if why:
+                raise ValueError(f"rollout.true_on_policy: {why} is out of scope (issue 61); set "
+                                 f"rollout.true_on_policy: false")
+        self.compiled = (cuda if compile is None else bool(compile)) and not self.true_on_policy
         # the rows the head and the samplers are compiled on (`settle_compiled`): a decode step's most
         self.settle_rows = max(int(settle_rows), 2)  # 0 and 1 would be fixed in the graph
         self._settled: set = set()
@@ -352,6 +360,10 @@ class FusedModel:
         # the skeleton of a shared base is on the meta device: its RoPE tables are made again on the host
         rotary = inner.rotary_emb if shared_base is None else type(inner.rotary_emb)(cfg)
         self.inv_freq = rotary.inv_freq.to(self.device, torch.float32)
+        if self.true_on_policy:  # the host's table, the trainer's too (megatron computes its own on the GPU)
+            from runtime.kernels.batch_invariant import rope_inv_freq
+            from runtime.models.base import rope_parameters
+            self.inv_freq = rope_inv_freq(rope_parameters(cfg)["rope_theta"], 2 * self.inv_freq.numel()).to(self.device)
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         # the engine's own weights, or (a shared base) the trainer's it decodes with: named when memory runs out
         self.weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
@@ -518,6 +530,9 @@ class FusedModel:
 
         self._pre, self._post, self._head, self._plain = pre, post_moe if self.moe else post, head, plain_sample
         self._gumbel = gumbel_noise
+        if self.true_on_policy:
+            self._pre, self._post, self._head = _batch_invariant_pieces(nh, nkv, hd, ffn, eps, interleaved, grouped,
+                                                                        lscale)
 
     @torch.inference_mode()
     def settle_compiled(self, samplers: tuple = ()) -> None:
@@ -578,7 +593,22 @@ class FusedModel:
         return 2 * self.n_layers * self.nkv * self.hd * torch.finfo(self.dtype).bits // 8
 
     def _sampler(self, sampling) -> tuple[Callable, tuple, Callable]:
-        """(decode-step sampler, its graph key, prefill sampler)."""
+        """(decode-step sampler, its graph key, prefill sampler). With ``true_on_policy`` the token is the sampler's
+        and its log-prob the batch-invariant one the trainer computes (`batch_invariant.token_logprobs`)."""
+        step, skey, prefill = self._own_sampler(sampling)
+        if not self.true_on_policy:
+            return step, skey, prefill
+        from runtime.kernels.batch_invariant import token_logprobs
+        temp = float(sampling.temperature) if sampling.temperature > 0 else 1.0
+
+        def with_logprob(fn):
+            def draw(logits, kh, sp):
+                t, _ = fn(logits, kh, sp)
+                return t, token_logprobs(logits, t, temp)[0]
+            return draw
+        return with_logprob(step), (*skey, "true_on_policy"), with_logprob(prefill)
+
+    def _own_sampler(self, sampling) -> tuple[Callable, tuple, Callable]:
         def slow(logits, kh, sp):
             return sample_next(logits, kh, sp, sampling, self._gumbel)
         skey = (sampling.temperature, sampling.top_p, sampling.top_k)
@@ -587,6 +617,45 @@ class FusedModel:
             temp = float(sampling.temperature)
             return (lambda logits, kh, sp: self._plain(logits, kh, sp, temp)), skey, slow
         return slow, skey, slow
+
+
+def _batch_invariant_pieces(nh: int, nkv: int, hd: int, ffn: int, eps: float, interleaved: bool, grouped: bool,
+                            lscale: float):
+    """`_pre_attn`, `_post_attn` and `_logits` (bf16 weights) over the batch-invariant kernels the trainer runs under
+    ``rollout.true_on_policy``: the norm with the trainer's rounding, every GEMM by `fixed_shape_mm` (a bias added to
+    its rounded output), a LoRA adapter's up-projection by `fixed_shape_addmm`. RoPE, SwiGLU and the residual adds are
+    the same eager ops as megatron's unfused ones (the trainer's fusions are off under the setting)."""
+    from runtime.kernels.batch_invariant import fixed_shape_addmm as addmm, fixed_shape_mm as mm, rms_norm as norm
+    rope = _rope_interleaved if interleaved else _rope
+
+    def proj(x, w, b=None, a=None, lb=None):
+        out = mm(x, w, b)
+        return out if a is None else addmm(out, mm(x, a), lb, lscale)
+
+    def pre(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, qkv_s=None, qkv_a=None, qkv_lb=None):
+        qkv = proj(norm(h, ln_w, eps), qkv_w, qkv_b, qkv_a, qkv_lb)
+        if grouped:  # a shared base's rows: megatron's per-group order (as `_pre_attn`)
+            per = nh // nkv
+            g = qkv.view(-1, nkv, per + 2, hd)
+            q, k, v = g[:, :, :per].reshape(-1, nh, hd), g[:, :, per], g[:, :, per + 1]
+        else:
+            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            q, k = q.reshape(-1, nh, hd), k.reshape(-1, nkv, hd)
+        if qn_w is not None:
+            q, k = norm(q, qn_w, eps), norm(k, kn_w, eps)
+        return rope(q, cos, sin), rope(k, cos, sin), v.reshape(-1, nkv, hd).contiguous()
+
+    def post(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, o_s=None, gu_s=None, dn_s=None, o_a=None, o_lb=None,
+             gu_a=None, gu_lb=None, dn_a=None, dn_lb=None):
+        a = proj(attn, o_w, o_b, o_a, o_lb)
+        h = h + (a if pa_w is None else norm(a, pa_w, eps))
+        g, u = proj(norm(h, ln_w, eps), gu_w, None, gu_a, gu_lb).split([ffn, ffn], dim=-1)
+        m = proj(F.silu(g) * u, down_w, None, dn_a, dn_lb)
+        return h + (m if pm_w is None else norm(m, pm_w, eps))
+
+    def head(h, norm_w, lm_w):
+        return mm(norm(h, norm_w, eps), lm_w)
+    return pre, post, head
 
 
 def _cumsum(xs):

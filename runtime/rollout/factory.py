@@ -16,4 +16,5 @@ def make_engine(*, cfg: GrpoConfig, model_dir: str, device: str, dtype: str, sha
                          sync_every=cfg.rollout.sync_every, gpu_memory_gb=cfg.cluster.gpu_memory_gb,
                          deterministic=cfg.rollout.deterministic, weights_dtype=cfg.rollout.weights_dtype,
                          lora=cfg.train.lora if cfg.train.lora.enabled else None, shared_base=shared_base,
-                         routing_replay=cfg.rollout.routing_replay, cascade_attention=cfg.rollout.cascade_attention)
+                         routing_replay=cfg.rollout.routing_replay, cascade_attention=cfg.rollout.cascade_attention,
+                         true_on_policy=cfg.rollout.true_on_policy)

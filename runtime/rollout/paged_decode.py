@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.devices import is_out_of_memory, out_of_memory_error
-from runtime.errors import MemoryPlanError
+from runtime.errors import ConfigError, MemoryPlanError
 from runtime.rollout.decode_attention import (cascade_decode_attention, group_rows_for, paged_decode_attention,
                                               reference_cascade_decode_attention, reference_paged_decode_attention,
                                               split_tokens_for, triton_available)
@@ -86,7 +86,8 @@ class PagedDecoder(FusedModel):
                  sync_every: int = 16, prefill_tokens: int = 16384, attention: str = "auto",
                  overlap_chunks: bool = True, gpu_memory_gb: float | None = None, lora=None,
                  shared_base: dict | None = None, deterministic: bool = True, weights_dtype: str = "bf16",
-                 drop_bf16: bool = True, record_routes: bool = False, cascade: bool = False):
+                 drop_bf16: bool = True, record_routes: bool = False, cascade: bool = False,
+                 true_on_policy: bool = False):
         """attention: "auto" (the Triton kernel on CUDA where it applies, else the PyTorch reference),
         "triton" or "reference". overlap_chunks: queue the next decode chunk before reading the last one
         (the tokens are the same either way; off only to measure what it saves). gpu_memory_gb: the card
@@ -94,10 +95,13 @@ class PagedDecoder(FusedModel):
         shared_base, weights_dtype, drop_bf16: `FusedModel`'s (the adapters' buffers and the FP8 weights are static:
         the captured graphs read them as they are updated). record_routes (``rollout.routing_replay``): each token's
         experts per MoE layer come back with the tokens (`routes`). cascade (``rollout.cascade_attention``): a group's
-        prompt pages read once per step for all its live rows (the module doc)."""
+        prompt pages read once per step for all its live rows (the module doc). true_on_policy
+        (``rollout.true_on_policy``): the batch-invariant forward, attention and log-prob the trainer computes too
+        (runtime/kernels/batch_invariant.py): decode and prefill attention both by `common_decode` / `common_prefill`;
+        not with cascade (another order of sums)."""
         super().__init__(model, compile=compile, lora=lora, shared_base=shared_base, deterministic=deterministic,
                          settle_rows=max_rows, weights_dtype=weights_dtype, drop_bf16=drop_bf16,
-                         record_routes=record_routes)
+                         record_routes=record_routes, true_on_policy=true_on_policy)
         self.last_routes: list[torch.Tensor | None] = []  # per request of the last call (`_generate`)
         cuda = self.device.type == "cuda"
         self.max_rows = int(max_rows)
@@ -118,10 +122,17 @@ class PagedDecoder(FusedModel):
         self.use_graphs = cuda if cuda_graphs is None else bool(cuda_graphs and cuda)
         self.gpu_memory_gb = gpu_memory_gb
         self._paged_attention = guarded("triton", paged_decode_attention)
+        if cascade and true_on_policy:
+            raise ConfigError("rollout.cascade_attention sums a row's attention in another order than the trainer: "
+                              "set rollout.cascade_attention: false with rollout.true_on_policy")
         self.cascade = bool(cascade)
         self.group_rows = group_rows_for(self.nh // self.nkv)
         self._cascade_attention = guarded("triton", cascade_decode_attention)
         self._flash = guarded("flash", _flash)
+        if self.true_on_policy:  # the attention the trainer runs, whatever the rows: one per side would differ
+            from runtime.kernels.batch_invariant import common_decode, common_prefill
+            self._paged_attention, self.use_triton = common_decode, True
+            self._flash, self.use_flash = common_prefill, True
         self._pool_budget = 0  # bytes the pool was last made with (or was being made with)
         self.pool: PagePool | None = None
         self.k_pool = self.v_pool = None
@@ -884,6 +895,8 @@ class PagedDecoder(FusedModel):
         stats["attention"] = ("triton_paged_split_kv" if self.use_triton else "sdpa_paged_reference") \
             + ("_cascade" if self.cascade else "")
         stats["prefill_attention"] = "flash_varlen" if self.use_flash else "sdpa"
+        if self.true_on_policy:
+            stats["attention"] = stats["prefill_attention"] = "batch_invariant"
         if self.compile_error:
             stats["compile_error"] = self.compile_error
         return out_ids, out_lp, finish

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.kernels import batch_invariant as bi
+
 
 def _fwd_math(zb: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
     """From the chunk's logits (matmul dtype) to (logp, lse, entropy|None), all fp32."""
@@ -66,7 +68,8 @@ def _call(fn_compiled, fn_eager, *args):
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, with_entropy: bool):
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, with_entropy: bool,
+                batch_invariant: bool = False):
         n = hidden.shape[0]
         fwd, _ = _fns(hidden.device)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -74,8 +77,12 @@ class _LinearLogprobs(torch.autograd.Function):
         ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            zb = hidden[s:e] @ weight.t()
-            lp, lse, en = _call(fwd, _fwd_math, zb, targets[s:e], temperature, with_entropy)
+            if batch_invariant:  # the engine's: GEMM and log-softmax on rows in fixed blocks (the backward as it is)
+                zb = bi.fixed_shape_mm(hidden[s:e], weight)
+                lp, lse, en = bi.token_logprobs(zb, targets[s:e], temperature, with_entropy)
+            else:
+                zb = hidden[s:e] @ weight.t()
+                lp, lse, en = _call(fwd, _fwd_math, zb, targets[s:e], temperature, with_entropy)
             logp[s:e], lse_all[s:e] = lp, lse
             if with_entropy:
                 ent[s:e] = en
@@ -111,18 +118,21 @@ class _LinearLogprobs(torch.autograd.Function):
             if need_w:
                 grad_w += (dz.t() @ h).to(torch.float32)
             del dz
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                    *, chunk: int = 2048, with_entropy: bool = False):
+                    *, chunk: int = 2048, with_entropy: bool = False, batch_invariant: bool = False):
     """hidden [n, H] (any float dtype), weight [V, H], targets [n] -> (logp [n] fp32, entropy [n] fp32 or None).
 
     The entropy (of softmax(logits / temperature)) is differentiable too; detach it when it is only a metric.
+    ``batch_invariant`` (``rollout.true_on_policy``): the forward by runtime/kernels/batch_invariant.py, as the
+    engine computes its sampled tokens' log-probs.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [n, H] and targets [n], got {tuple(hidden.shape)} and {tuple(targets.shape)}")
-    logp, ent = _LinearLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk), bool(with_entropy))
+    logp, ent = _LinearLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk), bool(with_entropy),
+                                      bool(batch_invariant))
     return logp, (ent if with_entropy else None)
 
 

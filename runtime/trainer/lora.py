@@ -61,9 +61,10 @@ class _LoraMixin:
             return out
         if self.training and self.lora_dropout > 0:
             x = x * self._dropout_mask(x)
-        h = F.linear(x, self.lora_A)
+        down, up = self.lora_products
+        h = down(x, self.lora_A)
         h = reduce_from_tensor_model_parallel_region(h) if self.lora_row else copy_to_tensor_model_parallel_region(h)
-        return add_lora_up(out, h, self.lora_B, self.lora_scale)
+        return up(out, h, self.lora_B, self.lora_scale)
 
     def _dropout_mask(self, x: torch.Tensor) -> torch.Tensor:
         """keep / (1 - p) over the whole input (a row-parallel rank takes its columns of it)."""
@@ -124,9 +125,12 @@ def lora_modules(model) -> Iterator[tuple[str, torch.nn.Module]]:
             yield name, module
 
 
-def attach(model, lora: LoraSection, seed: int) -> int:
+def attach(model, lora: LoraSection, seed: int, batch_invariant: bool = False) -> int:
     """Freeze ``model`` and give each target linear an adapter (module doc). Returns the adapter parameters'
-    count. Call after the base weights are loaded and before DDP and the optimizer are built."""
+    count. Call after the base weights are loaded and before DDP and the optimizer are built. ``batch_invariant``
+    (``rollout.true_on_policy``): the adapter's two products by runtime/kernels/batch_invariant.py, as the engine's."""
+    from runtime.kernels import batch_invariant as bi
+    products = (bi.fixed_shape_mm, bi.fixed_shape_addmm) if batch_invariant else (F.linear, add_lora_up)
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import layers as tpl
 
@@ -162,7 +166,7 @@ def attach(model, lora: LoraSection, seed: int) -> int:
             tpl.set_defaults_if_not_set_tensor_model_parallel_attributes(module.lora_A)
         module.lora_row, module.lora_index, module.lora_tp = row, index, (tp, tp_rank)
         module.lora_scale, module.lora_dropout = float(lora.scale), float(lora.dropout)
-        module.lora_on, module.lora_key = True, None
+        module.lora_on, module.lora_key, module.lora_products = True, None, products
         count += module.lora_A.numel() + module.lora_B.numel()
     if not count:
         raise ValueError(f"train.lora.target_modules {sorted(targets)}: no such linear in the model")

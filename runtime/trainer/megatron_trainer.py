@@ -32,7 +32,10 @@ class MegatronTrainer:
     def __init__(self, *, hf_dir: str, init_checkpoint: str, train: TrainSection, algorithm: AlgorithmSection,
                  temperature: float, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
                  master_port: int | None = None, device: str = "cpu", dtype: str = "float32",
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, true_on_policy: bool = False):
+        """true_on_policy (``rollout.true_on_policy``, TP 1): the model's attention, norms and linear layers and the
+        log-prob forward on the batch-invariant kernels the built-in engine runs (runtime/mcore/batch_invariant.py),
+        so the training forward's log-prob of a token sampled under these weights is bitwise the engine's."""
         if not isinstance(train, TrainSection) or not isinstance(algorithm, AlgorithmSection):
             raise TypeError("MegatronTrainer takes the config's TrainSection and AlgorithmSection "
                             f"(got {type(train).__name__}, {type(algorithm).__name__})")
@@ -51,6 +54,11 @@ class MegatronTrainer:
         from runtime.models import load_hf_config
 
         self.train_cfg, self.algo, self.temperature = train, algorithm, temperature
+        self.true_on_policy = bool(true_on_policy)
+        if self.true_on_policy and train.tensor_parallel != 1:
+            from runtime.errors import ConfigError
+            raise ConfigError(f"rollout.true_on_policy needs train.tensor_parallel=1 (got {train.tensor_parallel}): "
+                              f"TP > 1 is out of scope (issue 61)")
         self.device = device
         self.rank, self.world_size = rank, world_size
         menv.init_parallel(rank=rank, world_size=world_size, tp=train.tensor_parallel, master_addr=master_addr,
@@ -69,7 +77,7 @@ class MegatronTrainer:
                               f"set train.lora.enabled: false")
         if self.lora is not None:
             from runtime.trainer import lora
-            lora.attach(self.model, self.lora, seed=train.seed)
+            lora.attach(self.model, self.lora, seed=train.seed, batch_invariant=self.true_on_policy)
         self.ref_model = None  # with LoRA the reference is the base with the adapters off: no second model
         self.tp_replicas = replicated_parameters(self.model) if self.tp_size > 1 else []
         if algorithm.kl_coef > 0 and self.lora is None:
@@ -113,7 +121,7 @@ class MegatronTrainer:
         from runtime.mcore import env as menv
         from runtime.mcore.varlen_attention import check_available
         t = self.train_cfg
-        if self.packs and str(self.device).startswith("cuda"):
+        if self.packs and str(self.device).startswith("cuda") and not self.true_on_policy:
             check_available(t.packed_attention)
         recompute = dict(recompute=t.recompute, recompute_modules=tuple(t.recompute_modules),
                          recompute_num_layers=t.recompute_num_layers) if train else {}
@@ -124,7 +132,8 @@ class MegatronTrainer:
             recompute.update(routing_replay.config_overrides())
         model = menv.build_gpt_model(self.hf_config, dtype=self.params_dtype, device=self.device, init_weights=False,
                                      fusions=t.fusions, core_attention=t.core_attention, packed=self.packs,
-                                     packed_attention=t.packed_attention, **recompute)
+                                     packed_attention=t.packed_attention, batch_invariant=self.true_on_policy,
+                                     **recompute)
         routing_replay.own_routers(model)
         return model
 
@@ -149,6 +158,8 @@ class MegatronTrainer:
         auto = on CUDA, on/off forces it (CPU tests use on)."""
         if self.tp_size != 1:
             return False
+        if self.true_on_policy:  # the engine's log-prob: the output layer and the log-softmax, batch-invariant
+            return True
         setting = self.train_cfg.chunked_logprobs
         if setting != "auto":
             return setting == "on"
@@ -218,7 +229,7 @@ class MegatronTrainer:
         select = select.to(hidden.device)
         rows = hidden[:-1].transpose(0, 1)[select]  # [n, H]: positions that predict a selected target
         logp_sel, ent_sel = linear_logprobs(rows, weight, mb.targets[select], self.temperature,
-                                            with_entropy=with_entropy)
+                                            with_entropy=with_entropy, batch_invariant=self.true_on_policy)
         logp = torch.zeros(select.shape, dtype=torch.float32, device=hidden.device).masked_scatter(select, logp_sel)
         entropy = None
         if with_entropy:
