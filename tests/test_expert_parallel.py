@@ -120,6 +120,25 @@ def test_ep2_checkpoint_resumes_bitwise_and_exports_every_expert(tiny_moe, ep2):
         assert torch.equal(v, ep2["weights"][0][k].to(v.dtype)), k
 
 
+def test_the_distributed_optimizer_resumes_an_ep2_checkpoint(tiny_moe, ep2):
+    """megatron's distributed optimizer over the dense and the expert DP groups (here DP 2 and expert-DP 1) reads
+    the layout-free format the replicated one wrote, and writes it back (runtime/trainer/optimizer_checkpoint.py)."""
+    root = tiny_moe["root"]
+    group = _group(tiny_moe, 2, distributed_optimizer=True)
+    try:
+        group.call("load", str(root / "ep2@1"))
+        group.call("save", str(root / "ep2-dist@1"))
+        group.call("load", str(root / "ep2-dist@1"))
+        m1 = group.call("train", _batch(tiny_moe["vocab"], seed=1))
+        w1 = _copies(group.call("hf_weights"))[0]
+    finally:
+        group.kill()
+    assert m1[0]["loss"] == ep2["m1"][0]["loss"]  # the same weights before the step
+    assert abs(m1[0]["grad_norm"] - ep2["m1"][0]["grad_norm"]) <= 1e-6 * ep2["m1"][0]["grad_norm"]
+    for k, v in ep2["w1"].items():  # Adam's state came back: the step is the replicated one's within rounding
+        assert torch.allclose(w1[k], v, rtol=1e-5, atol=1e-6), k
+
+
 def test_a_resume_that_changes_expert_parallel_is_refused_in_one_line(tiny_moe, ep2):
     from runtime.errors import ConfigError
     group = _group(tiny_moe, 1)

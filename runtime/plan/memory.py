@@ -73,7 +73,7 @@ from runtime.plan.fit_search import lora_need, settings_that_fit, show_setting
 from runtime.plan.activations import (activation_bytes, activation_terms, layer_bytes_per_token,  # noqa: F401
                                       uses_chunked_logprobs, uses_flash_attention)
 from runtime.plan.engine_terms import KV_STEP_GIB, OVERHEAD_BYTES, engine_releases_kv  # noqa: F401
-from runtime.plan.shape import GIB, dtype_bytes, model_shape, param_counts, shape_param_counts  # noqa: F401
+from runtime.plan.shape import GIB, dtype_bytes, expert_params, model_shape, param_counts, shape_param_counts  # noqa: F401
 
 _shape = model_shape  # the name tests and benches import
 
@@ -101,7 +101,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     trainer_ranks: int = 1, processes: int = 1, lora: dict | None = None,
                     shared_base: bool = False, samples_per_prompt: int = 1, partial: bool = False,
                     engine_apart: bool = False, deterministic: bool = False,
-                    background_checkpoint: bool = False, weights_dtype: str = "bf16") -> dict[str, Any]:
+                    background_checkpoint: bool = False, weights_dtype: str = "bf16", ep: int = 1) -> dict[str, Any]:
     """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
 
     ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
@@ -113,7 +113,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     (``train.optimizer_on_host``): the fp32 master, Adam's moments and the step in host memory, none of it on the
     GPU. ``host_memory_gb``: the node's host memory, checked by runtime/plan/host_memory.py for ``trainer_ranks``
     trainer ranks and ``processes`` processes per node (None: not checked). ``ref_model``: a reference copy of
-    the weights (``kl_coef > 0``).
+    the weights (``kl_coef > 0``). ``ep`` (``train.expert_parallel``): a rank's weights, gradients and optimizer
+    state hold 1/ep of the experts, the distributed optimizer shards theirs over dp/ep ranks.
     ``device``: "cuda" or "cpu" (other attention, logits and engine paths, see the module doc).
     ``engine``: "builtin" or "sglang". ``global_batch_size`` lets the answer name a micro-batch that
     divides the step. ``kv_cache_gb``: the built-in engine's KV pool (GiB); None on CUDA: the plan
@@ -152,7 +153,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
         raise ValueError(f"max_tokens ({max_tokens}) must hold the longest sample ({seq_len} tokens)")
     e = dtype_bytes(dtype)
     m = model_shape(hf_config)
-    n_params, per_rank = shape_param_counts(m, tp)
+    n_params, per_rank = shape_param_counts(m, tp, ep)  # ep (train.expert_parallel): a rank holds 1/ep of the experts
+
     limit = gpu_mem_gb * GIB
     if kv_released is None:
         kv_released = engine == "builtin" and engine_releases_kv()
@@ -168,7 +170,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     trained = adapters_rank if lora else per_rank
     grads = trainer_terms.gradients(trained, e, grad_dtype)
     opt = trainer_terms.optimizer(trained, e, dp=dp, distributed_optimizer=distributed_optimizer,
-                                  optimizer_on_host=optimizer_on_host)
+                                  optimizer_on_host=optimizer_on_host,
+                                  experts=0 if lora else expert_params(m) // (tp * ep), ep=ep)
     state = grads + opt.on_gpu                             # what offload_state moves
 
     # activations of one micro-batch, and the adapters' beside them
@@ -200,8 +203,9 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     kv_released, decode_path = eng["kv_released"], eng["decode_path"]
 
     # the weight sync after an update: under TP every trainer rank gathers the whole weights for the engines
-    # (runtime/trainer/tp_gather.py), beside its state, before the next rollout offloads it
-    gathered = n_params * e if tp > 1 else 0
+    # (runtime/trainer/tp_gather.py), beside its state, before the next rollout offloads it; under EP rank 0 gathers
+    # every expert (the other ranks only their own; runtime/trainer/expert_parallel.py)
+    gathered = n_params * e if tp > 1 or ep > 1 else 0
     peaks = dict(weights=weights, state=state, opt_step=opt.step, gathered=gathered, engine_weights=engine_weights,
                  kv_cache=kv_cache, rollout_activations=rollout_activations, overhead=overhead, colocate=colocate,
                  offload=offload, kv_released=kv_released)
@@ -465,7 +469,7 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         recompute=t.recompute, recompute_modules=tuple(t.recompute_modules), recompute_num_layers=t.recompute_num_layers,
         fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention,
         deterministic=t.deterministic, distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype,
-        optimizer_on_host=t.optimizer_on_host,
+        optimizer_on_host=t.optimizer_on_host, ep=t.expert_parallel,
         lora=lora_memory.config_lora(cfg), shared_base=layout.shares_base(cfg),
         engine_apart=layout.engine_shares_gpu_across_processes(cfg),
         samples_per_prompt=r.n_samples_per_prompt, partial=r.partial, background_checkpoint=cfg.checkpoint.background,

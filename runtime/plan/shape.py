@@ -43,8 +43,14 @@ def param_counts(hf_config, tp: int = 1) -> tuple[int, int]:
     return shape_param_counts(model_shape(hf_config), tp)
 
 
-def shape_param_counts(m: dict[str, Any], tp: int = 1) -> tuple[int, int]:
-    """:func:`param_counts` of a :func:`model_shape`."""
+def expert_params(m: dict[str, Any]) -> int:
+    """The parameters of every routed expert (none in a dense model): what expert parallelism splits."""
+    return m["L"] * 3 * m["h"] * m["fe"] * m["E"] if m.get("E") else 0
+
+
+def shape_param_counts(m: dict[str, Any], tp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """:func:`param_counts` of a :func:`model_shape`; ``ep`` (``train.expert_parallel``): a rank holds 1/ep of the
+    experts (each of them split by TP as the dense layers are)."""
     V, h, L, f, nh, ng, d = m["V"], m["h"], m["L"], m["f"], m["nh"], m["ng"], m["d"]
     if V % tp or nh % tp or ng % tp or f % tp:
         raise ValueError(f"tensor_parallel={tp} must divide vocab_size {V}, attention heads {nh}, "
@@ -54,4 +60,5 @@ def shape_param_counts(m: dict[str, Any], tp: int = 1) -> tuple[int, int]:
     split = (1 if m["tied"] else 2) * V * h + L * (h * qkv + (qkv if m["qkv_bias"] else 0) + nh * d * h + mlp)
     router = m["E"] * h if m.get("E") else 0  # megatron replicates the router over TP
     replicated = L * (2 * h + (2 * h if m["post_norms"] else 0) + (2 * d if m["qk_norm"] else 0) + router) + h
-    return split + replicated, split // tp + replicated
+    experts = expert_params(m)
+    return split + replicated, split // tp - experts // tp + experts // (tp * ep) + replicated

@@ -46,8 +46,15 @@ class Optimizer:
     step: int      # the step's transient on the GPU, beside the state
 
 
-def optimizer(trained: int, e: int, *, dp: int, distributed_optimizer: bool, optimizer_on_host: bool) -> Optimizer:
-    params = -(-trained // dp) if distributed_optimizer else trained
+def optimizer(trained: int, e: int, *, dp: int, distributed_optimizer: bool, optimizer_on_host: bool,
+              experts: int = 0, ep: int = 1) -> Optimizer:
+    """``experts``: of the ``trained`` parameters, the rank's experts (already 1/ep of them, runtime/plan/shape.py);
+    megatron gives them their own optimizer, which the distributed optimizer shards over the expert-data-parallel
+    ranks (dp / ep of them) instead of over all dp."""
+    if distributed_optimizer:
+        params = -(-(trained - experts) // dp) + -(-experts // max(dp // ep, 1))
+    else:
+        params = trained
     master = params * 4 if e < 4 else 0
     moments = params * 8
     return Optimizer(params=params, master=master, moments=moments,

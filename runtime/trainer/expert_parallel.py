@@ -47,6 +47,19 @@ def check_resume(path: str, expert_parallel: int) -> None:
                           f"optimizer does not reshard across expert parallelism; resume with expert_parallel: {saved}")
 
 
+def micro_batch_lengths(n_samples: int, steps: int, dp_size: int, micro_batch_size: int,
+                        lengths: list[int]) -> list[list[int]]:
+    """For each step and micro-batch, the longest sample of that micro-batch on any DP rank: under expert
+    parallelism every rank pads its micro-batch to it, because megatron's allgather dispatcher gathers the tokens of
+    an expert group into one tensor (equal counts per rank). Every rank holds the whole batch, so each computes this
+    alone. The padding is masked out of the loss and never seen by a real token (causal), but the router routes it:
+    the load-balancing loss counts it, as it counts a micro-batch's own padding without expert parallelism."""
+    from runtime.trainer.batch import step_slices
+    per_rank = [step_slices(n_samples, steps, dp_size, r, micro_batch_size, lengths=lengths) for r in range(dp_size)]
+    return [[max(lengths[i] for rank in per_rank for i in rank[s][m]) for m in range(len(per_rank[0][s]))]
+            for s in range(steps)]
+
+
 def size() -> int:
     from megatron.core import parallel_state as mpu
     return mpu.get_expert_model_parallel_world_size() if mpu.model_parallel_is_initialized() else 1

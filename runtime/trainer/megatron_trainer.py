@@ -167,8 +167,10 @@ class MegatronTrainer:
         order, mbs = by_length(idx, lengths), self.train_cfg.micro_batch_size
         return [order[s: s + mbs] for s in range(0, len(order), mbs)]
 
-    def _pack(self, batch: TrainBatch, idx: list[int]):
-        return (pack_varlen if self.packs else pack)(batch, idx, self.device)
+    def _pack(self, batch: TrainBatch, idx: list[int], length: int | None = None):
+        if self.packs:
+            return pack_varlen(batch, idx, self.device)
+        return pack(batch, idx, self.device, length=length)
 
     def _token_logprobs(self, model, mb, with_entropy: bool = False, entropy_grad: bool = False, select=None):
         """log p(target) of logits/temperature for every position; vocab-parallel under TP. Returned in
@@ -288,6 +290,10 @@ class MegatronTrainer:
         slices = step_slices(len(batch), steps, self.dp_size, self.dp_rank, self.train_cfg.micro_batch_size,
                              lengths=[len(t) for t in batch.tokens], max_tokens=self.train_cfg.max_tokens_per_micro_batch)
         per_step = len(batch) // steps
+        # expert parallelism: one micro-batch shape on every rank (the experts' token gather is collective)
+        padded = expert_parallel.micro_batch_lengths(len(batch), steps, self.dp_size, self.train_cfg.micro_batch_size,
+                                                     [len(t) for t in batch.tokens]) \
+            if self.train_cfg.expert_parallel > 1 else None
         sums: dict[str, torch.Tensor] = {}
         grad_norms = []
         optimizer_s = 0.0
@@ -299,7 +305,7 @@ class MegatronTrainer:
             self.optimizer.zero_grad()
             moe = router_losses.begin_step(self.model, len(micro_batches), self._device_obj())
             for m, idx in enumerate(micro_batches):
-                mb = self._pack(batch, idx)
+                mb = self._pack(batch, idx, padded[s][m] if padded else None)
                 if self.lora is not None and self.lora.dropout > 0:
                     from runtime.trainer import lora
                     lora.set_dropout_key(self.model, (self.train_cfg.seed, self.steps_done, self.dp_rank, m))

@@ -60,10 +60,15 @@ def sharded_state_dict(optimizer, model, model_sharded_state_dict, is_loading: b
     parallelism megatron's chained layout: the common part (steps, groups) per optimizer, by its index."""
     if not is_distributed(optimizer):
         return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading)
+    from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
     layouts = [_DistLayout(opt, model, model_sharded_state_dict) for opt in inner_optimizers(optimizer)]
     if len(layouts) == 1:
         return layouts[0].state_dict(is_loading)
-    return {i: layout.state_dict(is_loading) for i, layout in enumerate(layouts)}
+    out = {}
+    for i, layout in enumerate(layouts):  # keyed as megatron's ChainedOptimizer keys the replicated ones
+        out[i] = layout.state_dict(is_loading)
+        add_prefix_for_sharding(out[i], f"chained_{i}.")
+    return out
 
 
 def load_state_dict(optimizer, model, model_sharded_state_dict, loaded: dict) -> None:
