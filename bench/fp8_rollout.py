@@ -36,6 +36,8 @@ from types import SimpleNamespace
 import torch
 
 import glm4_engine as ge  # the GLM-4 9B config and its random build on the GPU
+from glm4_engine import sync  # noqa: E402
+from moe_engine import timed  # noqa: E402  (a call's mean seconds after a warm-up)
 import rollout_bench as rb  # the keyed length schedule, requests and the step-latency probe
 
 SETTINGS = ("bf16", "fp8")
@@ -53,11 +55,6 @@ def qwen_model(S, device: str, dtype):
     with torch.device(device):
         model = Qwen3ForCausalLM(cfg)
     return model.to(dtype).eval()
-
-
-def sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
 
 
 def quantise_at_sync(dec, model, cuda: bool) -> dict:
@@ -90,13 +87,7 @@ def linear_microbench(model, cuda: bool) -> dict:
     quantized = [quantize_rows(w) for w in weights]
 
     def ms(fn, reps: int = 20) -> float:
-        fn()
-        sync(cuda)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync(cuda)
-        return round(1e3 * (time.perf_counter() - t0) / reps, 4)
+        return round(1e3 * timed(fn, cuda, reps), 4)
 
     out = {}
     with torch.inference_mode():

@@ -3,6 +3,7 @@
     python3 bench/logp_gap_attribution.py --out $OUT                 # one GPU, Qwen3-0.6B shape, < 450 s
     python3 bench/logp_gap_attribution.py --family glm4 --layers 4   # GLM-4-9B's shape, 4 layers
     python3 bench/logp_gap_attribution.py --cpu                      # smoke: tiny model, fp32, same code paths
+    python3 bench/logp_gap_attribution.py --cpu --dtype bfloat16 --leave-one-out   # the bf16 attribution on CPU
 
 One process holds both sides (as bench/gpu_grpo.py's trainer section does): a random model of the family's known
 config (runtime/models/known_configs; `--layers` cuts it), converted to torch_dist; the megatron trainer
@@ -24,16 +25,18 @@ rounded where the trainer rounds it; in the trainer's deterministic mode):
               compiled grpoflow kernel on CUDA for rotate-half RoPE)
   swiglu      megatron's `bias_swiglu_impl` when the trainer fuses it, else megatron's glu expression
   logsoftmax  the sampled token's log-prob by the trainer's `_fwd_math` (runtime/trainer/logprobs.py, compiled on
-              CUDA) on the engine's logits; the engine still draws the token itself
+              CUDA) on the engine's logits, rows in blocks of FIXED_ROWS (`fixed_rows`; the trainer's side so too
+              where the matmuls are aligned); the engine still draws the token itself
   attention   the trainer's core attention module (SdpaCoreAttention on CUDA) at every step: prefill causal per
               prompt, decode one query against the row's whole context read from the pages (the trainer runs every
               query of a sequence in one call: the engine cannot, so this is the trainer's kernel at another shape)
   attention_common
               BOTH sides: every query row as the engine's decode reference computes one (`common_attention`: key
-              blocks of 256 from position 0 under a running fp32 softmax): the engine's decode by
-              `reference_paged_decode_attention` itself, its prefill and the trainer's core attention row by row
-              alike (the trainer's patched for the bench only); it takes the place of `attention` where both are
-              listed
+              blocks of 256 from position 0 under a running fp32 softmax), query rows in blocks of FIXED_ROWS so
+              every einsum and reduction has one shape: the engine's decode by `reference_paged_decode_attention`
+              on its rows 64 at a time (`common_decode`), its prefill and the trainer's core attention (patched for
+              the bench only) alike. The first GPU run called each side's rows in one call (engine decode: the
+              live rows; prefill: the prompt; trainer: the sequence): on CPU the same bits, on the GPU not
   linear      no swap is possible (both sides call cuBLAS through the same op; the bits differ because the row
               count picks the kernel): BOTH sides use a common batch-invariant matmul (`fixed_shape_mm`: rows in
               blocks of a fixed count, so every call has one shape), the trainer's linear layers and its chunked
@@ -42,7 +45,10 @@ rounded where the trainer rounds it; in the trainer's deterministic mode):
               wherever it sits, unless the kernel cuBLAS picks splits K per tile (stream-K)
 
 Rows: the engine, the copy, everything aligned (first: if `--deadline` cuts the list, it cuts the partial sums), each
-class alone, then cumulatively in the order given (`--classes`). Besides: batch invariance (a few samples alone
+class alone, then cumulatively in the order given (`--classes`); with `--leave-one-out`, everything aligned and then
+everything but each class (in bf16 a class aligned alone leaves about the whole gap: one differing bit anywhere grows
+to it). Before them, `row_invariance`: each aligned kernel at the engine's and the trainer's shape, the same rows
+compared (on a GPU, what keeps the all-aligned row from 0). Besides: batch invariance (a few samples alone
 against the same samples in the batch of 64) and preempted-and-recomputed samples (a pool too small for the batch)
 against the same keys unpreempted, for the default engine and the all-aligned one. Nothing in runtime/ changes: the
 swaps are instance attributes of this bench's engine and trainer. JSON in OUT/logp_gap_attribution.json
@@ -109,6 +115,10 @@ def setup(S, W: Path, family: str, layers: int | None) -> dict:
     torch.manual_seed(0)
     with torch.device(S["device"]):
         model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # a trained model's norms and biases: HF's init leaves them 1 and 0, where the norm's
+        for name, p in model.named_parameters():  # rounding (before or after the weight) and the bias's place
+            if p.dim() == 1:  # (inside or after the GEMM) change no bit
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn_like(p))
     model.to(dtype_of(S)).save_pretrained(W / "hf")
     del model
     H.copy_tokenizer(W)
@@ -224,10 +234,25 @@ def fixed_shape_mm(x, w, b=None):
     return out if b is None else out + b
 
 
+def fixed_rows(fn, x, *per_row):
+    """fn(x_block, *per_row_blocks) -> tuple of per-row tensors, on rows in blocks of FIXED_ROWS (the last block
+    padded with copies of row 0): every call of `fn` has one shape, whatever the row count (a compiled reduction's
+    configuration may follow the shape)."""
+    torch = _torch()
+    n = x.shape[0]
+    outs = []
+    for s in range(0, n, FIXED_ROWS):
+        idx = torch.arange(s, s + FIXED_ROWS, device=x.device)
+        idx = torch.where(idx < n, idx, torch.zeros_like(idx))
+        r = fn(x.index_select(0, idx), *(t.index_select(0, idx) for t in per_row))
+        outs.append(tuple(t[:min(FIXED_ROWS, n - s)] if t is not None else None for t in r))
+    return tuple(torch.cat(ts) if ts[0] is not None else None for ts in zip(*outs))
+
+
 def common_linear_logprobs(hidden, weight, targets, temperature: float = 1.0, *, chunk: int = 2048,
                            with_entropy: bool = False):
     """runtime/trainer/logprobs.linear_logprobs's forward (no autograd: log-prob passes only) with the output layer's
-    GEMM by `fixed_shape_mm`."""
+    GEMM by `fixed_shape_mm` and its log-softmax on rows in fixed blocks (`fixed_rows`), as the engine's."""
     torch = _torch()
     from runtime.trainer import logprobs as L
     assert not with_entropy and not torch.is_grad_enabled()
@@ -235,7 +260,8 @@ def common_linear_logprobs(hidden, weight, targets, temperature: float = 1.0, *,
     out = []
     for s in range(0, hidden.shape[0], chunk):
         zb = fixed_shape_mm(hidden[s:s + chunk], weight)
-        out.append(L._call(fwd, L._fwd_math, zb, targets[s:s + chunk], temperature, False)[0])
+        math = lambda z, t: L._call(fwd, L._fwd_math, z, t, temperature, False)  # noqa: E731
+        out.append(fixed_rows(math, zb, targets[s:s + chunk])[0])
     return torch.cat(out), None
 
 
@@ -264,26 +290,43 @@ def trainer_common_linear(tr):
 
 # ---- the common row-invariant attention --------------------------------------------------------------------
 
-def common_attention(q, k, v, scale: float):
+def common_attention(q, k, v, scale: float, rows: int | None = FIXED_ROWS):
     """Causal attention of one sequence (q [n, nh, hd], k/v [n, nkv, hd]) with every query row as the engine's
     decode reference (runtime/rollout/decode_attention.py `reference_paged_decode_attention`) computes one row: its
     positions [0, i] in blocks of REFERENCE_BLOCK from 0 under a running softmax in fp32, the same expressions, K/V
-    laid out [rows, block, nkv, hd] as the reference gathers them. Rows are independent; whether their bits are the
-    same at another row count is what the variant measures."""
+    laid out [rows, block, nkv, hd] as the reference gathers them. The query rows go `rows` at a time (the last
+    block padded with the last row), as `common_decode` hands the reference the engine's rows: every einsum and
+    reduction then has one shape on both sides, so cuBLAS and torch's reduction kernels pick one configuration (on
+    CPU the shapes do not change a row's bits; on a GPU they do). `rows=None`: all rows in one call (the first
+    GPU run's version)."""
+    torch = _torch()
+    n = q.shape[0]
+    if rows is None:
+        return _attention_rows(q, k, v, scale, torch.arange(n, device=q.device))
+    out = []
+    for s in range(0, n, rows):
+        idx = torch.arange(s, s + rows, device=q.device).clamp(max=n - 1)
+        out.append(_attention_rows(q, k, v, scale, idx)[:min(rows, n - s)])
+    return torch.cat(out)
+
+
+def _attention_rows(q, k, v, scale: float, idx):
+    """The query rows `idx` of one causal sequence, each over its positions [0, idx] (see `common_attention`)."""
     torch = _torch()
     from runtime.rollout.decode_attention import REFERENCE_BLOCK as block
     n, nh, hd = q.shape
     nkv = k.shape[1]
-    total = torch.arange(1, n + 1, device=q.device)[:, None]
-    qf = q.float().reshape(n, nkv, nh // nkv, hd) * scale
-    m = torch.full((n, nkv, nh // nkv), float("-inf"), device=q.device)
+    b = idx.shape[0]
+    total = (idx + 1)[:, None]
+    qf = q.index_select(0, idx).float().reshape(b, nkv, nh // nkv, hd) * scale
+    m = torch.full((b, nkv, nh // nkv), float("-inf"), device=q.device)
     denom = torch.zeros_like(m)
-    acc = torch.zeros(n, nkv, nh // nkv, hd, device=q.device)
-    for start in range(0, n, block):
+    acc = torch.zeros(b, nkv, nh // nkv, hd, device=q.device)
+    for start in range(0, int(idx.max()) + 1, block):
         j = torch.arange(start, start + block, device=q.device)[None, :]
         at = j[0].clamp(max=n - 1)
-        kb = k[at][None].expand(n, block, nkv, hd).contiguous().float()
-        vb = v[at][None].expand(n, block, nkv, hd).contiguous().float()
+        kb = k[at][None].expand(b, block, nkv, hd).contiguous().float()
+        vb = v[at][None].expand(b, block, nkv, hd).contiguous().float()
         sc = torch.einsum("bgrd,bjgd->bgrj", qf, kb).masked_fill(~(j < total)[:, None, None, :], float("-inf"))
         m_new = torch.maximum(m, sc.amax(-1))
         alpha = torch.exp(m - m_new).nan_to_num(0.0)
@@ -291,7 +334,24 @@ def common_attention(q, k, v, scale: float):
         denom = denom * alpha + p.sum(-1)
         acc = acc * alpha[..., None] + torch.einsum("bgrj,bjgd->bgrd", p, vb)
         m = m_new
-    return (acc / denom[..., None]).reshape(n, nh, hd).to(q.dtype)
+    return (acc / denom[..., None]).reshape(b, nh, hd).to(q.dtype)
+
+
+def common_decode(q, k_pool, v_pool, table, prefix_len, own_len, prefix_cols: int, scale: float, split_tokens=None):
+    """The engine's paged-attention signature: `reference_paged_decode_attention` on the live rows FIXED_ROWS at a
+    time (the last block padded with copies of row 0), so that its einsums and reductions have the shapes of
+    `common_attention`'s on the trainer's side, whatever the number of live rows."""
+    torch = _torch()
+    from runtime.rollout.decode_attention import reference_paged_decode_attention as ref
+    B = q.shape[0]
+    out = []
+    for s in range(0, B, FIXED_ROWS):
+        idx = torch.arange(s, s + FIXED_ROWS, device=q.device)
+        idx = torch.where(idx < B, idx, torch.zeros_like(idx))
+        sel = lambda t: t.index_select(0, idx)  # noqa: E731
+        out.append(ref(sel(q), k_pool, v_pool, sel(table), sel(prefix_len), sel(own_len), prefix_cols,
+                       scale)[:min(FIXED_ROWS, B - s)])
+    return torch.cat(out)
 
 
 def common_prefill(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
@@ -377,6 +437,13 @@ class TrainerKernels:
         return cfg.activation_func(a) * (b + cfg.glu_linear_offset)
 
     def logsoftmax(self, logits, tokens, temperature: float):
+        """The trainer's log-softmax math on rows in fixed blocks (`fixed_rows`): the trainer's side calls it so too
+        when the matmuls are aligned (`common_linear_logprobs`)."""
+        from runtime.trainer import logprobs as L
+        fwd, _ = L._fns(logits.device)
+        return fixed_rows(lambda z, t: L._call(fwd, L._fwd_math, z, t, temperature, False), logits, tokens)[0]
+
+    def logsoftmax_one_call(self, logits, tokens, temperature: float):
         from runtime.trainer import logprobs as L
         fwd, _ = L._fns(logits.device)
         return L._call(fwd, L._fwd_math, logits, tokens, temperature, False)[0]
@@ -427,6 +494,85 @@ class TrainerKernels:
             k, v = kf[slot].transpose(0, 1), vf[slot].transpose(0, 1)  # [L, g, nkv, hd]
             out[idx] = self._core(q.index_select(0, idx)[None], k, v, False)[0]
         return out
+
+
+# ---- row invariance of each aligned kernel, by itself -----------------------------------------------------
+
+def row_invariance(S, tr, K: TrainerKernels, dec) -> dict:
+    """Each kernel the all-aligned set runs on both sides, called on random inputs at the engine's shape (a decode
+    step's B rows) and at the trainer's ([s, 1, ...] for one sequence of s tokens), the same rows compared: equal
+    bits, or the max |diff|. On CPU every row is expected equal; on a GPU a False names a kernel whose
+    configuration follows the shape: what the all-aligned gap is made of (the gap's size says nothing there, in
+    bf16 one differing bit anywhere grows to about the full gap)."""
+    torch = _torch()
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    from runtime.mcore import env as menv
+    from runtime.rollout.decode_attention import reference_paged_decode_attention
+    dev, dt = torch.device(S["device"]), dtype_of(S)
+    g = torch.Generator(device=dev).manual_seed(1)
+    rnd = lambda *shape: torch.randn(*shape, generator=g, device=dev).to(dt)  # noqa: E731
+    n, B = S["prompt_len"] + S["new"], S["prompts"] * S["samples"]
+    nh, nkv, hd, Hd, F2 = dec.nh, dec.nkv, dec.hd, dec.embed.shape[1], 2 * dec.ffn
+    rows = torch.linspace(0, n - 1, B, device=dev).long()  # the engine's rows: positions spread over the sequence
+    out = {}
+
+    def cmp(name, engine, trainer):
+        d = (engine.float() - trainer.float()).abs()
+        out[name] = {"bitwise": bool(torch.equal(engine, trainer)), "max_abs": float(d.max()) if d.numel() else 0.0}
+
+    with torch.no_grad(), K.mode():
+        x = rnd(n, Hd)
+        w = rnd(Hd)
+        cmp("norm (hidden)", K.norm(x[rows], w, dec.eps), K.norm(x.view(n, 1, Hd), w, dec.eps)[rows, 0])
+        qh = rnd(n, nh, hd)
+        gpt = menv.unwrap_model(tr.model)
+        qn = getattr(gpt.decoder.layers[0].self_attention, "q_layernorm", None)
+        if getattr(qn, "weight", None) is not None:  # Qwen3's; GLM4 has none
+            cmp("q-norm (engine: the norm module's forward; trainer: its q_layernorm)",
+                K.norm(qh[rows], qn.weight, dec.eps), qn(qh.view(n, 1, nh, hd))[rows, 0])
+            out["q_layernorm_class"] = type(qn).__name__
+        for N, what in ((dec.layers[0].qkv_w.shape[0], "qkv"), (F2, "gate/up"), (dec.lm.shape[0], "lm head")):
+            wt = rnd(N, Hd) * 0.05
+            cmp(f"matmul {what}, F.linear", torch.nn.functional.linear(x[rows], wt),
+                torch.nn.functional.linear(x.view(n, 1, Hd), wt)[rows, 0])
+            cmp(f"matmul {what}, fixed_shape_mm", fixed_shape_mm(x[rows], wt),
+                fixed_shape_mm(x.view(n, 1, Hd), wt)[rows, 0])
+        # the q/k/v columns in HF's order (the engine's) and megatron's per-group order (the trainer's)
+        r = nh // nkv
+        heads = [list(range(k * r, (k + 1) * r)) + [nh + k, nh + nkv + k] for k in range(nkv)]
+        perm = torch.tensor([h * hd + i for grp in heads for h in grp for i in range(hd)], device=dev)
+        wq = rnd((nh + 2 * nkv) * hd, Hd) * 0.05
+        cmp("matmul qkv, fixed_shape_mm, HF vs megatron column order", fixed_shape_mm(x[rows], wq)[:, perm],
+            fixed_shape_mm(x[rows], wq[perm]))
+        freqs = K.freqs[:n]
+        cmp("rope", K.rope(qh[rows], freqs[rows], None),
+            apply_rotary_pos_emb(qh.view(n, 1, nh, hd), freqs, config=K.cfg)[rows, 0])
+        gu = rnd(n, F2)
+        cmp("swiglu", K.swiglu(gu[rows]), K.swiglu(gu.view(n, 1, F2))[rows, 0])
+        z = rnd(n, dec.lm.shape[0]) * 3
+        t = torch.randint(0, dec.lm.shape[0], (n,), generator=g, device=dev)
+        cmp("log-softmax (one call)", K.logsoftmax_one_call(z[rows], t[rows], 1.0),
+            K.logsoftmax_one_call(z, t, 1.0)[rows])
+        cmp(f"log-softmax (rows in blocks of {FIXED_ROWS})", K.logsoftmax(z[rows], t[rows], 1.0),
+            K.logsoftmax(z, t, 1.0)[rows])
+        q, k, v = rnd(n, nh, hd), rnd(n, nkv, hd), rnd(n, nkv, hd)
+        # the engine's decode of row i (its context: positions [0, i], one sequence's pages) vs the trainer's call
+        P = dec.page_size
+        pages = -(-n // P)
+        pool = lambda t: torch.cat([t, t.new_zeros(pages * P - n, nkv, hd)]).view(pages, P, nkv, hd)  # noqa: E731
+        table = torch.arange(pages, device=dev, dtype=torch.int32)[None].expand(B, pages).contiguous()
+        plen, own = rows + 1, torch.zeros_like(rows)
+        scale = hd ** -0.5
+        for tag, fn_t, fn_e in (
+                ("one call", lambda: common_attention(q, k, v, scale, rows=None),
+                 lambda: reference_paged_decode_attention(q[rows], pool(k), pool(v), table, plen, own, pages, scale)),
+                (f"rows in blocks of {FIXED_ROWS}", lambda: common_attention(q, k, v, scale),
+                 lambda: common_decode(q[rows], pool(k), pool(v), table, plen, own, pages, scale))):
+            cmp(f"attention, common ({tag}): engine decode vs trainer", fn_e(), fn_t()[rows])
+        cmp("attention, common: prefill of 1/2 the sequence vs trainer", common_attention(q[:n // 2], k[:n // 2],
+            v[:n // 2], scale), common_attention(q, k, v, scale)[:n // 2])
+    return out
 
 
 # ---- the engine's forward with slots ----------------------------------------------------------------------
@@ -528,8 +674,8 @@ class EngineForward:
             d.__dict__.pop(name, None)
         if "rope" in aligned:
             d.rope_tables = K.rope_table
-        if "attention_common" in aligned:  # decode by the reference itself; prefill and trainer row by row alike
-            d.use_triton = False
+        if "attention_common" in aligned:  # decode by the reference, prefill and trainer alike, rows in fixed blocks
+            d._paged_attention, d.use_triton = torch.compiler.disable(common_decode), True
             d._flash, d.use_flash = common_prefill, True
         elif "attention" in aligned:
             d._paged_attention, d.use_triton = K.opaque(K.decode_attention), True
@@ -614,6 +760,9 @@ def run(S, W: Path, a, t_start: float) -> dict:
     # -- one class at a time, then cumulatively
     from runtime.rollout.decode_model import SETTLE_TOKENS
     K = TrainerKernels(tr, max(S["prompt_len"] + S["new"] + 64, SETTLE_TOKENS))  # the settle call's positions too
+    t0 = time.time()
+    res["row_invariance"] = row_invariance(S, tr, K, dec)
+    print("ROW_INVARIANCE", json.dumps(res["row_invariance"]), f"({time.time() - t0:.1f} s)", flush=True)
     fwd = EngineForward(dec)
     # cumulatively in the given order; attention_common takes the place of attention (one attention per engine)
     cumulative = [("cumulative +" + c, tuple(x for x in classes[:i + 1] if not (
@@ -623,6 +772,10 @@ def run(S, W: Path, a, t_start: float) -> dict:
         alls.append(("all, the trainer's attention", tuple(c for c in classes if c != "attention_common")))
     # the all-aligned rows right after the copy: if the deadline cuts the list, it cuts the partial sums
     plan = [("copy (nothing aligned)", ())] + alls + [(f"align {c}", (c,)) for c in classes] + cumulative[:-1]
+    if a.leave_one_out and alls:  # in bf16 one differing bit grows to about the whole gap: what each class carries
+        # shows as the gap that comes back when everything but it is aligned
+        plan = [("copy (nothing aligned)", ()), alls[0]] + [
+            (f"all but {c}", tuple(x for x in alls[0][1] if x != c)) for c in alls[0][1]]
     per_variant_s = None
     for name, aligned in plan:
         if per_variant_s is not None and left() < 1.3 * per_variant_s + 10:
@@ -680,6 +833,9 @@ def print_table(summary: dict) -> None:
         rows.append((v["variant"], v["tokens"], f"{v['mean']:.3g}", v.get("mean_vs_baseline", "-"), f"{v['p99']:.3g}",
                      f"{v['max']:.3g}", v["bitwise_equal_frac"], same))
     H.print_columns(rows)
+    if r.get("row_invariance"):
+        H.print_columns([("kernel, engine shape vs trainer shape", "bitwise", "max |diff|")] + [
+            (k, v["bitwise"], f"{v['max_abs']:.3g}") for k, v in r["row_invariance"].items() if isinstance(v, dict)])
     for k in ("batch_invariance", "preemption"):
         if k in r:
             print(k, json.dumps(r[k]))
@@ -695,8 +851,15 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="cut the known config to this many layers")
     ap.add_argument("--classes", default=",".join(CLASSES),
                     help=f"kernel classes to align, in the cumulative order (of {', '.join(CLASSES)})")
+    ap.add_argument("--leave-one-out", action="store_true",
+                    help="rows: everything aligned, then everything but each class (instead of each class alone and "
+                         "the partial sums)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                    help="both sides' dtype (default: bfloat16 on the GPU, float32 with --cpu)")
     a = ap.parse_args(argv)
     S = dict(SHAPES["cpu" if a.cpu else "gpu"])
+    if a.dtype:
+        S["dtype"] = a.dtype
     out, W = H.start(a, "logp_gap_attribution")
     if a.cpu:
         _torch().set_num_threads(1)

@@ -70,6 +70,9 @@ SYNC_SETS = {"gpu": ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prom
                      "rollout.max_new_tokens=256", "rollout.dynamic_sampling=false", "rollout.over_sampling_factor=1.0",
                      "train.max_tokens_per_micro_batch=16384"],
              "cpu": ["rollout.max_new_tokens=24", "rollout.dynamic_sampling=false", "rollout.over_sampling_factor=1.0"]}
+# The backends a sync section compares. The CPU smoke runs the Ray one only: the local backend's iteration is the
+# same code, its transport (as_is) is tests/test_weight_transport.py's, and its rollouts run in local-colocated
+SYNC_BACKENDS = {"gpu": ("local", "ray"), "cpu": ("ray",)}
 
 
 def shapes(cpu: bool) -> dict:
@@ -302,7 +305,7 @@ def time_host_pushes(sess, n: int = 3) -> list[float]:
 def sec_sync(S, W: Path, layout: str) -> dict:
     """One small rollout under each backend, then the log-prob gap and the push times."""
     res = {"name": f"sync-{layout}", "layout": layout}
-    for backend in ("local", "ray"):
+    for backend in SYNC_BACKENDS["cpu" if S["cpu"] else "gpu"]:
         sets = SYNC_SETS["cpu" if S["cpu"] else "gpu"] + [f"cluster.backend={backend}"]
         sess = local_session(S, W, layout, sets)
         try:

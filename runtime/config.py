@@ -177,6 +177,12 @@ class RolloutSection(Section):
     # the bytes a decode step reads; its log-probs then differ from the trainer's more than bf16's, so fp8 turns
     # algorithm.use_tis on unless the config sets it.
     weights_dtype: Literal["bf16", "fp8"] = "bf16"
+    # Rollout routing replay (R3), for a mixture of experts: the built-in engine records each token's top-k experts
+    # per MoE layer (prompt and response), the samples carry them (partial rollout's buffer and checkpoints too),
+    # and the trainer's forwards (log-probs, the update, its recompute) route every token to those experts instead
+    # of its own top-k (the weights from its own router at those experts, so the router still trains: megatron's
+    # router replay). Off until measured on the GPU. A dense model has nothing to route: a no-op there.
+    routing_replay: bool = False
     sglang: SGLangSection = SGLangSection()
 
     @model_validator(mode="before")
@@ -488,6 +494,22 @@ class GrpoConfig(Section):
                              "train.optimizer_on_host: false")
         if "lr" not in t.model_fields_set:
             t.lr = LORA_DEFAULT_LR
+        return self
+
+    @model_validator(mode="after")
+    def _routing_replay(self) -> "GrpoConfig":
+        r = self.rollout
+        if not r.routing_replay:
+            return self
+        if r.engine == "sglang":  # its half is return_routed_experts (docs/model-families.md): not wired here yet
+            raise ValueError("rollout.routing_replay: the routes are recorded by the built-in engine only; use "
+                             "rollout.engine: builtin, or rollout.routing_replay: false")
+        if r.decode_path == "hf":
+            raise ValueError("rollout.routing_replay: the routes are recorded by the built-in engine's paged decoder; "
+                             "set rollout.decode_path: auto (or paged), or rollout.routing_replay: false")
+        if r.custom_rollout:
+            raise ValueError("rollout.routing_replay: a custom rollout's samples carry no routes; unset "
+                             "rollout.custom_rollout, or set rollout.routing_replay: false")
         return self
 
     @model_validator(mode="after")

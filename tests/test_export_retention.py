@@ -1,6 +1,10 @@
 """Registry retention (tracking.keep_exports) through `grpoflow run`: the registry as MLflow serves it, the
 disk, `grpoflow models show` and `grpoflow models export`, and a second registration pass (what a resume
-does) that neither re-exports a pruned version nor fails on one whose checkpoint is gone."""
+does) that neither re-exports a pruned version nor fails on one whose checkpoint is gone.
+
+The run is of a tiny Qwen3-MoE (one `grpoflow run` proves both): fetched from a local dir, converted with logit
+parity, trained with the router's load-balancing loss in the live table and MLflow, and its registered versions
+exported with the hub's per-expert keys."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,8 +24,10 @@ def test_exports_to_keep_best_latest_and_the_runs_last_n():  # < 0.1 s
     assert exports_to_keep([], keep=2, best=None, latest=None) == set()
 
 
-def test_a_run_keeps_best_latest_and_the_last_n_exports(prefect_harness, tmp_path, capsys):  # ~100 s
+def test_a_moe_run_keeps_best_latest_and_the_last_n_exports(prefect_harness, tmp_path, capsys):  # ~100 s
+    import torch
     from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
 
     from cli.main import main
     from runtime.grpo.evaluation import load_eval
@@ -30,17 +36,29 @@ def test_a_run_keeps_best_latest_and_the_last_n_exports(prefect_harness, tmp_pat
     from runtime.run.frozen_config import frozen_config
     from runtime.tracking.export_retention import EXPORT_KEPT_TAG, EXPORT_REMOVED_TAG
     from runtime.tracking.mlflow_tracker import Tracker, store_uri_for_root
+    from runtime.models.tiny import build_tiny_qwen3
     from runtime.tracking.model_registry import aliases_of, all_versions, export_complete
     from tests.conftest import SMALL_BATCH
 
+    model = Path(build_tiny_qwen3(tmp_path / "moe", seed=0, num_experts=4)["path"])
     root = tmp_path / "root"
     sets = ["train.num_rollout=8", "checkpoint.interval=2", "eval.interval=2", "checkpoint.keep_last=2",
-            "tracking.keep_exports=1", *SMALL_BATCH, f"storage.root={root}"]
+            "tracking.keep_exports=1", *SMALL_BATCH, f"model.source={model}", f"storage.root={root}"]
     assert main(["run", "configs/tiny.yaml", "--run-id", "keep", *sum((["--set", s] for s in sets), [])]) == 0
-    capsys.readouterr()
+    out = capsys.readouterr().out
+    head = next(line.split() for line in out.splitlines() if line.split()[:3] == ["rollout", "elapsed", "eta"])
+    assert head[-1] == "aux", head  # the router's loss, a column of its own
     rd = RunDir(str(root), "keep")
     uri = store_uri_for_root(str(root))
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    run_id = client.search_runs([client.get_experiment_by_name("grpoflow").experiment_id])[0].info.run_id
+    aux = client.get_metric_history(run_id, "router_aux_loss")
+    assert sorted(m.step for m in aux) == list(range(8)) and all(1.0 <= m.value <= 2.0 for m in aux)
+    # the latest version's export: the hub's per-expert keys, trained
+    exported = load_file(str(Path(rd.export(8)) / "model.safetensors"))
+    source = load_file(str(model / "model.safetensors"))
+    assert exported.keys() == source.keys() and "model.layers.1.mlp.experts.3.down_proj.weight" in exported
+    assert any(not torch.equal(exported[k], source[k]) for k in source)
 
     def versions() -> dict[int, object]:
         return {int(v.version): client.get_model_version("tiny", v.version) for v in all_versions(client, "tiny")}

@@ -422,26 +422,29 @@ def test_paged_fast_path_draws_the_hf_paths_tokens(hf_dirs, name):
 
 
 # ---- a mixture of experts: the router's loss, and a resumed trainer ------------------------------------------
-def _moe_batch(vocab: int, seed: int):
+def _moe_batch(vocab: int, seed: int, routes: bool = False):
+    """8 random samples; ``routes``: each token's 2 of 4 experts drawn at random, as the engine's (R3) would come."""
     from runtime.trainer.batch import TrainBatch
     g = torch.Generator().manual_seed(seed)
     tokens = [torch.randint(3, vocab, (int(torch.randint(8, 16, (1,), generator=g)),), generator=g).tolist()
               for _ in range(8)]
+    recorded = [torch.rand(len(t) - 1, 2, 4, generator=g).argsort(-1)[..., :2].to(torch.uint8) for t in tokens]
     return TrainBatch(tokens=tokens, prompt_lens=[4] * 8, advantages=[(-1.0) ** i for i in range(8)],
                       loss_masks=[[1] * (len(t) - 4) for t in tokens],
-                      rollout_logprobs=[[-1.0] * (len(t) - 4) for t in tokens])
+                      rollout_logprobs=[[-1.0] * (len(t) - 4) for t in tokens], routes=recorded if routes else None)
 
 
 def test_moe_trainer_resumes_bitwise_and_the_router_losses_train(converted, tmp_path):
     """Two updates unbroken against one, a checkpoint, a new trainer loading it and the second: the same weights
-    bit for bit (experts, router, their optimizer state). With the z-loss on, it is reported and moves the router
-    differently (it is in the gradient)."""
+    bit for bit (experts, router, their optimizer state), the second update replaying recorded routes (R3; with several
+    trainers in the process each replays into its own routers, none left on megatron's process-wide list). With the z-loss
+    on, it is reported and moves the router differently (it is in the gradient)."""
     from runtime.config import GrpoConfig
     from runtime.trainer.megatron_trainer import MegatronTrainer
 
     hf_dir, td, _ = converted["qwen3_moe_untied"]
     vocab = load_hf_config(hf_dir).vocab_size
-    batches = [_moe_batch(vocab, 0), _moe_batch(vocab, 1)]
+    batches = [_moe_batch(vocab, 0), _moe_batch(vocab, 1, routes=True)]
 
     def trainer(**train):
         cfg = GrpoConfig()
@@ -460,6 +463,12 @@ def test_moe_trainer_resumes_bitwise_and_the_router_losses_train(converted, tmp_
     resumed.train(batches[1])
     want, got = unbroken.hf_weights(), resumed.hf_weights()
     assert [k for k in want if not torch.equal(want[k], got[k])] == []
+    from dataclasses import replace
+
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    assert RouterReplay.global_router_replay_instances == []
+    own = replace(batches[1], routes=None)  # the random routes are not the trainer's own: replaying them shows
+    assert resumed.compute_logprobs(batches[1]) != resumed.compute_logprobs(own)
 
     router = "model.layers.0.mlp.gate.weight"
     z = trainer(router_z_loss_coef=0.1)

@@ -24,6 +24,10 @@ CASES = [
     (["train.lora.enabled=true", "train.optimizer_on_host=true"], "train.optimizer_on_host: false"),  # adapters: on the GPU
     (["rollout.weights_dtype=fp8", "rollout.engine=sglang"], "rollout.weights_dtype"),  # the built-in engine's
     (["rollout.weights_dtype=fp8", "rollout.decode_path=hf"], "rollout.decode_path: auto"),  # the paged decoder's
+    # R3: the built-in engine's paged decoder records the routes; a custom rollout's samples carry none
+    (["rollout.routing_replay=true", "rollout.engine=sglang"], "rollout.routing_replay"),
+    (["rollout.routing_replay=true", "rollout.decode_path=hf"], "rollout.decode_path: auto"),
+    (["rollout.routing_replay=true", f"rollout.custom_rollout={__name__}:NOT_A_FUNCTION"], "rollout.routing_replay"),
 ]
 
 

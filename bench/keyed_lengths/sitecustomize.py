@@ -30,10 +30,10 @@ def _patch(module) -> None:
     import rollout_bench
     plain = module.PagedDecoder.steps
 
-    def steps(self, prompts, key_hash, sampling, stop_ids, stop_at=None, prefixes=None):
+    def steps(self, prompts, key_hash, sampling, stop_ids, stop_at=None, *rest, **more):  # rest: as the decoder's
         if int(sampling.max_new_tokens) == int(schedule["max_new"]):
             stop_at = rollout_bench.lengths_for_hashes(schedule, key_hash)
-        return (yield from plain(self, prompts, key_hash, sampling, stop_ids, stop_at=stop_at, prefixes=prefixes))
+        return (yield from plain(self, prompts, key_hash, sampling, stop_ids, stop_at, *rest, **more))
 
     module.PagedDecoder.steps = steps
 

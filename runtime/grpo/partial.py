@@ -17,9 +17,12 @@ Every prompt drawn ends in exactly one of: trained, filtered (dynamic sampling),
 """
 from __future__ import annotations
 
+import base64
 import math
 import time
 from dataclasses import asdict, dataclass, field
+
+import torch
 
 from runtime.grpo.rollout_batch import Group
 from runtime.rollout.base import GroupsDone, SampleRequest, SampleResult, keyed_requests
@@ -33,6 +36,8 @@ class Carried:
     logprobs: list[float] = field(default_factory=list)
     finish: str = "abort"
     versions: list[list[int]] = field(default_factory=list)  # [[version, tokens], ...] in token order
+    # rollout.routing_replay: the engine's routes so far (`SampleResult.routed_experts`), as JSON (`encode_routes`)
+    routes: dict | None = None
 
     def extend(self, result: SampleResult, version: int) -> None:
         new = len(result.response_ids) - len(self.ids)
@@ -40,6 +45,7 @@ class Carried:
             self.versions.append([version, new])
         self.ids, self.logprobs = list(result.response_ids), list(result.response_logprobs)
         self.finish = result.finish_reason
+        self.routes = encode_routes(result.routed_experts)
 
     @property
     def oldest(self) -> int | None:
@@ -64,11 +70,13 @@ class PendingGroup:
 
     def requests(self) -> list[SampleRequest]:
         return [SampleRequest(prompt_ids=self.prompt["prompt_ids"], key=tuple(k), prefix_ids=s.ids,
-                              prefix_logprobs=s.logprobs) for k, s in zip(self.keys, self.samples)]
+                              prefix_logprobs=s.logprobs, prefix_routes=decode_routes(s.routes))
+                for k, s in zip(self.keys, self.samples)]
 
     def as_group(self, decode) -> Group:
         samples = [SampleResult(prompt_ids=list(self.prompt["prompt_ids"]), response_ids=s.ids,
-                                response_logprobs=s.logprobs, text=decode(s.ids), finish_reason=s.finish)
+                                response_logprobs=s.logprobs, text=decode(s.ids), finish_reason=s.finish,
+                                routed_experts=decode_routes(s.routes))
                    for s in self.samples]
         return Group(prompt=self.prompt, samples=samples, rewards=list(self.rewards))
 
@@ -76,6 +84,22 @@ class PendingGroup:
     def from_state(cls, d: dict) -> "PendingGroup":
         return cls(prompt=d["prompt"], keys=d["keys"], samples=[Carried(**s) for s in d["samples"]],
                    rewards=d.get("rewards", []))
+
+
+def encode_routes(routes: torch.Tensor | None) -> dict | None:
+    """A sample's routes as JSON for the run state: dtype, shape and the bytes in base64 (one byte an index up to 256
+    experts: a buffered sample of the 30B-A3B shape holds ~0.5 KB of routes a token)."""
+    if routes is None:
+        return None
+    return {"dtype": str(routes.dtype).removeprefix("torch."), "shape": list(routes.shape),
+            "data": base64.b64encode(routes.contiguous().numpy().tobytes()).decode("ascii")}
+
+
+def decode_routes(d: dict | None) -> torch.Tensor | None:
+    if d is None:
+        return None
+    raw, dtype = base64.b64decode(d["data"]), getattr(torch, d["dtype"])
+    return torch.frombuffer(bytearray(raw), dtype=dtype).view(d["shape"]) if raw else torch.zeros(d["shape"], dtype=dtype)
 
 
 @dataclass

@@ -57,10 +57,12 @@ def advantages(batch: RolloutBatch, n_samples: int, normalize_std: bool) -> list
 
 def to_train_batch(batch: RolloutBatch, advantages: list[float]) -> TrainBatch:
     samples = batch.samples
+    # rollout.routing_replay: the engine's routes go with the samples (the trainer refuses a sample without)
+    routes = [s.routed_experts for s in samples] if any(s.routed_experts is not None for s in samples) else None
     return TrainBatch(tokens=[list(s.prompt_ids) + list(s.response_ids) for s in samples],
                       prompt_lens=[len(s.prompt_ids) for s in samples], advantages=list(advantages),
                       loss_masks=[s.effective_loss_mask() for s in samples],
-                      rollout_logprobs=[list(s.response_logprobs) for s in samples])
+                      rollout_logprobs=[list(s.response_logprobs) for s in samples], routes=routes)
 
 
 def rollout_metrics(rollout_id: int, batch: RolloutBatch, train: dict, *, weight_sync_s: float,

@@ -63,6 +63,8 @@ class SampleRequest:
     key: tuple[int, int, int, int]
     prefix_ids: list[int] = field(default_factory=list)
     prefix_logprobs: list[float] = field(default_factory=list)
+    # rollout.routing_replay: the routes recorded with the prefix (`SampleResult.routed_experts`), kept as they are
+    prefix_routes: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -134,6 +136,10 @@ class SampleResult:
     finish_reason: FinishReason
     loss_mask: list[int] | None = None
     reward: float | None = None
+    # rollout.routing_replay on a mixture of experts: the experts each token was routed to, [tokens, MoE layers,
+    # top-k] (uint8, int16 past 256 experts) on the host, for every token the engine ran: the prompt's and the
+    # response's but its last (never an input). None: not recorded.
+    routed_experts: torch.Tensor | None = None
 
     def effective_loss_mask(self) -> list[int]:
         return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.response_ids)

@@ -84,6 +84,7 @@ class BuiltinEngine(RolloutEngine):
         shared_base: dict[str, torch.Tensor] | None = None,
         deterministic: bool = True,
         weights_dtype: str = "bf16",
+        routing_replay: bool = False,
     ):
         """decode_path: "auto" = the paged decoder (`paged_decode`) where the model family has it, else HF's
         forward; "paged" insists (error if the family lacks it); "hf" = HF's forward with a dynamic cache
@@ -96,7 +97,9 @@ class BuiltinEngine(RolloutEngine):
         are, no weights are loaded from `model_dir` (its config, tokenizer and generation config are read).
         weights_dtype (``rollout.weights_dtype``): "fp8" runs the paged decoder's linear layers in rowwise e4m3
         (runtime/rollout/fp8_weights.py), re-quantised from the trainer's weights at each update (timed:
-        `last_quantize_s`); the engine's log-probs (`logprobs_of`) are then its own forward's."""
+        `last_quantize_s`); the engine's log-probs (`logprobs_of`) are then its own forward's.
+        routing_replay (``rollout.routing_replay``): the paged decoder records each token's experts (a mixture of
+        experts; nothing for a dense model), returned as `SampleResult.routed_experts`."""
         if max_batch_size < 1:
             raise ConfigError(f"rollout max_batch_size must be >= 1, got {max_batch_size}: fix rollout.max_batch_size")
         if attn_implementation not in _ATTN_IMPLEMENTATIONS:
@@ -151,10 +154,13 @@ class BuiltinEngine(RolloutEngine):
                                             page_size=page_size, cuda_graphs=cuda_graphs, compile=compile_decode,
                                             sync_every=sync_every, gpu_memory_gb=gpu_memory_gb, lora=lora,
                                             shared_base=shared_base, deterministic=deterministic,
-                                            weights_dtype=weights_dtype)
+                                            weights_dtype=weights_dtype, record_routes=routing_replay)
             elif lora is not None or shared_base is not None:
                 raise ConfigError(f"train.lora needs the built-in engine's paged decoder, which {model_dir} lacks: "
                                   f"{reason}")
+            elif routing_replay:
+                raise ConfigError(f"rollout.routing_replay needs the built-in engine's paged decoder, which {model_dir} "
+                                  f"lacks: {reason}; set rollout.routing_replay: false")
             elif weights_dtype != "bf16":
                 raise ConfigError(f"rollout.weights_dtype {weights_dtype} needs the built-in engine's paged decoder, "
                                   f"which {model_dir} lacks: {reason}; set rollout.weights_dtype: bf16")
@@ -246,9 +252,11 @@ class BuiltinEngine(RolloutEngine):
             results.extend(batch_results)
         return results
 
-    def _result(self, request: SampleRequest, ids: list[int], logprobs: list[float], finish: str) -> SampleResult:
+    def _result(self, request: SampleRequest, ids: list[int], logprobs: list[float], finish: str,
+                routes: torch.Tensor | None = None) -> SampleResult:
         return SampleResult(prompt_ids=list(request.prompt_ids), response_ids=ids, response_logprobs=logprobs,
-                            text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason=finish)
+                            text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason=finish,
+                            routed_experts=routes)
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Copy HF-named tensors into the model in place (dtype/device converted); all-or-nothing checks first.
@@ -375,6 +383,7 @@ class BuiltinEngine(RolloutEngine):
             "lora_rank": None if self.lora is None else self.lora.rank,
             "shares_base": self.shares_base,
             "weights_dtype": self.weights_dtype,
+            "records_routes": bool(self.decoder is not None and self.decoder.record_routes),  # rollout.routing_replay
         }
 
     def shutdown(self) -> None:
@@ -464,12 +473,15 @@ class BuiltinEngine(RolloutEngine):
         key_hash = sample_key_hash(torch.tensor([r.key for r in requests], dtype=torch.long, device=self.device))
         prefixes = [(list(r.prefix_ids), list(r.prefix_logprobs)) for r in requests] \
             if any(r.prefix_ids for r in requests) else None
+        prefix_routes = [r.prefix_routes for r in requests] if any(r.prefix_routes is not None for r in requests) \
+            else None
         steps = self.decoder.steps([list(r.prompt_ids) for r in requests], key_hash, sampling,
-                                   self._stop_ids(sampling), prefixes=prefixes)
+                                   self._stop_ids(sampling), prefixes=prefixes, prefix_routes=prefix_routes)
 
         def run():
             ids, lps, finish = yield from steps
-            return [self._result(r, i, lp, f) for r, i, lp, f in zip(requests, ids, lps, finish)]
+            routes = self.decoder.last_routes
+            return [self._result(r, i, lp, f, rt) for r, i, lp, f, rt in zip(requests, ids, lps, finish, routes)]
         return run()
 
     @torch.inference_mode()

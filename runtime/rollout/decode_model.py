@@ -143,17 +143,23 @@ def _grouped_mm(x, w, offs):
     return torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))])
 
 
-def _routed_experts(x, router_w, gu_w, down_w, ffn: int, topk: int, norm_topk: bool):
-    """A mixture of experts' MLP on [T, H]: HF's Qwen3-MoE routing (softmax over every expert in fp32, the top-k,
-    renormalised to sum 1 when ``norm_topk``; the router's linear in fp32, as the trainer's megatron router) and the
-    experts' SwiGLU as two grouped GEMMs over the routed copies sorted by expert (``gu_w`` [E, 2F, H] = cat(gate,
-    up), ``down_w`` [E, H, F]: transformers' fused layout). No host sync, no atomics: each copy's output goes back to
-    its (token, slot) and a token's k slots are summed in slot order."""
-    t, h = x.shape
+def _route(x, router_w, topk: int, norm_topk: bool):
+    """HF's Qwen3-MoE routing of [T, H]: (weights [T, k] fp32, experts [T, k]): softmax over every expert in fp32, the
+    top-k, renormalised to sum 1 when ``norm_topk``; the router's linear in fp32, as the trainer's megatron router."""
     probs = F.linear(x.float(), router_w.float()).softmax(dim=-1)
-    weights, experts = probs.topk(topk, dim=-1)  # [T, k]
+    weights, experts = probs.topk(topk, dim=-1)
     if norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def _experts_mlp(x, weights, experts, gu_w, down_w, ffn: int):
+    """The experts' SwiGLU on [T, H] routed to ``experts`` [T, k] with ``weights``: two grouped GEMMs over the routed
+    copies sorted by expert (``gu_w`` [E, 2F, H] = cat(gate, up), ``down_w`` [E, H, F]: transformers' fused layout).
+    No host sync, no atomics: each copy's output goes back to its (token, slot) and a token's k slots are summed in
+    slot order."""
+    t, h = x.shape
+    topk = experts.shape[1]
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)  # the routed copies grouped by expert
     offs = torch.bincount(flat, minlength=gu_w.shape[0]).cumsum(0).to(torch.int32)
@@ -166,11 +172,20 @@ def _routed_experts(x, router_w, gu_w, down_w, ffn: int, topk: int, norm_topk: b
     return slots.view(t, topk, h).sum(dim=1)
 
 
+def _routed_experts(x, router_w, gu_w, down_w, ffn: int, topk: int, norm_topk: bool):
+    """A mixture of experts' MLP on [T, H]: `_route`, then `_experts_mlp`."""
+    weights, experts = _route(x, router_w, topk, norm_topk)
+    return _experts_mlp(x, weights, experts, gu_w, down_w, ffn)
+
+
 def _post_attn_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps: float, ffn: int, topk: int,
                    norm_topk: bool):
-    """`_post_attn` with a mixture of experts for the MLP (Qwen3-MoE: no post-norms, no LoRA)."""
+    """`_post_attn` with a mixture of experts for the MLP (Qwen3-MoE: no post-norms, no LoRA); also returns each
+    token's experts [T, k] (what rollout.routing_replay records)."""
     h = h + F.linear(attn, o_w, o_b)
-    return h + _routed_experts(_rms(h, ln_w, eps), router_w, gu_w, down_w, ffn, topk, norm_topk)
+    x = _rms(h, ln_w, eps)
+    weights, experts = _route(x, router_w, topk, norm_topk)
+    return h + _experts_mlp(x, weights, experts, gu_w, down_w, ffn), experts
 
 
 def _logits(h, norm_w, lm_w, eps: float):
@@ -263,6 +278,11 @@ class _Layer:
 _LINEARS = (("qkv_w", "qkv_s"), ("o_w", "o_s"), ("gu_w", "gu_s"), ("down_w", "down_s"))
 
 
+def routes_dtype(num_experts: int) -> torch.dtype:
+    """The dtype recorded expert indices are kept in: a byte up to 256 experts, else int16."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
 def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """cat along dim 0, then make each parameter a view of its rows (in-place weight updates reach the fused copy)."""
     fused = torch.cat([p.data for p in params], dim=0).contiguous()
@@ -297,7 +317,7 @@ class FusedModel:
 
     def __init__(self, model, *, compile: bool | None = None, lora=None, shared_base: dict | None = None,
                  deterministic: bool = True, settle_rows: int = 64, weights_dtype: str = "bf16",
-                 drop_bf16: bool = True):
+                 drop_bf16: bool = True, record_routes: bool = False):
         reason = unsupported_config_reason(model.config) if shared_base is not None else unsupported_reason(model)
         if reason:
             raise ValueError(f"fast decode path: {reason}")
@@ -315,6 +335,10 @@ class FusedModel:
         self.ffn = cfg.moe_intermediate_size if self.moe else cfg.intermediate_size
         self.topk = int(cfg.num_experts_per_tok) if self.moe else 0
         self.norm_topk = bool(getattr(cfg, "norm_topk_prob", False))
+        # rollout.routing_replay: the decoder keeps each token's experts per layer (`_layer_post`), one byte an
+        # index up to 256 experts; a dense model has nothing to record
+        self.record_routes = bool(record_routes) and self.moe
+        self.routes_dtype = routes_dtype(int(cfg.num_experts)) if self.moe else None
         if self.moe and (lora is not None or shared_base is not None):
             raise ValueError("fast decode path: LoRA on a mixture of experts is not implemented")
         if self.moe and weights_dtype == "fp8":  # the experts' [E, rows, cols] weights have no rowwise FP8 path yet
@@ -531,7 +555,12 @@ class FusedModel:
         h = torch.zeros(n, self.embed.shape[1], dtype=self.dtype, device=dev)
         cos, sin = self.rope_tables(torch.arange(n, device=dev))
         self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, w.qkv_s, *w.pre_lora)
-        self._post(h, torch.zeros(n, self.nh * self.hd, dtype=self.dtype, device=dev), *w.post_args())
+        self._layer_post(h, torch.zeros(n, self.nh * self.hd, dtype=self.dtype, device=dev), w)
+
+    def _layer_post(self, h, attn, w):
+        """`_post` of one layer: (hidden states, each token's experts [T, k] for a mixture of experts, else None)."""
+        out = self._post(h, attn, *w.post_args())
+        return out if self.moe else (out, None)
 
     def rope_tables(self, pos: torch.Tensor):
         return _cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype, self.interleaved)
@@ -546,7 +575,7 @@ class FusedModel:
         for w in self.layers:
             q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, w.qkv_s, *w.pre_lora)
             a = _sdpa_prefill(q, k, v, [ids.shape[0]], self.scale)
-            h = self._post(h, a.reshape(h.shape[0], -1), *w.post_args())
+            h, _ = self._layer_post(h, a.reshape(h.shape[0], -1), w)
         return self._head(h, self.norm, self.lm)
 
     def kv_bytes_per_token(self) -> int:

@@ -15,4 +15,5 @@ def make_engine(*, cfg: GrpoConfig, model_dir: str, device: str, dtype: str, sha
                          decode_path=cfg.rollout.decode_path, kv_cache_gb=cfg.rollout.kv_cache_gb,
                          sync_every=cfg.rollout.sync_every, gpu_memory_gb=cfg.cluster.gpu_memory_gb,
                          deterministic=cfg.rollout.deterministic, weights_dtype=cfg.rollout.weights_dtype,
-                         lora=cfg.train.lora if cfg.train.lora.enabled else None, shared_base=shared_base)
+                         lora=cfg.train.lora if cfg.train.lora.enabled else None, shared_base=shared_base,
+                         routing_replay=cfg.rollout.routing_replay)

@@ -70,6 +70,7 @@ class _Chunk:
     launched: float
     first_step: int  # decode steps before it
     pages_used: int
+    routes: torch.Tensor | None = None  # [bucket, steps, layers, k]: each step's input token's experts (record_routes)
 
 
 class PagedDecoder(FusedModel):
@@ -80,15 +81,18 @@ class PagedDecoder(FusedModel):
                  sync_every: int = 16, prefill_tokens: int = 16384, attention: str = "auto",
                  overlap_chunks: bool = True, gpu_memory_gb: float | None = None, lora=None,
                  shared_base: dict | None = None, deterministic: bool = True, weights_dtype: str = "bf16",
-                 drop_bf16: bool = True):
+                 drop_bf16: bool = True, record_routes: bool = False):
         """attention: "auto" (the Triton kernel on CUDA where it applies, else the PyTorch reference),
         "triton" or "reference". overlap_chunks: queue the next decode chunk before reading the last one
         (the tokens are the same either way; off only to measure what it saves). gpu_memory_gb: the card
         the run's plan is for (`cluster.gpu_memory_gb`), named when the device runs out of memory. lora,
         shared_base, weights_dtype, drop_bf16: `FusedModel`'s (the adapters' buffers and the FP8 weights are static:
-        the captured graphs read them as they are updated)."""
+        the captured graphs read them as they are updated). record_routes (``rollout.routing_replay``): each token's
+        experts per MoE layer come back with the tokens (`routes`)."""
         super().__init__(model, compile=compile, lora=lora, shared_base=shared_base, deterministic=deterministic,
-                         settle_rows=max_rows, weights_dtype=weights_dtype, drop_bf16=drop_bf16)
+                         settle_rows=max_rows, weights_dtype=weights_dtype, drop_bf16=drop_bf16,
+                         record_routes=record_routes)
+        self.last_routes: list[torch.Tensor | None] = []  # per request of the last call (`_generate`)
         cuda = self.device.type == "cuda"
         self.max_rows = int(max_rows)
         self.kv_cache_gb = kv_cache_gb
@@ -174,9 +178,15 @@ class PagedDecoder(FusedModel):
         self.out_tok = torch.zeros(n, 2 * self.sync_every, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros(n, 2 * self.sync_every, dtype=torch.float32, device=dev)
         self.chunk_i = torch.zeros(1, dtype=torch.long, device=dev)
+        route_shape = (self.n_layers, self.topk)
+        if self.record_routes:  # each step's input token's experts, beside its sampled token
+            self.out_routes = torch.zeros(n, 2 * self.sync_every, *route_shape, dtype=self.routes_dtype, device=dev)
         if dev.type == "cuda":  # where each half's tokens land on the host (pinned: the copy does not wait)
             self.host_tok = torch.zeros(2, n, self.sync_every, dtype=torch.long, pin_memory=True)
             self.host_lp = torch.zeros(2, n, self.sync_every, dtype=torch.float32, pin_memory=True)
+            if self.record_routes:
+                self.host_routes = torch.zeros(2, n, self.sync_every, *route_shape, dtype=self.routes_dtype,
+                                               pin_memory=True)
 
     def _on_device(self, values: list[int]) -> torch.Tensor:
         """A long tensor on the engine's device, copied without waiting for the work already queued (a
@@ -187,15 +197,17 @@ class PagedDecoder(FusedModel):
         return t.pin_memory().to(self.device, non_blocking=True)
 
     # ---- forward pieces --------------------------------------------------------------------------------
-    def _prefill(self, ids: torch.Tensor, lens: list[int], write_idx: torch.Tensor, want: list[int]) -> torch.Tensor:
+    def _prefill(self, ids: torch.Tensor, lens: list[int], write_idx: torch.Tensor, want: list[int]):
         """Packed sequences (each from position 0) -> K/V written at `write_idx` (flat [page * page_size +
         offset] per token; the null page for positions already held elsewhere); returns the hidden states at
-        the packed indices `want`."""
+        the packed indices `want`, and with `record_routes` every packed token's experts [T, layers, k] on the
+        host (else None)."""
         dev = self.device
         pos = torch.cat([torch.arange(n, device=dev) for n in lens])
         cu = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int32, device=dev)
         cos, sin = self.rope_tables(pos)
         h = F.embedding(ids, self.embed)
+        routes = []
         for li, w in enumerate(self.layers):
             q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, w.qkv_s, *w.pre_lora)
             self.k_pool[li].view(-1, self.nkv, self.hd).index_copy_(0, write_idx, k)
@@ -204,8 +216,10 @@ class PagedDecoder(FusedModel):
                 a = self._flash(q, k, v, cu, cu, max(lens), max(lens), True, self.scale)
             else:
                 a = _sdpa_prefill(q, k, v, lens, self.scale)
-            h = self._post(h, a.reshape(h.shape[0], -1), *w.post_args())
-        return h.index_select(0, torch.tensor(want, dtype=torch.long, device=dev))
+            h, experts = self._layer_post(h, a.reshape(h.shape[0], -1), w)
+            routes.append(experts)
+        routes = torch.stack(routes, 1).to(self.routes_dtype).cpu() if self.record_routes else None
+        return h.index_select(0, torch.tensor(want, dtype=torch.long, device=dev)), routes
 
     def _step(self, b: int, sample_fn: Callable) -> None:
         """One decode step for rows [0, b): every tensor it touches is a static buffer (graph-safe)."""
@@ -218,6 +232,7 @@ class PagedDecoder(FusedModel):
         widx = page * P + own % P
         cos, sin = self.rope_tables(pos)
         h = F.embedding(tok, self.embed)
+        routes = []
         for li, w in enumerate(self.layers):
             q, k, v = self._pre(h, w.ln1, w.qkv_w, w.qkv_b, w.qn, w.kn, cos, sin, w.qkv_s, *w.pre_lora)
             kc, vc = self.k_pool[li], self.v_pool[li]
@@ -228,7 +243,10 @@ class PagedDecoder(FusedModel):
                                           split_tokens=self._chunk_split_tokens)
             else:
                 a = reference_paged_decode_attention(q, kc, vc, table, plen, own + 1, self.prefix_cols, self.scale)
-            h = self._post(h, a.reshape(b, -1), *w.post_args())
+            h, experts = self._layer_post(h, a.reshape(b, -1), w)
+            routes.append(experts)
+        if self.record_routes:
+            self.out_routes[:b].index_copy_(1, self.chunk_i, torch.stack(routes, 1).to(self.routes_dtype)[:, None])
         logits = self._head(h, self.norm, self.lm)
         t, lp = sample_fn(logits, self.key_hash[:b], self.spos[:b])
         self.out_tok[:b].index_copy_(1, self.chunk_i, t[:, None])
@@ -283,7 +301,7 @@ class PagedDecoder(FusedModel):
     # ---- the loop --------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], key_hash: torch.Tensor, sampling, stop_ids: set[int],
                  stop_at: list[int] | None = None, prefixes: list[tuple[list[int], list[float]]] | None = None,
-                 until=None):
+                 until=None, prefix_routes: list[torch.Tensor | None] | None = None):
         """Returns (response ids, response log-probs, finish reasons), one per prompt, in order.
 
         prefixes: per request, the response tokens it already has and their log-probs (a continued sample:
@@ -296,7 +314,7 @@ class PagedDecoder(FusedModel):
 
         The call is `steps` driven to its end, asking `until` at every check point.
         """
-        run = self.steps(prompts, key_hash, sampling, stop_ids, stop_at, prefixes)
+        run = self.steps(prompts, key_hash, sampling, stop_ids, stop_at, prefixes, prefix_routes)
         try:
             done = next(run)
             while True:
@@ -305,7 +323,8 @@ class PagedDecoder(FusedModel):
             return end.value
 
     def steps(self, prompts: list[list[int]], key_hash: torch.Tensor, sampling, stop_ids: set[int],
-              stop_at: list[int] | None = None, prefixes: list[tuple[list[int], list[float]]] | None = None):
+              stop_at: list[int] | None = None, prefixes: list[tuple[list[int], list[float]]] | None = None,
+              prefix_routes: list[torch.Tensor | None] | None = None):
         """`generate` one check point at a time, for a caller that decides when to stop (one engine's
         `until`, or a pool of engines stepping together): a generator that yields, before each round of
         the decode loop (an admission or a decode chunk), every request's done flag (finished: stop or
@@ -321,7 +340,7 @@ class PagedDecoder(FusedModel):
         """
         answered, stop = 0, False  # check points answered "go on"; whether the caller said stop
         while True:
-            run = self._generate(prompts, key_hash, sampling, stop_ids, stop_at, prefixes)
+            run = self._generate(prompts, key_hash, sampling, stop_ids, stop_at, prefixes, prefix_routes)
             try:
                 done = next(run)
                 for _ in range(answered):  # a redone call: the rounds already answered again
@@ -406,8 +425,15 @@ class PagedDecoder(FusedModel):
             "plan with grpoflow validate")
 
     @torch.inference_mode()
-    def _generate(self, prompts, key_hash, sampling, stop_ids, stop_at, prefixes=None):
-        """`steps`' one attempt: a generator yielding the done flags at every check point (send True to stop)."""
+    def _generate(self, prompts, key_hash, sampling, stop_ids, stop_at, prefixes=None, prefix_routes=None):
+        """`steps`' one attempt: a generator yielding the done flags at every check point (send True to stop).
+
+        With `record_routes` it leaves in `last_routes`, per request, the experts [tokens, layers, k] of every token it
+        has run (the prompt's, the response's but its last), on the host, starting with `prefix_routes` (a continued
+        request's, recorded before). A position keeps the first route recorded for it: the one its next token was
+        drawn under. A preempted request's recompute (prompt and tokens so far, a prefill where they were decode
+        steps) and a continued request's prefill record nothing where a route is held (at a near-tie of two experts
+        the recompute may round the other way: another kernel, another batch)."""
         n = len(prompts)
         P = self.page_size
         max_new = int(sampling.max_new_tokens)
@@ -429,6 +455,26 @@ class PagedDecoder(FusedModel):
             if out_ids[r] and out_ids[r][-1] in stop_ids:
                 finish[r] = "stop"
             done[r] = finish[r] == "stop" or len(out_ids[r]) >= cap[r]
+        # record_routes: each request's routes so far (host tensors in position order) and how many positions they cover
+        routes: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        n_routed = [0] * n
+        prefix_routes_of: dict[tuple, torch.Tensor] = {}  # a held prompt's routes (every sample of the group takes them)
+        if self.record_routes:
+            for r, rows in enumerate(prefix_routes or []):
+                if rows is not None:  # a continued request's: its prompt and the tokens it keeps but the last
+                    rows = rows[:len(prompts[r]) + max(len(out_ids[r]) - 1, 0)]
+                    routes[r], n_routed[r] = [rows], len(rows)
+
+        def record(r: int, start: int, rows: torch.Tensor | None) -> None:
+            """Routes of request r's positions start, start + 1, ...: those it has none for yet (the first stands)."""
+            if rows is None or start + len(rows) <= n_routed[r]:
+                return
+            if start > n_routed[r]:
+                raise RuntimeError(f"routing replay: request {r} has routes for {n_routed[r]} positions, got some from "
+                                   f"{start} on")
+            routes[r].append(rows[n_routed[r] - start:])
+            n_routed[r] = start + len(rows)
+
         row_req = [-1] * R                       # request decoding in each row
         row_own: list[list[int]] = [[] for _ in range(R)]   # each row's own pages, in order
         row_key: list[tuple | None] = [None] * R            # the prompt (prefix) each row reads
@@ -448,13 +494,16 @@ class PagedDecoder(FusedModel):
             buf.zero_()
         self.table.zero_()
 
-        def take(r: int, toks: list[int], lps: list[float]) -> bool:
-            """Append a chunk's tokens to a request up to its stop; True when it finished."""
+        def take(r: int, toks: list[int], lps: list[float], step_routes: torch.Tensor | None = None) -> bool:
+            """Append a chunk's tokens to a request up to its stop; True when it finished. step_routes: the experts of
+            each step's input token (the token before each of `toks`)."""
             room = cap[r] - len(out_ids[r])
             toks, lps = toks[:room], lps[:room]
             stop = next((i for i, t in enumerate(toks) if t in stop_ids), None) if stop_ids else None
             if stop is not None:
                 toks, lps = toks[:stop + 1], lps[:stop + 1]
+            if step_routes is not None:
+                record(r, len(prompts[r]) + len(out_ids[r]) - 1, step_routes[:len(toks)])
             out_ids[r].extend(toks)
             out_lp[r].extend(lps)
             if stop is not None:
@@ -475,6 +524,7 @@ class PagedDecoder(FusedModel):
                 pool.release(prefix_pages.pop(key))
                 del prefix_refs[key]
                 prefix_h.pop(key, None)
+                prefix_routes_of.pop(key, None)
 
         def vacate(rows: list[int]) -> None:
             """Rows give back their pages and go idle (attend to one token on the null page)."""
@@ -553,20 +603,27 @@ class PagedDecoder(FusedModel):
                 self._run_step(b, step_fn, skey)
             cols = slice(half * S, half * S + steps)
             event = None
+            step_routes = None
             if cuda:
                 tok, lp = self.host_tok[half, :b, :steps], self.host_lp[half, :b, :steps]
                 tok.copy_(self.out_tok[:b, cols], non_blocking=True)
                 lp.copy_(self.out_lp[:b, cols], non_blocking=True)
+                if self.record_routes:
+                    step_routes = self.host_routes[half, :b, :steps]
+                    step_routes.copy_(self.out_routes[:b, cols], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
             else:
                 tok, lp = self.out_tok[:b, cols], self.out_lp[:b, cols]
+                if self.record_routes:
+                    step_routes = self.out_routes[:b, cols]
             stats["decode_steps"] += steps
             stats["row_steps"] += steps * b
             stats["chunks"] += 1
             stats["max_active"] = max(stats["max_active"], len(active))
             return _Chunk(rows=[(s, row_req[s]) for s in active], bucket=b, steps=steps, tok=tok, lp=lp,
-                          event=event, launched=t0, first_step=stats["decode_steps"] - steps, pages_used=pool.used)
+                          event=event, launched=t0, first_step=stats["decode_steps"] - steps, pages_used=pool.used,
+                          routes=step_routes)
 
         def read(chunk: _Chunk) -> None:
             """Wait for a chunk's tokens and hand them to their requests; rows that finished go idle."""
@@ -582,7 +639,9 @@ class PagedDecoder(FusedModel):
                 self.trace.append((chunk.first_step, len(chunk.rows),
                                    chunk.bucket, chunk.steps, round(1e3 * dt / chunk.steps, 3), chunk.pages_used))
             # a row vacated after this chunk was queued made its tokens for nobody
-            vacate([s for s, r in chunk.rows if row_req[s] == r and take(r, toks[s], lps[s])])
+            # (the routes are copied: the host buffer's half is written again two chunks on)
+            vacate([s for s, r in chunk.rows if row_req[s] == r and take(
+                r, toks[s], lps[s], None if chunk.routes is None else chunk.routes[s].clone())])
             chunks_read += 1
             moment("decode-chunk", chunks_read)  # mid-generation: rows live and holding pages, maybe a chunk queued
 
@@ -630,6 +689,7 @@ class PagedDecoder(FusedModel):
                     assign = []  # (row, request)
                     seqs: list[tuple[list[int], list[int], int | None]] = []  # (tokens, write index, want index)
                     seq_prefix: list[tuple | None] = []  # the new prefix whose hidden state a sequence gives
+                    seq_req: list[int] = []  # the request each sequence is
                     budget = self.prefill_tokens
                     table_entries: list[tuple[int, int, int]] = []
                     while queue and len(assign) < len(free_rows):
@@ -675,6 +735,7 @@ class PagedDecoder(FusedModel):
                             toks = list(key) + out_ids[r][:max(made - 1, 0)]
                             seqs.append((toks, pw + ow, len(key) - 1 if new_prefix else None))
                             seq_prefix.append(key if new_prefix else None)
+                            seq_req.append(r)
                             budget -= len(toks)
                             if made:
                                 stats["reprefill_tokens"] += len(toks)
@@ -684,13 +745,21 @@ class PagedDecoder(FusedModel):
                         lens = [len(toks) for toks, _, _ in seqs]
                         starts = [0] + list(_cumsum(lens))[:-1]
                         wanted = [(k, st + i) for k, st, (_, _, i) in zip(seq_prefix, starts, seqs) if i is not None]
-                        hs = self._prefill(ids, lens, widx, [i for _, i in wanted] or [0])
+                        hs, seq_routes = self._prefill(ids, lens, widx, [i for _, i in wanted] or [0])
                         for j, (k, _) in enumerate(wanted):
                             prefix_h[k] = hs[j]
+                        if seq_routes is not None:
+                            for r, k, part in zip(seq_req, seq_prefix, seq_routes.split(lens)):
+                                record(r, 0, part)
+                                if k is not None:
+                                    prefix_routes_of[k] = part[:len(k)]
                         stats["prefills"] += len(seqs)
                         stats["prefill_tokens"] += sum(lens)
                         stats["prefill_pack_max"] = max(stats["prefill_pack_max"], sum(lens))
                     write_table(table_entries)
+                    if self.record_routes:  # a row of a held prompt takes the prompt's routes
+                        for _, r in assign:
+                            record(r, 0, prefix_routes_of[tuple(prompts[r])])
                     # device state of the admitted rows; a fresh request draws its first token from its prompt
                     fresh = [(s, r) for s, r in assign if not out_ids[r]]
                     if fresh:
@@ -763,6 +832,7 @@ class PagedDecoder(FusedModel):
                     buf.zero_()
                 self.table.zero_()
         pool.check_all_free()
+        self.last_routes = [torch.cat(x) if x else None for x in routes]
         finish = [f if d else "abort" for f, d in zip(finish, done)]
         stats["aborted"] = finish.count("abort")
         stats["peak_pages_used"] = pool.peak_used

@@ -16,6 +16,9 @@ class TrainBatch:
     loss_masks: list[list[int]]  # one entry per response token (0 = not trained on, e.g. tool output)
     rollout_logprobs: list[list[float]]  # engine log-probs of the response tokens
     old_logprobs: list[list[float]] | None = field(default=None)
+    # rollout.routing_replay: each sample's experts per token and MoE layer as the engine routed them ([tokens - 1,
+    # layers, k]: every token but the last, `SampleResult.routed_experts`); None: the trainer routes itself
+    routes: list[torch.Tensor] | None = field(default=None)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -23,7 +26,7 @@ class TrainBatch:
     def select(self, idx: list[int]) -> "TrainBatch":
         pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
         return TrainBatch(pick(self.tokens), pick(self.prompt_lens), pick(self.advantages), pick(self.loss_masks),
-                          pick(self.rollout_logprobs), pick(self.old_logprobs))
+                          pick(self.rollout_logprobs), pick(self.old_logprobs), pick(self.routes))
 
     def response_token_count(self) -> int:
         return sum(sum(m) for m in self.loss_masks)
@@ -56,6 +59,9 @@ class PackedMicroBatch:
     row_index: torch.Tensor | None = None  # [k, S-1] flat forward-layout target position of each sample position
     row_valid: torch.Tensor | None = None  # [k, S-1] bool, the sample has that position
     starts: list[tuple[int, int]] = field(default_factory=list)  # (forward row, offset) of each sample
+    # the experts each forward position is routed to, [MoE layers, s * rows, k] in the router's token order (the
+    # model's [s, rows] flattened: position-major); None: the model routes itself (`runtime/trainer/routing_replay.py`)
+    routes: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -104,6 +110,24 @@ def _sample_rows(batch: TrainBatch, idx: list[int]):
     return mask, adv, rlp, olp
 
 
+def _forward_routes(batch: TrainBatch, idx: list[int], rows: int, width: int,
+                    starts: list[tuple[int, int]]) -> torch.Tensor | None:
+    """The samples' recorded routes in the forward layout's router order ([layers, width * rows, k]). A position no
+    route was recorded for (a sample's last token, padding) goes to experts 0..k-1: no log-prob reads its output."""
+    if batch.routes is None:
+        return None
+    first = batch.routes[idx[0]]
+    layers, k = first.shape[1], first.shape[2]
+    out = torch.arange(k, dtype=torch.long).expand(width, rows, layers, k).clone()
+    for i, (row, start) in zip(idx, starts):
+        got, need = batch.routes[i], len(batch.tokens[i]) - 1
+        if got is None or len(got) < need:
+            raise ValueError(f"routing replay: sample {i} of {need + 1} tokens carries routes for "
+                             f"{0 if got is None else len(got)} of the {need} it needs")
+        out[start:start + need, row] = got[:need].to(torch.long)
+    return out.permute(2, 0, 1, 3).reshape(layers, width * rows, k)
+
+
 def pack(batch: TrainBatch, idx: list[int], device: str | torch.device = "cpu", pad_id: int = 0,
          length: int | None = None) -> PackedMicroBatch:
     """Right-padded: one sample per row, of the longest sample's length or ``length`` if longer."""
@@ -115,8 +139,9 @@ def pack(batch: TrainBatch, idx: list[int], device: str | torch.device = "cpu", 
     mask, adv, rlp, olp = _sample_rows(batch, idx)
     pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    starts = [(row, 0) for row in range(b)]
     return PackedMicroBatch(to(ids), to(pos), to(ids[:, 1:].contiguous()), to(mask), to(adv), to(rlp), to(olp),
-                            list(idx), starts=[(row, 0) for row in range(b)])
+                            list(idx), starts=starts, routes=to(_forward_routes(batch, idx, b, s, starts)))
 
 
 def pack_varlen(batch: TrainBatch, idx: list[int], device: str | torch.device = "cpu") -> PackedMicroBatch:
@@ -136,9 +161,10 @@ def pack_varlen(batch: TrainBatch, idx: list[int], device: str | torch.device = 
     valid = j < (torch.tensor(lens).view(-1, 1) - 1)
     index = torch.where(valid, cu[:-1].view(-1, 1).to(torch.long) + j, torch.zeros((), dtype=torch.long))
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    starts = [(0, int(o)) for o in cu[:-1].tolist()]
     return PackedMicroBatch(to(ids), to(pos), to(ids[:, 1:].contiguous()), to(mask), to(adv), to(rlp), to(olp),
                             list(idx), cu_seqlens=to(cu), max_seqlen=max(lens), row_index=to(index),
-                            row_valid=to(valid), starts=[(0, int(o)) for o in cu[:-1].tolist()])
+                            row_valid=to(valid), starts=starts, routes=to(_forward_routes(batch, idx, 1, total, starts)))
 
 
 def token_budget_micro_batches(idx: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:

@@ -18,7 +18,7 @@ from runtime.config import AlgorithmSection, TrainSection
 from runtime.mcore.determinism import fix_cublas_workspace, strict_if_deterministic, trainer_compute
 from runtime.testing.moments import moment
 from runtime.trainer.batch import TrainBatch, by_length, pack, pack_varlen, step_slices, token_budget_micro_batches
-from runtime.trainer import expert_parallel, router_losses
+from runtime.trainer import expert_parallel, router_losses, routing_replay
 from runtime.trainer.checkpoint_writer import CheckpointWriter
 from runtime.trainer.state_offload import StateOffload
 from runtime.trainer.tp_replicas import replicated_parameters, take_rank0_gradients
@@ -118,11 +118,16 @@ class MegatronTrainer:
             check_available(t.packed_attention)
         recompute = dict(recompute=t.recompute, recompute_modules=tuple(t.recompute_modules),
                          recompute_num_layers=t.recompute_num_layers) if train else {}
-        if router_losses.is_moe(self.hf_config):
+        moe = router_losses.is_moe(self.hf_config)
+        if moe:
             recompute.update(router_losses.config_overrides(t))
-        return menv.build_gpt_model(self.hf_config, dtype=self.params_dtype, device=self.device, init_weights=False,
-                                    fusions=t.fusions, core_attention=t.core_attention, packed=self.packs,
-                                    packed_attention=t.packed_attention, **recompute)
+        if moe and train:  # replay slots, used when a batch carries the engine's routes (rollout.routing_replay)
+            recompute.update(routing_replay.config_overrides())
+        model = menv.build_gpt_model(self.hf_config, dtype=self.params_dtype, device=self.device, init_weights=False,
+                                     fusions=t.fusions, core_attention=t.core_attention, packed=self.packs,
+                                     packed_attention=t.packed_attention, **recompute)
+        routing_replay.own_routers(model)
+        return model
 
     @property
     def packs(self) -> bool:
@@ -264,7 +269,9 @@ class MegatronTrainer:
             mb = self._pack(batch, idx)
             # chunked: every response position, whatever its loss mask
             select = mb.response_select(batch) if self._chunked_logprobs_enabled() else None
-            logp, _ = self._token_logprobs(model, mb, select=select)
+            # the reference routes itself: the recorded routes are the policy's
+            with routing_replay.replaying(model, mb.routes if model is self.model else None):
+                logp, _ = self._token_logprobs(model, mb, select=select)
             for i, values in zip(mb.seq_ids, self._unpack(logp, mb, batch)):
                 out[i] = values
         return out
@@ -309,22 +316,24 @@ class MegatronTrainer:
                 if self.lora is not None and self.lora.dropout > 0:
                     from runtime.trainer import lora
                     lora.set_dropout_key(self.model, (self.train_cfg.seed, self.steps_done, self.dp_rank, m))
-                logp, entropy = self._token_logprobs(self.model, mb, with_entropy=True,
-                                                     entropy_grad=a.entropy_coef > 0)
-                ref = None
-                if ref_logprobs is not None:
-                    ref = torch.zeros_like(logp)
-                    for row, i in enumerate(mb.seq_ids):
-                        p = batch.prompt_lens[i]
-                        ref[row, p - 1: p - 1 + len(ref_logprobs[i])] = torch.tensor(ref_logprobs[i])
-                old = mb.old_logp if mb.old_logp is not None else logp.detach()
-                loss, metrics = grpo_loss(
-                    logp, old, mb.advantages, mb.resp_mask,
-                    a if isinstance(a, AlgorithmSection) else AlgorithmSection.model_validate(a),
-                    ref_logp=ref, entropy=entropy, rollout_logp=mb.rollout_logp, normalizer=normalizer)
-                # Megatron DDP averages gradients over DP ranks; our loss is already a global sum.
-                with strict_if_deterministic():  # train.deterministic: the backward's kernels without atomics
-                    (loss * self.dp_size).backward()
+                # rollout.routing_replay: the engine's routes through the forward and any recompute in the backward
+                with routing_replay.replaying(self.model, mb.routes):
+                    logp, entropy = self._token_logprobs(self.model, mb, with_entropy=True,
+                                                         entropy_grad=a.entropy_coef > 0)
+                    ref = None
+                    if ref_logprobs is not None:
+                        ref = torch.zeros_like(logp)
+                        for row, i in enumerate(mb.seq_ids):
+                            p = batch.prompt_lens[i]
+                            ref[row, p - 1: p - 1 + len(ref_logprobs[i])] = torch.tensor(ref_logprobs[i])
+                    old = mb.old_logp if mb.old_logp is not None else logp.detach()
+                    loss, metrics = grpo_loss(
+                        logp, old, mb.advantages, mb.resp_mask,
+                        a if isinstance(a, AlgorithmSection) else AlgorithmSection.model_validate(a),
+                        ref_logp=ref, entropy=entropy, rollout_logp=mb.rollout_logp, normalizer=normalizer)
+                    # Megatron DDP averages gradients over DP ranks; our loss is already a global sum.
+                    with strict_if_deterministic():  # train.deterministic: the backward's kernels without atomics
+                        (loss * self.dp_size).backward()
                 # Metrics stay on the device until the step's end: reading one here would stall the host
                 # until the GPU is done, and the GPU would then idle while the next micro-batch is packed.
                 # grpo_loss normalises by the whole step, so summing over micro-batches and ranks gives step values
