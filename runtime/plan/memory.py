@@ -20,6 +20,8 @@ rollout extra      rollout.n_samples_per_prompt, partial         runtime/plan/en
 overhead           cluster.colocate, backend                     runtime/plan/engine_terms.py
 host               cluster.host_memory_gb                        runtime/plan/host_memory.py
 disk               checkpoint.*, tracking.keep_exports, storage  runtime/plan/disk.py
+experts, router,   train.expert_parallel, the model's experts    runtime/plan/moe_terms.py (shares of the rows
+dispatcher         and top-k                                     above: a mixture of experts)
 =================  ============================================  ===========================================
 
 The model follows what our code allocates on the device the run uses, not a generic formula. How they add up:
@@ -68,7 +70,7 @@ from typing import Any
 
 from runtime.devices import resolve_dtype, this_machine_gpu_gb
 from runtime.placement import layout
-from runtime.plan import engine_terms, host_memory, lora_memory, trainer_terms
+from runtime.plan import engine_terms, host_memory, lora_memory, moe_terms, trainer_terms
 from runtime.plan.fit_search import lora_need, settings_that_fit, show_setting
 from runtime.plan.activations import (activation_bytes, activation_terms, layer_bytes_per_token,  # noqa: F401
                                       uses_chunked_logprobs, uses_flash_attention)
@@ -176,7 +178,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
 
     # activations of one micro-batch, and the adapters' beside them
     act_kw = dict(tp=tp, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, device=device,
-                  response_len=max_new_tokens, frozen_head=bool(lora), **settings)
+                  response_len=max_new_tokens, frozen_head=bool(lora), ep=ep, **settings)
     act = activation_terms(hf_config, **act_kw)
     lora_act = _lora_activations(m, lora, e, tp=tp, micro_batch_size=micro_batch_size, seq_len=seq_len,
                                  **settings) if lora else 0
@@ -237,7 +239,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                  act_logprob_head=act["logprob_head"], act_lora=lora_act, adapter_weights=adapters_rank * e)
     out: dict[str, Any] = {k: v / GIB for k, v in exact.items()}
     out.update(fits=fits, bytes=exact, params=n_params, params_per_gpu=per_rank, gpu_mem_gb=gpu_mem_gb,
-               tp=tp, dp=dp, colocate=colocate, dtype=str(dtype).removeprefix("torch."), rollout_rows=rows,
+               tp=tp, dp=dp, ep=ep, colocate=colocate, dtype=str(dtype).removeprefix("torch."), rollout_rows=rows,
                engine_weights_dtype=weights_dtype if engine == "builtin" else str(dtype).removeprefix("torch."),
                rollout_engines=rollout_engines,
                micro_batch_size=micro_batch_size, seq_len=seq_len, device=device, engine=engine,
@@ -252,9 +254,39 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                optimizer_on_host=bool(optimizer_on_host), host=host, gpu_fits=fits,
                lora=None if not lora else {**lora, "params": adapters, "params_per_gpu": adapters_rank},
                shared_base=bool(shared_base and lora), **settings)
+    out["moe"] = _moe_shares(m, e, tp=tp, ep=ep, dp=dp, grad_bytes=grad_bytes, opt=opt, lora=bool(lora),
+                             ref_model=ref_model, act=act, engine=engine, sglang_tp=sglang_tp,
+                             distributed_optimizer=bool(distributed_optimizer), optimizer_on_host=bool(optimizer_on_host),
+                             ranks=host["ranks"] if host is not None else 1)
     out["fits"] = fits and (host is None or host["fits"])
-    out["max_tp"] = math.gcd(m["V"], m["nh"], m["ng"], m["f"])
+    # a mixture of experts trains at TP 1 (runtime/placement/layout.py: megatron needs sequence parallelism for it)
+    out["max_tp"] = 1 if moe_terms.is_moe(m) else math.gcd(m["V"], m["nh"], m["ng"], m["f"])
     out["reason"] = None if out["fits"] else _why_not(out)
+    return out
+
+
+def _moe_shares(m: dict[str, Any], e: int, *, tp: int, ep: int, dp: int, grad_bytes: int, opt, lora: bool,
+                ref_model: bool, act: dict[str, int], engine: str, sglang_tp: int, distributed_optimizer: bool,
+                optimizer_on_host: bool, ranks: int) -> dict[str, Any] | None:
+    """A mixture of experts' named terms (runtime/plan/moe_terms.py), each a share of a row the plan adds up
+    (``weights``, ``grads``, ``optimizer``, ``activations``, ``engine_weights``; ``host_optimizer``: of the host's
+    optimizer, over the node's ``ranks``), in GiB, with ``bytes`` and what the notes read; None for a dense model."""
+    if not moe_terms.is_moe(m):
+        return None
+    experts = moe_terms.expert_params_per_rank(m, tp, ep)
+    copies = 2 if ref_model and not lora else 1  # the reference model holds its experts and router too
+    state = (4 if e < 4 else 0) + 8            # fp32 master (of half-precision weights) + Adam m, v
+    exact = dict(experts_weights=copies * experts * e, router_weights=copies * moe_terms.router_params(m) * e,
+                 experts_grads=0 if lora else experts * grad_bytes,
+                 experts_optimizer=0 if lora or optimizer_on_host else opt.experts * state,
+                 host_optimizer=ranks * 12 * opt.experts if optimizer_on_host and not lora else 0,
+                 router_activations=act["router"], dispatcher=act["dispatcher"],
+                 dispatcher_buffer=act["dispatcher_buffer"], experts_activations=act["experts"],
+                 engine_experts=moe_terms.engine_experts(m, e, engine=engine, sglang_tp=sglang_tp))
+    out: dict[str, Any] = {k: v / GIB for k, v in exact.items()}
+    out.update(bytes=exact, experts=m["E"], experts_per_rank=m["E"] // ep, topk=m["k"], ffn=m["fe"], ep=ep,
+               expert_dp=max(dp // ep, 1), distributed_optimizer=distributed_optimizer, aux=bool(m.get("aux")),
+               host_ranks=ranks)
     return out
 
 
@@ -350,7 +382,7 @@ def _why_not_gpu(est: dict[str, Any]) -> str:
                    else "with one data-parallel rank nothing shards them")
         bf16_grads = ("; train.grad_dtype: bfloat16 halves the gradients" if est["grad_dtype"] == "float32"
                       and est["dtype"] != "float32" else "")
-        if not est["optimizer_on_host"] and est["dtype"] != "float32":
+        if not est["optimizer_on_host"] and est["dtype"] != "float32" and est.get("ep", 1) == 1:  # config.py: not with EP
             bf16_grads += (f"; train.optimizer_on_host: true moves the fp32 master + Adam state "
                            f"({est['optimizer']:.1f} GiB) to host memory")
         return (f"{head}: try GPUs with more memory: {what} alone take {state:.1f} GiB per GPU at "
@@ -404,6 +436,7 @@ def format_estimate(est: dict[str, Any]) -> str:
             ("KV cache", est["kv_cache"], kv_note), ("rollout extra", est["rollout_activations"], ""),
             ("overhead", est["overhead"], "CUDA contexts and allocator slack of two processes (trainer, engine)"
              if est["overhead"] > OVERHEAD_BYTES / GIB else "CUDA context, allocator slack")]
+    moe = est.get("moe")
     head = (f"memory per GPU (tp={est['tp']}, dp={est['dp']}, {'colocated' if est['colocate'] else 'separate'} "
             f"trainer/rollout, {est['dtype']}, {est['params'] / 1e9:.2f}B params, {est['device']}):")
     lines = [head] + [f"  {name:<15}{gib:8.2f} GiB" + (f"   {note}" if note else "") for name, gib, note in rows]
@@ -411,11 +444,41 @@ def format_estimate(est: dict[str, Any]) -> str:
     phases = (f" (rollout {est['at_rollout']:.2f}, training {est['at_training']:.2f}"
               + (f", weight sync {est['at_sync']:.2f}" if est["sync_gather"] else "") + ")" if est["colocate"] else "")
     lines.append(f"  {'total':<15}{est['total']:8.2f} GiB of {est['gpu_mem_gb']:g} GiB{phases}: {verdict}")
+    if moe is not None:
+        lines += format_moe(moe)
     if est.get("assumed"):
         lines.append(f"  assumed: {est['assumed']}")
     if est.get("host") is not None:
         lines += host_memory.format_host(est["host"])
     return "\n".join(lines)
+
+
+def format_moe(moe: dict[str, Any]) -> list[str]:
+    """Lines for ``grpoflow validate``: a mixture of experts' terms, each named with the row above it belongs to."""
+    per_rank = f"{moe['experts_per_rank']} of {moe['experts']} experts per EP rank (train.expert_parallel {moe['ep']})"
+    over = (f"sharded over the {moe['expert_dp']} expert-data-parallel ranks (DP / EP)"
+            if moe["distributed_optimizer"] and moe["expert_dp"] > 1 else
+            "whole on each rank" + (" (DP / EP = 1: the distributed optimizer has no rank to shard them over)"
+                                    if moe["distributed_optimizer"] else ""))
+    where = (f"on the host: {moe['host_optimizer']:.2f} GiB of the host's optimizer over {moe['host_ranks']} "
+             f"rank(s), 12 B a parameter" if moe["host_optimizer"] else "fp32 master + Adam m, v")
+    rows = [("experts' weights", moe["experts_weights"], f"of weights: {per_rank}"),
+            ("router weights", moe["router_weights"], f"of weights: [{moe['experts']}, hidden] a layer, on every rank"),
+            ("experts' grads", moe["experts_grads"], "of gradients"),
+            ("experts' optimizer", moe["experts_optimizer"], f"of optimizer: their own, {over}; {where}"),
+            ("router acts", moe["router_activations"],
+             "of activations: fp32 " + (f"softmax over {moe['experts']} experts (load-balancing loss), " if moe["aux"]
+                                       else "") + f"top-{moe['topk']} indices and probabilities, per token and layer"),
+            ("dispatcher", moe["dispatcher"],
+             f"of activations: {moe['topk']} routed bf16 copies of each token's hidden state a layer (allgather "
+             f"dispatcher)" + (f"; its gather buffer [tokens x EP, hidden] {moe['dispatcher_buffer']:.2f}"
+                               if moe["dispatcher_buffer"] else "")),
+            ("experts' acts", moe["experts_activations"],
+             f"of activations: top-{moe['topk']} x tokens x ffn {moe['ffn']} (fc1 output, SwiGLU product)"),
+            ("engine experts", moe["engine_experts"], "of engine weights: every expert of the engine's replica")]
+    lines = [f"  mixture of experts ({moe['experts']} experts of ffn {moe['ffn']}, top-{moe['topk']}), "
+             f"shares of the rows above:"]
+    return lines + [f"    {name:<19}{gib:8.2f} GiB   {note}" for name, gib, note in rows]
 
 
 def first_rollout_rows(cfg) -> int:

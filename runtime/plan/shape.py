@@ -18,8 +18,8 @@ def dtype_bytes(dtype) -> int:
 def model_shape(hf_config) -> dict[str, Any]:
     """V (vocab), h (hidden), L (layers), f (ffn), nh / ng (attention heads / key-value groups), d (head dim), rot
     (rotary dims), and the family's switches (qkv bias, q/k norms, GLM4's post-norms, tied embeddings). A mixture of
-    experts: E experts of ffn fe each and the router, and f the ffn width a token passes through (its topk experts'),
-    what the activation and compute terms read."""
+    experts: E experts of ffn fe each, k routed per token (``aux``: with the load-balancing loss) and the router, and f the
+    ffn width a token passes through (its k experts'), what the activation and compute terms read."""
     from runtime.models import get_adapter
     from runtime.models.base import head_dim
 
@@ -31,7 +31,8 @@ def model_shape(hf_config) -> dict[str, Any]:
         int(kw.get("moe_ffn_hidden_size") or 0)
     return dict(
         V=int(hf_config.vocab_size), h=kw["hidden_size"], L=kw["num_layers"],
-        f=topk * fe if experts else kw["ffn_hidden_size"], E=experts, fe=fe,
+        f=topk * fe if experts else kw["ffn_hidden_size"], E=experts, fe=fe, k=topk,
+        aux=bool(experts) and kw.get("moe_router_load_balancing_type", "none") != "none",
         nh=kw["num_attention_heads"], ng=kw["num_query_groups"], d=d, rot=rot - rot % 2,
         qkv_bias=bool(kw["add_qkv_bias"]), qk_norm=bool(kw["qk_layernorm"]),
         post_norms=bool(getattr(adapter, "post_norms", False)),
