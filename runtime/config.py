@@ -289,6 +289,11 @@ class TrainSection(Section):
     clip_grad: float = Field(1.0, ge=0, description="max grad norm; 0: off")
     tensor_parallel: int = Field(1, gt=0)
     data_parallel: int = Field(1, gt=0, description="unset: cluster.trainer_gpus / tensor_parallel (1 without GPUs)")
+    # a mixture of experts: the experts split over this many ranks (megatron's expert_model_parallel_size), each
+    # holding num_experts / expert_parallel of them and the tokens routed to them gathered from its group (the
+    # allgather dispatcher). The expert group is cut from the data-parallel ranks, so it divides data_parallel
+    # (and the model's num_experts). 1: every rank holds every expert.
+    expert_parallel: int = Field(1, gt=0)
     seed: int = 1234
     # a mixture of experts (Qwen3-MoE): the router z-loss's coefficient (megatron's moe_z_loss_coeff, the squared
     # log-partition of the router logits), added to the loss and reported as router_z_loss; 0: off. The
@@ -559,6 +564,16 @@ class GrpoConfig(Section):
             raise ValueError(
                 f"cluster.trainer_gpus={gpus} but train.data_parallel × train.tensor_parallel = {dp} × "
                 f"{t.tensor_parallel} = {dp * t.tensor_parallel}; make them equal (leave data_parallel unset to derive it)")
+        if dp % t.expert_parallel:
+            raise ValueError(
+                f"train.expert_parallel={t.expert_parallel} must divide train.data_parallel={dp} (megatron cuts the "
+                f"expert groups from the data-parallel ranks: world {dp * t.tensor_parallel} = TP × EP × expert-DP)")
+        if t.expert_parallel > 1 and t.max_tokens_per_micro_batch is not None:
+            raise ValueError("train.expert_parallel > 1 needs micro-batches of one count on every rank of an expert "
+                             "group (the experts' token exchange is collective); unset train.max_tokens_per_micro_batch")
+        if t.expert_parallel > 1 and t.optimizer_on_host:
+            raise ValueError("train.optimizer_on_host does not yet run the experts' own optimizer (expert_parallel > 1); "
+                             "set train.optimizer_on_host: false or train.expert_parallel: 1")
         if t.global_batch_size % (dp * t.micro_batch_size) != 0:
             raise ValueError(
                 f"train.global_batch_size={t.global_batch_size} must be divisible by train.data_parallel × "

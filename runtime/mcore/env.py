@@ -87,11 +87,12 @@ def parallel_device() -> str | None:
 
 
 def init_parallel(rank: int = 0, world_size: int = 1, tp: int = 1, master_addr: str = "127.0.0.1",
-                  master_port: int | None = None, device: str = "cpu", seed: int = 1234) -> None:
+                  master_port: int | None = None, device: str = "cpu", seed: int = 1234, ep: int = 1) -> None:
     """Start torch.distributed (gloo on CPU, nccl on CUDA) and megatron's model-parallel groups.
 
     Idempotent: when torch.distributed is already up with the same rank and world size, only the
-    model-parallel state is (re)built for ``tp``. ``master_port=None`` uses $MASTER_PORT, or a free
+    model-parallel state is (re)built for ``tp`` and ``ep`` (expert parallelism: megatron's expert groups of ``ep``
+    ranks cut from the data-parallel ones, the experts' TP that of the dense layers). ``master_port=None`` uses $MASTER_PORT, or a free
     port for a single process. ``seed`` seeds megatron's CUDA RNG tracker (CUDA only; on CPU the
     inference tracker is used, whose ``fork()`` is a no-op: dropout is 0 in every model we build).
     """
@@ -126,12 +127,12 @@ def init_parallel(rank: int = 0, world_size: int = 1, tp: int = 1, master_addr: 
     if device == "cpu":
         _install_cpu_shims()
     if mpu.model_parallel_is_initialized():
-        if mpu.get_tensor_model_parallel_world_size() == tp:
+        if mpu.get_tensor_model_parallel_world_size() == tp and mpu.get_expert_model_parallel_world_size() == ep:
             return
         mpu.destroy_model_parallel()
-    if world_size % tp:
-        raise ValueError(f"init_parallel: world_size {world_size} is not a multiple of tp {tp}")
-    mpu.initialize_model_parallel(tp, 1)
+    if world_size % (tp * ep):
+        raise ValueError(f"init_parallel: world_size {world_size} is not a multiple of tp {tp} × ep {ep}")
+    mpu.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
     if device == "cpu":
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     else:
@@ -257,6 +258,9 @@ def build_transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, d
     kwargs = get_adapter(hf_config).transformer_config_kwargs(hf_config)
     if kwargs.get("num_moe_experts"):
         _patch_router_gemm()
+        # the experts split as the process's groups are (init_parallel's ep): each rank builds its own experts
+        if mpu.model_parallel_is_initialized():
+            kwargs["expert_model_parallel_size"] = mpu.get_expert_model_parallel_world_size()
     device = _resolve_device(device)
     kwargs.update(
         hidden_dropout=0.0,

@@ -91,6 +91,12 @@ def check_layout(cfg: GrpoConfig, hf_config=None, gpus_available: int | None = N
         vocab = int(getattr(hf_config, "vocab_size", 0) or 0)
         if vocab and vocab % tp:
             raise ConfigError(f"train.tensor_parallel={tp} does not divide the vocabulary ({vocab}); use a divisor")
+        experts = int(getattr(hf_config, "num_experts", 0) or 0)
+        if experts and tp > 1:  # megatron-core's MoELayer.forward refuses to train under TP without it
+            raise ConfigError(f"train.tensor_parallel={tp} on a mixture of experts ({experts} experts): megatron-core "
+                              f"trains MoE layers under tensor parallelism only with sequence parallelism, which the "
+                              f"trainer does not turn on; use train.tensor_parallel: 1 (train.expert_parallel splits "
+                              f"the experts)")
     if r.engine == "builtin" and c.rollout_gpus > 1 and c.colocate and not c.trainer_gpus and c.device != "cpu":
         raise ConfigError(f"cluster.rollout_gpus={c.rollout_gpus} with cluster.colocate=true puts one built-in engine on "
                           f"each trainer GPU, but cluster.trainer_gpus=0 (one device); set cluster.trainer_gpus >= "

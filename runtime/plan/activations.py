@@ -21,6 +21,9 @@
   accumulator, the bf16 ``dz^T h`` product and its fp32 cast, one chunk's ``[2048, vocab]`` logits gradient, plus
   the saved response rows and the final norm's input. Under TP > 1 megatron's vocab-parallel cross-entropy keeps
   full logits (20 bytes per logit, as on CPU).
+* A mixture of experts: the experts' activations are the MLP's at ffn = k x the expert's ffn; each MoE layer also
+  keeps its router's and its token dispatcher's tensors, and the dispatcher's gather buffer is one for the model
+  (runtime/plan/moe_terms.py); ``recompute_modules: [mlp]`` does not recompute a MoE layer.
 * On CPU: megatron's unfused ``DotProductAttention`` (``[heads, s, s]`` fp32 softmax output and its cast
   probabilities per layer), full-vocab fp32 logits (the cross-entropy's contiguous copy and the entropy metric's
   temporaries: 20 bytes per logit, 16 for a single-sequence micro-batch).
@@ -30,6 +33,7 @@ Measurements: runtime/plan/memory.py's module doc.
 from __future__ import annotations
 
 from runtime.mcore import fusions as megatron_fusions
+from runtime.plan import moe_terms
 from runtime.plan.shape import dtype_bytes, model_shape
 
 # CPU path (megatron's unfused attention, full logits): per token and layer, bytes of saved activations
@@ -73,12 +77,14 @@ def layer_bytes_per_token(hf_config, *, tp: int = 1, dtype="bfloat16", device: s
     e = dtype_bytes(dtype)
     h, f, nh, ng, d = m["h"], m["f"] // tp, m["nh"] // tp, m["ng"] // tp, m["d"]
     q, kv = nh * d, ng * d
+    # a MoE layer's router and dispatcher (the experts' part is the MLP's, at f = k x the expert's ffn)
+    moe = moe_terms.router_bytes_per_token(m) + moe_terms.dispatcher_bytes_per_token(m, e)
     if not uses_flash_attention(device, core_attention, packed):
         return (2 * _PRE_NORM_BYTES * h + (2 * _POST_NORM_BYTES * h if m["post_norms"] else 0)
                 + (_QK_NORM_BYTES * (q + kv) if m["qk_norm"] else 0)
                 + 2 * e * h                      # norm outputs: inputs of linear_qkv and fc1
                 + 4 * e * q                      # q, k and v expanded to all heads, the context
-                + _SWIGLU_ELEMS * e * f)
+                + _SWIGLU_ELEMS * e * f + moe)
     norms = 2 + (2 if m["post_norms"] else 0)
     # norm inputs (the residual stream) + the two pre-norm outputs (dropped when the norms are recomputed)
     hidden = norms * e * h + (0 if "layernorm" in recompute_modules else 2 * e * h)
@@ -90,10 +96,11 @@ def layer_bytes_per_token(hf_config, *, tp: int = 1, dtype="bfloat16", device: s
         attention = e * q + 2 * e * q + e * q + 4 * nh + e * q
     if "core_attn" in recompute_modules:  # the checkpoint keeps q, k, v; the output and lse are recomputed
         attention -= e * q + 4 * nh
-    # fc1 output (gate|up) and the product; unfused also silu(gate); recomputed: none of them
-    mlp = 0 if "mlp" in recompute_modules else (3 if "swiglu" in fused else 4) * e * f
+    # fc1 output (gate|up) and the product; unfused also silu(gate); recomputed: none of them (megatron recomputes
+    # "mlp" in dense layers only)
+    mlp = 0 if "mlp" in recompute_modules and not moe_terms.is_moe(m) else (3 if "swiglu" in fused else 4) * e * f
     stats = 4 * norms + (4 * (nh + ng) if m["qk_norm"] else 0)  # fp32 rstd per normalised row
-    return hidden + qk_norm + attention + mlp + stats
+    return hidden + qk_norm + attention + mlp + stats + moe
 
 
 def activation_terms(hf_config, *, tp: int, micro_batch_size: int, seq_len: int, dtype="bfloat16",
@@ -101,7 +108,7 @@ def activation_terms(hf_config, *, tp: int, micro_batch_size: int, seq_len: int,
                      recompute: str = "none", recompute_modules=("layernorm", "mlp"),
                      recompute_num_layers: int | None = None, fusions="auto", chunked_logprobs: str = "auto",
                      core_attention: str = "auto", frozen_head: bool = False,
-                     deterministic: bool = False) -> dict[str, int]:
+                     deterministic: bool = False, ep: int = 1) -> dict[str, int]:
     """Peak activation bytes of one training micro-batch on one tensor-parallel rank, by part:
     ``layers`` (saved by the decoder layers, plus the backward's working set), ``attention_scores``
     (unfused attention only), ``logprob_head`` (output layer and log-probs), and ``total``.
@@ -110,6 +117,8 @@ def activation_terms(hf_config, *, tp: int, micro_batch_size: int, seq_len: int,
     ``micro_batch_size`` samples of ``seq_len``. ``recompute*``: ``train.recompute`` and its modules/layers.
     ``frozen_head``: the output layer is frozen (LoRA): the chunked head keeps no weight-gradient accumulator.
     ``deterministic`` (``train.deterministic``): flash attention's backward holds :func:`deterministic_dq_bytes` more.
+    A mixture of experts (``ep``: ``train.expert_parallel``): ``layers`` includes the dispatcher's gather buffer, and
+    ``router``, ``dispatcher`` and ``experts`` are their shares of it (runtime/plan/moe_terms.py).
     """
     m = model_shape(hf_config)
     e = dtype_bytes(dtype)
@@ -153,10 +162,20 @@ def activation_terms(hf_config, *, tp: int, micro_batch_size: int, seq_len: int,
                 + _LOGPROB_CHUNK * V * e)                   # one chunk's logits gradient
     else:
         head = tokens * (V // tp) * (_LOGIT_BYTES_SINGLE if (micro_batch_size == 1 or packed) else _LOGIT_BYTES)
+    # a mixture of experts: the layers that hold their tensors (those not recomputed, and the one the backward
+    # works on) each keep the router's, dispatcher's and experts' share; the gather buffer is one for the model
+    held = (L - full) + (1 if flash or recompute != "none" else 0)
+    elems = (3 if "swiglu" in megatron_fusions.active(device, fusions) else 4) if flash else _SWIGLU_ELEMS
+    experts_per_token = moe_terms.expert_bytes_per_token(m, e, tp=tp, elems=elems)
+    buffer = moe_terms.dispatcher_gather_buffer(m, e, tokens=tokens, tp=tp, ep=ep)
+    moe = {"router": held * tokens * moe_terms.router_bytes_per_token(m),
+           "dispatcher": held * tokens * moe_terms.dispatcher_bytes_per_token(m, e) + buffer,
+           "dispatcher_buffer": buffer, "experts": held * tokens * experts_per_token}
+    layers += buffer
     # the head's backward (its weight-gradient accumulators) runs first, before any layer's backward
     # (or recomputation) holds its working set: they peak one after the other, beside what the layers keep
     return {"layers": layers + backward, "attention_scores": scores, "logprob_head": head,
-            "total": layers + scores + (max(head, backward) if flash else head)}
+            "total": layers + scores + (max(head, backward) if flash else head), **moe}
 
 
 def deterministic_dq_bytes(m: dict, *, tp: int, tokens: int, sequences: int, padded_len: int | None) -> int:

@@ -107,7 +107,7 @@ def disk_terms(cfg, hf_config, *, device: str) -> dict[str, Any]:
     out: dict[str, Any] = {k: v / GIB for k, v in exact.items()}
     out.update(bytes=exact, checkpoints_n=n_ckpts, checkpoint_bytes=per_ckpt,
                checkpoint_bytes_per_param=checkpoint_bytes_per_param(e),
-               trained_params=trained, lora=bool(lora), exports_n=n_exports, registered_n=registered,
+               trained_params=trained, lora=bool(lora), moe=bool(m.get("E")), exports_n=n_exports, registered_n=registered,
                export_bytes=per_export, trainer_dtype=trainer_dtype, export_dtype=_hf_dtype(hf_config),
                keep_last=cfg.checkpoint.keep_last, keep_exports=cfg.tracking.keep_exports)
     return out
@@ -178,8 +178,18 @@ def _why_not(disk: dict[str, Any]) -> str:
     fixes.append(f"a larger disk for storage.root (or for storage.state_dir under an s3:// root: its writers build "
                  f"each directory there): at least {least / GIB:.1f} GiB with {settings}")
     cannot = ""
-    bare = b["hf_model"] + b["converted"] + 2 * disk["checkpoint_bytes"]  # no exports, keep_last 1
-    if bare - disk["already"] * GIB > disk["free_gb"] * GIB and disk["checkpoints_n"] > 1:
+    models = b["hf_model"] + b["converted"]
+    bare = models + 2 * disk["checkpoint_bytes"]  # no exports, keep_last 1
+    if models + disk["checkpoint_bytes"] - disk["already"] * GIB > disk["free_gb"] * GIB:
+        # not even one checkpoint: retention cannot help, a smaller checkpoint or a larger disk can
+        cannot = (f"; this disk cannot hold even one checkpoint ({disk['checkpoint_bytes'] / GIB:.1f} GiB: "
+                  f"{disk['checkpoint_bytes_per_param']} B x {disk['trained_params'] / 1e9:.2f}B "
+                  f"{'adapter ' if disk['lora'] else ''}parameters) beside the models ({models / GIB:.1f} GiB)")
+        if not disk["lora"] and not disk["moe"]:  # LoRA on a mixture of experts is refused by the trainer
+            fixes.append("train.lora (a checkpoint holds the adapters and their optimizer only)")
+        fixes.append("a depth-truncated shape of this width (a local model dir whose config.json has fewer "
+                     "num_hidden_layers: 12 B a parameter of what is left)")
+    elif bare - disk["already"] * GIB > disk["free_gb"] * GIB and disk["checkpoints_n"] > 1:
         cannot = (f"; this disk cannot hold one durable checkpoint while the next is written beside the models "
                   f"({bare / GIB:.1f} GiB)")
     more = f" ({disk['need_now']:.1f} beyond the {disk['already']:.1f} it holds)" if disk["already"] else ""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from runtime.plan import moe_terms
 from runtime.plan.shape import GIB, dtype_bytes, model_shape
 
 # CUDA context, cuBLAS workspaces, allocator slack (one process). Measured on the H100 (2026-11-25, colocated,
@@ -113,7 +114,9 @@ def paged_extra(m: dict[str, Any], e: int, *, live: int, per_row: bool, seq_len:
     else:
         groups = min(live, -(-(live - 1) // samples_per_prompt) + 1)
         tokens = min(groups * max(prompt, 1), max(_PREFILL_TOKENS, prompt))
-    prefill = tokens * e * (3 * m["h"] + 2 * m["nh"] * m["d"] + 2 * m["ng"] * m["d"] + 3 * m["f"])
+    # a mixture of experts: the router's fp32 tensors and the routed copies beside the experts' k x ffn (moe_terms)
+    prefill = tokens * (e * (3 * m["h"] + 2 * m["nh"] * m["d"] + 2 * m["ng"] * m["d"] + 3 * m["f"])
+                        + moe_terms.engine_prefill_bytes_per_token(m, e))
     return max(prefill, live * m["V"] * _FAST_SAMPLER_BYTES_PER_LOGIT)
 
 

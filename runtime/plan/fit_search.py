@@ -47,8 +47,10 @@ def settings_that_fit(estimate, hf_config, gpu_mem_gb: float, kw: dict[str, Any]
     if kw["device"] != "cuda" or kw["engine"] != "builtin":
         return None
     seq = kw["seq_len"]
+    expert_parallel = kw.get("ep", 1) > 1  # config.py refuses packed micro-batches and the host optimizer with it
     budgets = [kw["max_tokens"]] if kw["max_tokens"] else [None]
-    budgets += [seq * k for k in (16, 8, 4, 2, 1) if not kw["max_tokens"] or seq * k < kw["max_tokens"]]
+    budgets += [seq * k for k in (16, 8, 4, 2, 1)
+                if not expert_parallel and (not kw["max_tokens"] or seq * k < kw["max_tokens"])]
     recomputes = [(kw["recompute"], kw["recompute_modules"])]
     for r in (("selective", ("layernorm", "mlp")), ("full", kw["recompute_modules"])):
         if r[0] != kw["recompute"] and not (kw["recompute"] == "full" and r[0] == "selective"):
@@ -57,8 +59,8 @@ def settings_that_fit(estimate, hf_config, gpu_mem_gb: float, kw: dict[str, Any]
     # the optimizer on the host (a slower step, see runtime/trainer/host_optimizer.py), or back on the GPU when
     # the host is what does not fit
     # the host (LoRA's adapters: megabytes of state, kept on the GPU, config.py)
-    hosts = [kw["optimizer_on_host"], not kw["optimizer_on_host"]] if kw["dtype"] != "float32" and not kw.get("lora") \
-        else [False]
+    hosts = [kw["optimizer_on_host"], not kw["optimizer_on_host"]] \
+        if kw["dtype"] != "float32" and not kw.get("lora") and not expert_parallel else [False]
     # gradients in the weights' bf16 (half the gradient memory; accumulated in bf16)
     grads = [kw["grad_dtype"]] + (["bfloat16"] if kw["grad_dtype"] == "float32" and kw["dtype"] != "float32" else [])
     dists = [kw["distributed_optimizer"]] + ([True] if kw["dp"] > 1 and not kw["distributed_optimizer"] else [])

@@ -20,6 +20,8 @@ rollout extra      rollout.n_samples_per_prompt, partial         runtime/plan/en
 overhead           cluster.colocate, backend                     runtime/plan/engine_terms.py
 host               cluster.host_memory_gb                        runtime/plan/host_memory.py
 disk               checkpoint.*, tracking.keep_exports, storage  runtime/plan/disk.py
+experts, router,   train.expert_parallel, the model's experts    runtime/plan/moe_terms.py (shares of the rows
+dispatcher         and top-k                                     above: a mixture of experts)
 =================  ============================================  ===========================================
 
 The model follows what our code allocates on the device the run uses, not a generic formula. How they add up:
@@ -68,12 +70,12 @@ from typing import Any
 
 from runtime.devices import resolve_dtype, this_machine_gpu_gb
 from runtime.placement import layout
-from runtime.plan import engine_terms, host_memory, lora_memory, trainer_terms
+from runtime.plan import engine_terms, host_memory, lora_memory, moe_terms, trainer_terms
 from runtime.plan.fit_search import lora_need, settings_that_fit, show_setting
 from runtime.plan.activations import (activation_bytes, activation_terms, layer_bytes_per_token,  # noqa: F401
                                       uses_chunked_logprobs, uses_flash_attention)
 from runtime.plan.engine_terms import KV_STEP_GIB, OVERHEAD_BYTES, engine_releases_kv  # noqa: F401
-from runtime.plan.shape import GIB, dtype_bytes, model_shape, param_counts, shape_param_counts  # noqa: F401
+from runtime.plan.shape import GIB, dtype_bytes, expert_params, model_shape, param_counts, shape_param_counts  # noqa: F401
 
 _shape = model_shape  # the name tests and benches import
 
@@ -101,7 +103,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     trainer_ranks: int = 1, processes: int = 1, lora: dict | None = None,
                     shared_base: bool = False, samples_per_prompt: int = 1, partial: bool = False,
                     engine_apart: bool = False, deterministic: bool = False,
-                    background_checkpoint: bool = False, weights_dtype: str = "bf16") -> dict[str, Any]:
+                    background_checkpoint: bool = False, weights_dtype: str = "bf16", ep: int = 1) -> dict[str, Any]:
     """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
 
     ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
@@ -113,7 +115,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     (``train.optimizer_on_host``): the fp32 master, Adam's moments and the step in host memory, none of it on the
     GPU. ``host_memory_gb``: the node's host memory, checked by runtime/plan/host_memory.py for ``trainer_ranks``
     trainer ranks and ``processes`` processes per node (None: not checked). ``ref_model``: a reference copy of
-    the weights (``kl_coef > 0``).
+    the weights (``kl_coef > 0``). ``ep`` (``train.expert_parallel``): a rank's weights, gradients and optimizer
+    state hold 1/ep of the experts, the distributed optimizer shards theirs over dp/ep ranks.
     ``device``: "cuda" or "cpu" (other attention, logits and engine paths, see the module doc).
     ``engine``: "builtin" or "sglang". ``global_batch_size`` lets the answer name a micro-batch that
     divides the step. ``kv_cache_gb``: the built-in engine's KV pool (GiB); None on CUDA: the plan
@@ -152,7 +155,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
         raise ValueError(f"max_tokens ({max_tokens}) must hold the longest sample ({seq_len} tokens)")
     e = dtype_bytes(dtype)
     m = model_shape(hf_config)
-    n_params, per_rank = shape_param_counts(m, tp)
+    n_params, per_rank = shape_param_counts(m, tp, ep)  # ep (train.expert_parallel): a rank holds 1/ep of the experts
+
     limit = gpu_mem_gb * GIB
     if kv_released is None:
         kv_released = engine == "builtin" and engine_releases_kv()
@@ -168,12 +172,13 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     trained = adapters_rank if lora else per_rank
     grads = trainer_terms.gradients(trained, e, grad_dtype)
     opt = trainer_terms.optimizer(trained, e, dp=dp, distributed_optimizer=distributed_optimizer,
-                                  optimizer_on_host=optimizer_on_host)
+                                  optimizer_on_host=optimizer_on_host,
+                                  experts=0 if lora else expert_params(m) // (tp * ep), ep=ep)
     state = grads + opt.on_gpu                             # what offload_state moves
 
     # activations of one micro-batch, and the adapters' beside them
     act_kw = dict(tp=tp, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, device=device,
-                  response_len=max_new_tokens, frozen_head=bool(lora), **settings)
+                  response_len=max_new_tokens, frozen_head=bool(lora), ep=ep, **settings)
     act = activation_terms(hf_config, **act_kw)
     lora_act = _lora_activations(m, lora, e, tp=tp, micro_batch_size=micro_batch_size, seq_len=seq_len,
                                  **settings) if lora else 0
@@ -200,8 +205,9 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     kv_released, decode_path = eng["kv_released"], eng["decode_path"]
 
     # the weight sync after an update: under TP every trainer rank gathers the whole weights for the engines
-    # (runtime/trainer/tp_gather.py), beside its state, before the next rollout offloads it
-    gathered = n_params * e if tp > 1 else 0
+    # (runtime/trainer/tp_gather.py), beside its state, before the next rollout offloads it; under EP rank 0 gathers
+    # every expert (the other ranks only their own; runtime/trainer/expert_parallel.py)
+    gathered = n_params * e if tp > 1 or ep > 1 else 0
     peaks = dict(weights=weights, state=state, opt_step=opt.step, gathered=gathered, engine_weights=engine_weights,
                  kv_cache=kv_cache, rollout_activations=rollout_activations, overhead=overhead, colocate=colocate,
                  offload=offload, kv_released=kv_released)
@@ -233,7 +239,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                  act_logprob_head=act["logprob_head"], act_lora=lora_act, adapter_weights=adapters_rank * e)
     out: dict[str, Any] = {k: v / GIB for k, v in exact.items()}
     out.update(fits=fits, bytes=exact, params=n_params, params_per_gpu=per_rank, gpu_mem_gb=gpu_mem_gb,
-               tp=tp, dp=dp, colocate=colocate, dtype=str(dtype).removeprefix("torch."), rollout_rows=rows,
+               tp=tp, dp=dp, ep=ep, colocate=colocate, dtype=str(dtype).removeprefix("torch."), rollout_rows=rows,
                engine_weights_dtype=weights_dtype if engine == "builtin" else str(dtype).removeprefix("torch."),
                rollout_engines=rollout_engines,
                micro_batch_size=micro_batch_size, seq_len=seq_len, device=device, engine=engine,
@@ -248,9 +254,39 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                optimizer_on_host=bool(optimizer_on_host), host=host, gpu_fits=fits,
                lora=None if not lora else {**lora, "params": adapters, "params_per_gpu": adapters_rank},
                shared_base=bool(shared_base and lora), **settings)
+    out["moe"] = _moe_shares(m, e, tp=tp, ep=ep, dp=dp, grad_bytes=grad_bytes, opt=opt, lora=bool(lora),
+                             ref_model=ref_model, act=act, engine=engine, sglang_tp=sglang_tp,
+                             distributed_optimizer=bool(distributed_optimizer), optimizer_on_host=bool(optimizer_on_host),
+                             ranks=host["ranks"] if host is not None else 1)
     out["fits"] = fits and (host is None or host["fits"])
-    out["max_tp"] = math.gcd(m["V"], m["nh"], m["ng"], m["f"])
+    # a mixture of experts trains at TP 1 (runtime/placement/layout.py: megatron needs sequence parallelism for it)
+    out["max_tp"] = 1 if moe_terms.is_moe(m) else math.gcd(m["V"], m["nh"], m["ng"], m["f"])
     out["reason"] = None if out["fits"] else _why_not(out)
+    return out
+
+
+def _moe_shares(m: dict[str, Any], e: int, *, tp: int, ep: int, dp: int, grad_bytes: int, opt, lora: bool,
+                ref_model: bool, act: dict[str, int], engine: str, sglang_tp: int, distributed_optimizer: bool,
+                optimizer_on_host: bool, ranks: int) -> dict[str, Any] | None:
+    """A mixture of experts' named terms (runtime/plan/moe_terms.py), each a share of a row the plan adds up
+    (``weights``, ``grads``, ``optimizer``, ``activations``, ``engine_weights``; ``host_optimizer``: of the host's
+    optimizer, over the node's ``ranks``), in GiB, with ``bytes`` and what the notes read; None for a dense model."""
+    if not moe_terms.is_moe(m):
+        return None
+    experts = moe_terms.expert_params_per_rank(m, tp, ep)
+    copies = 2 if ref_model and not lora else 1  # the reference model holds its experts and router too
+    state = (4 if e < 4 else 0) + 8            # fp32 master (of half-precision weights) + Adam m, v
+    exact = dict(experts_weights=copies * experts * e, router_weights=copies * moe_terms.router_params(m) * e,
+                 experts_grads=0 if lora else experts * grad_bytes,
+                 experts_optimizer=0 if lora or optimizer_on_host else opt.experts * state,
+                 host_optimizer=ranks * 12 * opt.experts if optimizer_on_host and not lora else 0,
+                 router_activations=act["router"], dispatcher=act["dispatcher"],
+                 dispatcher_buffer=act["dispatcher_buffer"], experts_activations=act["experts"],
+                 engine_experts=moe_terms.engine_experts(m, e, engine=engine, sglang_tp=sglang_tp))
+    out: dict[str, Any] = {k: v / GIB for k, v in exact.items()}
+    out.update(bytes=exact, experts=m["E"], experts_per_rank=m["E"] // ep, topk=m["k"], ffn=m["fe"], ep=ep,
+               expert_dp=max(dp // ep, 1), distributed_optimizer=distributed_optimizer, aux=bool(m.get("aux")),
+               host_ranks=ranks)
     return out
 
 
@@ -346,7 +382,7 @@ def _why_not_gpu(est: dict[str, Any]) -> str:
                    else "with one data-parallel rank nothing shards them")
         bf16_grads = ("; train.grad_dtype: bfloat16 halves the gradients" if est["grad_dtype"] == "float32"
                       and est["dtype"] != "float32" else "")
-        if not est["optimizer_on_host"] and est["dtype"] != "float32":
+        if not est["optimizer_on_host"] and est["dtype"] != "float32" and est.get("ep", 1) == 1:  # config.py: not with EP
             bf16_grads += (f"; train.optimizer_on_host: true moves the fp32 master + Adam state "
                            f"({est['optimizer']:.1f} GiB) to host memory")
         return (f"{head}: try GPUs with more memory: {what} alone take {state:.1f} GiB per GPU at "
@@ -400,6 +436,7 @@ def format_estimate(est: dict[str, Any]) -> str:
             ("KV cache", est["kv_cache"], kv_note), ("rollout extra", est["rollout_activations"], ""),
             ("overhead", est["overhead"], "CUDA contexts and allocator slack of two processes (trainer, engine)"
              if est["overhead"] > OVERHEAD_BYTES / GIB else "CUDA context, allocator slack")]
+    moe = est.get("moe")
     head = (f"memory per GPU (tp={est['tp']}, dp={est['dp']}, {'colocated' if est['colocate'] else 'separate'} "
             f"trainer/rollout, {est['dtype']}, {est['params'] / 1e9:.2f}B params, {est['device']}):")
     lines = [head] + [f"  {name:<15}{gib:8.2f} GiB" + (f"   {note}" if note else "") for name, gib, note in rows]
@@ -407,11 +444,41 @@ def format_estimate(est: dict[str, Any]) -> str:
     phases = (f" (rollout {est['at_rollout']:.2f}, training {est['at_training']:.2f}"
               + (f", weight sync {est['at_sync']:.2f}" if est["sync_gather"] else "") + ")" if est["colocate"] else "")
     lines.append(f"  {'total':<15}{est['total']:8.2f} GiB of {est['gpu_mem_gb']:g} GiB{phases}: {verdict}")
+    if moe is not None:
+        lines += format_moe(moe)
     if est.get("assumed"):
         lines.append(f"  assumed: {est['assumed']}")
     if est.get("host") is not None:
         lines += host_memory.format_host(est["host"])
     return "\n".join(lines)
+
+
+def format_moe(moe: dict[str, Any]) -> list[str]:
+    """Lines for ``grpoflow validate``: a mixture of experts' terms, each named with the row above it belongs to."""
+    per_rank = f"{moe['experts_per_rank']} of {moe['experts']} experts per EP rank (train.expert_parallel {moe['ep']})"
+    over = (f"sharded over the {moe['expert_dp']} expert-data-parallel ranks (DP / EP)"
+            if moe["distributed_optimizer"] and moe["expert_dp"] > 1 else
+            "whole on each rank" + (" (DP / EP = 1: the distributed optimizer has no rank to shard them over)"
+                                    if moe["distributed_optimizer"] else ""))
+    where = (f"on the host: {moe['host_optimizer']:.2f} GiB of the host's optimizer over {moe['host_ranks']} "
+             f"rank(s), 12 B a parameter" if moe["host_optimizer"] else "fp32 master + Adam m, v")
+    rows = [("experts' weights", moe["experts_weights"], f"of weights: {per_rank}"),
+            ("router weights", moe["router_weights"], f"of weights: [{moe['experts']}, hidden] a layer, on every rank"),
+            ("experts' grads", moe["experts_grads"], "of gradients"),
+            ("experts' optimizer", moe["experts_optimizer"], f"of optimizer: their own, {over}; {where}"),
+            ("router acts", moe["router_activations"],
+             "of activations: fp32 " + (f"softmax over {moe['experts']} experts (load-balancing loss), " if moe["aux"]
+                                       else "") + f"top-{moe['topk']} indices and probabilities, per token and layer"),
+            ("dispatcher", moe["dispatcher"],
+             f"of activations: {moe['topk']} routed bf16 copies of each token's hidden state a layer (allgather "
+             f"dispatcher)" + (f"; its gather buffer [tokens x EP, hidden] {moe['dispatcher_buffer']:.2f}"
+                               if moe["dispatcher_buffer"] else "")),
+            ("experts' acts", moe["experts_activations"],
+             f"of activations: top-{moe['topk']} x tokens x ffn {moe['ffn']} (fc1 output, SwiGLU product)"),
+            ("engine experts", moe["engine_experts"], "of engine weights: every expert of the engine's replica")]
+    lines = [f"  mixture of experts ({moe['experts']} experts of ffn {moe['ffn']}, top-{moe['topk']}), "
+             f"shares of the rows above:"]
+    return lines + [f"    {name:<19}{gib:8.2f} GiB   {note}" for name, gib, note in rows]
 
 
 def first_rollout_rows(cfg) -> int:
@@ -465,7 +532,7 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         recompute=t.recompute, recompute_modules=tuple(t.recompute_modules), recompute_num_layers=t.recompute_num_layers,
         fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention,
         deterministic=t.deterministic, distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype,
-        optimizer_on_host=t.optimizer_on_host,
+        optimizer_on_host=t.optimizer_on_host, ep=t.expert_parallel,
         lora=lora_memory.config_lora(cfg), shared_base=layout.shares_base(cfg),
         engine_apart=layout.engine_shares_gpu_across_processes(cfg),
         samples_per_prompt=r.n_samples_per_prompt, partial=r.partial, background_checkpoint=cfg.checkpoint.background,

@@ -44,12 +44,21 @@ class Optimizer:
     moments: int   # Adam m, v: made at the first step
     on_gpu: int    # what of master + moments is on the GPU
     step: int      # the step's transient on the GPU, beside the state
+    experts: int = 0  # of ``params``, the experts' (their own optimizer: runtime/plan/moe_terms.py)
 
 
-def optimizer(trained: int, e: int, *, dp: int, distributed_optimizer: bool, optimizer_on_host: bool) -> Optimizer:
-    params = -(-trained // dp) if distributed_optimizer else trained
+def optimizer(trained: int, e: int, *, dp: int, distributed_optimizer: bool, optimizer_on_host: bool,
+              experts: int = 0, ep: int = 1) -> Optimizer:
+    """``experts``: of the ``trained`` parameters, the rank's experts (already 1/ep of them, runtime/plan/shape.py);
+    megatron gives them their own optimizer, which the distributed optimizer shards over the expert-data-parallel
+    ranks (dp / ep of them) instead of over all dp."""
+    if distributed_optimizer:
+        experts_share = -(-experts // max(dp // ep, 1))
+        params = -(-(trained - experts) // dp) + experts_share
+    else:
+        params, experts_share = trained, experts
     master = params * 4 if e < 4 else 0
     moments = params * 8
     return Optimizer(params=params, master=master, moments=moments,
                      on_gpu=0 if optimizer_on_host else master + moments,
-                     step=0 if optimizer_on_host else OPT_STEP_BYTES_PER_PARAM * params)
+                     step=0 if optimizer_on_host else OPT_STEP_BYTES_PER_PARAM * params, experts=experts_share)

@@ -128,9 +128,10 @@ def _forward_routes(batch: TrainBatch, idx: list[int], rows: int, width: int,
     return out.permute(2, 0, 1, 3).reshape(layers, width * rows, k)
 
 
-def pack(batch: TrainBatch, idx: list[int], device: str | torch.device = "cpu", pad_id: int = 0) -> PackedMicroBatch:
-    """Right-padded: one sample per row."""
-    s = max(len(batch.tokens[i]) for i in idx)
+def pack(batch: TrainBatch, idx: list[int], device: str | torch.device = "cpu", pad_id: int = 0,
+         length: int | None = None) -> PackedMicroBatch:
+    """Right-padded: one sample per row, of the longest sample's length or ``length`` if longer."""
+    s = max([len(batch.tokens[i]) for i in idx] + [length or 0])
     b = len(idx)
     ids = torch.full((b, s), pad_id, dtype=torch.long)
     for row, i in enumerate(idx):

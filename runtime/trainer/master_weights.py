@@ -30,8 +30,8 @@ def master_backed(optimizer, model) -> set[int]:
     mixed-precision optimizer (megatron's condition); none with fp32 weights."""
     from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
-    from runtime.trainer.optimizer_checkpoint import inner_optimizer
-    if not isinstance(inner_optimizer(optimizer), MixedPrecisionOptimizer):
+    from runtime.trainer.optimizer_checkpoint import inner_optimizers
+    if not isinstance(inner_optimizers(optimizer)[0], MixedPrecisionOptimizer):
         return set()
     return {id(p) for p in model.parameters() if p.requires_grad and p.dtype in _HALF}
 
@@ -69,19 +69,21 @@ def marked_dtype(model_dir: str) -> torch.dtype | None:
 def rebuild(optimizer) -> None:
     """Every master-backed weight := its (loaded) master rounded, as the optimizer's step leaves it. Collective
     under the distributed optimizer (each rank holds a shard of the masters: megatron's all-gather after a step)."""
-    from runtime.trainer.optimizer_checkpoint import inner_optimizer, is_distributed
-    opt = inner_optimizer(optimizer)
+    from runtime.trainer.optimizer_checkpoint import inner_optimizers, is_distributed
+    opts = inner_optimizers(optimizer)  # the experts' own too, under expert parallelism
     if is_distributed(optimizer):
-        opt._copy_main_params_to_model_params()  # this rank's shard of each weight, into DDP's parameter buffer
-        for chunk in opt.model_chunks:
-            chunk.start_param_sync()  # synchronous without overlap_param_gather, as the step runs it
+        for opt in opts:
+            opt._copy_main_params_to_model_params()  # this rank's shard of each weight, into DDP's parameter buffer
+        for chunk in opts[0].model_chunks:
+            chunk.start_param_sync()  # synchronous without overlap_param_gather, as the step runs it (every buffer)
         return
-    weights, masters = opt._get_model_and_main_params_data_float16()
-    if all(w.device == m.device for w, m in zip(weights, masters)):
-        opt._copy_main_params_to_model_params()
-    else:  # the host optimizer's masters beside GPU weights: its own rounding (a cast on copy)
-        for w, m in zip(weights, masters):
-            w.copy_(m)
+    for opt in opts:
+        weights, masters = opt._get_model_and_main_params_data_float16()
+        if all(w.device == m.device for w, m in zip(weights, masters)):
+            opt._copy_main_params_to_model_params()
+        else:  # the host optimizer's masters beside GPU weights: its own rounding (a cast on copy)
+            for w, m in zip(weights, masters):
+                w.copy_(m)
 
 
 def read_weights(sharded: dict, model_dir: str, dtype: torch.dtype) -> dict:

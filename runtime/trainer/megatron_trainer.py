@@ -18,7 +18,7 @@ from runtime.config import AlgorithmSection, TrainSection
 from runtime.mcore.determinism import fix_cublas_workspace, strict_if_deterministic, trainer_compute
 from runtime.testing.moments import moment
 from runtime.trainer.batch import TrainBatch, by_length, pack, pack_varlen, step_slices, token_budget_micro_batches
-from runtime.trainer import router_losses, routing_replay
+from runtime.trainer import expert_parallel, router_losses, routing_replay
 from runtime.trainer.checkpoint_writer import CheckpointWriter
 from runtime.trainer.state_offload import StateOffload
 from runtime.trainer.tp_replicas import replicated_parameters, take_rank0_gradients
@@ -61,12 +61,13 @@ class MegatronTrainer:
                               f"TP > 1 is out of scope (issue 61)")
         self.device = device
         self.rank, self.world_size = rank, world_size
+        self.hf_config = load_hf_config(hf_dir)
+        expert_parallel.check(train, self.hf_config, world_size)
         menv.init_parallel(rank=rank, world_size=world_size, tp=train.tensor_parallel, master_addr=master_addr,
-                           master_port=master_port, device=device)
+                           master_port=master_port, device=device, ep=train.expert_parallel)
         self.mpu = mpu
         self.dp_rank, self.dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         self.tp_size = mpu.get_tensor_model_parallel_world_size()
-        self.hf_config = load_hf_config(hf_dir)
         self.params_dtype = _dtype(dtype)
         self.model = self._build_model(train=True)
         load_torch_dist_into(self.model, init_checkpoint)
@@ -182,8 +183,10 @@ class MegatronTrainer:
         order, mbs = by_length(idx, lengths), self.train_cfg.micro_batch_size
         return [order[s: s + mbs] for s in range(0, len(order), mbs)]
 
-    def _pack(self, batch: TrainBatch, idx: list[int]):
-        return (pack_varlen if self.packs else pack)(batch, idx, self.device)
+    def _pack(self, batch: TrainBatch, idx: list[int], length: int | None = None):
+        if self.packs:
+            return pack_varlen(batch, idx, self.device)
+        return pack(batch, idx, self.device, length=length)
 
     def _token_logprobs(self, model, mb, with_entropy: bool = False, entropy_grad: bool = False, select=None):
         """log p(target) of logits/temperature for every position; vocab-parallel under TP. Returned in
@@ -305,6 +308,10 @@ class MegatronTrainer:
         slices = step_slices(len(batch), steps, self.dp_size, self.dp_rank, self.train_cfg.micro_batch_size,
                              lengths=[len(t) for t in batch.tokens], max_tokens=self.train_cfg.max_tokens_per_micro_batch)
         per_step = len(batch) // steps
+        # expert parallelism: one micro-batch shape on every rank (the experts' token gather is collective)
+        padded = expert_parallel.micro_batch_lengths(len(batch), steps, self.dp_size, self.train_cfg.micro_batch_size,
+                                                     [len(t) for t in batch.tokens]) \
+            if self.train_cfg.expert_parallel > 1 else None
         sums: dict[str, torch.Tensor] = {}
         grad_norms = []
         optimizer_s = 0.0
@@ -316,7 +323,7 @@ class MegatronTrainer:
             self.optimizer.zero_grad()
             moe = router_losses.begin_step(self.model, len(micro_batches), self._device_obj())
             for m, idx in enumerate(micro_batches):
-                mb = self._pack(batch, idx)
+                mb = self._pack(batch, idx, padded[s][m] if padded else None)
                 if self.lora is not None and self.lora.dropout > 0:
                     from runtime.trainer import lora
                     lora.set_dropout_key(self.model, (self.train_cfg.seed, self.steps_done, self.dp_rank, m))
@@ -410,7 +417,7 @@ class MegatronTrainer:
     def hf_weights(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
         """Full (TP-gathered) weights in Hugging Face names for the rollout engine: on rank 0; the
         other ranks take part in the gather and return {}."""
-        return self._from_rank0(self._full_hf_weights(), to_cpu)
+        return self._from_rank0(self._full_hf_weights(to=0), to_cpu)
 
     def _from_rank0(self, weights: dict[str, torch.Tensor], to_cpu: bool) -> dict[str, torch.Tensor]:
         """Rank 0's tensors ({} elsewhere), on the host when asked: in-process engines take them where they are,
@@ -419,13 +426,17 @@ class MegatronTrainer:
             return {}
         return {k: v.detach().to("cpu") if to_cpu else v.detach() for k, v in weights.items()}
 
-    def _full_hf_weights(self) -> dict[str, torch.Tensor]:
-        """This rank's copy of the whole model in HF names (every rank takes part in the TP gather)."""
+    def _full_hf_weights(self, to: int | None = None) -> dict[str, torch.Tensor]:
+        """The whole model in HF names: this rank's copy (every rank takes part in the TP and expert gathers), or with
+        ``to`` on that rank only ({} elsewhere: under expert parallelism no other rank holds the others' experts)."""
         from runtime.models import get_adapter
         from runtime.trainer.tp_gather import full_state_dict
         if self.adapter is None:
             self.adapter = get_adapter(self.hf_config)
-        return self.adapter.to_hf(full_state_dict(self.model, self.hf_config), self.hf_config, include_tied_lm_head=True)
+        whole = full_state_dict(self.model, self.hf_config, to=to)
+        if whole is None:
+            return {}
+        return self.adapter.to_hf(whole, self.hf_config, include_tied_lm_head=True)
 
     def share_weights(self):
         """This rank's copy of :meth:`engine_weights` (the whole model in HF names, or with LoRA the adapters) as
@@ -470,12 +481,12 @@ class MegatronTrainer:
     def engine_weights(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
         """What the rollout engine takes after an update: :meth:`hf_weights`, or with LoRA the adapters only
         (whole, by their megatron names ``...linear_qkv.lora_A``; runtime/rollout/lora_forward.py). On rank 0."""
-        return self._from_rank0(self._engine_weights_here(), to_cpu)
+        return self._from_rank0(self._engine_weights_here(to=0), to_cpu)
 
-    def _engine_weights_here(self) -> dict[str, torch.Tensor]:
-        """This rank's copy of what the engine takes (every rank joins the TP gather)."""
+    def _engine_weights_here(self, to: int | None = None) -> dict[str, torch.Tensor]:
+        """This rank's copy of what the engine takes (every rank joins the TP gather), or with ``to`` on that rank."""
         if self.lora is None:
-            return self._full_hf_weights()
+            return self._full_hf_weights(to=to)
         from runtime.trainer import lora
         return lora.adapter_tensors(self.model)
 
@@ -537,7 +548,8 @@ class MegatronTrainer:
             kept, left = master_weights.split(msd, master_weights.master_backed(self.optimizer, self.model))
             # one optimizer format for every layout (runtime/trainer/optimizer_checkpoint.py)
             state = {"model": kept, "optimizer": optimizer_checkpoint.sharded_state_dict(self.optimizer, self.model, msd),
-                     "scheduler": self.scheduler.state_dict(), "steps_done": self.steps_done}
+                     "scheduler": self.scheduler.state_dict(), "steps_done": self.steps_done,
+                     "expert_parallel": self.train_cfg.expert_parallel}
             began = self.writer.begin(state, path, background=background)
         if self.rank == 0:
             if left:
@@ -570,6 +582,7 @@ class MegatronTrainer:
         from runtime.trainer import master_weights, optimizer_checkpoint
         self.offload.reload()
         with menv.cuda_to_cpu(), _quiet_checkpoint_warnings():
+            expert_parallel.check_resume(path, self.train_cfg.expert_parallel)
             msd = self._model_sharded_state_dict()
             marked = master_weights.marked_dtype(path)
             from_masters = marked is not None

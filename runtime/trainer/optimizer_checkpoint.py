@@ -35,26 +35,40 @@ import torch.distributed as dist
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+def inner_optimizers(optimizer) -> list:
+    """The megatron optimizers inside the trainer's ChainedOptimizer: one, or under expert parallelism the dense
+    parameters' and the experts' (megatron gives the experts their own, over the expert-data-parallel group)."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
 def inner_optimizer(optimizer):
-    """The one megatron optimizer inside the trainer's ChainedOptimizer."""
-    chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is None:
-        return optimizer
+    """The one megatron optimizer inside the trainer's ChainedOptimizer (for code that handles one only)."""
+    chained = inner_optimizers(optimizer)
     if len(chained) != 1:
-        raise NotImplementedError(f"one optimizer per model expected, got {len(chained)} (expert parallelism?)")
+        raise NotImplementedError(f"one optimizer per model expected, got {len(chained)} (the experts' own, under "
+                                  f"train.expert_parallel > 1)")
     return chained[0]
 
 
 def is_distributed(optimizer) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    return isinstance(inner_optimizer(optimizer), DistributedOptimizer)
+    return isinstance(inner_optimizers(optimizer)[0], DistributedOptimizer)
 
 
 def sharded_state_dict(optimizer, model, model_sharded_state_dict, is_loading: bool = False) -> dict:
-    """The optimizer's sharded state dict for ``dist_checkpointing.save``/``load`` (format: module doc)."""
+    """The optimizer's sharded state dict for ``dist_checkpointing.save``/``load`` (format: module doc). Under expert
+    parallelism megatron's chained layout: the common part (steps, groups) per optimizer, by its index."""
     if not is_distributed(optimizer):
         return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading)
-    return _DistLayout(inner_optimizer(optimizer), model, model_sharded_state_dict).state_dict(is_loading)
+    from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+    layouts = [_DistLayout(opt, model, model_sharded_state_dict) for opt in inner_optimizers(optimizer)]
+    if len(layouts) == 1:
+        return layouts[0].state_dict(is_loading)
+    out = {}
+    for i, layout in enumerate(layouts):  # keyed as megatron's ChainedOptimizer keys the replicated ones
+        out[i] = layout.state_dict(is_loading)
+        add_prefix_for_sharding(out[i], f"chained_{i}.")
+    return out
 
 
 def load_state_dict(optimizer, model, model_sharded_state_dict, loaded: dict) -> None:
@@ -62,7 +76,9 @@ def load_state_dict(optimizer, model, model_sharded_state_dict, loaded: dict) ->
     if not is_distributed(optimizer):
         optimizer.load_state_dict(loaded)
         return
-    _DistLayout(inner_optimizer(optimizer), model, model_sharded_state_dict).load(loaded)
+    opts = inner_optimizers(optimizer)
+    for i, opt in enumerate(opts):
+        _DistLayout(opt, model, model_sharded_state_dict).load(loaded if len(opts) == 1 else loaded[i])
 
 
 class _DistLayout:
@@ -75,7 +91,8 @@ class _DistLayout:
         self.opt = opt
         self.group = opt.data_parallel_group
         self.dp_rank, self.dp_size = self.group.rank(), self.group.size()
-        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        mine = {id(p) for p in opt.model_param_group_index_map}  # this optimizer's (dense or expert) parameters
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) in mine]
         # the weights' own sharding metadata (``data`` is the parameter itself)
         sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
         by_tensor = {id(sh.data): sh for sh in nested_values(sharded)}

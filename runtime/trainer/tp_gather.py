@@ -32,13 +32,16 @@ def gather_full(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-def full_state_dict(model, hf_config=None) -> dict[str, torch.Tensor]:
-    """The model's state dict with every TP-sharded tensor gathered whole."""
+def full_state_dict(model, hf_config=None, to: int | None = None) -> dict[str, torch.Tensor] | None:
+    """The model's state dict with every TP-sharded tensor gathered whole, and every expert of the expert-parallel
+    ranks (runtime/trainer/expert_parallel.py): on every rank, or (``to``) on that global rank only (None elsewhere)."""
+    from runtime.trainer.expert_parallel import gather_experts
     sd = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v) and not k.endswith("_extra_state")}
-    return gather_full(model, sd)
+    return gather_experts(gather_full(model, sd), to)
 
 
 def full_grads(model) -> dict[str, torch.Tensor]:
-    """The gradients of the last optimizer step (megatron keeps them in `main_grad`), gathered whole."""
+    """The gradients of the last optimizer step (megatron keeps them in `main_grad`), gathered whole (experts too)."""
+    from runtime.trainer.expert_parallel import gather_experts
     grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters() if getattr(p, "main_grad", None) is not None}
-    return gather_full(model, grads)
+    return gather_experts(gather_full(model, grads))

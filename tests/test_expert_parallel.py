@@ -1,0 +1,164 @@
+"""Expert parallelism (``train.expert_parallel``) on the CPU: a tiny Qwen3-MoE of 4 experts, one process per rank
+over gloo, trained at EP 2 × DP 2 and at EP 1 × DP 2 on one batch; a checkpoint from EP 2 resumed; its HF export."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.config import GrpoConfig
+from runtime.trainer.batch import TrainBatch
+
+TRAIN = {"micro_batch_size": 4, "lr": 1e-3, "global_batch_size": 16}
+
+
+def _batch(vocab: int, n: int = 16, seed: int = 0, ragged: bool = False) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    tokens, prompt_lens, masks, rlp = [], [], [], []
+    for i in range(n):
+        p, r = (5 + i % 3, 3 + (i * 7) % 6) if ragged else (6, 5)
+        tokens.append(torch.randint(3, vocab, (p + r,), generator=g).tolist())
+        prompt_lens.append(p)
+        masks.append([1] * r)
+        rlp.append((-torch.rand(r, generator=g) * 4).tolist())
+    return TrainBatch(tokens, prompt_lens, torch.randn(n, generator=g).tolist(), masks, rlp)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    from runtime.mcore.convert import hf_to_torch_dist
+    from runtime.models import load_hf_config
+    from runtime.models.tiny import build_tiny_qwen3
+    root = tmp_path_factory.mktemp("expert-parallel")
+    hf = build_tiny_qwen3(root / "hf", seed=3, hidden_size=64, num_layers=2, head_dim=16, ffn_hidden_size=64,
+                          num_experts=4)["path"]
+    hf_to_torch_dist(hf, str(root / "td"))
+    return {"hf": str(hf), "td": str(root / "td"), "root": root, "vocab": load_hf_config(hf).vocab_size}
+
+
+def _group(tiny, ep: int, dp: int = 2, **train):
+    from runtime.placement.cluster import Cluster
+    cfg = GrpoConfig.model_validate({
+        "cluster": {"backend": "local", "device": "cpu"},
+        "rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 8},
+        "algorithm": {"kl_coef": 0.0, "use_tis": True},
+        "train": {**TRAIN, "data_parallel": dp, "expert_parallel": ep, **train}})
+    return Cluster(cfg).trainer(in_subprocesses=True, hf_dir=tiny["hf"], init_checkpoint=tiny["td"], train=cfg.train,
+                                algorithm=cfg.algorithm, temperature=1.0).group
+
+
+def _copies(per_rank: list[dict]) -> list[dict]:
+    """Tensors from a rank, copied at once: on the CPU a weight comes through shared memory as the trainer's own
+    parameter, which its next step changes in place."""
+    return [{k: v.clone() for k, v in d.items()} for d in per_rank]
+
+
+def _session(tiny, ep: int, name: str, distributed: bool = False) -> dict:
+    """Train b0, save, train b1: every rank's metrics, gradients, weights (and what the sync sends) on the way."""
+    b0, b1 = _batch(tiny["vocab"], seed=0), _batch(tiny["vocab"], seed=1)
+    group = _group(tiny, ep, distributed_optimizer=distributed)
+    try:
+        out = {"m0": group.call("train", b0), "grads": group.call("grads"), "weights": _copies(group.call("hf_weights")),
+               "meta": group.call("weights_metadata")}
+        group.call("save", str(tiny["root"] / name))
+        out["m1"] = group.call("train", b1)
+        out["w1"] = _copies(group.call("hf_weights"))[0]
+        return out
+    finally:
+        group.kill()
+
+
+@pytest.fixture(scope="module")
+def ep1(tiny_moe):
+    return _session(tiny_moe, 1, "ep1@1")
+
+
+@pytest.fixture(scope="module")
+def ep2(tiny_moe):
+    return _session(tiny_moe, 2, "ep2@1")
+
+
+def test_ep2_trains_as_ep1(ep1, ep2):
+    for key in ("loss", "pg_loss", "grad_norm", "aux_loss"):
+        if key not in ep1["m0"][0]:
+            continue
+        for m in ep2["m0"]:  # every rank reports the global numbers
+            assert abs(m[key] - ep1["m0"][0][key]) <= 1e-5 * max(abs(ep1["m0"][0][key]), 1e-3), (key, m, ep1["m0"][0])
+    assert [k for k in ep2["grads"][0] if "local_experts" in k] and ep2["grads"][0].keys() == ep1["grads"][0].keys()
+    for g in ep2["grads"]:  # every rank's gathered gradients: all 4 experts, equal to EP 1's
+        for k, v in ep1["grads"][0].items():
+            assert torch.allclose(g[k], v, rtol=1e-5, atol=1e-8), k
+    # the weights the engine gets: every expert, from rank 0 only; the same tensors as EP 1 sends
+    assert ep2["weights"][1] == {} and ep2["meta"][1] == []
+    assert ep2["meta"][0] == ep1["meta"][0]
+    for k, v in ep1["weights"][0].items():
+        assert torch.allclose(ep2["weights"][0][k], v, rtol=1e-5, atol=1e-6), (k, (ep2["weights"][0][k] - v).abs().max())
+
+
+def test_ep2_checkpoint_resumes_bitwise_and_exports_every_expert(tiny_moe, ep2):
+    from runtime.models import load_hf_config
+    from runtime.tracking.model_registry import export_trainer_checkpoint
+    from safetensors.torch import load_file
+    root = tiny_moe["root"]
+    group = _group(tiny_moe, 2)
+    try:
+        group.call("load", str(root / "ep2@1"))
+        m1 = group.call("train", _batch(tiny_moe["vocab"], seed=1))
+        w1 = _copies(group.call("hf_weights"))[0]
+    finally:
+        group.kill()
+    assert m1[0]["loss"] == ep2["m1"][0]["loss"] and m1[0]["grad_norm"] == ep2["m1"][0]["grad_norm"]
+    assert w1.keys() == ep2["w1"].keys() and all(torch.equal(w1[k], ep2["w1"][k]) for k in w1)
+    # the HF export of the EP 2 checkpoint (read at EP 1): the weights rank 0 gathered from both expert ranks
+    out = root / "ep2-export"
+    export_trainer_checkpoint(root / "ep2@1", tiny_moe["hf"], out)
+    exported = {}
+    for f in out.glob("*.safetensors"):
+        exported.update(load_file(str(f)))
+    experts = load_hf_config(tiny_moe["hf"]).num_experts
+    assert {f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(experts)} <= exported.keys()
+    for k, v in exported.items():
+        assert torch.equal(v, ep2["weights"][0][k].to(v.dtype)), k
+
+
+def test_the_distributed_optimizer_resumes_an_ep2_checkpoint(tiny_moe, ep2):
+    """megatron's distributed optimizer over the dense and the expert DP groups (here DP 2 and expert-DP 1) reads
+    the layout-free format the replicated one wrote, and writes it back (runtime/trainer/optimizer_checkpoint.py)."""
+    root = tiny_moe["root"]
+    group = _group(tiny_moe, 2, distributed_optimizer=True)
+    try:
+        group.call("load", str(root / "ep2@1"))
+        group.call("save", str(root / "ep2-dist@1"))
+        group.call("load", str(root / "ep2-dist@1"))
+        m1 = group.call("train", _batch(tiny_moe["vocab"], seed=1))
+        w1 = _copies(group.call("hf_weights"))[0]
+    finally:
+        group.kill()
+    assert m1[0]["loss"] == ep2["m1"][0]["loss"]  # the same weights before the step
+    assert abs(m1[0]["grad_norm"] - ep2["m1"][0]["grad_norm"]) <= 1e-6 * ep2["m1"][0]["grad_norm"]
+    for k, v in ep2["w1"].items():  # Adam's state came back: the step is the replicated one's within rounding
+        assert torch.allclose(w1[k], v, rtol=1e-5, atol=1e-6), k
+
+
+def test_a_resume_that_changes_expert_parallel_is_refused_in_one_line(tiny_moe, ep2):
+    from runtime.errors import ConfigError
+    from runtime.trainer import expert_parallel
+    path = str(tiny_moe["root"] / "ep2@1")
+    expert_parallel.check_resume(path, 2)  # what MegatronTrainer.load runs first
+    with pytest.raises(ConfigError, match="written at train.expert_parallel=2, not 1") as e:
+        expert_parallel.check_resume(path, 1)
+    assert "\n" not in str(e.value)
+
+
+def test_expert_parallel_settings_are_checked_in_one_line(tiny_moe):
+    from runtime.config import config_from_dict
+    from runtime.errors import ConfigError
+    from runtime.models import load_hf_config
+    from runtime.trainer import expert_parallel
+    with pytest.raises(ConfigError, match="train.expert_parallel=3 must divide train.data_parallel=2") as e:
+        config_from_dict({"train": {"data_parallel": 2, "expert_parallel": 3}}, "cfg.yaml")
+    assert "\n" not in str(e.value)
+    cfg = GrpoConfig.model_validate({"train": {"data_parallel": 8, "expert_parallel": 8, "global_batch_size": 64,
+                                               "micro_batch_size": 1},
+                                     "rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 8}})
+    with pytest.raises(ConfigError, match="must divide the model's num_experts=4"):
+        expert_parallel.check(cfg.train, load_hf_config(tiny_moe["hf"]), 8)
