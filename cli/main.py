@@ -21,6 +21,9 @@ def _prefect_env() -> None:
     hf_logging.disable_progress_bar()
     # the Hub client's per-retry warnings: an unreachable Hub ends in the fetch stage's own one line
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    # a line per HTTP request to Prefect's API, MLflow's or S3's: noise in run.log, and on the terminal where a
+    # library's handler (Prefect's console handler) takes it from the root at a run's INFO
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _start_prefect_api() -> None:
