@@ -125,9 +125,15 @@ class MegatronTrainer:
             recompute.update(routing_replay.config_overrides())
         model = menv.build_gpt_model(self.hf_config, dtype=self.params_dtype, device=self.device, init_weights=False,
                                      fusions=t.fusions, core_attention=t.core_attention, packed=self.packs,
-                                     packed_attention=t.packed_attention, **recompute)
+                                     packed_attention=t.packed_attention,
+                                     grouped_experts=self._grouped_experts(), **recompute)
         routing_replay.own_routers(model)
         return model
+
+    def _grouped_experts(self) -> bool:
+        """``train.moe_grouped_gemm``: auto = on CUDA."""
+        setting = self.train_cfg.moe_grouped_gemm
+        return str(self.device).startswith("cuda") if setting == "auto" else setting == "on"
 
     @property
     def packs(self) -> bool:
