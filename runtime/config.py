@@ -552,9 +552,6 @@ class GrpoConfig(Section):
             raise ValueError(
                 f"train.expert_parallel={t.expert_parallel} must divide train.data_parallel={dp} (megatron cuts the "
                 f"expert groups from the data-parallel ranks: world {dp * t.tensor_parallel} = TP × EP × expert-DP)")
-        if t.expert_parallel > 1 and t.max_tokens_per_micro_batch is not None:
-            raise ValueError("train.expert_parallel > 1 needs micro-batches of one count on every rank of an expert "
-                             "group (the experts' token exchange is collective); unset train.max_tokens_per_micro_batch")
         if t.expert_parallel > 1 and t.optimizer_on_host:
             raise ValueError("train.optimizer_on_host does not yet run the experts' own optimizer (expert_parallel > 1); "
                              "set train.optimizer_on_host: false or train.expert_parallel: 1")
