@@ -3,7 +3,9 @@ over gloo, trained at EP 2 × DP 2 and at EP 1 × DP 2 on one batch of ragged sa
 different lengths; packed, of different counts too); a checkpoint from EP 2 resumed; its HF export.
 
 A rank whose micro-batches do not pair up with its expert group's (shapes, counts) leaves the MoE layers' token
-gathers waiting: the timeout turns such a hang into a failure."""
+gathers waiting, and its peers in theirs. The timeout turns such a hang into a failure: by ending the process
+(method="thread"), because the signal method's exception lands in the trainer group's reply loop, which drains
+every member and so waits on the next hung one."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 from runtime.config import GrpoConfig
 from runtime.trainer.batch import TrainBatch
 
-pytestmark = pytest.mark.timeout(600)  # the first test's includes the module's fixtures (two trainer groups)
+pytestmark = pytest.mark.timeout(600, method="thread")  # the first test's includes the fixtures' two groups
 
 TRAIN = {"micro_batch_size": 4, "lr": 1e-3, "global_batch_size": 16}
 
