@@ -299,6 +299,11 @@ class TrainSection(Section):
     # log-partition of the router logits), added to the loss and reported as router_z_loss; 0: off. The
     # load-balancing loss's coefficient is the model's own (config.json router_aux_loss_coef).
     router_z_loss_coef: float = Field(0.0, ge=0)
+    # a mixture of experts: the trainer's experts as two grouped GEMMs (torch's grouped_mm) instead of megatron's
+    # SequentialMLP loop over them (runtime/mcore/grouped_experts.py; the same parameters and checkpoints, results
+    # equal within float rounding). auto: on CUDA (bf16 grouped GEMMs on sm90+), off on the CPU, whose results stay
+    # as they were; on / off force it.
+    moe_grouped_gemm: Literal["auto", "on", "off"] = "auto"
     # -- memory (runtime/plan/memory.py models each of these; `grpoflow validate` names the ones that fit) --
     # megatron activation recomputation: none; selective (the named submodules of every layer are run again
     # in the backward instead of keeping their outputs; "core_attn" saves nothing beside flash attention);
@@ -568,9 +573,6 @@ class GrpoConfig(Section):
             raise ValueError(
                 f"train.expert_parallel={t.expert_parallel} must divide train.data_parallel={dp} (megatron cuts the "
                 f"expert groups from the data-parallel ranks: world {dp * t.tensor_parallel} = TP × EP × expert-DP)")
-        if t.expert_parallel > 1 and t.max_tokens_per_micro_batch is not None:
-            raise ValueError("train.expert_parallel > 1 needs micro-batches of one count on every rank of an expert "
-                             "group (the experts' token exchange is collective); unset train.max_tokens_per_micro_batch")
         if t.expert_parallel > 1 and t.optimizer_on_host:
             raise ValueError("train.optimizer_on_host does not yet run the experts' own optimizer (expert_parallel > 1); "
                              "set train.optimizer_on_host: false or train.expert_parallel: 1")

@@ -1,5 +1,11 @@
 """Expert parallelism (``train.expert_parallel``) on the CPU: a tiny Qwen3-MoE of 4 experts, one process per rank
-over gloo, trained at EP 2 × DP 2 and at EP 1 × DP 2 on one batch; a checkpoint from EP 2 resumed; its HF export."""
+over gloo, trained at EP 2 × DP 2 and at EP 1 × DP 2 on one batch of ragged samples (the ranks' micro-batches of
+different lengths; packed, of different counts too); a checkpoint from EP 2 resumed; its HF export.
+
+A rank whose micro-batches do not pair up with its expert group's (shapes, counts) leaves the MoE layers' token
+gathers waiting, and its peers in theirs. The timeout turns such a hang into a failure: by ending the process
+(method="thread"), because the signal method's exception lands in the trainer group's reply loop, which drains
+every member and so waits on the next hung one."""
 from __future__ import annotations
 
 import pytest
@@ -8,14 +14,17 @@ import torch
 from runtime.config import GrpoConfig
 from runtime.trainer.batch import TrainBatch
 
+pytestmark = pytest.mark.timeout(600, method="thread")  # the first test's includes the fixtures' two groups
+
 TRAIN = {"micro_batch_size": 4, "lr": 1e-3, "global_batch_size": 16}
 
 
-def _batch(vocab: int, n: int = 16, seed: int = 0, ragged: bool = False) -> TrainBatch:
+def _batch(vocab: int, n: int = 16, seed: int = 0, lengths=None) -> TrainBatch:
+    """Samples of ragged lengths: prompt 5..7 and response 3..8 tokens unless ``lengths`` gives (prompt, response)."""
     g = torch.Generator().manual_seed(seed)
     tokens, prompt_lens, masks, rlp = [], [], [], []
     for i in range(n):
-        p, r = (5 + i % 3, 3 + (i * 7) % 6) if ragged else (6, 5)
+        p, r = lengths[i] if lengths else (5 + i % 3, 3 + (i * 7) % 6)
         tokens.append(torch.randint(3, vocab, (p + r,), generator=g).tolist())
         prompt_lens.append(p)
         masks.append([1] * r)
@@ -39,7 +48,8 @@ def _group(tiny, ep: int, dp: int = 2, **train):
     from runtime.placement.cluster import Cluster
     cfg = GrpoConfig.model_validate({
         "cluster": {"backend": "local", "device": "cpu"},
-        "rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 8},
+        "data": {"max_prompt_len": 12},
+        "rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 8, "max_new_tokens": 8},
         "algorithm": {"kl_coef": 0.0, "use_tis": True},
         "train": {**TRAIN, "data_parallel": dp, "expert_parallel": ep, **train}})
     return Cluster(cfg).trainer(in_subprocesses=True, hf_dir=tiny["hf"], init_checkpoint=tiny["td"], train=cfg.train,
@@ -78,20 +88,51 @@ def ep2(tiny_moe):
 
 
 def test_ep2_trains_as_ep1(ep1, ep2):
-    for key in ("loss", "pg_loss", "grad_norm", "aux_loss"):
-        if key not in ep1["m0"][0]:
-            continue
+    # the ranks' micro-batches are of different lengths: EP 2 pads them to one shape, and the routers' losses skip
+    # that padding (EP 1 has none)
+    _equal(ep2, ep1)
+    # the weights the engine gets: every expert, from rank 0 only; the same tensors as EP 1 sends
+    assert ep2["weights"][1] == {} and ep2["meta"][1] == []
+    assert ep2["meta"][0] == ep1["meta"][0]
+    for k, v in ep1["weights"][0].items():
+        assert torch.allclose(ep2["weights"][0][k], v, rtol=1e-5, atol=1e-6), (k, (ep2["weights"][0][k] - v).abs().max())
+
+
+def _equal(ep2: dict, ep1: dict, keys=("loss", "pg_loss", "grad_norm", "router_aux_loss")) -> None:
+    """EP 2's step is EP 1's: the metrics every rank reports, the gradients of every expert, within fp32 rounding."""
+    for key in keys:
+        assert key in ep1["m0"][0], key
         for m in ep2["m0"]:  # every rank reports the global numbers
             assert abs(m[key] - ep1["m0"][0][key]) <= 1e-5 * max(abs(ep1["m0"][0][key]), 1e-3), (key, m, ep1["m0"][0])
     assert [k for k in ep2["grads"][0] if "local_experts" in k] and ep2["grads"][0].keys() == ep1["grads"][0].keys()
     for g in ep2["grads"]:  # every rank's gathered gradients: all 4 experts, equal to EP 1's
         for k, v in ep1["grads"][0].items():
             assert torch.allclose(g[k], v, rtol=1e-5, atol=1e-8), k
-    # the weights the engine gets: every expert, from rank 0 only; the same tensors as EP 1 sends
-    assert ep2["weights"][1] == {} and ep2["meta"][1] == []
-    assert ep2["meta"][0] == ep1["meta"][0]
-    for k, v in ep1["weights"][0].items():
-        assert torch.allclose(ep2["weights"][0][k], v, rtol=1e-5, atol=1e-6), (k, (ep2["weights"][0][k] - v).abs().max())
+
+
+# rank 0's samples (the first 8) long, rank 1's short: under a 24-token budget rank 0 packs 8 micro-batches and
+# rank 1 3, so rank 1 runs 5 of padding only, and every micro-batch is padded to its group's most tokens
+SKEWED = [(12, 4 + i % 5) for i in range(8)] + [(3, 3 + i % 4) for i in range(8)]
+
+
+def _packed_step(tiny, ep: int, **train) -> dict:
+    batch = _batch(tiny["vocab"], seed=2, lengths=SKEWED)
+    group = _group(tiny, ep, max_tokens_per_micro_batch=24, router_z_loss_coef=1e-3, **train)
+    try:
+        return {"m0": group.call("train", batch), "grads": group.call("grads")}
+    finally:
+        group.kill()
+
+
+@pytest.mark.slow  # two trainer groups of its own
+def test_packed_micro_batches_of_different_counts_and_grouped_experts_train_at_ep2_as_at_ep1(tiny_moe):
+    """EP 2 with the experts as grouped GEMMs (train.moe_grouped_gemm) against EP 1 with megatron's loop over them."""
+    from runtime.trainer.batch import step_slices
+    lengths = [p + r for p, r in SKEWED]
+    counts = [len(step_slices(16, 1, 2, r, 4, lengths=lengths, max_tokens=24)[0]) for r in range(2)]
+    assert counts[0] > counts[1], counts  # what the test is about
+    _equal(_packed_step(tiny_moe, 2, moe_grouped_gemm="on"), _packed_step(tiny_moe, 1, moe_grouped_gemm="off"),
+           keys=("loss", "pg_loss", "grad_norm", "router_aux_loss", "router_z_loss"))
 
 
 def test_ep2_checkpoint_resumes_bitwise_and_exports_every_expert(tiny_moe, ep2):

@@ -300,7 +300,7 @@ def uses_sdpa_attention(device: str, core_attention: str = "auto", packed: bool 
 def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                     init_weights: bool = True, parallel_output: bool = True, fusions: str | list = "auto",
                     core_attention: str = "auto", packed: bool = False, packed_attention: str = "flash2",
-                    batch_invariant: bool = False, **config_overrides):
+                    batch_invariant: bool = False, grouped_experts: bool = False, **config_overrides):
     """A megatron ``GPTModel`` with the architecture of ``hf_config`` and its family's layer spec
     (``adapter.layer_spec``: megatron-core's local spec unless the family needs its own), its core
     attention per :func:`uses_sdpa_attention` (``packed``: the model will see packed micro-batches, through the
@@ -308,6 +308,7 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: st
 
     ``init_weights=False`` skips the random init (the weights are garbage until loaded): use it
     when a checkpoint is loaded right after. Calls :func:`ensure_parallel` first.
+    ``grouped_experts``: a mixture of experts' experts as grouped GEMMs (runtime/mcore/grouped_experts.py).
     ``config_overrides``: :func:`build_transformer_config`'s keywords (recompute, TransformerConfig fields).
     ``batch_invariant`` (``rollout.true_on_policy``): no fusions, and the core attention, norms and linear layers
     the engine runs too (runtime/mcore/batch_invariant.py).
@@ -325,6 +326,9 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32, device: st
                                       fusions=fusions, **config_overrides)
     adapter = get_adapter(hf_config)
     spec = adapter.layer_spec(hf_config)
+    if grouped_experts:
+        from runtime.mcore.grouped_experts import with_grouped_experts
+        spec = with_grouped_experts(spec)
     if uses_sdpa_attention(device, core_attention, packed):
         native_gqa = "gqa" in megatron_fusions.active(device, fusions) and megatron_fusions.sdpa_supports_gqa()
         spec = _with_sdpa_core_attention(spec, native_gqa, packed_attention)

@@ -47,10 +47,9 @@ def settings_that_fit(estimate, hf_config, gpu_mem_gb: float, kw: dict[str, Any]
     if kw["device"] != "cuda" or kw["engine"] != "builtin":
         return None
     seq = kw["seq_len"]
-    expert_parallel = kw.get("ep", 1) > 1  # config.py refuses packed micro-batches and the host optimizer with it
+    expert_parallel = kw.get("ep", 1) > 1  # config.py refuses the host optimizer with it
     budgets = [kw["max_tokens"]] if kw["max_tokens"] else [None]
-    budgets += [seq * k for k in (16, 8, 4, 2, 1)
-                if not expert_parallel and (not kw["max_tokens"] or seq * k < kw["max_tokens"])]
+    budgets += [seq * k for k in (16, 8, 4, 2, 1) if not kw["max_tokens"] or seq * k < kw["max_tokens"]]
     recomputes = [(kw["recompute"], kw["recompute_modules"])]
     for r in (("selective", ("layernorm", "mlp")), ("full", kw["recompute_modules"])):
         if r[0] != kw["recompute"] and not (kw["recompute"] == "full" and r[0] == "selective"):

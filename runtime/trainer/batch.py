@@ -62,6 +62,10 @@ class PackedMicroBatch:
     # the experts each forward position is routed to, [MoE layers, s * rows, k] in the router's token order (the
     # model's [s, rows] flattened: position-major); None: the model routes itself (`runtime/trainer/routing_replay.py`)
     routes: torch.Tensor | None = None
+    # expert parallelism: [rows, s] bool, True at the positions that exist only because the micro-batch was padded
+    # to its expert group's shape (`runtime/trainer/expert_parallel.py`); the routers' losses skip them. None: no
+    # expert parallelism
+    group_padding: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -89,9 +93,10 @@ class PackedMicroBatch:
         return flat.view(self.targets.shape)
 
 
-def _sample_rows(batch: TrainBatch, idx: list[int]):
-    """The sample layout's tensors (resp_mask, advantages, rollout_logp, old_logp), [k, S-1] on CPU."""
-    s = max(len(batch.tokens[i]) for i in idx)
+def _sample_rows(batch: TrainBatch, idx: list[int], width: int | None = None):
+    """The sample layout's tensors (resp_mask, advantages, rollout_logp, old_logp), [k, S-1] on CPU: S the longest
+    sample's length, or ``width`` (a right-padded micro-batch's, whose two layouts are one)."""
+    s = width or max(len(batch.tokens[i]) for i in idx)
     b = len(idx)
     mask = torch.zeros(b, s - 1)
     adv = torch.zeros(b, s - 1)
@@ -130,41 +135,67 @@ def _forward_routes(batch: TrainBatch, idx: list[int], rows: int, width: int,
 
 def pack(batch: TrainBatch, idx: list[int], device: str | torch.device = "cpu", pad_id: int = 0,
          length: int | None = None) -> PackedMicroBatch:
-    """Right-padded: one sample per row, of the longest sample's length or ``length`` if longer."""
-    s = max([len(batch.tokens[i]) for i in idx] + [length or 0])
+    """Right-padded: one sample per row, of the longest sample's length, or of ``length`` (expert parallelism: the
+    expert group's shape; the positions past the longest sample are ``group_padding``)."""
+    own = max(len(batch.tokens[i]) for i in idx)
+    s = max(own, length or 0)
     b = len(idx)
     ids = torch.full((b, s), pad_id, dtype=torch.long)
     for row, i in enumerate(idx):
         ids[row, : len(batch.tokens[i])] = torch.tensor(batch.tokens[i])
-    mask, adv, rlp, olp = _sample_rows(batch, idx)
+    mask, adv, rlp, olp = _sample_rows(batch, idx, s)
     pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     starts = [(row, 0) for row in range(b)]
+    group_padding = None if length is None else (torch.arange(s) >= own).expand(b, s).contiguous()
     return PackedMicroBatch(to(ids), to(pos), to(ids[:, 1:].contiguous()), to(mask), to(adv), to(rlp), to(olp),
-                            list(idx), starts=starts, routes=to(_forward_routes(batch, idx, b, s, starts)))
+                            list(idx), starts=starts, routes=to(_forward_routes(batch, idx, b, s, starts)),
+                            group_padding=to(group_padding))
 
 
-def pack_varlen(batch: TrainBatch, idx: list[int], device: str | torch.device = "cpu") -> PackedMicroBatch:
+def pack_varlen(batch: TrainBatch, idx: list[int], device: str | torch.device = "cpu",
+                length: int | None = None) -> PackedMicroBatch:
     """Packed: the samples back to back in one row of sum(lengths) tokens, no padding; each sample's
     positions start at 0 (RoPE sees what it would unpacked) and ``cu_seqlens`` keeps attention inside it.
     The target of a sample's last token is the next sample's first: never a response position, so never
-    selected."""
+    selected. ``length`` (expert parallelism: the expert group's shape): the row is filled up to it by one more
+    sequence of padding, its own in ``cu_seqlens`` (no sample attends to it), marked as ``group_padding``."""
     lens = [len(batch.tokens[i]) for i in idx]
     total = sum(lens)
-    ids = torch.tensor([t for i in idx for t in batch.tokens[i]], dtype=torch.long).view(1, total)
-    pos = torch.cat([torch.arange(n) for n in lens]).view(1, total)
-    cu = torch.zeros(len(idx) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+    width = max(total, length or 0)
+    ids = torch.zeros(1, width, dtype=torch.long)
+    ids[0, :total] = torch.tensor([t for i in idx for t in batch.tokens[i]], dtype=torch.long)
+    segments = lens + ([width - total] if width > total else [])
+    pos = torch.cat([torch.arange(n) for n in segments]).view(1, width)
+    cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(segments), 0)
     mask, adv, rlp, olp = _sample_rows(batch, idx)
     s1 = mask.shape[1]
     j = torch.arange(s1).view(1, s1)
     valid = j < (torch.tensor(lens).view(-1, 1) - 1)
-    index = torch.where(valid, cu[:-1].view(-1, 1).to(torch.long) + j, torch.zeros((), dtype=torch.long))
+    index = torch.where(valid, cu[:len(idx)].view(-1, 1).to(torch.long) + j, torch.zeros((), dtype=torch.long))
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    starts = [(0, int(o)) for o in cu[:-1].tolist()]
+    starts = [(0, int(o)) for o in cu[:len(idx)].tolist()]
+    group_padding = None if length is None else (torch.arange(width) >= total).view(1, width)
     return PackedMicroBatch(to(ids), to(pos), to(ids[:, 1:].contiguous()), to(mask), to(adv), to(rlp), to(olp),
-                            list(idx), cu_seqlens=to(cu), max_seqlen=max(lens), row_index=to(index),
-                            row_valid=to(valid), starts=starts, routes=to(_forward_routes(batch, idx, 1, total, starts)))
+                            list(idx), cu_seqlens=to(cu), max_seqlen=max(segments), row_index=to(index),
+                            row_valid=to(valid), starts=starts, routes=to(_forward_routes(batch, idx, 1, width, starts)),
+                            group_padding=to(group_padding))
+
+
+def padding_micro_batch(length: int, device: str | torch.device = "cpu") -> PackedMicroBatch:
+    """A packed micro-batch of ``length`` padding tokens and no sample (expert parallelism: a rank with fewer
+    micro-batches than its expert group runs these, so the group's collectives pair up). Nothing in it is trained
+    on: its loss mask is empty."""
+    ids = torch.zeros(1, length, dtype=torch.long)
+    zeros = torch.zeros(1, length - 1)
+    to = lambda t: t.to(device)  # noqa: E731
+    return PackedMicroBatch(to(ids), to(torch.arange(length).view(1, length)), to(ids[:, 1:].contiguous()),
+                            to(zeros), to(zeros), to(zeros), None, [],
+                            cu_seqlens=to(torch.tensor([0, length], dtype=torch.int32)), max_seqlen=length,
+                            row_index=to(torch.zeros(1, length - 1, dtype=torch.long)),
+                            row_valid=to(torch.zeros(1, length - 1, dtype=torch.bool)),
+                            group_padding=to(torch.ones(1, length, dtype=torch.bool)))
 
 
 def token_budget_micro_batches(idx: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:

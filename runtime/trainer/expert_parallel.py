@@ -47,17 +47,36 @@ def check_resume(path: str, expert_parallel: int) -> None:
                           f"optimizer does not reshard across expert parallelism; resume with expert_parallel: {saved}")
 
 
-def micro_batch_lengths(n_samples: int, steps: int, dp_size: int, micro_batch_size: int,
-                        lengths: list[int]) -> list[list[int]]:
-    """For each step and micro-batch, the longest sample of that micro-batch on any DP rank: under expert
-    parallelism every rank pads its micro-batch to it, because megatron's allgather dispatcher gathers the tokens of
-    an expert group into one tensor (equal counts per rank). Every rank holds the whole batch, so each computes this
-    alone. The padding is masked out of the loss and never seen by a real token (causal), but the router routes it:
-    the load-balancing loss counts it, as it counts a micro-batch's own padding without expert parallelism."""
-    from runtime.trainer.batch import step_slices
-    per_rank = [step_slices(n_samples, steps, dp_size, r, micro_batch_size, lengths=lengths) for r in range(dp_size)]
-    return [[max(lengths[i] for rank in per_rank for i in rank[s][m]) for m in range(len(per_rank[0][s]))]
-            for s in range(steps)]
+def group_dp_ranks(dp_rank: int) -> list[int]:
+    """The data-parallel ranks of this rank's expert group, in group order: those whose micro-batches this rank's
+    must match (one all-gather of ints, once)."""
+    from megatron.core import parallel_state as mpu
+    group = mpu.get_expert_model_parallel_group()
+    ranks: list[int | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, dp_rank, group=group)
+    return [int(r) for r in ranks]
+
+
+def equal_micro_batches(group: list[list[list[int]]], mine: list[list[int]], lengths: list[int],
+                        packed: bool) -> tuple[list[list[int]], list[int]]:
+    """One optimizer step's micro-batches of this rank (``mine``), made to pair up with its expert group's
+    (``group``: every member's, this rank's among them; every rank holds the whole batch and computes them alone).
+
+    megatron's allgather dispatcher gathers the group's tokens into one tensor in each MoE layer, forward and
+    backward, so the group's m-th micro-batches must have one shape and every member as many micro-batches. Returns
+    ``mine`` with an empty micro-batch (``[]``: padding only, trained on by no one) for each one a member has more,
+    and the length each micro-batch is padded to: right-padded, the longest sample of the group's m-th; packed
+    (token budget), the most tokens in the group's m-th. The samples' own micro-batches are unchanged, so the loss
+    is the one without expert parallelism; the padding is ``group_padding`` to the routers' losses."""
+    count = max(len(mbs) for mbs in group)
+    if not packed and any(len(mbs) != count for mbs in group):  # micro_batch_size samples: one count by design
+        raise AssertionError(f"right-padded micro-batch counts differ across the expert group: "
+                             f"{[len(mbs) for mbs in group]}")
+
+    def size(mb: list[int]) -> int:
+        return sum(lengths[i] for i in mb) if packed else max(lengths[i] for i in mb)
+    shapes = [max(size(mbs[m]) for mbs in group if m < len(mbs)) for m in range(count)]
+    return list(mine) + [[] for _ in range(count - len(mine))], shapes
 
 
 def size() -> int:

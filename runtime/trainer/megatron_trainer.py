@@ -17,7 +17,8 @@ from runtime.algo import grpo_loss
 from runtime.config import AlgorithmSection, TrainSection
 from runtime.mcore.determinism import fix_cublas_workspace, strict_if_deterministic, trainer_compute
 from runtime.testing.moments import moment
-from runtime.trainer.batch import TrainBatch, by_length, pack, pack_varlen, step_slices, token_budget_micro_batches
+from runtime.trainer.batch import (TrainBatch, by_length, pack, pack_varlen, padding_micro_batch, step_slices,
+                                   token_budget_micro_batches)
 from runtime.trainer import expert_parallel, router_losses, routing_replay
 from runtime.trainer.checkpoint_writer import CheckpointWriter
 from runtime.trainer.state_offload import StateOffload
@@ -68,6 +69,8 @@ class MegatronTrainer:
         self.mpu = mpu
         self.dp_rank, self.dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         self.tp_size = mpu.get_tensor_model_parallel_world_size()
+        # expert parallelism: the DP ranks whose micro-batches this rank's pair up with (expert_parallel.py)
+        self.expert_group = expert_parallel.group_dp_ranks(self.dp_rank) if train.expert_parallel > 1 else None
         self.params_dtype = _dtype(dtype)
         self.model = self._build_model(train=True)
         load_torch_dist_into(self.model, init_checkpoint)
@@ -134,9 +137,14 @@ class MegatronTrainer:
         model = menv.build_gpt_model(self.hf_config, dtype=self.params_dtype, device=self.device, init_weights=False,
                                      fusions=t.fusions, core_attention=t.core_attention, packed=self.packs,
                                      packed_attention=t.packed_attention, batch_invariant=self.true_on_policy,
-                                     **recompute)
+                                     grouped_experts=self._grouped_experts(), **recompute)
         routing_replay.own_routers(model)
         return model
+
+    def _grouped_experts(self) -> bool:
+        """``train.moe_grouped_gemm``: auto = on CUDA."""
+        setting = self.train_cfg.moe_grouped_gemm
+        return str(self.device).startswith("cuda") if setting == "auto" else setting == "on"
 
     @property
     def packs(self) -> bool:
@@ -168,12 +176,13 @@ class MegatronTrainer:
 
     def _forward(self, model, mb):
         """The model on a micro-batch's forward layout (packed: megatron's thd packed-sequence params)."""
+        extra = {} if mb.group_padding is None else {"padding_mask": mb.group_padding}
         if not mb.packed:
-            return model(mb.input_ids, mb.position_ids, self._causal_mask(mb.input_ids.shape[1]))
+            return model(mb.input_ids, mb.position_ids, self._causal_mask(mb.input_ids.shape[1]), **extra)
         from megatron.core.packed_seq_params import PackedSeqParams
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
                                  max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
-        return model(mb.input_ids, mb.position_ids, None, packed_seq_params=params)
+        return model(mb.input_ids, mb.position_ids, None, packed_seq_params=params, **extra)
 
     def _micro_batches(self, idx: list[int], batch: TrainBatch) -> list[list[int]]:
         """``idx`` cut into micro-batches: by token budget when packing, else micro_batch_size samples of like length."""
@@ -185,8 +194,17 @@ class MegatronTrainer:
 
     def _pack(self, batch: TrainBatch, idx: list[int], length: int | None = None):
         if self.packs:
-            return pack_varlen(batch, idx, self.device)
+            return pack_varlen(batch, idx, self.device, length=length)
         return pack(batch, idx, self.device, length=length)
+
+    def _padding_pass(self, length: int) -> None:
+        """Forward and backward of a micro-batch of ``length`` padding tokens, gradient 0: expert parallelism, where
+        this rank has fewer micro-batches than its expert group (the MoE layers' token gathers are collective)."""
+        mb = padding_micro_batch(length, self.device)
+        with router_losses.off(self.model):
+            out = self._forward(self.model, mb)
+            with strict_if_deterministic():
+                (out.float().sum() * 0.0).backward()
 
     def _token_logprobs(self, model, mb, with_entropy: bool = False, entropy_grad: bool = False, select=None):
         """log p(target) of logits/temperature for every position; vocab-parallel under TP. Returned in
@@ -305,13 +323,15 @@ class MegatronTrainer:
             batch.old_logprobs = self.compute_logprobs(batch)
         ref_logprobs = self.compute_logprobs(batch, "ref") if self.algo.kl_coef > 0 else None
         self.model.train()
-        slices = step_slices(len(batch), steps, self.dp_size, self.dp_rank, self.train_cfg.micro_batch_size,
-                             lengths=[len(t) for t in batch.tokens], max_tokens=self.train_cfg.max_tokens_per_micro_batch)
+        lengths = [len(t) for t in batch.tokens]
+
+        def rank_slices(dp_rank: int) -> list[list[list[int]]]:
+            return step_slices(len(batch), steps, self.dp_size, dp_rank, self.train_cfg.micro_batch_size,
+                               lengths=lengths, max_tokens=self.train_cfg.max_tokens_per_micro_batch)
+        slices = rank_slices(self.dp_rank)
+        # expert parallelism: the micro-batches of every rank of the expert group, to pair this rank's up with
+        group_slices = [rank_slices(r) for r in self.expert_group] if self.expert_group else None
         per_step = len(batch) // steps
-        # expert parallelism: one micro-batch shape on every rank (the experts' token gather is collective)
-        padded = expert_parallel.micro_batch_lengths(len(batch), steps, self.dp_size, self.train_cfg.micro_batch_size,
-                                                     [len(t) for t in batch.tokens]) \
-            if self.train_cfg.expert_parallel > 1 else None
         sums: dict[str, torch.Tensor] = {}
         grad_norms = []
         optimizer_s = 0.0
@@ -322,8 +342,15 @@ class MegatronTrainer:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             moe = router_losses.begin_step(self.model, len(micro_batches), self._device_obj())
+            shapes = None
+            if group_slices:  # one count and one shape per micro-batch across the expert group
+                micro_batches, shapes = expert_parallel.equal_micro_batches(
+                    [g[s] for g in group_slices], micro_batches, lengths, self.packs)
             for m, idx in enumerate(micro_batches):
-                mb = self._pack(batch, idx, padded[s][m] if padded else None)
+                if not idx:
+                    self._padding_pass(shapes[m])
+                    continue
+                mb = self._pack(batch, idx, shapes[m] if shapes else None)
                 if self.lora is not None and self.lora.dropout > 0:
                     from runtime.trainer import lora
                     lora.set_dropout_key(self.model, (self.train_cfg.seed, self.steps_done, self.dp_rank, m))

@@ -10,6 +10,7 @@ ranks (summed over layers, megatron's form). What the tracker holds is read back
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -65,3 +66,20 @@ def end_step(step: _Step | None, dp_size: int) -> dict[str, torch.Tensor]:
             out[_METRICS[name]] = tracker[name]["values"].detach().sum() / (step.moe_layers * step.micro_batches * dp_size)
     clear_aux_losses_tracker()
     return out
+
+
+@contextlib.contextmanager
+def off(model):
+    """Within (forward and backward): the model's routers add no router loss and record none. For a micro-batch of
+    padding only (expert parallelism, ``runtime/trainer/expert_parallel.py``): with every token masked out the losses
+    would be 0 / 0, and the step's scale counts the micro-batches that hold samples."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    configs = {id(m.config): m.config for m in model.modules() if isinstance(m, TopKRouter)}
+    saved = {k: (c.moe_aux_loss_coeff, c.moe_z_loss_coeff) for k, c in configs.items()}
+    for c in configs.values():
+        c.moe_aux_loss_coeff, c.moe_z_loss_coeff = 0.0, None
+    try:
+        yield
+    finally:
+        for k, c in configs.items():
+            c.moe_aux_loss_coeff, c.moe_z_loss_coeff = saved[k]
