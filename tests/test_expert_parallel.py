@@ -13,6 +13,7 @@ import torch
 
 from runtime.config import GrpoConfig
 from runtime.trainer.batch import TrainBatch
+from tests.batches import ragged_batch
 
 pytestmark = pytest.mark.timeout(600, method="thread")  # the first test's includes the fixtures' two groups
 
@@ -20,16 +21,7 @@ TRAIN = {"micro_batch_size": 4, "lr": 1e-3, "global_batch_size": 16}
 
 
 def _batch(vocab: int, n: int = 16, seed: int = 0, lengths=None) -> TrainBatch:
-    """Samples of ragged lengths: prompt 5..7 and response 3..8 tokens unless ``lengths`` gives (prompt, response)."""
-    g = torch.Generator().manual_seed(seed)
-    tokens, prompt_lens, masks, rlp = [], [], [], []
-    for i in range(n):
-        p, r = lengths[i] if lengths else (5 + i % 3, 3 + (i * 7) % 6)
-        tokens.append(torch.randint(3, vocab, (p + r,), generator=g).tolist())
-        prompt_lens.append(p)
-        masks.append([1] * r)
-        rlp.append((-torch.rand(r, generator=g) * 4).tolist())
-    return TrainBatch(tokens, prompt_lens, torch.randn(n, generator=g).tolist(), masks, rlp)
+    return ragged_batch(vocab, n, seed, lengths)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import torch
 
 from runtime.config import AlgorithmSection, GrpoConfig, TrainSection
 from runtime.trainer.batch import TrainBatch
+from tests.batches import ragged_batch
 
 LR = 1e-3
 # clip_grad small enough that every step clips: the clip coefficient comes from the grad norm, the one place
@@ -24,15 +25,7 @@ CHUNK = 1000  # elements per host chunk in these tests: chunks cut through weigh
 
 
 def _batch(vocab: int, n: int = 32, seed: int = 0) -> TrainBatch:
-    g = torch.Generator().manual_seed(seed)
-    tokens, prompt_lens, masks, rlp = [], [], [], []
-    for i in range(n):
-        p, r = 5 + i % 3, 3 + (i * 7) % 6
-        tokens.append(torch.randint(3, vocab, (p + r,), generator=g).tolist())
-        prompt_lens.append(p)
-        masks.append([1] * r)
-        rlp.append((-torch.rand(r, generator=g) * 4).tolist())
-    return TrainBatch(tokens, prompt_lens, torch.randn(n, generator=g).tolist(), masks, rlp)
+    return ragged_batch(vocab, n, seed)
 
 
 @pytest.fixture(scope="module")

@@ -10,19 +10,11 @@ from runtime.placement.groups import LocalGroup
 from runtime.placement.handles import EngineHandle
 from runtime.config import GrpoConfig
 from runtime.trainer.batch import TrainBatch
+from tests.batches import ragged_batch
 
 
 def recorded_batch(vocab: int, n: int = 64, seed: int = 0) -> TrainBatch:
-    g = torch.Generator().manual_seed(seed)
-    tokens, prompt_lens, masks, rlp = [], [], [], []
-    for i in range(n):
-        p, r = 5 + i % 3, 3 + (i * 7) % 6  # ragged prompts and responses
-        tokens.append(torch.randint(3, vocab, (p + r,), generator=g).tolist())
-        prompt_lens.append(p)
-        masks.append([1] * r)
-        rlp.append((-torch.rand(r, generator=g) * 4).tolist())
-    adv = torch.randn(n, generator=g).tolist()
-    return TrainBatch(tokens, prompt_lens, adv, masks, rlp)
+    return ragged_batch(vocab, n, seed)
 
 
 def _run(tiny_checkpoint, dp: int, tp: int) -> dict:
