@@ -447,7 +447,7 @@ def test_a_retired_section_is_refused_in_one_line(tmp_path):
                            "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == ("--sections: no section sweep in this bench (its sections: paged, capped, kernels; "
+    assert proc.stderr.strip() == ("--sections: no section sweep in this bench (its sections: paged, capped, kernels, cascade; "
                                    "retired ones: bench/README.md)")
 
 
