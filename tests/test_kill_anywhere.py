@@ -88,6 +88,15 @@ LORA_MOMENTS = [
 ]
 
 
+# configs/tiny.yaml's run on the tiny mixture of experts with rollout routing replay (issue 60): the routes travel
+# with the samples into the trainer; a kill between an update and its checkpoint, and one inside the checkpoint write
+MOE_SETS = ["model.source=builtin://tiny-qwen3-moe", "rollout.routing_replay=true"]
+MOE_MOMENTS = [
+    ("train-step-done#2", "tracking-store-ready"),
+    ("checkpoint-model-written#1", "tracking-store-ready"),
+]
+
+
 class Zygote:
     def __init__(self, env: dict):
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_zygote"], stdin=subprocess.PIPE,
@@ -179,6 +188,13 @@ def lora_reference(zygote, tmp_path_factory):
     return ref
 
 
+@pytest.fixture(scope="module")
+def moe_reference(zygote, tmp_path_factory):
+    ref = _reference(tmp_path_factory.mktemp("kill-anywhere-moe"), SETS + MOE_SETS, zygote)
+    assert any(".mlp.experts." in k for k in ref["tensors"])  # the experts are in the compared checkpoint
+    return ref
+
+
 def _close_stores(root: Path) -> None:
     """MLflow keeps pooled SQLite connections per store URI in this process; the file is about to be
     replaced, and a connection to the old one would read a deleted file."""
@@ -202,6 +218,12 @@ def test_killed_at_a_moment_then_resumed_ends_as_the_reference(reference, moment
 @pytest.mark.parametrize("moment, start", LORA_MOMENTS, ids=[f"{m}@{s}" for m, s in LORA_MOMENTS])
 def test_lora_killed_at_a_moment_then_resumed_ends_as_the_reference(lora_reference, moment, start, tmp_path, capsys):
     _kill_and_resume(lora_reference, moment, start, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("moment, start", MOE_MOMENTS, ids=[f"{m}@{s}" for m, s in MOE_MOMENTS])
+def test_moe_with_routing_replay_killed_at_a_moment_then_resumed_ends_as_the_reference(moe_reference, moment, start,
+                                                                                     tmp_path, capsys):
+    _kill_and_resume(moe_reference, moment, start, tmp_path, capsys)
 
 
 def test_a_lora_version_shows_its_adapter_and_both_printed_loaders_run(lora_reference, capsys):
