@@ -238,6 +238,18 @@ def save_summary(summary: dict, out: Path, bench: str, results_dir: str | None, 
         (Path(results_dir) / name).write_text(text)
 
 
+def run_into(summary: dict, run, t_start: float) -> None:
+    """summary["result"] = run(), or the error that stopped it (what was measured is lost, the reason is kept);
+    summary["total_s"] since t_start."""
+    try:
+        summary["result"] = run()
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        traceback.print_exc()
+        summary["error"] = f"{type(e).__name__}: {e}"[:2000]
+    summary["total_s"] = round(time.time() - t_start, 1)
+
+
 def exit_code(summary: dict, cpu: bool) -> int:
     """A failed section fails the CPU smoke; on a GPU the summary says which failed and why."""
     return 1 if cpu and any(r.get("status") != "ok" for r in summary["sections"].values()) else 0

@@ -766,13 +766,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     summary = {**H.summary_head("logp_gap_attribution", H.env_info(S)), "shapes": S, "family": a.family,
                "classes": a.classes}
-    try:
-        summary["result"] = run(S, W, a, t_start)
-    except Exception as e:  # noqa: BLE001 - what was measured is lost, the reason is kept
-        import traceback
-        traceback.print_exc()
-        summary["error"] = f"{type(e).__name__}: {e}"[:2000]
-    summary["total_s"] = round(time.time() - t_start, 1)
+    H.run_into(summary, lambda: run(S, W, a, t_start), t_start)
     H.save_summary(summary, out, "logp_gap_attribution", a.results_dir, a.cpu)
     print_table(summary)
     variants = summary.get("result", {}).get("variants", [])

@@ -184,13 +184,7 @@ def main(argv=None) -> int:
         lga._torch().set_num_threads(1)
     t_start = time.time()
     summary = {**H.summary_head("true_on_policy", H.env_info(S)), "shapes": S, "family": a.family}
-    try:
-        summary["result"] = run(S, W, a, t_start)
-    except Exception as e:  # noqa: BLE001 - what was measured is lost, the reason is kept
-        import traceback
-        traceback.print_exc()
-        summary["error"] = f"{type(e).__name__}: {e}"[:2000]
-    summary["total_s"] = round(time.time() - t_start, 1)
+    H.run_into(summary, lambda: run(S, W, a, t_start), t_start)
     H.save_summary(summary, out, "true_on_policy", a.results_dir, a.cpu)
     print_table(summary)
     ok = "error" not in summary and summary["result"]["bitwise"]
