@@ -65,6 +65,15 @@ OPTIONAL_ROWS = ("tensor", "broadcast", "partial", "restart", "rejected", "det-c
 STANDIN = ROOT / "tests" / "sglang_standin.py"
 
 
+def keyed_requests(seed: int, samples: int, key: int, prompts: int = 8, prompt_len: int = 64):
+    """`prompts` random prompts and `samples` keyed requests of each: (prompt ids, requests)."""
+    import torch
+    from runtime.rollout.base import SampleRequest
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(3, 50, (prompt_len,), generator=g).tolist() for _ in range(prompts)]
+    return ids, [SampleRequest(prompt_ids=p, key=(key, 0, i, j)) for i, p in enumerate(ids) for j in range(samples)]
+
+
 def gpu_used_gib() -> float:
     import torch
     free, total = torch.cuda.mem_get_info()
@@ -232,12 +241,8 @@ def partial_row(engine, prompts, cap: int, row) -> None:
 def throughput(engine, max_new: int) -> dict:
     """Warm tok/s of one workload: 32 prompts of 256 tokens x 8 samples, `max_new` tokens each (a short warm-up
     of the same requests first)."""
-    import torch
-
-    from runtime.rollout.base import SampleRequest, SamplingParams
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 50, (256,), generator=g).tolist() for _ in range(32)]
-    reqs = [SampleRequest(prompt_ids=p, key=(9, 0, i, j)) for i, p in enumerate(prompts) for j in range(8)]
+    from runtime.rollout.base import SamplingParams
+    _, reqs = keyed_requests(seed=11, samples=8, key=9, prompts=32, prompt_len=256)
     engine.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=16))
     t0 = time.time()
     got = engine.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=max_new))
@@ -348,9 +353,7 @@ def routes_row(a, work: Path, out: Path, row) -> None:
         return
     try:
         layers, k = model.config.num_hidden_layers, model.config.num_experts_per_tok
-        g = torch.Generator().manual_seed(3)
-        prompts = [torch.randint(3, 50, (64,), generator=g).tolist() for _ in range(8)]
-        reqs = [SampleRequest(prompt_ids=p, key=(7, 0, i, j)) for i, p in enumerate(prompts) for j in range(4)]
+        prompts, reqs = keyed_requests(seed=3, samples=4, key=7)
         sp = SamplingParams(temperature=1.0, max_new_tokens=a.max_new)
         t0 = time.time()
         got = engine.generate(reqs, sp)
@@ -448,9 +451,7 @@ def main(argv=None) -> int:
     row("launch and health", engine.health()["ok"], start_s=round(time.time() - t0, 1), gpu_gib=gpu_used_gib() - base,
         health=engine.health()["engines"])
     try:
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, 50, (64,), generator=g).tolist() for _ in range(8)]
-        reqs = [SampleRequest(prompt_ids=p, key=(1, 0, i, j)) for i, p in enumerate(prompts) for j in range(8)]
+        prompts, reqs = keyed_requests(seed=0, samples=8, key=1)
         sp = SamplingParams(temperature=1.0, max_new_tokens=a.max_new)
         t0 = time.time()
         first = engine.generate(reqs, sp)
