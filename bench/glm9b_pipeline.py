@@ -80,7 +80,7 @@ def sec_setup(S, W: Path, layers: int | None) -> dict:
     import glm4_engine
     from runtime.models.tiny import _WORDS, build_tiny_qwen3
     t0 = time.time()
-    for d in ("tok", "hf", "data"):
+    for d in ("tok", "hf", "data", *(p.name for p in W.glob("root-*"))):  # a run of another shape: its disk back
         shutil.rmtree(W / d, ignore_errors=True)
     build_tiny_qwen3(W / "tok")
     tok = AutoTokenizer.from_pretrained(W / "tok")
@@ -224,6 +224,9 @@ def sec_run(S, W: Path, case: str, rollouts: int, kill_at: str, deadline: float)
     res["checkpoint_metrics"] = [{k: v for k, v in m.items() if "checkpoint" in k}
                                  for ck in sorted((rd / "checkpoints").glob("rollout_*/trainer_state.json"))
                                  for m in json.loads(ck.read_text()).get("metrics", [])]
+    # each checkpoint's own writer times: the loop's stall (and its parts), the write's and the hash's seconds
+    res["checkpoint_writer"] = {ck.parent.name: json.loads(ck.read_text()).get("writer")
+                                for ck in sorted((rd / "checkpoints").glob("rollout_*/trainer_state.json"))}
     res["checkpoint_GiB"] = {p.name: _gib(p) for p in sorted((rd / "checkpoints").glob("rollout_*"))}
     res["model_GiB"] = {p.name: _gib(p) for p in sorted((rd / "model").glob("*"))}
     res["exports_GiB"] = {p.name: _gib(p) for p in sorted((rd / "exports").glob("*"))}

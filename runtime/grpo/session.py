@@ -56,6 +56,7 @@ class TrainSession:
         self.builds = 0
         self.writing: checkpoint.Writing | None = None  # the checkpoint being written beside the loop
         self.stall_s = 0.0  # the loop's stall for it
+        self.stall_parts: dict[str, float] = {}
         self._finished: dict | None = None  # its files written and finalized, not yet published
         self.written: dict[int, dict] = {}  # rollout → its writer's times (stall, write, hash), as its state keeps
 
@@ -211,7 +212,7 @@ class TrainSession:
         # a copy: the next chunk's rollouts change the live state (the partial buffer in place) before it is written
         self.writing = checkpoint.Writing(self.rd, end, copy.deepcopy(state), self.cfg.checkpoint.keep_last)
         try:
-            self.trainer.save_begin(self.writing.model_dir, background)
+            began = self.trainer.save_begin(self.writing.model_dir, background)
         except BaseException as e:
             self.writing.abandon(e)
             self.writing, self.at = None, None  # the trainer's state is unknown: rebuilt from disk on a retry
@@ -223,6 +224,8 @@ class TrainSession:
         # the loop's time for the checkpoint, on the chunk's last rollout, inside the state written with it, so a
         # resumed run that reads the chunk back logs the same metrics as the run that made it
         self.stall_s = time.time() - t0
+        # where the stall went, the slowest rank's each (kept with the checkpoint's writer times)
+        self.stall_parts = {k: v for k, v in began.items() if k != "stall_s"}
         chunk_metrics[-1].update(checkpoint_s=self.stall_s, checkpoint_stall_s=self.stall_s)
         if not background:
             self._publish_writing()
@@ -255,11 +258,13 @@ class TrainSession:
     def _publish_writing(self) -> None:
         w, done = self.writing, self._finished
         self.writing = self._finished = None
-        times = {"stall_s": self.stall_s, "write_s": done["write_s"], "hash_s": done["hash_s"]}
+        times = {"stall_s": self.stall_s, "write_s": done["write_s"], "hash_s": done["hash_s"],
+                 "stall_parts_s": self.stall_parts}
         w.complete(done["files"], times)
         self.written[w.rollout] = times
-        log.info("checkpoint %s durable: loop stalled %.2f s, write %.2f s, hash %.2f s",
-                 w.where, times["stall_s"], times["write_s"], times["hash_s"])
+        log.info("checkpoint %s durable: loop stalled %.2f s (%s), write %.2f s, hash %.2f s", w.where,
+                 times["stall_s"], ", ".join(f"{k} {v:.2f}" for k, v in self.stall_parts.items()),
+                 times["write_s"], times["hash_s"])
 
     # -- evaluation ----------------------------------------------------------------------------
     def evaluate(self, rollout: int) -> dict[str, dict]:

@@ -50,6 +50,7 @@ class CheckpointWriter:
     def __init__(self):
         self._pending: dict[str, Any] | None = None
         self._pinned: list[torch.Tensor] = []  # host buffers of the device tensors, reused save after save
+        self._pin_s = 0.0
 
     @property
     def pending(self) -> bool:
@@ -64,6 +65,8 @@ class CheckpointWriter:
             raise RuntimeError("a checkpoint is still being written: finish it first")
         t0 = time.time()
         request = dist_checkpointing.save(state, path, async_sharded_save=True)
+        t_plan = time.time()
+        self._pin_s = 0.0
         transforms, _use_msc = request.async_fn.args if request.async_fn is not None else ([], False)
         buckets, results_queue = [], None
         if request.async_fn is not None:
@@ -80,7 +83,8 @@ class CheckpointWriter:
             job["thread"].start()
         else:
             self._write(job, transforms, buckets, results_queue)
-        return {"stall_s": time.time() - t0}
+        t_copy = time.time()
+        return {"stall_s": t_copy - t0, "plan_s": t_plan - t0, "host_copy_s": t_copy - t_plan, "pin_s": self._pin_s}
 
     def done(self) -> bool:
         """Whether this rank's files are written (a :meth:`finish` now would not wait)."""
@@ -127,7 +131,9 @@ class CheckpointWriter:
     def _pinned_copy(self, buckets: list) -> list:
         flat = [t for _, _, (_, tensors) in buckets for _, t in tensors]
         if [(b.shape, b.dtype) for b in self._pinned] != [(t.shape, t.dtype) for t in flat]:
+            t0 = time.time()  # the first save's pinning: its share of the stall, apart
             self._pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in flat]
+            self._pin_s = time.time() - t0
         it = iter(self._pinned)
         out = []
         for name, key, (byte_items, tensors) in buckets:

@@ -567,7 +567,7 @@ class MegatronTrainer:
         from runtime.mcore import env as menv
         from runtime.trainer import master_weights, optimizer_checkpoint
         os.makedirs(path, exist_ok=True)
-        self.offload.reload()
+        reload_s = self.offload.reload()["seconds"]
         menv.save_results_in_this_process()
         with menv.cuda_to_cpu():
             msd = self._model_sharded_state_dict()
@@ -584,7 +584,7 @@ class MegatronTrainer:
             if self.lora is not None:  # adapters only: the base is the run's converted model
                 from runtime.trainer import lora
                 lora.write_description(path, self.lora)
-        return began
+        return {**began, "reload_s": reload_s}
 
     def save_done(self) -> bool:
         """Whether this rank's files of the save under way are written (True when none is)."""
