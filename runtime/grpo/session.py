@@ -71,7 +71,7 @@ class TrainSession:
         # LoRA with trainer and engine in this process: one copy of the base, the trainer's (runtime/placement/layout.py)
         shared = self.trainer.shared_base() if layout.shares_base(c) else None
         if self.offload:  # the plan puts the engine's KV pool beside the trainer's weights, not its whole state
-            self.trainer.offload_state()
+            log.info("trainer state off the GPU for the engine's build: %s", self.trainer.offload_state())
         self.engine = self.cluster.engine(self.rd.local(self.rd.hf_model), shared_base=shared)
         if self.offload:  # then the GPU is the trainer's, as after every engine turn (GLM-Z1-9B on an H200 ran out
             self.engine.release_memory()  # of memory building its 99 GiB pool beside 30.7 GiB of trainer state)
