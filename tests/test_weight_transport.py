@@ -65,8 +65,9 @@ def test_cuda_ipc_tensors_are_read_in_place_in_another_process():
 @pytest.mark.slow
 def test_an_evaluation_hands_the_gpu_to_the_engine_as_a_rollout_does(tmp_path):
     """Under Ray the trainer is another process: unless it gives its memory back first, the engine's KV pool does not
-    fit beside it (what an H100 run of the recipe met at its first evaluation). Every generate, a rollout's or an
-    evaluation's, runs with the trainer's state offloaded and the pool resumed, and ends with both back."""
+    fit beside it (what an H100 run of the recipe met at its first evaluation). The engine's build, and every
+    generate, a rollout's or an evaluation's, runs with the trainer's state offloaded and the pool resumed, and ends
+    with both back."""
     from runtime.grpo.session import TrainSession
     from runtime.run import stages
     from runtime.run.directory import RunDir
@@ -79,21 +80,39 @@ def test_an_evaluation_hands_the_gpu_to_the_engine_as_a_rollout_does(tmp_path):
     stages.convert(cfg, rd, fetched)
     stages.prepare(cfg, rd, fetched)
     session = TrainSession(cfg, rd)
+    calls: list[str] = []
+
+    def spy(obj, name):
+        real = getattr(obj, name)
+
+        def record(*a, **k):
+            calls.append(name)
+            return real(*a, **k)
+        setattr(obj, name, record)
+
+    build_trainer, build_engine = session.cluster.trainer, session.cluster.engine
+
+    def trainer(**kw):
+        handle = build_trainer(**kw)
+        spy(handle, "offload_state")
+        spy(handle, "reload_state")
+        return handle
+
+    def engine(*a, **kw):
+        calls.append("engine built")
+        handle = build_engine(*a, **kw)
+        spy(handle, "release_memory")
+        return handle
+
+    session.cluster.trainer, session.cluster.engine = trainer, engine
     try:
         session.ensure_at(None)
-        calls: list[str] = []
-
-        def spy(obj, name):
-            real = getattr(obj, name)
-
-            def record(*a, **k):
-                calls.append(name)
-                return real(*a, **k)
-            setattr(obj, name, record)
-
-        for name in ("offload_state", "reload_state", "train"):
-            spy(session.trainer, name)
-        for name in ("resume_memory", "release_memory", "generate"):
+        # the engine's pool is built beside the trainer's weights only (GLM-Z1-9B's ran out of memory beside its
+        # whole state on an H200), and the build ends as an engine turn does: the pool released, the state back
+        assert calls == ["offload_state", "engine built", "release_memory", "reload_state"]
+        calls.clear()
+        spy(session.trainer, "train")
+        for name in ("resume_memory", "generate"):
             spy(session.engine, name)
         session.evaluate(0)
         evaluation = calls[:]
