@@ -15,7 +15,8 @@ where the reference put it, the MLflow run FINISHED, no lease and no temp leftov
 The killed runs are forked from one warm process (tests/cli_zygote.py) and talk to the session's
 Prefect server; every run uses the same root path, so the paths recorded inside the store match.
 
-LoRA (train.lora) has a reference run of its own and a few moments where its state differs: an update of
+FP8 engine weights with cascade attention (issue 59) and the tiny mixture of experts with routing replay (issue 60)
+have a reference run each and two moments. LoRA (train.lora) has a reference run of its own and a few moments where its state differs: an update of
 adapters that start from keyed initial values, a checkpoint of adapters being written, its two exports
 (the PEFT adapter, then the merged model), the registry version, and an update after resuming from an
 adapter checkpoint.
@@ -94,6 +95,15 @@ MOE_SETS = ["model.source=builtin://tiny-qwen3-moe", "rollout.routing_replay=tru
 MOE_MOMENTS = [
     ("train-step-done#2", "tracking-store-ready"),
     ("checkpoint-model-written#1", "tracking-store-ready"),
+]
+
+# the engine's speed settings (issue 59): FP8 weights re-quantised at each sync and cascade attention; a kill
+# between an update and its checkpoint (the resumed engine quantises the checkpoint's weights), and one while a
+# rollout samples after a resume
+ENGINE_SETS = ["rollout.weights_dtype=fp8", "rollout.cascade_attention=true"]
+ENGINE_MOMENTS = [
+    ("train-step-done#2", "tracking-store-ready"),
+    ("generate#1", "mlflow-metrics-logged#1"),
 ]
 
 
@@ -195,6 +205,11 @@ def moe_reference(zygote, tmp_path_factory):
     return ref
 
 
+@pytest.fixture(scope="module")
+def engine_settings_reference(zygote, tmp_path_factory):
+    return _reference(tmp_path_factory.mktemp("kill-anywhere-engine"), SETS + ENGINE_SETS, zygote)
+
+
 def _close_stores(root: Path) -> None:
     """MLflow keeps pooled SQLite connections per store URI in this process; the file is about to be
     replaced, and a connection to the old one would read a deleted file."""
@@ -224,6 +239,12 @@ def test_lora_killed_at_a_moment_then_resumed_ends_as_the_reference(lora_referen
 def test_moe_with_routing_replay_killed_at_a_moment_then_resumed_ends_as_the_reference(moe_reference, moment, start,
                                                                                      tmp_path, capsys):
     _kill_and_resume(moe_reference, moment, start, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("moment, start", ENGINE_MOMENTS, ids=[f"{m}@{s}" for m, s in ENGINE_MOMENTS])
+def test_fp8_weights_and_cascade_attention_killed_at_a_moment_then_resumed_end_as_the_reference(
+        engine_settings_reference, moment, start, tmp_path, capsys):
+    _kill_and_resume(engine_settings_reference, moment, start, tmp_path, capsys)
 
 
 def test_a_lora_version_shows_its_adapter_and_both_printed_loaders_run(lora_reference, capsys):
