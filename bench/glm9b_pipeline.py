@@ -1,7 +1,10 @@
 """GLM-Z1-9B through `grpoflow run` on four GPUs (issue 57 item 7): checkpoints beside the next chunk, the disk.
 
     python bench/gpu_carry.py install && export PYTHONPATH=/tmp/site:$PYTHONPATH      # Ray, Prefect, MLflow, ...
-    python bench/glm9b_pipeline.py --sections setup,full --out $OUT                   # nvidia-h200-x4, one call
+    python bench/glm9b_pipeline.py --sections setup --out $OUT                        # nvidia-h200-x4 (~35 s)
+    python bench/glm9b_pipeline.py --sections full --deadline 580 --out $OUT          # the next call (~100 s to the
+                                                                                      # step, ~114 s the step, ~190 s
+                                                                                      # the 105 GiB write)
     python bench/glm9b_pipeline.py --layers 4 --sections setup,unbroken,kill --out $OUT
     python bench/glm9b_pipeline.py --cpu                                              # smoke: a tiny GLM4, CPU
 
