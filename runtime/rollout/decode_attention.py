@@ -172,6 +172,21 @@ def split_tokens_for(rows: int, kv_heads: int, max_len: int, device: torch.devic
 
 if triton is not None:
     @triton.jit
+    def _attend_block(q, K, V, off, valid, d, m, l, acc, scale_log2):
+        # one block of keys and values (at offsets ``off``, ``valid`` of them) into the running softmax (m, l, acc)
+        # of the query tile q: the step the plain kernel and the cascade's prompt pass share
+        k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l, acc
+
+    @triton.jit
     def _paged_split_kernel(Q, K, V, PT, PLEN, OLEN, OPART, LSE,
                             stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_ptb,
                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
@@ -208,16 +223,7 @@ if triton is not None:
             col = tl.where(in_prefix, j // PAGE, prefix_cols + j // PAGE)
             page = tl.load(pt_row + col, mask=valid, other=0).to(tl.int64)
             off = page * stride_kp + (j % PAGE).to(tl.int64) * stride_kt + h * stride_kh
-            k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale_log2
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            m, l, acc = _attend_block(q, K, V, off, valid, d, m, l, acc, scale_log2)
         out = acc / l[:, None]
         lse = m + tl.log2(l)
         keep = (rows < REP) & ((rows * 0 + lo) < total)
@@ -263,16 +269,7 @@ if triton is not None:
             valid = n < hi
             page = tl.load(pt_row + n // PAGE, mask=valid, other=0).to(tl.int64)
             off = page * stride_kp + (n % PAGE).to(tl.int64) * stride_kt + h * stride_kh
-            k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale_log2
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            m, l, acc = _attend_block(q, K, V, off, valid, d, m, l, acc, scale_log2)
         out = acc / l[:, None]
         lse = m + tl.log2(l)
         keep = member & ((t * 0 + lo) < plen)
