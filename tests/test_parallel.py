@@ -113,12 +113,21 @@ def test_local_backend_tp2_processes_and_broadcast_weight_sync(tiny_checkpoint, 
                                group_name="t_bcast")
         assert [n for n, _, _ in sync.metadata] == list(one_rank["weights"])
         before = {k: v.clone() for k, v in engine.model.state_dict().items()}
-        sync.push(version=7)
+        sent = sync.push(version=7)
         expected = trainer.hf_weights()
         state = engine.model.state_dict()
         assert engine.weight_version == 7
         assert all(torch.equal(state[k], v) for k, v in expected.items())
         assert any(not torch.equal(before[k], v) for k, v in expected.items())  # the update arrived
+        # sent a unit at a time (the embedding, each layer, the head), each gathered whole only while it went: the
+        # most rank 0 held at once is the largest unit, never the whole model
+        per_unit: dict[str, int] = {}
+        for k, v in expected.items():
+            unit = ".".join(k.split(".")[:3]) if k.startswith("model.layers.") else (
+                "embedding" if k == "model.embed_tokens.weight" else "head")
+            per_unit[unit] = per_unit.get(unit, 0) + v.numel() * v.element_size()
+        assert sent["bytes"] == sum(per_unit.values()) and sent["largest_unit_bytes"] == max(per_unit.values())
+        assert sent["largest_unit_bytes"] < sent["bytes"]
         # engine and trainer agree on the log-probs of a sample after the sync
         sample = batch.tokens[0]
         p = batch.prompt_lens[0]

@@ -353,22 +353,43 @@ class DenseDecoderAdapter(ModelAdapter):
         return out
 
     def to_hf(self, mcore_state_dict, hf_config, *, include_tied_lm_head=False):
-        self.check_supported(hf_config)
         sd = normalize_mcore_state_dict(mcore_state_dict)
+        out: dict[str, torch.Tensor] = {}
+        for unit, _prefixes in self.hf_units(hf_config, include_tied_lm_head=include_tied_lm_head):
+            out.update(self.unit_to_hf(unit, sd, hf_config, include_tied_lm_head=include_tied_lm_head))
+        return out
 
+    def hf_units(self, hf_config, *, include_tied_lm_head: bool = False) -> list[tuple[str, tuple[str, ...]]]:
+        """The model in the pieces :meth:`unit_to_hf` converts one at a time, in HF order, each with the prefixes of
+        the (local-spec) megatron names it reads: the embedding, each layer, the final norm with the head. A tied
+        head reads the embedding again (a weight sync streams the units and holds one at a time)."""
+        self.check_supported(hf_config)
+        head = ("decoder.final_layernorm.",)
+        if not hf_config.tie_word_embeddings:
+            head += ("output_layer.",)
+        elif include_tied_lm_head:
+            head += ("embedding.",)
+        return [("embedding", ("embedding.",)),
+                *((f"layer {i}", (f"decoder.layers.{i}.",)) for i in range(hf_config.num_hidden_layers)),
+                ("head", head)]
+
+    def unit_to_hf(self, unit: str, sd: Mapping[str, torch.Tensor], hf_config, *,
+                   include_tied_lm_head: bool = False) -> dict[str, torch.Tensor]:
+        """One unit of :meth:`hf_units` in HF names, from ``sd`` (local-spec names, holding at least its tensors)."""
         def take(name: str) -> torch.Tensor:
             if name not in sd:
                 raise ModelError(f"the megatron state dict has no '{name}': it does not come from a "
                                  f"{self.model_types[0]} model built from this config.json")
             return sd[name]
 
-        embed = take("embedding.word_embeddings.weight")
-        out = {"model.embed_tokens.weight": embed}
-        for i in range(hf_config.num_hidden_layers):
-            out.update(self.layer_to_hf(take, f"model.layers.{i}.", f"decoder.layers.{i}.", hf_config))
-        out["model.norm.weight"] = take("decoder.final_layernorm.weight")
+        if unit == "embedding":
+            return {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")}
+        if unit.startswith("layer "):
+            i = int(unit.split()[1])
+            return self.layer_to_hf(take, f"model.layers.{i}.", f"decoder.layers.{i}.", hf_config)
+        out = {"model.norm.weight": take("decoder.final_layernorm.weight")}
         if not hf_config.tie_word_embeddings:
             out["lm_head.weight"] = take("output_layer.weight")
         elif include_tied_lm_head:
-            out["lm_head.weight"] = embed
+            out["lm_head.weight"] = take("embedding.word_embeddings.weight")
         return out

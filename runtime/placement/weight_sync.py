@@ -127,7 +127,9 @@ class TrainerToEngine:
         self.engine.init_weight_sync(host, port, 1, world, name)  # engine ranks from 1
         joining.get()
 
-    def push(self, version: int) -> None:
+    def push(self, version: int) -> dict[str, float]:
+        """The trainer's weights into the engines as `version`. Returns what trainer rank 0 reported sending
+        (broadcast: bytes, the largest unit's bytes, seconds); {} by the direct paths."""
         if self.mode == "broadcast":
             # an engine restarted since the group formed is not in it (SGLang servers): form it again
             if not self.engine.weight_sync_ready():
@@ -136,8 +138,9 @@ class TrainerToEngine:
             try:
                 self.engine.receive_weights(self.metadata, version)
             finally:
-                sending.get()  # keeps the trainer's replies in step, also after an engine error
-        elif self.transport == "cuda_ipc":
+                sent = sending.get()[0]  # keeps the trainer's replies in step, also after an engine error
+            return sent
+        if self.transport == "cuda_ipc":
             shared = self.trainer.share_weights()
             try:
                 self.engine.update_weights_shared(shared, version)
@@ -145,3 +148,4 @@ class TrainerToEngine:
                 self.trainer.release_shared_weights()
         else:
             self.engine.update_weights(self.trainer.engine_weights(self.transport == "host"), version)
+        return {}

@@ -75,7 +75,7 @@ from runtime.plan.fit_search import lora_need, settings_that_fit, show_setting
 from runtime.plan.activations import (activation_bytes, activation_terms, layer_bytes_per_token,  # noqa: F401
                                       uses_chunked_logprobs, uses_flash_attention)
 from runtime.plan.engine_terms import KV_STEP_GIB, OVERHEAD_BYTES, engine_releases_kv  # noqa: F401
-from runtime.plan.shape import GIB, dtype_bytes, expert_params, model_shape, param_counts, shape_param_counts  # noqa: F401
+from runtime.plan.shape import GIB, dtype_bytes, expert_params, largest_unit_params, model_shape, param_counts, shape_param_counts  # noqa: F401
 
 _shape = model_shape  # the name tests and benches import
 
@@ -103,7 +103,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     trainer_ranks: int = 1, processes: int = 1, lora: dict | None = None,
                     shared_base: bool = False, samples_per_prompt: int = 1, partial: bool = False,
                     engine_apart: bool = False, deterministic: bool = False,
-                    background_checkpoint: bool = False, weights_dtype: str = "bf16", ep: int = 1) -> dict[str, Any]:
+                    background_checkpoint: bool = False, weights_dtype: str = "bf16", ep: int = 1,
+                    weight_sync: str = "direct") -> dict[str, Any]:
     """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
 
     ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
@@ -132,7 +133,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     ``engine_apart`` (``layout.engine_shares_gpu_across_processes``): a colocated built-in engine runs in a process
     of its own beside the trainer rank's (Ray actors, spawned ranks): two CUDA contexts and two allocators' slack.
     ``weights_dtype`` (``rollout.weights_dtype``): the built-in engine's linear layers in "fp8" (runtime/plan/
-    engine_terms.py) or the model's dtype ("bf16").
+    engine_terms.py) or the model's dtype ("bf16"). ``weight_sync`` (``cluster.weight_sync``): "broadcast" streams
+    the weights a unit at a time (the gather a sync holds is the largest unit), "direct" hands a whole copy over.
 
     Returns ``weights``, ``grads``, ``optimizer``, ``activations``, ``kv_cache``, ``engine_weights``,
     ``rollout_activations``, ``overhead``, ``total`` (GiB; ``bytes``: the same, exact), ``at_rollout`` /
@@ -206,8 +208,10 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
 
     # the weight sync after an update: under TP every trainer rank gathers the whole weights for the engines
     # (runtime/trainer/tp_gather.py), beside its state, before the next rollout offloads it; under EP rank 0 gathers
-    # every expert (the other ranks only their own; runtime/trainer/expert_parallel.py)
-    gathered = n_params * e if tp > 1 or ep > 1 else 0
+    # every expert (the other ranks only their own; runtime/trainer/expert_parallel.py). A broadcast streams them:
+    # one unit (the embedding, a layer, the head) gathered at a time
+    streamed = weight_sync == "broadcast" and not lora
+    gathered = ((largest_unit_params(m) if streamed else n_params) * e) if tp > 1 or ep > 1 else 0
     peaks = dict(weights=weights, state=state, opt_step=opt.step, gathered=gathered, engine_weights=engine_weights,
                  kv_cache=kv_cache, rollout_activations=rollout_activations, overhead=overhead, colocate=colocate,
                  offload=offload, kv_released=kv_released)
@@ -532,7 +536,7 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         recompute=t.recompute, recompute_modules=tuple(t.recompute_modules), recompute_num_layers=t.recompute_num_layers,
         fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention,
         deterministic=t.deterministic, distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype,
-        optimizer_on_host=t.optimizer_on_host, ep=t.expert_parallel,
+        optimizer_on_host=t.optimizer_on_host, ep=t.expert_parallel, weight_sync=layout.weight_sync_mode(cfg),
         lora=lora_memory.config_lora(cfg), shared_base=layout.shares_base(cfg),
         engine_apart=layout.engine_shares_gpu_across_processes(cfg),
         samples_per_prompt=r.n_samples_per_prompt, partial=r.partial, background_checkpoint=cfg.checkpoint.background,

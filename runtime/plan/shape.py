@@ -44,6 +44,15 @@ def param_counts(hf_config, tp: int = 1) -> tuple[int, int]:
     return shape_param_counts(model_shape(hf_config), tp)
 
 
+def largest_unit_params(m: dict[str, Any]) -> int:
+    """The parameters of the largest piece a streamed weight sync gathers at once (the adapters' ``hf_units``: the
+    embedding, one layer with its experts, the head)."""
+    n_params, _ = shape_param_counts(m)
+    embedding = m["V"] * m["h"]
+    layer = (n_params - (1 if m["tied"] else 2) * embedding - m["h"]) // m["L"]
+    return max(embedding, layer)
+
+
 def expert_params(m: dict[str, Any]) -> int:
     """The parameters of every routed expert (none in a dense model): what expert parallelism splits."""
     return m["L"] * 3 * m["h"] * m["fe"] * m["E"] if m.get("E") else 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -456,14 +456,27 @@ class MegatronTrainer:
     def _full_hf_weights(self, to: int | None = None) -> dict[str, torch.Tensor]:
         """The whole model in HF names: this rank's copy (every rank takes part in the TP and expert gathers), or with
         ``to`` on that rank only ({} elsewhere: under expert parallelism no other rank holds the others' experts)."""
+        out: dict[str, torch.Tensor] = {}
+        for unit in self._hf_weight_units(to):
+            out.update(unit)
+        return out
+
+    def _hf_weight_units(self, to: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """The whole model in HF names a unit at a time (the embedding, each layer, the head: the adapter's
+        ``hf_units``), each gathered whole only while it is used: on every rank, or with ``to`` on that rank only
+        (nothing is yielded elsewhere). Every rank runs the whole iteration (each unit's gathers are collective)."""
         from runtime.models import get_adapter
-        from runtime.trainer.tp_gather import full_state_dict
+        from runtime.trainer.tp_gather import gathered_units
         if self.adapter is None:
             self.adapter = get_adapter(self.hf_config)
-        whole = full_state_dict(self.model, self.hf_config, to=to)
-        if whole is None:
-            return {}
-        return self.adapter.to_hf(whole, self.hf_config, include_tied_lm_head=True)
+        units = self.adapter.hf_units(self.hf_config, include_tied_lm_head=True)
+        for name, whole in gathered_units(self.model, units, to=to):
+            if whole is None:
+                continue
+            unit = self.adapter.unit_to_hf(name, whole, self.hf_config, include_tied_lm_head=True)
+            whole = None
+            yield unit
+            unit = None  # dropped before the next unit is gathered
 
     def share_weights(self):
         """This rank's copy of :meth:`engine_weights` (the whole model in HF names, or with LoRA the adapters) as
@@ -525,22 +538,34 @@ class MegatronTrainer:
             raise RuntimeError("the base is shared only with LoRA on at tensor_parallel 1")
         return lora.base_tensors(self.model)
 
+    def _engine_weight_units(self) -> Iterator[dict[str, torch.Tensor]]:
+        """What `broadcast_weights` sends, a unit at a time on rank 0 (every rank takes part in the gathers): the
+        whole model is never gathered on one rank (a 30 B mixture of experts is 57 GiB). With LoRA: the adapters."""
+        if self.lora is not None:
+            adapters = self.engine_weights(to_cpu=False)  # every rank joins the TP gather; {} but on rank 0
+            return iter([adapters] if adapters else [])
+        return self._hf_weight_units(to=0)
+
     def weights_metadata(self) -> list:
         """(name, dtype, shape) of the tensors `broadcast_weights` sends, in order (rank 0; [] elsewhere)."""
         from runtime.placement import weight_sync
-        return weight_sync.metadata_of(self.engine_weights(to_cpu=False))  # every rank joins the TP gather
+        return [m for unit in self._engine_weight_units() for m in weight_sync.metadata_of(unit)]
 
     def broadcast_weights(self) -> dict[str, float]:
-        """Every rank gathers its TP shards; rank 0 broadcasts :meth:`engine_weights` to the engines."""
+        """Rank 0 broadcasts :meth:`engine_weights` to the engines a unit at a time, each gathered (TP shards, experts)
+        just before it goes. Returns the bytes sent, the largest unit's and the seconds (rank 0; {} elsewhere)."""
         from runtime.placement import weight_sync
         t0 = time.time()
-        hf = self.engine_weights(to_cpu=False)
+        sent = largest = 0
+        for unit in self._engine_weight_units():
+            n = weight_sync.send(self._sync_group, unit, self._device_obj())
+            sent, largest = sent + n, max(largest, n)
+            del unit
         if self.rank != 0:
             return {}
-        sent = weight_sync.send(self._sync_group, hf, self._device_obj())
         if str(self.device).startswith("cuda"):
             torch.cuda.synchronize()
-        return {"bytes": float(sent), "seconds": time.time() - t0}
+        return {"bytes": float(sent), "largest_unit_bytes": float(largest), "seconds": time.time() - t0}
 
     def _device_obj(self) -> torch.device:
         if str(self.device).startswith("cuda"):
