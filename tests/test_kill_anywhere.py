@@ -180,6 +180,9 @@ def _reference(base: Path, sets: list[str], zygote: Zygote, lora: bool = False) 
     rd = RunDir(str(root), RUN)
     state = _state(root, lora)
     assert state["rollouts_registered"] == [2, 4] and state["status"] == "FINISHED"
+    # the chunk's metrics as the checkpoint holds them, the loop's checkpoint stall among them: what a resume that
+    # reads the chunk back logs (with checkpoint.background false the checkpoint is durable before they are logged)
+    assert "checkpoint_stall_s" in checkpoint.read_state(rd.checkpoint(4))["metrics"][-1]
     tensors = checkpoint_tensors(rd.checkpoint(4), base)
     return {"root": root, "snaps": snaps, "state": state, "tensors": tensors, "zygote": zygote, "base": base,
             "sets": sets, "lora": lora}

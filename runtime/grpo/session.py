@@ -231,7 +231,8 @@ class TrainSession:
         self.stall_s = time.time() - t0
         # where the stall went, the slowest rank's each (kept with the checkpoint's writer times)
         self.stall_parts = {k: v for k, v in began.items() if k != "stall_s"}
-        chunk_metrics[-1].update(checkpoint_s=self.stall_s, checkpoint_stall_s=self.stall_s)
+        for metrics in (chunk_metrics, self.writing.state["metrics"]):  # the live ones, and the ones it will hold
+            metrics[-1].update(checkpoint_s=self.stall_s, checkpoint_stall_s=self.stall_s)
         if not background:
             self._publish_writing()
         return {"start": start, "end": end, "skipped": False, "metrics": chunk_metrics,
