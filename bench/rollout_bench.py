@@ -108,9 +108,10 @@ def weight_bytes(S) -> int:
 # ---- the model ----------------------------------------------------------------------------------------------
 
 def make_model(S, W: Path) -> dict:
-    """A random Qwen3 of the shape, saved as an HF dir with the tiny tokenizer (its ids stay below the vocab)."""
+    """A random Qwen3 (``S["family"]`` "glm4": a GLM-4) of the shape, saved as an HF dir with the tiny tokenizer (its
+    ids stay below the vocab)."""
     torch = _torch()
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig
 
     from runtime.models.tiny import build_tiny_qwen3
     hf = W / "hf"
@@ -118,6 +119,39 @@ def make_model(S, W: Path) -> dict:
         return {"model_dir": str(hf), "reused": True}
     t0 = time.time()
     build_tiny_qwen3(W / "tok")
+    if S.get("family") == "glm4":  # GLM-4's layout (post-norms, partial interleaved RoPE) at the shape's sizes
+        save_random_glm4(S, hf)
+    else:
+        _save_random_qwen3(S, hf)
+    for f in os.listdir(W / "tok"):
+        if f.startswith("tokenizer") or f == "special_tokens_map.json":
+            (hf / f).write_bytes((W / "tok" / f).read_bytes())
+    GenerationConfig(eos_token_id=2, pad_token_id=0).save_pretrained(hf)
+    if S["device"] == "cuda":
+        torch.cuda.empty_cache()
+    return {"model_dir": str(hf), "reused": False, "model_s": round(time.time() - t0, 1)}
+
+
+GLM4_9B = ROOT / "runtime" / "models" / "known_configs" / "GLM-4-9B-0414.json"
+
+
+def save_random_glm4(S, hf: Path) -> None:
+    """A random GLM-4 of the shape's sizes (GLM-4-9B-0414's config otherwise), built in the shape's dtype on its
+    device (bench/glm4_engine.py), saved as an HF dir."""
+    torch = _torch()
+    import glm4_engine
+    cfg = dict(json.loads(GLM4_9B.read_text()), vocab_size=S["vocab"], hidden_size=S["hidden"],
+               intermediate_size=S["ffn"], num_hidden_layers=S["layers"], num_attention_heads=S["heads"],
+               num_key_value_heads=S["kv_heads"], head_dim=S["head_dim"], bos_token_id=None, eos_token_id=2,
+               pad_token_id=0)
+    model = glm4_engine.build(cfg, S["device"], {"bfloat16": torch.bfloat16, "float32": torch.float32}[S["dtype"]])
+    model.config.architectures = ["Glm4ForCausalLM"]
+    model.save_pretrained(hf, max_shard_size="5GB")
+
+
+def _save_random_qwen3(S, hf: Path) -> None:
+    torch = _torch()
+    from transformers import Qwen3Config, Qwen3ForCausalLM
     cfg = Qwen3Config(vocab_size=S["vocab"], hidden_size=S["hidden"], intermediate_size=S["ffn"],
                       num_hidden_layers=S["layers"], num_attention_heads=S["heads"], num_key_value_heads=S["kv_heads"],
                       head_dim=S["head_dim"], hidden_act="silu", max_position_embeddings=40960, rms_norm_eps=1e-6,
@@ -128,14 +162,6 @@ def make_model(S, W: Path) -> dict:
     with torch.device(S["device"]):
         model = Qwen3ForCausalLM(cfg)
     model.to({"bfloat16": torch.bfloat16, "float32": torch.float32}[S["dtype"]]).save_pretrained(hf)
-    del model
-    for f in os.listdir(W / "tok"):
-        if f.startswith("tokenizer") or f == "special_tokens_map.json":
-            (hf / f).write_bytes((W / "tok" / f).read_bytes())
-    GenerationConfig(eos_token_id=2, pad_token_id=0).save_pretrained(hf)
-    if S["device"] == "cuda":
-        torch.cuda.empty_cache()
-    return {"model_dir": str(hf), "reused": False, "model_s": round(time.time() - t0, 1)}
 
 
 def engine(S, W: Path, decode_path: str, kv_gib: float | None, rows: int):

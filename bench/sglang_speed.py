@@ -2,6 +2,7 @@
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/sglang_speed.py --sections setup,builtin,sglang --deadline 570 --out $OUT
     PYTHONPATH=/tmp/site:$PWD python3 bench/sglang_speed.py --sections sglang-nondet,trainer-gap --deadline 570 --out $OUT
+    PYTHONPATH=/tmp/site:$PWD python3 bench/sglang_speed.py --family glm4 --sections setup,builtin,sglang ...  # GLM-Z1-9B
     python bench/sglang_speed.py --cpu     # here: tiny shapes, the built-in engine on CPU, tests/sglang_standin.py
 
 The model: a random-init Qwen3-0.6B (runtime/models/known_configs/Qwen3-0.6B.json) in bf16 with the tiny tokenizer.
@@ -58,10 +59,10 @@ STANDIN = ROOT / "tests" / "sglang_standin.py"
 GAP_SAMPLES, GAP_TOKENS = 16, 256
 
 
-def shapes(cpu: bool) -> dict:
-    S = dict(rb.SHAPES["cpu" if cpu else "gpu"])
-    if not cpu:  # the known config's shape (rollout_bench's gpu shape is the same; this says where it comes from)
-        c = QWEN3_06B
+def shapes(cpu: bool, family: str = "qwen3") -> dict:
+    S = dict(rb.SHAPES["cpu" if cpu else "gpu"], family=family)
+    if not cpu:  # the known config's shape (rollout_bench's gpu shape is Qwen3-0.6B's; this says where it comes from)
+        c = QWEN3_06B if family == "qwen3" else json.loads(rb.GLM4_9B.read_text())
         S.update(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=c["num_attention_heads"],
                  kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], ffn=c["intermediate_size"],
                  vocab=c["vocab_size"])
@@ -229,6 +230,8 @@ def weight_sync_times(S, W: Path, engine, reps: int = 3) -> dict:
 
 
 def sec_trainer_gap(S, W: Path, a) -> dict:
+    if S["family"] != "qwen3":  # a 9B trainer in full (160 GB with its optimizer) does not fit one GPU beside SGLang
+        raise SystemExit("trainer-gap runs the 0.6B recipe on one GPU: leave out --family glm4")
     import random
 
     import yaml
@@ -323,13 +326,15 @@ def main(argv=None) -> int:
                     "(0.45 of an H200: about the built-in engine's 56 GiB pool)")
     ap.add_argument("--no-client-cap", dest="client_cap", action="store_false",
                     help="sglang: leave out the second rollout at the client's concurrency (rollout.sglang.concurrency)")
+    ap.add_argument("--family", choices=("qwen3", "glm4"), default="qwen3",
+                    help="glm4: GLM-Z1-9B's shape (GLM-4-9B-0414's config) instead of Qwen3-0.6B's")
     ap.add_argument("--deadline", type=float, default=570.0)
     ap.add_argument("--work", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/sglang_speed_out"))
     ap.add_argument("--results-dir", default=None)
     a = ap.parse_args(argv)
-    S = shapes(a.cpu)
-    W = Path(a.work or ("/tmp/sglang_speed_work" + ("_cpu" if a.cpu else "")))
+    S = shapes(a.cpu, a.family)
+    W = Path(a.work or ("/tmp/sglang_speed_work" + ("_cpu" if a.cpu else "") + ("_glm4" if a.family == "glm4" else "")))
     out = Path(a.out)
     W.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -350,7 +355,7 @@ def main(argv=None) -> int:
             H.append_result(out, {"name": name, "status": "SKIPPED", "error": f"{left:.0f} s left of --deadline"})
             continue
         argv2 = [sys.executable, __file__, "--section", name, "--out", str(out), "--work", str(W), "--site", a.site,
-                 "--mem-fraction", str(a.mem_fraction), *(["--cpu"] if a.cpu else []),
+                 "--mem-fraction", str(a.mem_fraction), "--family", a.family, *(["--cpu"] if a.cpu else []),
                  *([] if a.client_cap else ["--no-client-cap"])]
         try:
             subprocess.run(argv2, timeout=left, start_new_session=True)
@@ -358,11 +363,12 @@ def main(argv=None) -> int:
             H.append_result(out, {"name": name, "status": "FAILED", "error": f"timed out after {left:.0f} s"})
     results = list(H.read_results(out).values())  # this call's sections and an earlier call's in the same OUT
     summary = {"bench": "sglang_speed", "date": datetime.date.today().isoformat(), "device": _device(a),
-               "shape": {k: S[k] for k in ("hidden", "layers", "vocab", "prompts", "samples", "over_sampling",
+               "shape": {k: S[k] for k in ("family", "hidden", "layers", "vocab", "prompts", "samples", "over_sampling",
                                            "prompt_len", "max_new", "median", "sigma")}, "sections": results}
     (out / "sglang_speed.json").write_text(json.dumps(summary, indent=1, default=str))
     if a.results_dir:
-        tag = "cpu_smoke" if a.cpu else f"{summary['device'].replace(' ', '_')}_{summary['date']}"
+        tag = ("cpu_smoke" if a.cpu else f"{summary['device'].replace(' ', '_')}_{summary['date']}") + \
+            ("_glm4" if a.family == "glm4" else "")
         (Path(a.results_dir) / f"sglang_speed_{tag}.json").write_text(json.dumps(summary, indent=1, default=str))
     print_table(results)
     return 0 if all(r.get("status") == "ok" for r in results) else 1
