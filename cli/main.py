@@ -141,6 +141,9 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("run_id")
     rp.add_argument("--root", default="./grpoflow-data", help="storage.root of the run")
     rp.add_argument("--tracking-uri", default=None, help="default: the run's tracking.uri, else the SQLite store of --root")
+    rp.add_argument("--against", action="append", default=[], metavar="RUN_ID",
+                    help="another run under --root, tracked in the same store, whose reward and eval curves are drawn "
+                         "beside this run's (repeatable)")
 
     ls = sub.add_parser("runs", help="the runs under a storage root: state, last checkpoint, best eval, how to resume")
     ls.add_argument("--root", default="./grpoflow-data", help="storage.root (a local dir or s3://bucket/prefix)")
@@ -304,8 +307,9 @@ def _report_command(args) -> int:
     uri = args.tracking_uri or cfg.tracking.uri
     if uri is None and cfg.tracking.enabled:
         uri = store_uri_for_root(args.root, cfg.storage.state_dir)
-    path = write_report(cfg, rd, uri)
-    print(f"report of run {args.run_id}: {path}")
+    against = [(frozen_config(RunDir(args.root, other)), RunDir(args.root, other)) for other in args.against]
+    path = write_report(cfg, rd, uri, against=against)
+    print(f"report of run {args.run_id}: {path}" + (f" (beside {', '.join(args.against)})" if args.against else ""))
     if not path.startswith("s3://"):
         from pathlib import Path
         print(f"open {Path(path).resolve().as_uri()}")

@@ -112,3 +112,32 @@ def test_closing_summary_lists_evals_versions_and_next_commands(reference_run, c
     grpoflow = as_typed("grpoflow")  # how this shell runs them (tests/test_demo.py runs them as printed)
     assert tail == ["next:", f"  {grpoflow} report ref --root {root}", f"  {grpoflow} models list --root {root}",
                     f"  {as_typed('mlflow')} ui --backend-store-uri {store_uri_for_root(root)}"], tail
+
+
+def test_report_against_another_run_draws_both_and_carries_the_others_series(prefect_harness, tmp_path, capsys):
+    """`grpoflow report B --against A`: A's reward (and eval) series, read from the same MLflow store, drawn dashed
+    beside B's and carried on the page under "A/<key>", equal to A's MLflow history; an unknown run is one line."""
+    from cli.main import main
+    from tests.conftest import SMALL_BATCH
+    sets = ["train.num_rollout=2", "checkpoint.interval=2", "eval.interval=null", *SMALL_BATCH,
+            f"storage.root={tmp_path}"]
+    for run_id, extra in (("a", ["train.lr=0.0"]), ("b", [])):
+        assert main(["run", "configs/tiny.yaml", "--run-id", run_id, *sum((["--set", s] for s in sets + extra), [])]) == 0
+    capsys.readouterr()
+    assert main(["report", "b", "--root", str(tmp_path), "--against", "a"]) == 0
+    assert "(beside a)" in capsys.readouterr().out
+    page = (tmp_path / "runs" / "b" / REPORT_DIR / INDEX).read_text()
+    series = series_of_page(page)
+    client = make_client(store_uri_for_root(str(tmp_path)))
+    [run_a] = client.search_runs([client.get_experiment_by_name(frozen_config(RunDir(str(tmp_path), "a"))
+                                                                .tracking.experiment).experiment_id],
+                                 filter_string="tags.`grpoflow.run_id` = 'a'")
+    history = sorted(client.get_metric_history(run_a.info.run_id, "reward_mean"), key=lambda m: m.step)
+    assert series["a/reward_mean"] == {"steps": [m.step for m in history], "values": [m.value for m in history]}
+    # b's own curves beside a's: the same first rollout (same seed and weights), then b's update (a has lr 0)
+    assert series["entropy"]["values"][0] == series["a/entropy"]["values"][0]
+    assert series["entropy"]["values"][1] != series["a/entropy"]["values"][1]
+    assert "dashed beside them those of run <code>a</code>" in page
+    assert main(["report", "b", "--root", str(tmp_path), "--against", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: unknown run id 'nope'") and "\n" not in err

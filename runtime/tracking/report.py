@@ -55,6 +55,8 @@ class ReportData:
     metrics: dict[str, Series]
     versions: list[dict[str, Any]] = field(default_factory=list)
     config_text: str = ""
+    # other runs drawn beside this one (`grpoflow report RUN --against OTHER`): run id → its metrics
+    against: dict[str, dict[str, Series]] = field(default_factory=dict)
 
 
 # ---- reading MLflow ---------------------------------------------------------------------------------
@@ -182,6 +184,16 @@ def _plot(ax, metrics: dict[str, Series], key: str, **kw) -> bool:
     return True
 
 
+def _plot_against(ax, data: ReportData, keys: list[str]) -> None:
+    """The other runs' curves of ``keys``, dashed, each run in a grey of its own, labelled with its run id."""
+    for i, (run_id, metrics) in enumerate(data.against.items()):
+        for k in keys:
+            s = metrics.get(k)
+            if s and s["steps"]:
+                ax.plot(s["steps"], s["values"], linestyle="--", color=str(0.2 + 0.5 * i / max(len(data.against), 1)),
+                        label=f"{run_id}: {label(k)}")
+
+
 def figures(data: ReportData) -> list[Picture]:
     """The report's pictures (PNG bytes) and the metric keys each one draws."""
     # matplotlib's object API renders with Agg and touches no pyplot state (no GUI backend, no open figures).
@@ -210,6 +222,7 @@ def figures(data: ReportData) -> list[Picture]:
         fig, (ax,) = subplots()
         s = m["reward_mean"]
         _plot(ax, m, "reward_mean", color="C0", marker="." if len(s["steps"]) < 60 else None)
+        _plot_against(ax, data, ["reward_mean"])
         if "reward_std" in m:
             std = dict(zip(m["reward_std"]["steps"], m["reward_std"]["values"]))
             lo = [v - std.get(st, 0.0) for st, v in zip(s["steps"], s["values"])]
@@ -228,6 +241,7 @@ def figures(data: ReportData) -> list[Picture]:
         fig, (ax,) = subplots()
         for k in keys:
             _plot(ax, m, k, marker="o")
+        _plot_against(ax, data, keys)
         ax.set_xlabel("rollouts trained")
         ax.set_ylabel("accuracy")
         ax.set_ylim(-0.02, 1.02)
@@ -317,7 +331,10 @@ def _summary_rows(metrics: dict[str, Series]) -> list[list[Any]]:
 
 def render_html(data: ReportData, figs: list[Picture]) -> str:
     drawn = {k for f in figs for k in f.series}
-    series_json = json.dumps({k: data.metrics[k] for k in sorted(drawn)}, sort_keys=True)
+    shown = {k: data.metrics[k] for k in sorted(drawn)}
+    shown.update({f"{run_id}/{k}": metrics[k] for run_id, metrics in data.against.items()
+                  for k in sorted(drawn) if k in metrics})  # the other runs' series, under "<run id>/<key>"
+    series_json = json.dumps(shown, sort_keys=True)
     series_json = series_json.replace("</", "<\\/")  # never closes the script element early
     pictures = "".join(
         f'<figure><img alt="{html.escape(f.title)}" src="data:image/png;base64,{base64.b64encode(f.png).decode()}"'
@@ -328,6 +345,8 @@ def render_html(data: ReportData, figs: list[Picture]) -> str:
                         label(v["primary_metric"]) or "-", v["primary_value"], v["source"]] for v in data.versions]
                       ) if data.versions else "<p>No version of this run is registered.</p>"
     title = f"grpoflow run {html.escape(data.run_id)}"
+    against = (", dashed beside them those of run " + ", ".join(f"<code>{html.escape(r)}</code>" for r in data.against)
+               ) if data.against else ""
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
 <style>
@@ -340,7 +359,7 @@ pre {{ background: #f6f6f6; padding: 1em; overflow-x: auto; }}
 </style></head><body>
 <h1>{title}</h1>
 <p>MLflow run <code>{html.escape(data.mlflow_run_id)}</code> at <code>{html.escape(data.tracking_uri)}</code>.
-The curves below are this run's MLflow metrics (step = rollout); their values are in the JSON block
+The curves below are this run's MLflow metrics (step = rollout){against}; their values are in the JSON block
 <code>#{SERIES_ID}</code> of this page.</p>
 <h2>At a glance</h2>
 {_table(["metric", "first", "last", "mean of last 5", "points"], _summary_rows(data.metrics))}
@@ -363,14 +382,20 @@ def series_of_page(page: str) -> dict[str, Series]:
     return json.loads(page[start:page.index("</script>", start)].replace("<\\/", "</"))
 
 
-def write_report(cfg: "GrpoConfig", rd: RunDir, tracker_or_uri=None) -> str:
+def write_report(cfg: "GrpoConfig", rd: RunDir, tracker_or_uri=None,
+                 against: list[tuple["GrpoConfig", RunDir]] = ()) -> str:
     """Write ``runs/<id>/report/`` (index.html + PNGs) atomically and log it as the MLflow run's
     ``report/`` artifacts; returns the path of index.html. ``tracker_or_uri``: the run's Tracker, a
-    tracking URI, or None for the run's default store."""
+    tracking URI, or None for the run's default store. ``against``: other runs (their config and run dir, tracked in
+    the same store) whose reward and eval curves are drawn beside this run's."""
     from runtime.tracking.mlflow_tracker import mlflow_errors
 
     client, uri, mlflow_run_id = _client_and_run(cfg, rd, tracker_or_uri)
     data = _collect(cfg, rd, client, uri, mlflow_run_id)
+    for other_cfg, other_rd in against:
+        other_client, other_uri, other_run = _client_and_run(other_cfg, other_rd, uri)
+        with mlflow_errors(other_uri, f"read run {other_rd.run_id} for the report of run {rd.run_id}"):
+            data.against[other_rd.run_id] = metric_series(other_client, other_run)
     figs = figures(data)
     page = render_html(data, figs)
     final = rd.sub(REPORT_DIR)
