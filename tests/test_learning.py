@@ -15,9 +15,9 @@ import statistics
 import pytest
 
 from runtime.config import load_config
-from runtime.grpo.session import TrainSession
 from runtime.run import stages
 from runtime.run.directory import RunDir
+from tests.sessions import prepared_session
 
 ROLLOUTS = 80
 WINDOW = 10  # rollouts averaged at each end
@@ -31,10 +31,7 @@ def _run(root, lr: float, rollouts: int, sets: tuple[str, ...] = ()) -> list[dic
                                                    f"checkpoint.interval={rollouts}", "eval.interval=null",
                                                    "tracking.enabled=false", f"storage.root={root}", *sets])
     rd = RunDir(str(root), "learn")
-    fetched = stages.fetch(cfg, rd)
-    stages.convert(cfg, rd, fetched)
-    stages.prepare(cfg, rd, fetched)
-    session = TrainSession(cfg, rd)
+    session = prepared_session(cfg, rd)
     try:
         return session.run_chunk(0, rollouts)["metrics"]
     finally:

@@ -104,18 +104,14 @@ def test_a_train_session_has_no_gap(tmp_path, sets):
     weights synced after each update; with LoRA the adapters, the engine decoding from the trainer's base):
     train_rollout_logp_absdiff is exactly 0 at every rollout, the second one's under the updated weights."""
     from runtime.config import load_config
-    from runtime.grpo.session import TrainSession
-    from runtime.run import stages
+    from tests.sessions import prepared_session
     from runtime.run.directory import RunDir
     from tests.conftest import SMALL_BATCH
     cfg = load_config("configs/tiny.yaml", SMALL_BATCH + [
         "rollout.true_on_policy=true", "model.dtype=bfloat16", "rollout.max_new_tokens=8", "train.num_rollout=2",
         "checkpoint.interval=2", "eval.interval=null", "tracking.enabled=false", f"storage.root={tmp_path}", *sets])
     rd = RunDir(str(tmp_path), "onpolicy")
-    fetched = stages.fetch(cfg, rd)
-    stages.convert(cfg, rd, fetched)
-    stages.prepare(cfg, rd, fetched)
-    session = TrainSession(cfg, rd)
+    session = prepared_session(cfg, rd)
     try:
         metrics = session.run_chunk(0, 2)["metrics"]
     finally:

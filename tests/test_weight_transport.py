@@ -68,18 +68,14 @@ def test_an_evaluation_hands_the_gpu_to_the_engine_as_a_rollout_does(tmp_path):
     fit beside it (what an H100 run of the recipe met at its first evaluation). The engine's build, and every
     generate, a rollout's or an evaluation's, runs with the trainer's state offloaded and the pool resumed, and ends
     with both back."""
-    from runtime.grpo.session import TrainSession
-    from runtime.run import stages
+    from tests.sessions import prepared_session
     from runtime.run.directory import RunDir
     cfg = load_config(TINY, ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "train.global_batch_size=4",
                              "train.micro_batch_size=4", "rollout.max_new_tokens=4", "eval.max_prompts=2",
                              "eval.n_samples_per_prompt=1", "eval.pass_k=[1]", "cluster.offload_trainer_state=on", "tracking.enabled=false",
                              f"storage.root={tmp_path}"])
     rd = RunDir(str(tmp_path), "handoff")
-    fetched = stages.fetch(cfg, rd)
-    stages.convert(cfg, rd, fetched)
-    stages.prepare(cfg, rd, fetched)
-    session = TrainSession(cfg, rd)
+    session = prepared_session(cfg, rd)
     calls: list[str] = []
 
     def spy(obj, name):
