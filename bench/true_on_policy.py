@@ -19,7 +19,13 @@ a fixed length after fixed-length prompts (GPU: 8 x 8 x 256 after 256, 16,384 to
   trained     one optimizer step on the samples (advantages +1/-1): the training forward's log-probs against the
               engine's (`train_rollout_logp_absdiff`, a mean of |Δ|: 0 iff every token is bitwise equal)
   default     (`--default`, if the deadline leaves time) the default engine and trainer on the same keys: their gap
-              and timings beside the setting's (a rough look at the cost, item 4; not at the recipe's keyed lengths)
+              and timings beside the setting's (a rough look at the cost; not at the recipe's keyed lengths)
+
+`--keyed G` runs instead the recipe's lengths (items 3-4): G groups of 8 samples after 1024-token prompts, each
+stopped at its length from rollout_bench's keyed schedule (median 1700, a tail to 8192), once with the setting and
+once with the defaults (the engine's compiled kernels, the trainer's fusions), each engine warmed up first: the
+setting's max |Δ| on those tokens, and the cost — engine tokens/s, trainer tokens/s (log-prob pass and training
+step), the step (their sum) — against the defaults'.
 
 Passes when every max |Δ| is 0. JSON in OUT/true_on_policy.json (`--results-dir` keeps a copy named by device and
 date). On the GPU the engine keeps CUDA graphs (its attention has no host sync) and compiles nothing (the setting's
@@ -34,12 +40,13 @@ from pathlib import Path
 
 import harness as H
 import logp_gap_attribution as lga
+import rollout_bench as rb
 
 SHAPES = {
     "gpu": dict(prompts=8, samples=8, prompt_len=256, new=256, dtype="bfloat16", device="cuda", kv_cache_gb=8.0,
-                tiny=False, alone_rows=4),
+                tiny=False, alone_rows=4, keyed_kv_cache_gb=40.0),
     "cpu": dict(prompts=2, samples=4, prompt_len=12, new=40, dtype="bfloat16", device="cpu", kv_cache_gb=0.001,
-                tiny=True, alone_rows=2),
+                tiny=True, alone_rows=2, keyed_kv_cache_gb=0.01),
 }
 
 
@@ -141,8 +148,103 @@ def run(S, W: Path, a, t_start: float) -> dict:
     return res
 
 
+def keyed_samples(S, eng, groups: int):
+    """`groups` x 8 samples after the recipe's 1024-token prompts, each stopped at its keyed length (rollout_bench's
+    schedule), as SampleResults without the forced stop token (its log-prob is the replaced token's)."""
+    torch = lga._torch()
+    from runtime.rollout.base import SampleResult, SamplingParams
+    from runtime.rollout.keyed_sampling import sample_key_hash
+    K = rb.SHAPES["cpu" if S["device"] == "cpu" else "gpu"]
+    lengths = rb.schedule(K)[:groups * K["samples"]]
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(3, eng.vocab_size, (groups, K["prompt_len"]), generator=g).tolist()
+    keys = [(61, 1, p, j) for p in range(groups) for j in range(K["samples"])]
+    kh = sample_key_hash(torch.tensor(keys, dtype=torch.long, device=eng.device))
+    dec = eng.decoder
+    n = min(16, len(keys))  # the warm-up: compile and the first graphs
+    dec.generate([prompts[0][:64]] * n, kh[:n], SamplingParams(temperature=1.0, max_new_tokens=32), set(),
+                 stop_at=[32] * n)
+    H.sync(S)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=max(lengths) + 1)
+    t0 = time.time()
+    ids, lps, _ = dec.generate([prompts[k[2]] for k in keys], kh, sp, set(), stop_at=lengths)
+    H.sync(S)
+    s = time.time() - t0
+    out = [SampleResult(prompt_ids=prompts[k[2]], response_ids=i[:-1], response_logprobs=lp[:-1], text="",
+                         finish_reason="stop")
+           for k, i, lp in zip(keys, ids, lps)]
+    tokens = sum(lengths)
+    return out, {"requests": len(keys), "prompt_len": K["prompt_len"], "new_tokens": tokens,
+                 "max_len": max(lengths), "generate_s": round(s, 2), "tok_s": round(tokens / s, 1),
+                 "cuda_graphs": dec.use_graphs}
+
+
+def keyed_side(S, W: Path, groups: int, on: bool) -> tuple[list, dict]:
+    """One side (the setting on, or the defaults) at the keyed lengths: the engine's samples, then the trainer's
+    log-prob pass and one training step on them, each timed."""
+    rows = groups * rb.SHAPES["cpu" if S["device"] == "cpu" else "gpu"]["samples"]
+    eng = build_engine(S, W, rows, on, kv_cache_gb=S["keyed_kv_cache_gb"])
+    samples, gen = keyed_samples(S, eng, groups)
+    eng.shutdown()
+    del eng
+    tr = build_trainer(S, W, rows, on)
+    tr.compute_logprobs(H.samples_batch(samples[:1]))  # the trainer's first call (its kernels' first use) untimed
+    H.sync(S)
+    st = score_and_train(S, tr, samples)
+    del tr
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    step = gen["generate_s"] + st["score_s"] + st["trained"]["train_s"]
+    return samples, {"engine": gen, **st, "trainer_tokens": tokens,
+                     "score_tok_s": round(tokens / max(st["score_s"], 1e-9), 1),
+                     "train_tok_s": round(tokens / max(st["trained"]["train_s"], 1e-9), 1), "step_s": round(step, 2)}
+
+
+def run_keyed(S, W: Path, a, t_start: float) -> dict:
+    from runtime.mcore.determinism import fix_cublas_workspace
+    fix_cublas_workspace()
+    res: dict = {"setup": lga.setup(S, W, a.family, a.layers), "groups": a.keyed}
+    on_samples, res["on"] = keyed_side(S, W, a.keyed, True)
+    print("ON", json.dumps({k: res["on"][k] for k in ("scored", "trained", "step_s")}), flush=True)
+    left = a.deadline - (time.time() - t_start)
+    if left > 1.2 * (time.time() - t_start - res["setup"]["setup_s"]):  # the defaults run no slower than the setting
+        _, res["default"] = keyed_side(S, W, a.keyed, False)
+        on, off = res["on"], res["default"]
+        res["cost"] = {"engine_tok_s": round(on["engine"]["tok_s"] / off["engine"]["tok_s"], 3),
+                       "score_tok_s": round(on["score_tok_s"] / off["score_tok_s"], 3),
+                       "train_tok_s": round(on["train_tok_s"] / off["train_tok_s"], 3),
+                       "step_s": round(on["step_s"] / off["step_s"], 3)}
+    else:
+        res["default"] = {"status": "SKIPPED", "error": "deadline"}
+    res["max_abs_diff"] = max(res["on"]["scored"]["max"], res["on"]["trained"]["train_rollout_logp_absdiff"])
+    res["bitwise"] = res["max_abs_diff"] == 0.0
+    return res
+
+
+def print_keyed(r: dict) -> None:
+    rows = [("side", "engine tok/s", "log-prob pass tok/s", "train tok/s", "step s", "max |d|", "mean |d|")]
+    for name in ("on", "default"):
+        x = r.get(name) or {}
+        if "scored" in x:
+            rows.append((name, x["engine"]["tok_s"], x["score_tok_s"], x["train_tok_s"], x["step_s"],
+                         f"{x['scored']['max']:.3g}", f"{x['scored']['mean']:.3g}"))
+    H.print_columns(rows)
+    if "on" in r:
+        e = r["on"]["engine"]
+        print(f"{e['requests']} samples, {e['new_tokens']} sampled tokens (max {e['max_len']}); "
+              f"train_rollout_logp_absdiff with the setting: {r['on']['trained']['train_rollout_logp_absdiff']:.3g}")
+    if "cost" in r:
+        print("setting / defaults:", json.dumps(r["cost"]))
+
+
 def print_table(summary: dict) -> None:
     r = summary.get("result") or {}
+    if "groups" in r:
+        if "error" in summary:
+            print("FAILED:", summary["error"])
+        print_keyed(r)
+        if "max_abs_diff" in r:
+            print(f"max |engine log p - trainer log p| = {r['max_abs_diff']:.3g}; bitwise: {r['bitwise']}")
+        return
     if "error" in summary:
         print("FAILED:", summary["error"])
     rows = [("what", "tokens", "max |d|", "mean |d|", "bitwise", "s")]
@@ -177,6 +279,8 @@ def main(argv=None) -> int:
     ap.add_argument("--family", choices=sorted(lga.KNOWN), default="qwen3")
     ap.add_argument("--layers", type=int, default=None, help="cut the known config to this many layers")
     ap.add_argument("--default", action="store_true", help="also the default engine and trainer (gap, timings)")
+    ap.add_argument("--keyed", type=int, default=None, metavar="G",
+                    help="instead: G groups of 8 at the recipe's keyed lengths, the setting against the defaults")
     a = ap.parse_args(argv)
     S = dict(SHAPES["cpu" if a.cpu else "gpu"])
     out, W = H.start(a, "true_on_policy")
@@ -184,7 +288,7 @@ def main(argv=None) -> int:
         lga._torch().set_num_threads(1)
     t_start = time.time()
     summary = {**H.summary_head("true_on_policy", H.env_info(S)), "shapes": S, "family": a.family}
-    H.run_into(summary, lambda: run(S, W, a, t_start), t_start)
+    H.run_into(summary, lambda: (run_keyed if a.keyed else run)(S, W, a, t_start), t_start)
     H.save_summary(summary, out, "true_on_policy", a.results_dir, a.cpu)
     print_table(summary)
     ok = "error" not in summary and summary["result"]["bitwise"]
