@@ -193,8 +193,8 @@ class RolloutSection(Section):
     # attention and the sampled token's log-prob with one batch-invariant set of kernels (runtime/kernels/
     # batch_invariant.py), so every token sampled under the current weights has an engine log-prob bitwise equal to
     # the trainer's in its training forward (train_rollout_logp_absdiff is 0), preempted samples included. Dense
-    # models, TP 1, LoRA without dropout, bf16 engine weights, no partial rollout; slower (plain-PyTorch attention),
-    # off by default.
+    # models, TP 1, LoRA without dropout, bf16 engine weights, no partial rollout; slower (GEMMs in fixed row blocks,
+    # an attention that never splits a row), off by default.
     true_on_policy: bool = False
     sglang: SGLangSection = SGLangSection()
 

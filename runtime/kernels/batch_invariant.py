@@ -2,12 +2,13 @@
 
 A row's bits must not depend on how many rows came with it, nor on which side computes it: the engine's decode
 step (the live rows), its prefill (packed prompts, a preempted sample's recompute) and the trainer's forward (one
-sequence, or several packed) all call these, in plain PyTorch. Every call a kernel's configuration may follow runs
-on rows in blocks of `FIXED_ROWS` (the last block padded): one shape, one configuration (cuBLAS picks a GEMM kernel
-by the row count, torch's reductions lay out their work by the number of outputs). The attention of a query row
-runs over its positions [0, i] in key blocks of `REFERENCE_BLOCK` from 0 under a running fp32 softmax, exactly as
-the engine's paged decode reference (runtime/rollout/decode_attention.py) does, so a row decoded from the pages,
-recomputed in a prefill and scored by the trainer is the same sum in the same order.
+sequence, or several packed) all call these, in plain PyTorch but for the attention on CUDA. Every call a kernel's
+configuration may follow runs on rows in blocks of `FIXED_ROWS` (the last block padded): one shape, one
+configuration (cuBLAS picks a GEMM kernel by the row count, torch's reductions lay out their work by the number of
+outputs). The attention of a query row runs over its positions [0, i] in key blocks from 0 under a running fp32
+softmax, a row decoded from the pages, recomputed in a prefill and scored by the trainer the same sum in the same
+order: on CUDA by one Triton kernel, one program per row and KV head (runtime/kernels/row_attention.py); elsewhere
+in PyTorch, in blocks of `REFERENCE_BLOCK` as the engine's paged decode reference (runtime/rollout/decode_attention.py).
 
 Where a class of kernel is row-local and the two sides rounded differently, both take one form: the RMS norm is
 the trainer's (fp32 inside, the weight multiplied in fp32, one cast; HF's rounds before the weight), a linear's
@@ -19,6 +20,8 @@ forward; the backward's bits need match nothing).
 from __future__ import annotations
 
 import torch
+
+from runtime.kernels.row_attention import paged_row_attention, row_attention_fits, sequence_row_attention
 
 FIXED_ROWS = 64  # rows per call of every kernel whose configuration may follow the row count
 REFERENCE_BLOCK = 256  # positions per step of the attention's running softmax (the decode reference's)
@@ -105,10 +108,13 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 def common_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      rows: int | None = FIXED_ROWS) -> torch.Tensor:
     """Causal attention of one sequence (q [n, nh, hd], k/v [n, nkv, hd]) with every query row as the engine's
-    decode reference computes one: its positions [0, i] in blocks of REFERENCE_BLOCK from 0 under a running fp32
-    softmax, K/V laid out [rows, block, nkv, hd] as the reference gathers them. Query rows `rows` at a time (the last
-    block padded with the last row): every einsum and reduction has one shape. `rows=None`: all rows in one call
-    (what the bench's first GPU run did)."""
+    decode computes one. On CUDA the Triton kernel (`row_attention.sequence_row_attention`). Elsewhere the decode
+    reference's PyTorch: its positions [0, i] in blocks of REFERENCE_BLOCK from 0 under a running fp32 softmax, K/V
+    laid out [rows, block, nkv, hd] as the reference gathers them, query rows `rows` at a time (the last block padded
+    with the last row): every einsum and reduction has one shape. `rows=None`: all rows in one call (what the
+    bench's first GPU run did)."""
+    if row_attention_fits(q):
+        return sequence_row_attention(q, k, v, scale)
     n = q.shape[0]
     if rows is None:
         return _attention_rows(q, k, v, scale, torch.arange(n, device=q.device))
@@ -121,8 +127,9 @@ def common_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 class _TrainableAttention(torch.autograd.Function):
     """`common_attention` forward; the backward of plain causal attention (SDPA: FlashAttention's on a GPU) on the
-    same inputs: the forward's bits are what must equal the engine's, and autograd through the blocked form would
-    keep every block's [rows, block, kv heads, head dim] copies and scatter-add into them."""
+    same inputs: the forward's bits are what must equal the engine's, the Triton kernel has no backward, and autograd
+    through the PyTorch form would keep every block's [rows, block, kv heads, head dim] copies and scatter-add into
+    them."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale: float):
@@ -176,9 +183,13 @@ def _attention_rows(q, k, v, scale: float, idx):
 
 
 def common_decode(q, k_pool, v_pool, table, prefix_len, own_len, prefix_cols: int, scale: float, split_tokens=None):
-    """The engine's paged-attention signature: the decode reference on the live rows FIXED_ROWS at a time (the last
-    block padded with copies of row 0), so its einsums and reductions have `common_attention`'s shapes whatever the
-    number of live rows. No host sync (a CUDA graph can capture it); `split_tokens` is the Triton kernel's, unused."""
+    """The engine's paged-attention signature. On CUDA the Triton kernel in its paged mode (`paged_row_attention`:
+    a row's bits are `common_attention`'s on CUDA); elsewhere the decode reference on the live rows FIXED_ROWS at a
+    time (the last block padded with copies of row 0), so its einsums and reductions have `common_attention`'s shapes
+    whatever the number of live rows. No host sync (a CUDA graph can capture it); `split_tokens` is the split
+    kernel's, unused: a row is never split."""
+    if row_attention_fits(q):
+        return paged_row_attention(q, k_pool, v_pool, table, prefix_len, own_len, prefix_cols, scale)
     from runtime.rollout.decode_attention import reference_paged_decode_attention as ref
     B = q.shape[0]
     out = []
@@ -192,7 +203,11 @@ def common_decode(q, k_pool, v_pool, table, prefix_len, own_len, prefix_cols: in
 
 
 def common_prefill(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, seqused_k=None):
-    """The engine's prefill-attention signature (`decode_model._flash`): each packed sequence by `common_attention`."""
+    """The engine's prefill-attention signature (`decode_model._flash`, causal self-attention: `cu_k` is `cu_q`): each
+    packed sequence as `common_attention` computes it (on CUDA all of them in one launch)."""
+    assert causal, "the common attention is causal self-attention"
+    if row_attention_fits(q):
+        return sequence_row_attention(q, k, v, scale, cu_q)
     cu = cu_q.tolist()
     return torch.cat([common_attention(q[s:e], k[s:e], v[s:e], scale) for s, e in zip(cu[:-1], cu[1:])])
 

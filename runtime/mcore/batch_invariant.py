@@ -6,8 +6,8 @@ rows, or each sample of a packed one by ``cu_seqlens``), every ``torch.nn.RMSNor
 every column/row-parallel linear's GEMM is `fixed_shape_mm` (`use_batch_invariant_linears`), and RoPE's table is
 the host's (`use_host_rope_table`). TP 1 only (a TP 2
 trainer sums partial products in another order than a TP 1 engine). The forward's bits are what must equal the
-engine's; the backward is autograd through the same plain-PyTorch ops, the attention's a plain causal attention's
-(`batch_invariant.trainable_attention`).
+engine's (the attention on CUDA: the engine's Triton kernel, runtime/kernels/row_attention.py); the backward is
+autograd through the same ops, the attention's a plain causal attention's (`batch_invariant.trainable_attention`).
 """
 from __future__ import annotations
 
