@@ -31,12 +31,13 @@ rounded where the trainer rounds it; in the trainer's deterministic mode):
               prompt, decode one query against the row's whole context read from the pages (the trainer runs every
               query of a sequence in one call: the engine cannot, so this is the trainer's kernel at another shape)
   attention_common
-              BOTH sides: every query row as the engine's decode reference computes one (`common_attention`: key
-              blocks of 256 from position 0 under a running fp32 softmax), query rows in blocks of FIXED_ROWS so
-              every einsum and reduction has one shape: the engine's decode by `reference_paged_decode_attention`
-              on its rows 64 at a time (`common_decode`), its prefill and the trainer's core attention (patched for
-              the bench only) alike. The first GPU run called each side's rows in one call (engine decode: the
-              live rows; prefill: the prompt; trainer: the sequence): on CPU the same bits, on the GPU not
+              BOTH sides: the setting's attention (`common_decode` for the engine's decode, `common_prefill` for
+              its prefill, `common_attention` for the trainer's core attention, patched for the bench only): on
+              CUDA one Triton kernel, one program per query row and KV head (runtime/kernels/row_attention.py);
+              elsewhere every query row as the engine's decode reference computes one (key blocks of 256 from
+              position 0 under a running fp32 softmax), query rows in blocks of FIXED_ROWS so every einsum and
+              reduction has one shape. The first GPU run called that PyTorch form with each side's rows in one call
+              (engine decode: the live rows; prefill: the prompt; trainer: the sequence): on the GPU not bitwise
   linear      no swap is possible (both sides call cuBLAS through the same op; the bits differ because the row
               count picks the kernel): BOTH sides use a common batch-invariant matmul (`fixed_shape_mm`: rows in
               blocks of a fixed count, so every call has one shape), the trainer's linear layers and its chunked
@@ -67,8 +68,8 @@ import harness as H
 from harness import ROOT
 
 # the batch-invariant set both sides take under rollout.true_on_policy; the bench's variants install it piecewise
-from runtime.kernels.batch_invariant import (FIXED_ROWS, common_attention, common_decode,  # noqa: F401 (tests)
-                                             common_prefill, fixed_rows, fixed_shape_mm)
+from runtime.kernels.batch_invariant import (FIXED_ROWS, _attention_rows, common_attention,  # noqa: F401 (tests)
+                                             common_decode, common_prefill, fixed_rows, fixed_shape_mm)
 
 CLASSES = ("logsoftmax", "norm", "rope", "swiglu", "linear", "attention", "attention_common")
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -464,10 +465,11 @@ def row_invariance(S, tr, K: TrainerKernels, dec) -> dict:
         table = torch.arange(pages, device=dev, dtype=torch.int32)[None].expand(B, pages).contiguous()
         plen, own = rows + 1, torch.zeros_like(rows)
         scale = hd ** -0.5
-        for tag, fn_t, fn_e in (
-                ("one call", lambda: common_attention(q, k, v, scale, rows=None),
+        every = torch.arange(n, device=dev)
+        for tag, fn_t, fn_e in (  # the PyTorch form (the first GPU run's), then the setting's (Triton on CUDA)
+                ("PyTorch, one call", lambda: _attention_rows(q, k, v, scale, every),
                  lambda: reference_paged_decode_attention(q[rows], pool(k), pool(v), table, plen, own, pages, scale)),
-                (f"rows in blocks of {FIXED_ROWS}", lambda: common_attention(q, k, v, scale),
+                ("the setting's: Triton on CUDA, else PyTorch rows in blocks", lambda: common_attention(q, k, v, scale),
                  lambda: common_decode(q[rows], pool(k), pool(v), table, plen, own, pages, scale))):
             cmp(f"attention, common ({tag}): engine decode vs trainer", fn_e(), fn_t()[rows])
         cmp("attention, common: prefill of 1/2 the sequence vs trainer", common_attention(q[:n // 2], k[:n // 2],
