@@ -3,7 +3,8 @@ from the paged pool has the bits the same row gets in a packed causal call (the 
 forward), alone or among many rows and sequences, and both are close to the plain-PyTorch path.
 
 On the CPU by Triton's interpreter, which decides at import time: a child process with TRITON_INTERPRET=1 (as
-tests/test_decode_attention.py). On a GPU (`-k gpu`) through the dispatch itself (`common_decode`, `common_prefill`,
+tests/test_decode_attention.py); and the kernel compiled for sm_90 without a GPU, its two modes' floating-point
+instructions compared. On a GPU (`-k gpu`) through the dispatch itself (`common_decode`, `common_prefill`,
 `common_attention`, `trainable_attention`) at the recipe's head shape, a CUDA graph's replay included.
 """
 import os
@@ -137,6 +138,45 @@ def test_a_row_has_the_same_bits_decoded_from_pages_packed_or_alone():
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     _check_interpreted()
+
+
+def _has_nvidia_backend() -> bool:
+    from triton.backends import backends
+    return "nvidia" in backends
+
+
+@pytest.mark.skipif(not _has_nvidia_backend(), reason="Triton without its NVIDIA backend")
+@pytest.mark.parametrize("rep", [2, 16], ids=["qwen3-0.6b", "glm4-9b"])
+def test_both_modes_compile_to_the_same_float_instructions(rep):
+    """No GPU needed: the kernel compiled for an H100/H200 (sm_90, bf16, head dim 128, the query heads per KV head of
+    Qwen3-0.6B and GLM-4-9B) in its paged and its sequence mode; the floating-point instructions of the two PTX
+    listings (the dots, exp2, max, the sums, the casts) are the same sequence: only address arithmetic differs."""
+    import inspect
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from runtime.kernels.row_attention import KEY_BLOCK, _row_attention_kernel
+    names = list(inspect.signature(_row_attention_kernel.fn).parameters)
+    float_op = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:mma|fma|mul|add|sub|ex2|lg2|max|min|div|rcp|cvt|shfl|selp|neg|abs)"
+                          r"\.\S*)", re.M)
+
+    def float_ops(paged: bool) -> list[str]:
+        types = {n: "i32" for n in names}
+        types.update({n: "*bf16" for n in ("Q", "K", "V", "OUT")}, PT="*i32", PLEN="*i64", OLEN="*i64", FIRST="*i64",
+                     scale_log2="fp32")
+        consts = dict(REP=rep, REP_PAD=max(16, rep), HD=128, BLOCK_N=KEY_BLOCK, PAGE=16, PAGED=paged)
+        types.update({n: "constexpr" for n in consts})
+        src = ASTSource(fn=_row_attention_kernel, signature=types,
+                        constexprs={(i,): consts[n] for i, n in enumerate(names) if n in consts})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2)).asm["ptx"]
+        return [op for op in float_op.findall(ptx) if re.search(r"f32|bf16|f16", op) or op.startswith("shfl")]
+
+    paged = float_ops(True)
+    assert any(op.startswith("mma") for op in paged) and any(op.startswith("ex2") for op in paged)
+    assert paged == float_ops(False)
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the kernel compiled for a GPU")
