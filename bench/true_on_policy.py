@@ -162,9 +162,11 @@ def keyed_samples(S, eng, groups: int):
     kh = sample_key_hash(torch.tensor(keys, dtype=torch.long, device=eng.device))
     dec = eng.decoder
     n = min(16, len(keys))  # the warm-up: compile and the first graphs
+    t0 = time.time()
     dec.generate([prompts[0][:64]] * n, kh[:n], SamplingParams(temperature=1.0, max_new_tokens=32), set(),
                  stop_at=[32] * n)
     H.sync(S)
+    print(f"PHASE warm-up {time.time() - t0:.1f} s, lengths {lengths}", flush=True)
     sp = SamplingParams(temperature=1.0, max_new_tokens=max(lengths) + 1)
     t0 = time.time()
     ids, lps, _ = dec.generate([prompts[k[2]] for k in keys], kh, sp, set(), stop_at=lengths)
@@ -183,14 +185,20 @@ def keyed_side(S, W: Path, groups: int, on: bool) -> tuple[list, dict]:
     """One side (the setting on, or the defaults) at the keyed lengths: the engine's samples, then the trainer's
     log-prob pass and one training step on them, each timed."""
     rows = groups * rb.SHAPES["cpu" if S["device"] == "cpu" else "gpu"]["samples"]
-    eng = build_engine(S, W, rows, on, kv_cache_gb=S["keyed_kv_cache_gb"])
+    side, t0 = "on" if on else "default", time.time()
+    phase = lambda what: print(f"PHASE {side} {what} {time.time() - t0:.1f} s", flush=True)  # noqa: E731  (a cut
+    eng = build_engine(S, W, rows, on, kv_cache_gb=S["keyed_kv_cache_gb"])  # call still says where its time went)
+    phase("engine built")
     samples, gen = keyed_samples(S, eng, groups)
+    phase(f"generated {json.dumps(gen)}")
     eng.shutdown()
     del eng
     tr = build_trainer(S, W, rows, on)
     tr.compute_logprobs(H.samples_batch(samples[:1]))  # the trainer's first call (its kernels' first use) untimed
     H.sync(S)
+    phase("trainer built, first call")
     st = score_and_train(S, tr, samples)
+    phase("scored and trained")
     del tr
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     step = gen["generate_s"] + st["score_s"] + st["trained"]["train_s"]
@@ -203,6 +211,7 @@ def run_keyed(S, W: Path, a, t_start: float) -> dict:
     from runtime.mcore.determinism import fix_cublas_workspace
     fix_cublas_workspace()
     res: dict = {"setup": lga.setup(S, W, a.family, a.layers), "groups": a.keyed}
+    print("SETUP", json.dumps(res["setup"]), flush=True)
     on_samples, res["on"] = keyed_side(S, W, a.keyed, True)
     print("ON", json.dumps({k: res["on"][k] for k in ("scored", "trained", "step_s")}), flush=True)
     left = a.deadline - (time.time() - t_start)

@@ -187,7 +187,8 @@ def test_on_a_gpu_engine_decode_prefill_and_trainer_give_a_row_the_same_bits():
 
     from runtime.kernels.batch_invariant import (common_attention, common_decode, common_prefill,
                                                  trainable_attention)
-    picks = [(s, o) for s in "BC" for o in (1, 2, 23, 24, 25, 300, 477)] + [("A", o) for o in (1, 64, 65, 1200)]
+    picks = ([("B", o) for o in (1, 2, 23, 24, 25, 300, 477)] + [("C", o) for o in (1, 2, 23, 24, 25, 299, 300)]
+             + [("A", o) for o in (1, 64, 65, 1200)])  # each within its sequence's own tokens (477, 300, 1200)
     picks = picks * 5  # 90 rows: more than a FIXED_ROWS block
 
     def packed(q, k, v, cu, scale):
