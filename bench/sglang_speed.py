@@ -1,7 +1,8 @@
 """SGLang against the built-in engine on one GPU, at the Qwen3-0.6B recipe's keyed lengths (issue 58 item 4).
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/sglang_speed.py --sections setup,builtin,sglang --deadline 570 --out $OUT
-    PYTHONPATH=/tmp/site:$PWD python3 bench/sglang_speed.py --sections sglang-nondet,trainer-gap --deadline 570 --out $OUT
+    PYTHONPATH=/tmp/site:$PWD python3 bench/sglang_speed.py --sections sglang-capped,sglang-nondet --deadline 570 ...
+    PYTHONPATH=/tmp/site:$PWD python3 bench/sglang_speed.py --sections trainer-gap --deadline 570 --out $OUT
     PYTHONPATH=/tmp/site:$PWD python3 bench/sglang_speed.py --family glm4 --sections setup,builtin,sglang ...  # GLM-Z1-9B
     python bench/sglang_speed.py --cpu     # here: tiny shapes, the built-in engine on CPU, tests/sglang_standin.py
 
@@ -16,16 +17,18 @@ Sections, each a process of its own (one engine on the GPU at a time):
   sglang         SGLang through `SGLangEngine` (rollout.engine: sglang), deterministic mode (the default): the same
                  384 requests, each `/generate` body the client's (`generate_payload`) with the request's keyed
                  length as `max_new_tokens` and `ignore_eos` (the client's generate takes one length per call), sent
-                 at once: tok/s; the log-prob gap as above; weight-sync seconds by method through the client:
-                 `/update_weights_from_disk`, `/update_weights_from_tensor` (CUDA IPC from this process) and, with a
-                 second GPU, the NCCL broadcast (this process rank 0 on GPU 1); and the same rollout again with
-                 `rollout.sglang.concurrency` (64) requests in flight, as the client sends them (--no-client-cap: not)
+                 at once: tok/s; before it, the short measures: the log-prob gap as above, weight-sync seconds by
+                 method through the client: `/update_weights_from_disk`, `/update_weights_from_tensor` (CUDA IPC
+                 from this process) and, with a second GPU, the NCCL broadcast (this process rank 0 on GPU 1)
+  sglang-capped  the same rollout with `rollout.sglang.concurrency` (64) requests in flight per server, as the
+                 client sends them (the product's rollout)
   sglang-nondet  the same rollout without `--enable-deterministic-inference`
   trainer-gap    the product's path: `TrainSession` (local backend, one GPU colocated, SGLang with the memory saver) over
                  the model converted to torch_dist; one rollout and its update (pushed by the product's weight path),
                  then the log-prob gap between SGLang's samples and the megatron trainer's log-probs of them
                  (ray_pipeline.logprob_gap) and the seconds of the trainer-to-server push, `disk` and `tensor`
-Results: OUT/results.jsonl (a line per section) and OUT/sglang_speed.json; with --results-dir a copy named by device
+Results: OUT/results.jsonl (a line per section; a section cut by the deadline keeps what it measured) and
+OUT/sglang_speed.json; with --results-dir a copy named by device
 and date.
 """
 from __future__ import annotations
@@ -52,7 +55,7 @@ import harness as H  # noqa: E402
 import rollout_bench as rb  # noqa: E402  (the keyed schedule, its requests, the built-in engine's run)
 from sglang_real import SERVER_SITE, Rank0, launch_prefix, sendable  # noqa: E402
 
-SECTIONS = ("setup", "builtin", "sglang", "sglang-nondet", "trainer-gap")
+SECTIONS = ("setup", "builtin", "sglang", "sglang-capped", "sglang-nondet", "trainer-gap")
 RECIPE = ROOT / "configs" / "qwen3-0.6b-dapo.yaml"
 QWEN3_06B = json.loads((ROOT / "runtime" / "models" / "known_configs" / "Qwen3-0.6B.json").read_text())
 STANDIN = ROOT / "tests" / "sglang_standin.py"
@@ -166,28 +169,31 @@ def keyed_rollout(engine, reqs, lengths: list[int], sampling, limit: int | None 
             "tok_s": round(ntok / s), "exact_lengths": made == lengths}
 
 
-def sec_sglang(S, W: Path, a, deterministic: bool = True) -> dict:
+def sec_sglang(S, W: Path, a, deterministic: bool = True, capped: bool = False) -> dict:
+    """One server: the keyed rollout (all requests at once, or `capped`: at the client's concurrency), then, for the
+    deterministic one, the log-prob gap and the weight syncs. What is measured is kept as it comes (a `partial`
+    line in results.jsonl), so a call cut by its deadline still reports it."""
     from runtime.rollout.base import SamplingParams
-    tag = "sglang" if deterministic else "sglang-nondet"
+    tag = "sglang-capped" if capped else "sglang" if deterministic else "sglang-nondet"
     reqs, lengths = workload(S)
     t0 = time.time()
     engine = sglang_engine(S, W, a, deterministic, tag)
     res: dict = {"name": tag, "start_s": round(time.time() - t0, 1), "deterministic": deterministic}
+    keep = lambda: H.append_result(Path(a.out), {**res, "status": "partial"})  # noqa: E731
     try:
         sp = SamplingParams(temperature=1.0, max_new_tokens=S["max_new"])
         t0 = time.time()
         keyed_rollout(engine, reqs[:16], [32] * 16, sp)  # warm-up: the same requests, short
         res["warmup_s"] = round(time.time() - t0, 1)
-        res["rollout"] = keyed_rollout(engine, reqs, lengths, sp)
-        print("ROLLOUT", json.dumps(res["rollout"]), flush=True)
-        if deterministic and a.client_cap:
-            # what the product gets: the client keeps rollout.sglang.concurrency requests in flight per server
-            res["rollout_at_client_concurrency"] = keyed_rollout(engine, reqs, lengths, sp,
-                                                                 engine.settings.section.concurrency)
-        if deterministic:
-            samples = gap_samples(S, engine.generate)
-            res["logprob_gap_vs_hf"] = hf_gap(S, W, samples)
+        if deterministic and not capped:  # the short measures first
+            res["logprob_gap_vs_hf"] = hf_gap(S, W, gap_samples(S, engine.generate))
+            keep()
             res["weight_sync_s"] = weight_sync_times(S, W, engine)
+            keep()
+        # capped: what the product gets, the client keeping rollout.sglang.concurrency requests in flight per server
+        res["rollout"] = keyed_rollout(engine, reqs, lengths, sp,
+                                       engine.settings.section.concurrency if capped else None)
+        print("ROLLOUT", json.dumps(res["rollout"]), flush=True)
     finally:
         engine.shutdown()
     return res
@@ -285,6 +291,7 @@ def sec_trainer_gap(S, W: Path, a) -> dict:
 
 
 FUNCS = {"setup": sec_setup, "builtin": sec_builtin, "sglang": sec_sglang,
+         "sglang-capped": lambda S, W, a: sec_sglang(S, W, a, capped=True),
          "sglang-nondet": lambda S, W, a: sec_sglang(S, W, a, deterministic=False), "trainer-gap": sec_trainer_gap}
 
 
@@ -295,12 +302,10 @@ def print_table(results: list[dict]) -> None:
     for r in results:
         if "error" in r or r.get("status") == "FAILED":
             print(f"{r['name']:<14} ERROR {str(r.get('error', '')).strip().splitlines()[-1:]}")
-            continue
+            if not any(k in r for k in ("rollout", "logprob_gap_vs_hf", "weight_sync_s")):
+                continue
         ro = r.get("rollout") or {}
         line = f"{r['name']:<14} {ro.get('tok_s', '-'):>8} tok/s  {ro.get('new_tokens', '-')} tokens in {ro.get('s', '-')} s"
-        if "rollout_at_client_concurrency" in r:
-            c = r["rollout_at_client_concurrency"]
-            line += f"; {c['tok_s']} tok/s at {c['in_flight']} in flight"
         if "logprob_gap_vs_hf" in r:
             line += f"; |dlogp| vs HF {r['logprob_gap_vs_hf']}"
         if "weight_sync_s" in r:
@@ -324,8 +329,6 @@ def main(argv=None) -> int:
     ap.add_argument("--site", default=SERVER_SITE)
     ap.add_argument("--mem-fraction", type=float, default=0.45, help="SGLang's --mem-fraction-static "
                     "(0.45 of an H200: about the built-in engine's 56 GiB pool)")
-    ap.add_argument("--no-client-cap", dest="client_cap", action="store_false",
-                    help="sglang: leave out the second rollout at the client's concurrency (rollout.sglang.concurrency)")
     ap.add_argument("--family", choices=("qwen3", "glm4"), default="qwen3",
                     help="glm4: GLM-Z1-9B's shape (GLM-4-9B-0414's config) instead of Qwen3-0.6B's")
     ap.add_argument("--deadline", type=float, default=570.0)
@@ -355,12 +358,12 @@ def main(argv=None) -> int:
             H.append_result(out, {"name": name, "status": "SKIPPED", "error": f"{left:.0f} s left of --deadline"})
             continue
         argv2 = [sys.executable, __file__, "--section", name, "--out", str(out), "--work", str(W), "--site", a.site,
-                 "--mem-fraction", str(a.mem_fraction), "--family", a.family, *(["--cpu"] if a.cpu else []),
-                 *([] if a.client_cap else ["--no-client-cap"])]
+                 "--mem-fraction", str(a.mem_fraction), "--family", a.family, *(["--cpu"] if a.cpu else [])]
         try:
             subprocess.run(argv2, timeout=left, start_new_session=True)
-        except subprocess.TimeoutExpired:
-            H.append_result(out, {"name": name, "status": "FAILED", "error": f"timed out after {left:.0f} s"})
+        except subprocess.TimeoutExpired:  # what the section measured before the cut stays
+            H.append_result(out, {**H.read_results(out).get(name, {}), "name": name, "status": "FAILED",
+                                  "error": f"timed out after {left:.0f} s"})
     results = list(H.read_results(out).values())  # this call's sections and an earlier call's in the same OUT
     summary = {"bench": "sglang_speed", "date": datetime.date.today().isoformat(), "device": _device(a),
                "shape": {k: S[k] for k in ("family", "hidden", "layers", "vocab", "prompts", "samples", "over_sampling",
