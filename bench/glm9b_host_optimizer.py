@@ -93,7 +93,7 @@ SHAPES = {
 
 # ---- in the spawned trainer and engine processes -------------------------------------------------------
 
-# A trainer rank's train and share_weights calls measure their own peak (_call_peaks): the sampler then leaves the
+# A trainer rank's train and share_next_weight_unit calls measure their own peak (_call_peaks): the sampler then leaves the
 # peak counter alone in that process. The lock keeps a sample's reset from falling inside such a call.
 _PEAKS = {"lock": threading.Lock(), "by_call": False}
 
@@ -191,7 +191,7 @@ def _bench_trainer_methods() -> None:
     MegatronTrainer.bench_memory_segments = bench_memory_segments
     mem_dir = os.environ.get(ENV_MEMDIR)
     if mem_dir:
-        for method, phase in (("train", "train"), ("share_weights", "sync")):
+        for method, phase in (("train", "train"), ("share_next_weight_unit", "sync")):
             setattr(MegatronTrainer, method, _call_peaks(getattr(MegatronTrainer, method), phase, Path(mem_dir)))
 
 

@@ -131,14 +131,15 @@ def test_tensor_parallelism_is_refused_for_a_mixture_of_experts(tp):
 
 
 def test_a_broadcast_sync_gathers_one_layer_with_its_experts_not_the_model():
-    """cluster.weight_sync broadcast streams the weights a unit at a time (runtime/trainer/tp_gather.py
-    gathered_units): the sync's gather is the largest unit, one layer with every expert; a direct sync hands a whole
-    copy over."""
+    """cluster.weight_sync broadcast and the colocated CUDA IPC path stream the weights a unit at a time
+    (runtime/trainer/tp_gather.py gathered_units): the sync's gather is the largest unit, one layer with every
+    expert; a direct sync through host memory hands a whole copy over."""
     from runtime.plan.shape import model_shape, shape_param_counts
     m = model_shape(_moe())
     n_params, _ = shape_param_counts(m)
-    direct, streamed = (_est(ep=2, weight_sync=mode)["bytes"]["sync_gather"] for mode in ("direct", "broadcast"))
-    assert direct == 2 * n_params
+    direct, host, streamed, ipc = (_est(ep=2, weight_sync=mode)["bytes"]["sync_gather"]
+                                   for mode in ("direct", "host", "broadcast", "cuda_ipc"))
+    assert direct == host == 2 * n_params and ipc == streamed
     assert streamed == 2 * (n_params - 2 * m["V"] * m["h"] - m["h"]) // m["L"]  # Qwen3-30B-A3B: a layer > the embedding
     assert direct > 40 * streamed
     assert _est(ep=1, weight_sync="broadcast")["bytes"]["sync_gather"] == 0  # TP = EP = 1: rank 0 holds it all

@@ -128,6 +128,19 @@ def test_local_backend_tp2_processes_and_broadcast_weight_sync(tiny_checkpoint, 
             per_unit[unit] = per_unit.get(unit, 0) + v.numel() * v.element_size()
         assert sent["bytes"] == sum(per_unit.values()) and sent["largest_unit_bytes"] == max(per_unit.values())
         assert sent["largest_unit_bytes"] < sent["bytes"]
+        # the colocated path (CUDA IPC on GPUs) takes the same units, whole on every rank, in step: a stream stopped
+        # part-way starts again from the first unit
+        first = group.call("next_weight_unit")
+        group.call("release_shared_weights", True)
+        units = []
+        while (got := group.call("next_weight_unit"))[0] is not None:
+            assert all(set(u) == set(got[0]) and all(torch.equal(u[k], got[0][k]) for k in u) for u in got[1:])
+            units.append(got[0])
+            group.call("release_shared_weights")
+        assert all(torch.equal(first[0][k], units[0][k]) for k in units[0]) and set(first[0]) == set(units[0])
+        assert sorted(k for u in units for k in u) == sorted(expected)
+        assert all(torch.equal(u[k], expected[k]) for u in units for k in u)
+        assert max(sum(v.numel() * v.element_size() for v in u.values()) for u in units) == sent["largest_unit_bytes"]
         # engine and trainer agree on the log-probs of a sample after the sync
         sample = batch.tokens[0]
         p = batch.prompt_lens[0]

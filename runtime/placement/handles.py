@@ -95,13 +95,14 @@ class TrainerHandle:
         return self.group.call("hf_weights", to_cpu)[0]
 
     @forwards
-    def share_weights(self) -> list:
-        """Every rank's copy of `engine_weights` as CUDA IPC handles (cuda_ipc.SharedTensors), in rank order."""
-        return self.group.call("share_weights")
+    def share_next_weight_unit(self) -> list:
+        """Every rank's next unit of `engine_weights` as CUDA IPC handles (cuda_ipc.SharedTensors), in rank order;
+        [None, ...] after the last."""
+        return self.group.call("share_next_weight_unit")
 
     @forwards
-    def release_shared_weights(self) -> None:
-        self.group.call("release_shared_weights")
+    def release_shared_weights(self, end: bool = False) -> None:
+        self.group.call("release_shared_weights", end)
 
     @forwards
     def engine_weights(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:

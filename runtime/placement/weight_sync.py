@@ -140,12 +140,13 @@ class TrainerToEngine:
             finally:
                 sent = sending.get()[0]  # keeps the trainer's replies in step, also after an engine error
             return sent
-        if self.transport == "cuda_ipc":
-            shared = self.trainer.share_weights()
+        if self.transport == "cuda_ipc":  # a unit at a time: the engine copies each before the next is gathered
             try:
-                self.engine.update_weights_shared(shared, version)
+                while (shared := self.trainer.share_next_weight_unit())[0] is not None:
+                    self.engine.update_weights_shared(shared, version)
+                    self.trainer.release_shared_weights()
             finally:
-                self.trainer.release_shared_weights()
+                self.trainer.release_shared_weights(end=True)
         else:
             self.engine.update_weights(self.trainer.engine_weights(self.transport == "host"), version)
         return {}

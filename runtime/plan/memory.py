@@ -133,8 +133,9 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     ``engine_apart`` (``layout.engine_shares_gpu_across_processes``): a colocated built-in engine runs in a process
     of its own beside the trainer rank's (Ray actors, spawned ranks): two CUDA contexts and two allocators' slack.
     ``weights_dtype`` (``rollout.weights_dtype``): the built-in engine's linear layers in "fp8" (runtime/plan/
-    engine_terms.py) or the model's dtype ("bf16"). ``weight_sync`` (``cluster.weight_sync``): "broadcast" streams
-    the weights a unit at a time (the gather a sync holds is the largest unit), "direct" hands a whole copy over.
+    engine_terms.py) or the model's dtype ("bf16"). ``weight_sync``: the weights' path to the engines, "broadcast"
+    (``cluster.weight_sync``) and "cuda_ipc" (direct between processes on one GPU) stream them a unit at a time (the
+    gather a sync holds is the largest unit), "direct" / "host" / "as_is" hand a whole copy over.
 
     Returns ``weights``, ``grads``, ``optimizer``, ``activations``, ``kv_cache``, ``engine_weights``,
     ``rollout_activations``, ``overhead``, ``total`` (GiB; ``bytes``: the same, exact), ``at_rollout`` /
@@ -208,9 +209,9 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
 
     # the weight sync after an update: under TP every trainer rank gathers the whole weights for the engines
     # (runtime/trainer/tp_gather.py), beside its state, before the next rollout offloads it; under EP rank 0 gathers
-    # every expert (the other ranks only their own; runtime/trainer/expert_parallel.py). A broadcast streams them:
-    # one unit (the embedding, a layer, the head) gathered at a time
-    streamed = weight_sync == "broadcast" and not lora
+    # every expert (the other ranks only their own; runtime/trainer/expert_parallel.py). A broadcast and the CUDA IPC
+    # path stream them: one unit (the embedding, a layer, the head) gathered at a time
+    streamed = weight_sync in ("broadcast", "cuda_ipc") and not lora
     gathered = ((largest_unit_params(m) if streamed else n_params) * e) if tp > 1 or ep > 1 else 0
     peaks = dict(weights=weights, state=state, opt_step=opt.step, gathered=gathered, engine_weights=engine_weights,
                  kv_cache=kv_cache, rollout_activations=rollout_activations, overhead=overhead, colocate=colocate,
@@ -520,6 +521,12 @@ def target_gpu_memory_gb(cfg, override: float | None = None) -> float:
     return local if local is not None else 80.0
 
 
+def _weight_path(cfg, device: str) -> str:
+    """How the weights go to the engines: "broadcast", or the direct path's transport ("cuda_ipc", "host", "as_is")."""
+    mode = layout.weight_sync_mode(cfg)
+    return mode if mode == "broadcast" else layout.direct_transport(cfg, device)
+
+
 def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
     """:func:`estimate_memory`'s keywords for a ``GrpoConfig`` (training; eval generation is not counted)."""
     device = device or config_device(cfg)
@@ -536,7 +543,7 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         recompute=t.recompute, recompute_modules=tuple(t.recompute_modules), recompute_num_layers=t.recompute_num_layers,
         fusions=t.fusions, chunked_logprobs=t.chunked_logprobs, core_attention=t.core_attention,
         deterministic=t.deterministic, distributed_optimizer=t.distributed_optimizer, grad_dtype=t.grad_dtype,
-        optimizer_on_host=t.optimizer_on_host, ep=t.expert_parallel, weight_sync=layout.weight_sync_mode(cfg),
+        optimizer_on_host=t.optimizer_on_host, ep=t.expert_parallel, weight_sync=_weight_path(cfg, device),
         lora=lora_memory.config_lora(cfg), shared_base=layout.shares_base(cfg),
         engine_apart=layout.engine_shares_gpu_across_processes(cfg),
         samples_per_prompt=r.n_samples_per_prompt, partial=r.partial, background_checkpoint=cfg.checkpoint.background,

@@ -220,7 +220,8 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Copy tensors named as in the HF checkpoint into the engine (with ``train.lora``: the trainer's adapters,
-        ``MegatronTrainer.engine_weights``); then weight_version == version."""
+        ``MegatronTrainer.engine_weights``); then weight_version == version. A part of the model updates that part
+        (the CUDA IPC path sends a unit at a time, runtime/placement/weight_sync.py)."""
 
     def update_weights_shared(self, shared, version: int) -> None:
         """`update_weights` from tensors that a process on this engine's GPU shares by CUDA IPC

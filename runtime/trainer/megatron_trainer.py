@@ -112,6 +112,8 @@ class MegatronTrainer:
             start_wd=train.weight_decay, end_wd=train.weight_decay,
             wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")
         self.adapter = None
+        self._share_stream = None  # share_next_weight_unit's units, while a CUDA IPC push runs
+        self._shared_weights = None
         self.steps_done = 0
         self.host_optimizer = None  # train.optimizer_on_host: masters, Adam and the step on the host
         if train.optimizer_on_host:
@@ -478,16 +480,35 @@ class MegatronTrainer:
             yield unit
             unit = None  # dropped before the next unit is gathered
 
-    def share_weights(self):
-        """This rank's copy of :meth:`engine_weights` (the whole model in HF names, or with LoRA the adapters) as
-        CUDA IPC handles (runtime/placement/cuda_ipc.py), for the engine on this rank's GPU in another process;
-        the tensors stay alive until `release_shared_weights`."""
-        from runtime.placement import cuda_ipc
-        self._shared_weights = {k: v.detach() for k, v in self._engine_weights_here().items()}
-        return cuda_ipc.share(self._shared_weights)
-
-    def release_shared_weights(self) -> None:
+    def next_weight_unit(self) -> dict[str, torch.Tensor] | None:
+        """The next unit of what the engine takes (the embedding, a layer, the head: the adapter's ``hf_units``; with
+        LoRA the adapters, one unit), whole on this rank; None after the last. The first call starts the stream; every
+        rank gathers each unit (the TP and expert gathers are collective), so the whole model is never held beside the
+        trainer's state (a 30 B mixture of experts is 57 GiB): one unit at a time, alive until
+        `release_shared_weights`."""
         self._shared_weights = None
+        if self._share_stream is None:
+            self._share_stream = self._engine_weight_units_here()
+        unit = next(self._share_stream, None)
+        if unit is None:
+            self._share_stream = None
+            return None
+        self._shared_weights = {k: v.detach() for k, v in unit.items()}
+        return self._shared_weights
+
+    def share_next_weight_unit(self):
+        """`next_weight_unit` as CUDA IPC handles (runtime/placement/cuda_ipc.py) for the engine on this rank's GPU in
+        another process; None after the last."""
+        from runtime.placement import cuda_ipc
+        unit = self.next_weight_unit()
+        return None if unit is None else cuda_ipc.share(unit)
+
+    def release_shared_weights(self, end: bool = False) -> None:
+        """Let the shared unit go (the engine has copied it); ``end``: the stream too, where a push stopped part-way."""
+        self._shared_weights = None
+        if end and self._share_stream is not None:
+            self._share_stream.close()
+            self._share_stream = None
         if str(self.device).startswith("cuda"):
             # a shared block an engine still counted when it was dropped waits in torch's IPC limbo, where no
             # empty_cache reaches it, until the next shared block's deletion: collected now, the offload before the
@@ -545,6 +566,13 @@ class MegatronTrainer:
             adapters = self.engine_weights(to_cpu=False)  # every rank joins the TP gather; {} but on rank 0
             return iter([adapters] if adapters else [])
         return self._hf_weight_units(to=0)
+
+    def _engine_weight_units_here(self) -> Iterator[dict[str, torch.Tensor]]:
+        """`_engine_weight_units` whole on every rank (each shares them with the engine on its own GPU)."""
+        if self.lora is not None:
+            from runtime.trainer import lora
+            return iter([lora.adapter_tensors(self.model)])
+        return self._hf_weight_units()
 
     def weights_metadata(self) -> list:
         """(name, dtype, shape) of the tensors `broadcast_weights` sends, in order (rank 0; [] elsewhere)."""
