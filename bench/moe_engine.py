@@ -5,7 +5,11 @@ torch.compile as the engine runs them.
 
     python3 bench/moe_engine.py --out $OUT/moe_engine.json              # one H200, < 10 min (61 GB of bf16 weights)
     python3 bench/moe_engine.py --layers 8 --out $OUT/moe_engine.json   # a depth-truncated shape of full width
+    python3 bench/moe_engine.py --weights-dtype bf16,fp8 --out $OUT/moe_engine_fp8.json  # FP8 experts against bf16
     python3 bench/moe_engine.py --cpu                                   # smoke: a 2-layer, 8-expert model on CPU
+
+`--weights-dtype` (rollout.weights_dtype), a comma list run in order on one model (the FP8 decoder keeps HF's
+bf16 weights beside its copy: 61 + 30 GB on the full shape): per setting the log-probs against HF's bf16 forward and the fixed shape's tok/s.
 
 Random init (normal 0.02, norms 1), bf16, built on the GPU directly (no checkpoint on disk), as glm4_engine.py.
 """
@@ -117,6 +121,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--layers", type=int, default=None, help="depth (default: the model's 48)")
     ap.add_argument("--kv-gib", type=float, default=40.0)
+    ap.add_argument("--weights-dtype", default="bf16", help="comma list of rollout.weights_dtype (fp8 last)")
     args = ap.parse_args()
     from runtime.plan.memory import GIB
     from runtime.rollout.base import SamplingParams
@@ -141,14 +146,22 @@ def main() -> int:
     S = dict(rb.SHAPES["gpu" if cuda else "cpu"], vocab=cfg_dict["vocab_size"])
     fx = S["fixed"]
     rows = fx["prompts"] * fx["samples"]
-    dec = PagedDecoder(model, max_rows=rows, kv_cache_gb=args.kv_gib if cuda else 0.01, page_size=S["page_size"])
-    dec.ensure_pool()
-    res["kv_pool_GiB"] = round(dec.kv_cache_bytes() / GIB, 2)
-    res["compiled"], res["compile_error"] = dec.compiled, dec.compile_error
     reqs = rb.requests(S, fx["prompts"], fx["samples"], fx["prompt_len"], rollout=1, seed=1)
-    res["logprobs_vs_hf"] = logprob_section(model, dec, reqs[:16], cuda)  # also compiles and captures
-    res["fixed"] = timed_generate(dec, reqs, SamplingParams(temperature=1.0, max_new_tokens=fx["new"]),
-                                  [fx["new"]] * rows, cuda)
+    for wd in args.weights_dtype.split(","):
+        dec = PagedDecoder(model, max_rows=rows, kv_cache_gb=args.kv_gib if cuda else 0.01, page_size=S["page_size"],
+                           weights_dtype=wd, drop_bf16=False)  # HF's forward stays the reference
+        dec.ensure_pool()
+        r = res if wd == "bf16" else res.setdefault(wd, {})
+        r["kv_pool_GiB"] = round(dec.kv_cache_bytes() / GIB, 2)
+        r["weights_GiB"] = round(dec.weight_bytes / GIB, 2)
+        r["compiled"], r["compile_error"] = dec.compiled, dec.compile_error
+        r["logprobs_vs_hf"] = logprob_section(model, dec, reqs[:16], cuda)  # also compiles and captures
+        r["fixed"] = timed_generate(dec, reqs, SamplingParams(temperature=1.0, max_new_tokens=fx["new"]),
+                                    [fx["new"]] * rows, cuda)
+        dec.release()
+        del dec
+        if cuda:
+            torch.cuda.empty_cache()
     if cuda:
         res["peak_GiB"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     print(json.dumps(res, indent=1))

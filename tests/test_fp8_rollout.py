@@ -224,3 +224,46 @@ def test_fp8_turns_tis_on_unless_set_and_the_plan_counts_fp8_weights():
     bf16, fp8 = engine_weights(n, 0, 2, **kw), engine_weights(n, 0, 2, weights_dtype="fp8", **kw)
     linear, rows = linear_params(m)
     assert fp8 == bf16 - linear + 4 * rows and 0.5 < fp8 / bf16 < 0.6
+
+
+def test_a_mixture_of_experts_in_fp8_decodes_near_bf16_and_a_sync_requantises_its_experts(tmp_path):
+    """rollout.weights_dtype fp8 on a Qwen3-MoE: every expert's rows e4m3 with a scale each ([E, rows, cols] and
+    [E, rows]), the router in the model's dtype; the experts' grouped GEMMs quantise their routed copies per row
+    (CPU: a _scaled_mm per expert; CUDA: one _scaled_grouped_mm). Deterministic, near the bf16 engine's log-probs,
+    the experts re-quantised in place by a sync (the same weights: the same bits), and the plan counts them."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime.models.tiny import build_tiny_qwen3
+    from runtime.plan.engine_terms import linear_params
+    from runtime.plan.shape import model_shape
+    model_dir = build_tiny_qwen3(tmp_path / "moe", num_experts=4, expert_ffn_size=64)["path"]
+    full, fp8 = _engine(model_dir, "bf16"), _engine(model_dir, "fp8")
+    try:
+        dec = fp8.decoder
+        for w in dec.layers:
+            assert w.gu_w.dtype == w.down_w.dtype == torch.float8_e4m3fn and w.gu_w.shape == (4, 128, 128)
+            assert w.gu_s.shape == (4, 128) and w.down_s.shape == (4, 128) and w.router.dtype == torch.float32
+        assert len(dec.fp8_targets) == 2 * 6  # q, k, v, o and the two fused expert tensors per layer
+        reqs = _requests()
+        a, b = fp8.generate(reqs, SAMPLING), fp8.generate(reqs, SAMPLING)
+        assert [r.response_logprobs for r in a] == [r.response_logprobs for r in b]
+        gaps = [abs(p - q) for r in a for p, q in zip(full.logprobs_of(r.prompt_ids, r.response_ids),
+                                                       r.response_logprobs)]
+        assert 0 < statistics.mean(gaps) < 0.03 and max(gaps) < 0.1, (statistics.mean(gaps), max(gaps))
+        # a sync: moved experts change the samples in place; the first weights bring the first bits back
+        state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+        experts = {k: v for k, v in state.items() if ".experts." in k}
+        assert experts and all(k in dec.fp8_targets for k in experts)
+        buffers = [t.data_ptr() for w in dec.layers for t in (w.gu_w, w.gu_s, w.down_w, w.down_s)]
+        g = torch.Generator().manual_seed(5)
+        fp8.update_weights({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in experts.items()}, 1)
+        assert [t.data_ptr() for w in dec.layers for t in (w.gu_w, w.gu_s, w.down_w, w.down_s)] == buffers
+        assert [r.response_logprobs for r in fp8.generate(reqs, SAMPLING)] != [r.response_logprobs for r in a]
+        fp8.update_weights(experts, 2)
+        assert [r.response_logprobs for r in fp8.generate(reqs, SAMPLING)] == [r.response_logprobs for r in a]
+        # the plan: a byte a weight and a scale per row, every expert's
+        linear, rows = linear_params(model_shape(full.model.config))
+        assert dec.weight_bytes == full.decoder.weight_bytes - 4 * linear + linear + 4 * rows
+    finally:
+        full.shutdown()
+        fp8.shutdown()

@@ -18,8 +18,9 @@
   colocated); colocated it runs with ``--enable-memory-saver`` and releases that memory during training. Not
   measured here (SGLang cannot run on the machines we have).
 * LoRA: the engine's own base (none when it shares the trainer's), and the adapters' buffers, whole.
-* FP8 weights (``rollout.weights_dtype: fp8``, runtime/rollout/fp8_weights.py): the linear layers at one byte a
-  weight plus an fp32 scale per output row, the embeddings, head and norms at the model's dtype; a shared base
+* FP8 weights (``rollout.weights_dtype: fp8``, runtime/rollout/fp8_weights.py): the linear layers (a mixture's
+  experts included) at one byte a weight plus an fp32 scale per output row, the embeddings, head, norms and router
+  at the model's dtype; a shared base
   (LoRA) is the trainer's, and the FP8 copy beside it is the engine's. The per-token FP8 copy of a projection's
   input is a quarter of the bf16 tensors the rollout extra already counts for it, not counted.
 """
@@ -70,9 +71,11 @@ def engine_releases_kv() -> bool:
 
 
 def linear_params(m: dict[str, Any]) -> tuple[int, int]:
-    """(weights of the engine's linear layers: q/k/v, o, gate/up, down; their output rows), over every layer."""
+    """(weights of the engine's linear layers: q/k/v, o, gate/up, down; their output rows), over every layer; a
+    mixture's gate/up and down are every expert's (the router stays in the model's dtype)."""
     h, f, qkv, o = m["h"], m["f"], (m["nh"] + 2 * m["ng"]) * m["d"], m["nh"] * m["d"]
-    return m["L"] * (h * qkv + o * h + 3 * h * f), m["L"] * (qkv + h + 2 * f + h)
+    mlp, mlp_rows = (3 * h * m["fe"] * m["E"], m["E"] * (2 * m["fe"] + h)) if m.get("E") else (3 * h * f, 2 * f + h)
+    return m["L"] * (h * qkv + o * h + mlp), m["L"] * (qkv + h + mlp_rows)
 
 
 def engine_weights(n_params: int, adapters: int, e: int, *, engine: str, sglang_tp: int, shared_base: bool,

@@ -262,7 +262,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     out["moe"] = _moe_shares(m, e, tp=tp, ep=ep, dp=dp, grad_bytes=grad_bytes, opt=opt, lora=bool(lora),
                              ref_model=ref_model, act=act, engine=engine, sglang_tp=sglang_tp,
                              distributed_optimizer=bool(distributed_optimizer), optimizer_on_host=bool(optimizer_on_host),
-                             ranks=host["ranks"] if host is not None else 1)
+                             ranks=host["ranks"] if host is not None else 1, weights_dtype=weights_dtype)
     out["fits"] = fits and (host is None or host["fits"])
     # a mixture of experts trains at TP 1 (runtime/placement/layout.py: megatron needs sequence parallelism for it)
     out["max_tp"] = 1 if moe_terms.is_moe(m) else math.gcd(m["V"], m["nh"], m["ng"], m["f"])
@@ -272,7 +272,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
 
 def _moe_shares(m: dict[str, Any], e: int, *, tp: int, ep: int, dp: int, grad_bytes: int, opt, lora: bool,
                 ref_model: bool, act: dict[str, int], engine: str, sglang_tp: int, distributed_optimizer: bool,
-                optimizer_on_host: bool, ranks: int) -> dict[str, Any] | None:
+                optimizer_on_host: bool, ranks: int, weights_dtype: str = "bf16") -> dict[str, Any] | None:
     """A mixture of experts' named terms (runtime/plan/moe_terms.py), each a share of a row the plan adds up
     (``weights``, ``grads``, ``optimizer``, ``activations``, ``engine_weights``; ``host_optimizer``: of the host's
     optimizer, over the node's ``ranks``), in GiB, with ``bytes`` and what the notes read; None for a dense model."""
@@ -287,7 +287,8 @@ def _moe_shares(m: dict[str, Any], e: int, *, tp: int, ep: int, dp: int, grad_by
                  host_optimizer=ranks * 12 * opt.experts if optimizer_on_host and not lora else 0,
                  router_activations=act["router"], dispatcher=act["dispatcher"],
                  dispatcher_buffer=act["dispatcher_buffer"], experts_activations=act["experts"],
-                 engine_experts=moe_terms.engine_experts(m, e, engine=engine, sglang_tp=sglang_tp))
+                 engine_experts=moe_terms.engine_experts(m, e, engine=engine, sglang_tp=sglang_tp,
+                                                         weights_dtype=weights_dtype))
     out: dict[str, Any] = {k: v / GIB for k, v in exact.items()}
     out.update(bytes=exact, experts=m["E"], experts_per_rank=m["E"] // ep, topk=m["k"], ffn=m["fe"], ep=ep,
                expert_dp=max(dp // ep, 1), distributed_optimizer=distributed_optimizer, aux=bool(m.get("aux")),

@@ -27,8 +27,8 @@ and the ``allgather`` dispatcher (``token_dispatcher.py``, ``MoEAllGatherTokenDi
   ``TransformerLayer`` sets ``recompute_mlp`` only for dense ones): the router's, dispatcher's and experts' tensors
   stay; ``train.recompute: full`` drops them with the rest of the layer.
 * The engine's experts: the built-in engine (runtime/rollout/decode_model.py) keeps every expert of its replica, in
-  the fused ``[E, 2 ffn, hidden]`` / ``[E, hidden, ffn]`` layout its grouped GEMMs read (bf16: FP8 weights are not
-  for a mixture of experts yet); SGLang splits them over its TP.
+  the fused ``[E, 2 ffn, hidden]`` / ``[E, hidden, ffn]`` layout its grouped GEMMs read (with
+  ``rollout.weights_dtype: fp8`` in e4m3, a scale per expert row: engine_terms.py); SGLang splits them over its TP.
 """
 from __future__ import annotations
 
@@ -83,9 +83,14 @@ def expert_bytes_per_token(m: dict[str, Any], e: int, *, tp: int, elems: int = 3
     return elems * e * m["k"] * m["fe"] // tp
 
 
-def engine_experts(m: dict[str, Any], e: int, *, engine: str, sglang_tp: int = 1) -> int:
-    """The engine's experts: every expert of its replica (the built-in engine), 1/TP of them (SGLang)."""
-    return expert_params(m) * e // (sglang_tp if engine == "sglang" else 1)
+def engine_experts(m: dict[str, Any], e: int, *, engine: str, sglang_tp: int = 1, weights_dtype: str = "bf16") -> int:
+    """The engine's experts: every expert of its replica (the built-in engine; FP8: a byte a weight and an fp32 scale
+    per expert row), 1/TP of them (SGLang)."""
+    if engine == "sglang":
+        return expert_params(m) * e // sglang_tp
+    if weights_dtype == "fp8":
+        return expert_params(m) + 4 * m["L"] * m["E"] * (2 * m["fe"] + m["h"])
+    return expert_params(m) * e
 
 
 def engine_prefill_bytes_per_token(m: dict[str, Any], e: int) -> int:

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from runtime.devices import is_out_of_memory
 from runtime.rollout.base import routes_dtype
-from runtime.rollout.fp8_weights import (WEIGHTS_DTYPES, fp8_linear, fp8_shape_reason, quantize_rows,
-                                         quantize_rows_into)
+from runtime.rollout.fp8_weights import (WEIGHTS_DTYPES, fp8_linear, fp8_shape_reason, quantize_activation_rows,
+                                         quantize_rows, quantize_rows_into)
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_next, uniform_noise
 from runtime.rollout.speed_features import guarded
 from runtime.rollout.lora_forward import EngineAdapters, add_lora
@@ -144,6 +144,20 @@ def _grouped_mm(x, w, offs):
     return torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))])
 
 
+def _fp8_grouped_mm(x, w8, w_scales, offs):
+    """`_grouped_mm` with FP8 experts: ``w8`` [E, N, K] e4m3 with a scale per (expert, output row) (``w_scales``
+    [E, N]), ``x`` quantised per row on the way in (fp8_weights.py). On CUDA one `torch._scaled_grouped_mm` (sm90's
+    rowwise grouped kernel: scales [rows] and [E, N], offsets on the device); on the CPU, which has no grouped kernel,
+    a `torch._scaled_mm` per expert (it reads the offsets on the host)."""
+    xq, xs = quantize_activation_rows(x)
+    if x.is_cuda:
+        return torch._scaled_grouped_mm(xq, w8.transpose(-2, -1), xs[:, 0], w_scales, offs=offs, out_dtype=x.dtype)
+    ends = offs.tolist()
+    return torch.cat([torch._scaled_mm(xq[s:e], w8[i].t(), scale_a=xs[s:e], scale_b=w_scales[i][None],
+                                       out_dtype=x.dtype) if e > s else x.new_zeros(0, w8.shape[1])
+                      for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))])
+
+
 def _route(x, router_w, topk: int, norm_topk: bool):
     """HF's Qwen3-MoE routing of [T, H]: (weights [T, k] fp32, experts [T, k]): softmax over every expert in fp32, the
     top-k, renormalised to sum 1 when ``norm_topk``; the router's linear in fp32, as the trainer's megatron router."""
@@ -154,20 +168,24 @@ def _route(x, router_w, topk: int, norm_topk: bool):
     return weights, experts
 
 
-def _experts_mlp(x, weights, experts, gu_w, down_w, ffn: int):
+def _experts_mlp(x, weights, experts, gu_w, down_w, ffn: int, gu_s=None, dn_s=None):
     """The experts' SwiGLU on [T, H] routed to ``experts`` [T, k] with ``weights``: two grouped GEMMs over the routed
-    copies sorted by expert (``gu_w`` [E, 2F, H] = cat(gate, up), ``down_w`` [E, H, F]: transformers' fused layout).
-    No host sync, no atomics: each copy's output goes back to its (token, slot) and a token's k slots are summed in
-    slot order."""
+    copies sorted by expert (``gu_w`` [E, 2F, H] = cat(gate, up), ``down_w`` [E, H, F]: transformers' fused layout;
+    with ``gu_s`` / ``dn_s`` [E, rows] they are e4m3, `_fp8_grouped_mm`). No host sync on CUDA, no atomics: each
+    copy's output goes back to its (token, slot) and a token's k slots are summed in slot order."""
     t, h = x.shape
     topk = experts.shape[1]
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)  # the routed copies grouped by expert
     offs = torch.bincount(flat, minlength=gu_w.shape[0]).cumsum(0).to(torch.int32)
     xs = x.index_select(0, order // topk)
-    gu = _grouped_mm(xs, gu_w.transpose(-2, -1), offs)
-    g, u = gu.split([ffn, ffn], dim=-1)
-    y = _grouped_mm(F.silu(g) * u, down_w.transpose(-2, -1), offs)
+    if gu_s is None:
+        gu = _grouped_mm(xs, gu_w.transpose(-2, -1), offs)
+        g, u = gu.split([ffn, ffn], dim=-1)
+        y = _grouped_mm(F.silu(g) * u, down_w.transpose(-2, -1), offs)
+    else:
+        g, u = _fp8_grouped_mm(xs, gu_w, gu_s, offs).split([ffn, ffn], dim=-1)
+        y = _fp8_grouped_mm(F.silu(g) * u, down_w, dn_s, offs)
     y = y * weights.to(x.dtype).reshape(-1).index_select(0, order)[:, None]
     slots = torch.empty_like(y).index_copy_(0, order, y)
     return slots.view(t, topk, h).sum(dim=1)
@@ -180,13 +198,14 @@ def _routed_experts(x, router_w, gu_w, down_w, ffn: int, topk: int, norm_topk: b
 
 
 def _post_attn_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps: float, ffn: int, topk: int,
-                   norm_topk: bool):
+                   norm_topk: bool, o_s=None, gu_s=None, dn_s=None):
     """`_post_attn` with a mixture of experts for the MLP (Qwen3-MoE: no post-norms, no LoRA); also returns each
-    token's experts [T, k] (what rollout.routing_replay records)."""
-    h = h + F.linear(attn, o_w, o_b)
+    token's experts [T, k] (what rollout.routing_replay records). ``*_s``: FP8 weights' scales (the router stays in
+    the model's dtype: it picks the experts, and its scores are fp32)."""
+    h = h + _linear(attn, o_w, o_s, o_b)
     x = _rms(h, ln_w, eps)
     weights, experts = _route(x, router_w, topk, norm_topk)
-    return h + _experts_mlp(x, weights, experts, gu_w, down_w, ffn), experts
+    return h + _experts_mlp(x, weights, experts, gu_w, down_w, ffn, gu_s, dn_s), experts
 
 
 def _logits(h, norm_w, lm_w, eps: float):
@@ -271,7 +290,7 @@ class _Layer:
     def post_args(self) -> tuple:
         """The weights `FusedModel._post` takes after the hidden states and the attention output."""
         if self.router is not None:
-            return self.o_w, self.o_b, self.ln2, self.gu_w, self.down_w, self.router
+            return self.o_w, self.o_b, self.ln2, self.gu_w, self.down_w, self.router, *self.post_scales
         return self.o_w, self.o_b, self.ln2, self.gu_w, self.down_w, self.pa, self.pm, *self.post_scales, *self.post_lora
 
 
@@ -337,8 +356,6 @@ class FusedModel:
         self.routes_dtype = routes_dtype(int(cfg.num_experts)) if self.moe else None
         if self.moe and (lora is not None or shared_base is not None):
             raise ValueError("fast decode path: LoRA on a mixture of experts is not implemented")
-        if self.moe and weights_dtype == "fp8":  # the experts' [E, rows, cols] weights have no rowwise FP8 path yet
-            raise ValueError("rollout.weights_dtype fp8: not for a mixture of experts yet; use rollout.weights_dtype: bf16")
         self.eps = float(cfg.rms_norm_eps)
         self.scale = self.hd ** -0.5
         self.n_layers = cfg.num_hidden_layers
@@ -426,6 +443,8 @@ class FusedModel:
                 router = None
                 if self.moe:  # transformers' fused experts, as they are
                     router, gate_up, down = m.gate.weight, m.experts.gate_up_proj, m.experts.down_proj
+                    self._hf_linears.append({"qkv_w": [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+                                             "o_w": [a.o_proj.weight], "gu_w": [gate_up], "down_w": [down]})
                 else:
                     gate_up = m.gate_up_proj.weight if hasattr(m, "gate_up_proj") else \
                         _fuse([m.gate_proj.weight, m.up_proj.weight])
@@ -450,18 +469,19 @@ class FusedModel:
         fp8_bytes = 0
         for i, w in enumerate(self.layers):
             for attr, scale_attr in _LINEARS:
-                src = getattr(w, attr)
+                src = getattr(w, attr)  # [out, in]; a mixture's experts [E, out, in]: each expert's rows
+                rows = src.reshape(-1, src.shape[-1])
                 if self.device.type == "cuda":
-                    reason = fp8_shape_reason(f"layer {i} {attr.removesuffix('_w')}", src)
+                    reason = fp8_shape_reason(f"layer {i} {attr.removesuffix('_w')}", src[0] if src.dim() == 3 else src)
                     if reason:
                         raise ValueError(f"rollout.weights_dtype fp8: {reason}; use rollout.weights_dtype: bf16")
-                w8, scales = quantize_rows(src)
-                setattr(w, attr, w8)
-                setattr(w, scale_attr, scales)
+                w8, scales = quantize_rows(rows)
+                setattr(w, attr, w8.view(src.shape))
+                setattr(w, scale_attr, scales.view(src.shape[0], -1) if src.dim() == 3 else scales)
                 fp8_bytes += w8.numel() + scales.numel() * 4
                 start = 0
                 for p in (self._hf_linears[i][attr] if self._hf_linears else ()):
-                    n = p.shape[0]
+                    n = p.numel() // p.shape[-1]
                     self.fp8_targets[names[id(p)]] = (w8[start:start + n], scales[:, start:start + n])
                     start += n
         self.weight_bytes += fp8_bytes
@@ -480,7 +500,7 @@ class FusedModel:
     def load_linear(self, name: str, tensor: torch.Tensor) -> None:
         """Quantise one HF-named linear weight from the trainer into its FP8 rows and scales, in place (the captured
         graphs read these buffers)."""
-        quantize_rows_into(tensor, *self.fp8_targets[name])
+        quantize_rows_into(tensor.reshape(-1, tensor.shape[-1]), *self.fp8_targets[name])
 
     def _bind_shared(self, base: dict, cfg) -> None:
         """The trainer's megatron tensors (local-spec names), used as they are."""
@@ -522,8 +542,9 @@ class FusedModel:
 
         topk, norm_topk = self.topk, self.norm_topk
 
-        def post_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w):
-            return _post_attn_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps, ffn, topk, norm_topk)
+        def post_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, o_s=None, gu_s=None, dn_s=None):
+            return _post_attn_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps, ffn, topk, norm_topk, o_s,
+                                  gu_s, dn_s)
 
         def head(h, norm_w, lm_w):
             return _logits(h, norm_w, lm_w, eps)

@@ -45,15 +45,21 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return into, scales
 
 
+def quantize_activation_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 rows of ``x`` [..., k] as [n, k], their scales [n, 1] fp32): a scale per token row, on the way into an FP8
+    matmul."""
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    xs = x2.abs().amax(dim=-1, keepdim=True).clamp(min=_MIN_AMAX) / FP8_MAX
+    return (x2 / xs).clamp(-FP8_MAX, FP8_MAX).to(FP8), xs
+
+
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` with ``w`` given rowwise-quantised (`quantize_rows`); ``x`` is quantised per token
     row on the way in. The output has ``x``'s dtype. The bias is added after the product (in the output dtype,
     as F.linear's epilogue does)."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k).to(torch.float32)
-    xs = x2.abs().amax(dim=-1, keepdim=True).clamp(min=_MIN_AMAX) / FP8_MAX
-    xq = (x2 / xs).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    lead = x.shape[:-1]
+    xq, xs = quantize_activation_rows(x)
     out = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scales, out_dtype=x.dtype)
     if bias is not None:
         out = out + bias
@@ -68,5 +74,5 @@ def fp8_shape_reason(name: str, w: torch.Tensor) -> str | None:
     return None
 
 
-__all__ = ["FP8", "FP8_MAX", "WEIGHTS_DTYPES", "fp8_linear", "fp8_shape_reason", "quantize_rows",
-           "quantize_rows_into"]
+__all__ = ["FP8", "FP8_MAX", "WEIGHTS_DTYPES", "fp8_linear", "fp8_shape_reason", "quantize_activation_rows",
+           "quantize_rows", "quantize_rows_into"]
