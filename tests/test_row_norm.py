@@ -166,9 +166,10 @@ def test_on_a_gpu_a_rows_bits_do_not_depend_on_the_batch():
 
 @pytest.mark.skipif(not _cuda(), reason="the kernel compiled for a GPU")
 def test_on_a_gpu_the_engines_norm_calls_give_the_trainers_module_bits():
-    """The trainer's `BatchInvariantRMSNorm` (megatron-core needed: `bench/gpu_carry.py install`) on megatron's query
-    [s, b, heads, 128] (a strided view of the fused q/k/v, per-group order) while training, against the engine's
-    calls: a decode step's rows [B, heads, 128] and a prefill's packed rows."""
+    """The trainer's q and k norms (`BatchInvariantRMSNorm`; megatron-core needed: `bench/gpu_carry.py install`) on
+    megatron's query [s, b, heads, 128] (reshaped from the fused q/k/v, per-group order) and key (a strided view of
+    it) while training, against the engine's calls on contiguous rows: decode steps [B, heads, 128] and a prefill's
+    packed rows."""
     pytest.importorskip("megatron.core")
     import torch
 
@@ -178,15 +179,18 @@ def test_on_a_gpu_the_engines_norm_calls_give_the_trainers_module_bits():
     g = torch.Generator().manual_seed(5)
     mixed = torch.randn(s, 1, nkv, (rep + 2) * hd, generator=g).to("cuda", torch.bfloat16)  # megatron's fused q/k/v
     query = mixed[..., :rep * hd].reshape(s, 1, nkv * rep, hd)
-    module = BatchInvariantRMSNorm(hd, eps=EPS, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        module.weight.copy_(1 + 0.1 * torch.randn(hd, generator=g))
-    trained = module(query.detach().requires_grad_())
-    trained.float().square().sum().backward()
-    assert module.weight.grad is not None and module.weight.grad.isfinite().all()
-    rows = query[:, 0].contiguous()  # the engine's q rows [tokens, heads, hd]
-    w = module.weight.detach()
-    for pick in ([s - 1], [0, 17, 999, 2999], list(range(0, s, 31))):  # decode steps of 1, 4 and 97 live rows
-        at = torch.tensor(pick, device="cuda")
-        assert torch.equal(rms_norm(rows[at], w, EPS), trained[at, 0].detach())
-    assert torch.equal(rms_norm(rows[1000:2200], w, EPS), trained[1000:2200, 0].detach())  # a packed prompt
+    key = mixed[..., rep * hd:(rep + 1) * hd]
+    assert not key.is_contiguous()
+    for x in (query, key):
+        module = BatchInvariantRMSNorm(hd, eps=EPS, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            module.weight.copy_(1 + 0.1 * torch.randn(hd, generator=g))
+        trained = module(x.detach().requires_grad_())
+        trained.float().square().mean().backward()
+        assert module.weight.grad is not None and module.weight.grad.isfinite().all()
+        rows = x[:, 0].contiguous()  # the engine's q or k rows [tokens, heads, hd]
+        w = module.weight.detach()
+        for pick in ([s - 1], [0, 17, 999, 2999], list(range(0, s, 31))):  # decode steps of 1, 4 and 97 live rows
+            at = torch.tensor(pick, device="cuda")
+            assert torch.equal(rms_norm(rows[at], w, EPS), trained[at, 0].detach())
+        assert torch.equal(rms_norm(rows[1000:2200], w, EPS), trained[1000:2200, 0].detach())  # a packed prompt
