@@ -2,13 +2,15 @@
 
 A row's bits must not depend on how many rows came with it, nor on which side computes it: the engine's decode
 step (the live rows), its prefill (packed prompts, a preempted sample's recompute) and the trainer's forward (one
-sequence, or several packed) all call these, in plain PyTorch but for the attention on CUDA. Every call a kernel's
-configuration may follow runs on rows in blocks of `FIXED_ROWS` (the last block padded): one shape, one
-configuration (cuBLAS picks a GEMM kernel by the row count, torch's reductions lay out their work by the number of
-outputs). The attention of a query row runs over its positions [0, i] in key blocks from 0 under a running fp32
-softmax, a row decoded from the pages, recomputed in a prefill and scored by the trainer the same sum in the same
-order: on CUDA by one Triton kernel, one program per row and KV head (runtime/kernels/row_attention.py); elsewhere
-in PyTorch, in blocks of `REFERENCE_BLOCK` as the engine's paged decode reference (runtime/rollout/decode_attention.py).
+sequence, or several packed) all call these, in plain PyTorch but for the attention and the RMS norm on CUDA.
+Every call a kernel's configuration may follow runs on rows in blocks of `FIXED_ROWS` (the last block padded): one
+shape, one configuration (cuBLAS picks a GEMM kernel by the row count, torch's reductions lay out their work by the
+number of outputs). On CUDA the RMS norm is one Triton kernel, one program per row (runtime/kernels/row_norm.py):
+its bits follow the width alone, no blocks needed. The attention of a query row runs over its positions [0, i] in
+key blocks from 0 under a running fp32 softmax, a row decoded from the pages, recomputed in a prefill and scored by
+the trainer the same sum in the same order: on CUDA by one Triton kernel, one program per row and KV head
+(runtime/kernels/row_attention.py); elsewhere in PyTorch, in blocks of `REFERENCE_BLOCK` as the engine's paged
+decode reference (runtime/rollout/decode_attention.py).
 
 Where a class of kernel is row-local and the two sides rounded differently, both take one form: the RMS norm is
 the trainer's (fp32 inside, the weight multiplied in fp32, one cast; HF's rounds before the weight), a linear's
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from runtime.kernels.row_attention import paged_row_attention, row_attention_fits, sequence_row_attention
+from runtime.kernels.row_norm import row_norm_fits, row_rms_norm
 
 FIXED_ROWS = 64  # rows per call of every kernel whose configuration may follow the row count
 REFERENCE_BLOCK = 256  # positions per step of the attention's running softmax (the decode reference's)
@@ -84,10 +87,13 @@ def _rms_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm over the last dimension, the trainer's rounding (fp32 inside, weight in fp32, one cast), rows in
+    """RMS norm over the last dimension, the trainer's rounding (fp32 inside, weight in fp32, one cast). On CUDA the
+    Triton kernel (`row_norm.row_rms_norm`: one program per row, the PyTorch form's gradient); elsewhere rows in
     fixed blocks."""
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    return fixed_rows(lambda r: _rms_rows(r, w, eps), flat)[0].view(x.shape)
+    flat = x.reshape(-1, x.shape[-1])
+    if row_norm_fits(flat):
+        return row_rms_norm(flat, w, eps).view(x.shape)
+    return fixed_rows(lambda r: _rms_rows(r, w, eps), flat.contiguous())[0].view(x.shape)
 
 
 def logprob_math(zb: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = False):

@@ -19,7 +19,7 @@ from runtime.kernels.batch_invariant import fixed_shape_mm, rms_norm, rope_inv_f
 
 class BatchInvariantRMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` whose forward is `batch_invariant.rms_norm` (the same rounding: fp32 inside, the weight
-    in fp32, one cast), rows in fixed blocks."""
+    in fp32, one cast): on CUDA the Triton kernel, one program per row; elsewhere rows in fixed blocks."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps if self.eps is not None else torch.finfo(x.dtype).eps)
