@@ -83,9 +83,12 @@ def test_the_2xh100_config_fits_gpu_and_host(capsys):
     est = estimate_for_config(cfg, _glm())
     assert est["fits"] and est["optimizer_on_host"] and est["bytes"]["optimizer"] == 0
     assert est["total"] <= 79.2 and est["host"]["total"] <= 256 and est["host"]["source"] == "cluster.host_memory_gb"
-    # after each update both TP ranks gather the whole bf16 weights for the engines, beside their gradients
-    assert est["bytes"]["sync_gather"] == est["bytes"]["engine_weights"]
-    assert est["at_training"] < est["at_sync"] < est["at_rollout"] == est["total"]
+    # after each update both TP ranks gather the bf16 weights for the engines beside their gradients, one unit (the
+    # embedding, a layer, the head) at a time: the CUDA IPC path streams them (the largest, GLM's untied embedding)
+    from runtime.plan.shape import model_shape
+    m = model_shape(_glm())
+    assert est["bytes"]["sync_gather"] == m["V"] * m["h"] * 2 < est["bytes"]["engine_weights"] / 10
+    assert est["at_sync"] < est["at_training"] < est["at_rollout"] == est["total"]
     # the seed's run, laid out for 2 GPUs: only the layout differs from the 8 x H200 config
     seed = load_config(ROOT / GLM)
     assert (cfg.rollout, cfg.data, cfg.algorithm, cfg.eval) == (seed.rollout, seed.data, seed.algorithm, seed.eval)
