@@ -76,12 +76,12 @@ def places(a, bench: str, work_stem: str | None = None) -> tuple[Path, Path]:
 
 
 def start(a, bench: str, work_stem: str | None = None) -> tuple[Path, Path]:
-    """OUT and the work dir made, the environment prepared (`prepare_env`). A scenario still running 15 s past its
-    --deadline prints every thread's stack to stderr (a GPU call cut by its limit then still says where it was: a
+    """OUT and the work dir made, the environment prepared (`prepare_env`). On a GPU a scenario still running 15 s past
+    its --deadline prints every thread's stack to stderr (a GPU call cut by its limit then still says where it was: a
     deadline is checked only between a scenario's parts)."""
     out, work = places(a, bench, work_stem)
     prepare_env()
-    if getattr(a, "deadline", None):
+    if getattr(a, "deadline", None) and not getattr(a, "cpu", False):  # GPU calls (a CPU smoke may run in pytest's process)
         import faulthandler
         faulthandler.dump_traceback_later(a.deadline + 15, exit=False)
     return out, work
