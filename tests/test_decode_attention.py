@@ -5,12 +5,13 @@ Its numpy backend has no bfloat16 matmul, so the dtypes here are fp32 and fp16; 
 GPU by bench/rollout_bench.py and bench/gpu_grpo.py (engine vs trainer log-probs).
 """
 import os
-import subprocess
 import sys
 
 import pytest
 
 pytest.importorskip("triton")
+
+from tests.triton_checks import interpreter_reads_loop_bounds, run_interpreted  # noqa: E402
 
 
 def _check_paged() -> None:
@@ -157,19 +158,9 @@ def test_the_cascade_reference_is_the_paged_reference():
             assert (out - plain).abs().max() < 1e-5
 
 
-def _interpreter_reads_loop_bounds() -> bool:
-    """Triton's interpreter before 3.7 holds a loaded scalar as a one-element array, which it cannot turn into a loop
-    bound (the kernel's `range(lo, hi, ...)`: numpy's "only 0-dimensional arrays" error); torch 2.11 ships 3.6."""
-    import triton
-    return tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7)
-
-
-@pytest.mark.skipif(not _interpreter_reads_loop_bounds(), reason="Triton < 3.7: its interpreter cannot run the kernel")
+@pytest.mark.skipif(not interpreter_reads_loop_bounds(), reason="Triton < 3.7: its interpreter cannot run the kernel")
 def test_triton_kernel_matches_the_reference():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run_interpreted(__file__, timeout=300)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,13 @@ instructions compared. On a GPU (`-k gpu`) through the dispatch itself (`common_
 `common_attention`, `trainable_attention`) at the recipe's head shape, a CUDA graph's replay included.
 """
 import os
-import subprocess
 import sys
 
 import pytest
 
 pytest.importorskip("triton")
+
+from tests.triton_checks import has_nvidia_backend, interpreter_reads_loop_bounds, run_interpreted  # noqa: E402
 
 
 def _case(device, dtype, nh, nkv, hd, page, plen, lens, seed=0):
@@ -121,18 +122,9 @@ def _check_interpreted() -> None:
                sequence_row_attention, tol)
 
 
-def _interpreter_reads_loop_bounds() -> bool:
-    """Triton's interpreter before 3.7 cannot turn a loaded scalar into a loop bound (test_decode_attention's note)."""
-    import triton
-    return tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7)
-
-
-@pytest.mark.skipif(not _interpreter_reads_loop_bounds(), reason="Triton < 3.7: its interpreter cannot run the kernel")
+@pytest.mark.skipif(not interpreter_reads_loop_bounds(), reason="Triton < 3.7: its interpreter cannot run the kernel")
 def test_a_row_has_the_same_bits_decoded_from_pages_packed_or_alone():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run_interpreted(__file__, timeout=600)
 
 
 if __name__ == "__main__":
@@ -140,12 +132,7 @@ if __name__ == "__main__":
     _check_interpreted()
 
 
-def _has_nvidia_backend() -> bool:
-    from triton.backends import backends
-    return "nvidia" in backends
-
-
-@pytest.mark.skipif(not _has_nvidia_backend(), reason="Triton without its NVIDIA backend")
+@pytest.mark.skipif(not has_nvidia_backend(), reason="Triton without its NVIDIA backend")
 @pytest.mark.parametrize("rep", [2, 16], ids=["qwen3-0.6b", "glm4-9b"])
 def test_both_modes_compile_to_the_same_float_instructions(rep):
     """No GPU needed: the kernel compiled for an H100/H200 (sm_90, bf16, head dim 128, the query heads per KV head of

@@ -9,12 +9,13 @@ fp32 and fp16: the interpreter's bf16 is unreliable), and the kernel compiled fo
 `BatchInvariantRMSNorm` on megatron's query layout.
 """
 import os
-import subprocess
 import sys
 
 import pytest
 
 pytest.importorskip("triton")
+
+from tests.triton_checks import has_nvidia_backend, run_interpreted  # noqa: E402
 
 EPS = 1e-6
 
@@ -90,10 +91,7 @@ def _check_interpreted() -> None:
 
 
 def test_a_row_has_the_same_bits_alone_or_among_many_and_the_gradient_is_the_pytorch_forms():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run_interpreted(__file__, timeout=600)
 
 
 if __name__ == "__main__":
@@ -101,12 +99,7 @@ if __name__ == "__main__":
     _check_interpreted()
 
 
-def _has_nvidia_backend() -> bool:
-    from triton.backends import backends
-    return "nvidia" in backends
-
-
-@pytest.mark.skipif(not _has_nvidia_backend(), reason="Triton without its NVIDIA backend")
+@pytest.mark.skipif(not has_nvidia_backend(), reason="Triton without its NVIDIA backend")
 def test_the_kernel_is_one_whatever_the_addresses_and_compiles_for_sm90():
     """No GPU needed. The launcher's key (Triton's own binder) is one for contiguous rows, a slice at an odd offset, a
     strided view and a weight inside a flat buffer: told of an alignment the compiler would vectorise the loads and
