@@ -4,8 +4,6 @@ The interpreter decides at import time, so the check runs in a child process wit
 Its numpy backend has no bfloat16 matmul, so the dtypes here are fp32 and fp16; bf16 is checked on the
 GPU by bench/rollout_bench.py and bench/gpu_grpo.py (engine vs trainer log-probs).
 """
-import os
-import sys
 
 import pytest
 
@@ -163,8 +161,7 @@ def test_triton_kernel_matches_the_reference():
     run_interpreted(__file__, timeout=300)
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # run_interpreted's child (the repository root on its path)
     _check_paged()
     _check_cascade()
 

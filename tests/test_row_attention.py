@@ -7,8 +7,6 @@ tests/test_decode_attention.py); and the kernel compiled for sm_90 without a GPU
 instructions compared. On a GPU (`-k gpu`) through the dispatch itself (`common_decode`, `common_prefill`,
 `common_attention`, `trainable_attention`) at the recipe's head shape, a CUDA graph's replay included.
 """
-import os
-import sys
 
 import pytest
 
@@ -127,8 +125,7 @@ def test_a_row_has_the_same_bits_decoded_from_pages_packed_or_alone():
     run_interpreted(__file__, timeout=600)
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # run_interpreted's child (the repository root on its path)
     _check_interpreted()
 
 

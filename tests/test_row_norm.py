@@ -8,8 +8,6 @@ fp32 and fp16: the interpreter's bf16 is unreliable), and the kernel compiled fo
 (`-k gpu`) in bf16 through `batch_invariant.rms_norm`, the engine's call shapes against the trainer's
 `BatchInvariantRMSNorm` on megatron's query layout.
 """
-import os
-import sys
 
 import pytest
 
@@ -94,8 +92,7 @@ def test_a_row_has_the_same_bits_alone_or_among_many_and_the_gradient_is_the_pyt
     run_interpreted(__file__, timeout=600)
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # run_interpreted's child (the repository root on its path)
     _check_interpreted()
 
 
