@@ -81,9 +81,12 @@ def start(a, bench: str, work_stem: str | None = None) -> tuple[Path, Path]:
     deadline is checked only between a scenario's parts)."""
     out, work = places(a, bench, work_stem)
     prepare_env()
-    if getattr(a, "deadline", None) and not getattr(a, "cpu", False):  # GPU calls (a CPU smoke may run in pytest's process)
-        import faulthandler
-        faulthandler.dump_traceback_later(a.deadline + 15, exit=False)
+    if getattr(a, "deadline", None) and not getattr(a, "cpu", False) and not getattr(a, "merge", None):
+        import faulthandler  # a GPU call's process (CPU smokes and merges run in pytest's too, its stderr captured)
+        try:
+            faulthandler.dump_traceback_later(a.deadline + 15, exit=False)
+        except (OSError, ValueError):  # io.UnsupportedOperation: a stderr without a file descriptor
+            pass
     return out, work
 
 
