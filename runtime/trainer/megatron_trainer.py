@@ -570,8 +570,7 @@ class MegatronTrainer:
     def _engine_weight_units_here(self) -> Iterator[dict[str, torch.Tensor]]:
         """`_engine_weight_units` whole on every rank (each shares them with the engine on its own GPU)."""
         if self.lora is not None:
-            from runtime.trainer import lora
-            return iter([lora.adapter_tensors(self.model)])
+            return iter([self._engine_weights_here()])
         return self._hf_weight_units()
 
     def weights_metadata(self) -> list:
