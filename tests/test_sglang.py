@@ -40,6 +40,7 @@ from runtime.rollout.sglang import http_protocol
 from runtime.rollout.sglang.http_protocol import Aborted, StaleWeights, parse_generated, sampling_seed_for
 from runtime.rollout.sglang.server_process import Server, server_command
 
+ROOT = Path(__file__).resolve().parents[1]
 STANDIN = Path(__file__).with_name("sglang_standin.py")
 VOCAB, EOS = 96, 2
 pytestmark = pytest.mark.timeout(60)
@@ -814,6 +815,43 @@ def test_health_wait_rides_out_503_and_shutdown_kills_every_pid(start):
     assert not any(alive(p) for p in pids)
     with pytest.raises(RuntimeError, match="shut down"):
         eng.generate(make_requests(1, 1), SAMPLING)
+
+
+LAUNCHER = """
+import sys
+from pathlib import Path
+from runtime.rollout.sglang import SGLangSettings
+from runtime.config import SGLangSection
+from runtime.rollout.sglang.server_process import Server, launch_server
+settings = SGLangSettings(section=SGLangSection(launch=["{python}", "-c", "import time; time.sleep(600)"]))
+proc = launch_server(settings, "no-model", Server(0, 0, Path(sys.argv[1])), set())
+print(proc.pid, flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def gone(pid: int) -> bool:
+    """Ended: no such process, or a zombie its new parent has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_a_server_dies_with_the_process_that_launched_it(tmp_path):
+    """A SIGKILLed driver runs no cleanup; the server it launched (a session of its own) must not live on
+    holding the GPU the resumed run needs."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "engine-0.log")], cwd=ROOT,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+    server = int(launcher.stdout.readline())
+    assert not gone(server)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 60
+    while not gone(server) and time.monotonic() < deadline:  # the kernel's signal, delivered on its own
+        time.sleep(0.05)
+    assert gone(server)
 
 
 def test_missing_sglang_names_the_install_command(tmp_path, model_dir):

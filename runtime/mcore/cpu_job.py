@@ -3,20 +3,19 @@ found it: on the CPU (:func:`cpu_job`), or on a GPU in a process of their own (:
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import functools
 import multiprocessing
 import os
-import signal
 import threading
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, TypeVar
+
+from runtime.parent_death import die_with_parent
 
 _Job = TypeVar("_Job", bound=Callable[..., Any])
 
 _worker: concurrent.futures.ProcessPoolExecutor | None = None
 _worker_lock = threading.Lock()
-_PR_SET_PDEATHSIG = 1
 
 
 def cpu_job(fn: _Job) -> _Job:
@@ -64,17 +63,8 @@ def _cpu_worker() -> concurrent.futures.ProcessPoolExecutor:
         return _worker
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the executor's own shutdown at exit still ends it
-        pass
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
-
-
 def _worker_init(parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     from runtime.mcore import env
     env.ensure_parallel("cpu")
 
@@ -106,7 +96,7 @@ def device_job(gpu_bytes: Callable[..., int]) -> Callable[[_Job], _Job]:
             if device == "cpu":
                 return on_cpu(*args, device="cpu", **kwargs)
             with concurrent.futures.ProcessPoolExecutor(
-                    1, mp_context=multiprocessing.get_context("spawn"), initializer=_die_with_parent,
+                    1, mp_context=multiprocessing.get_context("spawn"), initializer=die_with_parent,
                     initargs=(os.getpid(),)) as one:
                 return one.submit(_on_gpu_or_cpu, run, need, args, kwargs).result()
         return run  # type: ignore[return-value]

@@ -3,7 +3,8 @@ answers, and its end.
 
 Each server is `python -m sglang.launch_server` (the prefix is `rollout.sglang.launch`, so tests start
 the stand-in through this same code) in a session of its own, so that it and the children it starts
-(scheduler, detokenizer) end together; its output goes to `<scratch>/logs/engine-<i>.log`. Start-up
+(scheduler, detokenizer) end together, and it is SIGKILLed when the thread that launched it ends (SGLang's
+children follow their parent); its output goes to `<scratch>/logs/engine-<i>.log`. Start-up
 waits for `/health_generate` with a timeout and surfaces the server's own last error line if it exits.
 The flags used here are read from SGLang 0.5.23's `sglang/srt/arg_groups/fields/*.py`; a 0.5.17 server took the
 same ones on an H200 (bench/sglang_real.py).
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from runtime.config import SGLANG_PORT_STRIDE
 from runtime.errors import ModelError, TransientError
+from runtime.parent_death import popen_preexec
 from runtime.placement.ports import free_port
 from runtime.rollout.sglang.routes import SERVER_FLAG as ROUTES_FLAG, RouteLayout
 from runtime.rollout.sglang.settings import SGLangSettings
@@ -104,8 +106,11 @@ def launch_server(settings: SGLangSettings, model_dir: str, server: Server, take
         logf.write(f"\n==== grpoflow: launching engine {server.index} (restart {server.restarts}): "
                    f"{' '.join(cmd)}\n".encode())
         logf.flush()
+        # dies with this process's client thread (launches run on it): a SIGKILLed driver of the local backend
+        # otherwise left its servers holding the GPU, and the resumed run out of memory
         server.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True, cwd=os.getcwd(), env=server_env())
+                                       start_new_session=True, cwd=os.getcwd(), env=server_env(),
+                                       preexec_fn=popen_preexec())
         # the pid in the log: the server may die before it prints anything itself
         logf.write(f"==== grpoflow: engine {server.index} is pid {server.proc.pid}\n".encode())
     server.epoch += 1
