@@ -104,15 +104,16 @@ def _check(c, picks, decode, packed, one_sequence, tol):
 
 def _check_interpreted() -> None:
     """fp32 and fp16: the interpreter's bf16 dot is wrong (Triton 3.7: it multiplies the raw bits), and fp16 takes the
-    same path (p rounded to the K/V dtype for the second dot). Key blocks of 16 (the module's constant, set here so a
-    short sequence crosses blocks; both modes read it)."""
+    same path (p rounded to the K/V dtype for the second dot). Key blocks of 16 and chunks of 32 (the module's
+    constants, set here so a short sequence crosses blocks and chunks; both modes read them)."""
     import torch
 
     from runtime.kernels import row_attention
     from runtime.kernels.row_attention import paged_row_attention, sequence_row_attention
 
-    row_attention.KEY_BLOCK = 16
-    # one, two and three key blocks; B's and C's own pages of other lengths; A with no prompt
+    row_attention.KEY_BLOCK, row_attention.KEY_CHUNK = 16, 32
+    row_attention.SCRATCH_BYTES = 40 * 2 * 4 * (16 + 2) * 4  # 40 packed rows a launch: the rows cut in three
+    # one, two and three key blocks, one and two chunks; B's and C's own pages of other lengths; A with no prompt
     picks = [("B", 1), ("B", 2), ("C", 1), ("B", 5), ("B", 6), ("C", 22), ("B", 34), ("A", 1), ("A", 16), ("A", 20)]
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         c = _case("cpu", dtype, nh=4, nkv=2, hd=16, page=4, plen=11, lens=(20, 45, 33))
@@ -132,9 +133,10 @@ if __name__ == "__main__":  # run_interpreted's child (the repository root on it
 @pytest.mark.skipif(not has_nvidia_backend(), reason="Triton without its NVIDIA backend")
 @pytest.mark.parametrize("rep", [2, 16], ids=["qwen3-0.6b", "glm4-9b"])
 def test_both_modes_compile_to_the_same_float_instructions(rep):
-    """No GPU needed: the kernel compiled for an H100/H200 (sm_90, bf16, head dim 128, the query heads per KV head of
-    Qwen3-0.6B and GLM-4-9B) in its paged and its sequence mode; the floating-point instructions of the two PTX
-    listings (the dots, exp2, max, the sums, the casts) are the same sequence: only address arithmetic differs."""
+    """No GPU needed: the chunk pass and the merge compiled for an H100/H200 (sm_90, bf16, head dim 128, the query heads
+    per KV head of Qwen3-0.6B and GLM-4-9B) in their paged and their sequence mode; the floating-point instructions of
+    each kernel's two PTX listings (the dots, exp2, max, the sums, the casts) are the same sequence: only address
+    arithmetic differs."""
     import inspect
     import re
 
@@ -142,25 +144,30 @@ def test_both_modes_compile_to_the_same_float_instructions(rep):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from runtime.kernels.row_attention import KEY_BLOCK, _row_attention_kernel
-    names = list(inspect.signature(_row_attention_kernel.fn).parameters)
+    from runtime.kernels.row_attention import KEY_BLOCK, KEY_CHUNK, _row_chunk_kernel, _row_merge_kernel
     float_op = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:mma|fma|mul|add|sub|ex2|lg2|max|min|div|rcp|cvt|shfl|selp|neg|abs)"
                           r"\.\S*)", re.M)
 
-    def float_ops(paged: bool) -> list[str]:
+    def float_ops(kernel, paged: bool) -> list[str]:
+        names = list(inspect.signature(kernel.fn).parameters)
         types = {n: "i32" for n in names}
         types.update({n: "*bf16" for n in ("Q", "K", "V", "OUT")}, PT="*i32", PLEN="*i64", OLEN="*i64", FIRST="*i64",
-                     scale_log2="fp32")
-        consts = dict(REP=rep, REP_PAD=max(16, rep), HD=128, BLOCK_N=KEY_BLOCK, PAGE=16, PAGED=paged)
+                     MPART="*fp32", LPART="*fp32", APART="*fp32", scale_log2="fp32")
+        consts = dict(NH=8 * rep, REP=rep, REP_PAD=max(16, rep), HD=128, BLOCK_N=KEY_BLOCK, CHUNK=KEY_CHUNK, PAGE=16,
+                      PAGED=paged)
+        consts = {n: x for n, x in consts.items() if n in names}
         types.update({n: "constexpr" for n in consts})
-        src = ASTSource(fn=_row_attention_kernel, signature=types,
+        src = ASTSource(fn=kernel, signature={n: types[n] for n in names},
                         constexprs={(i,): consts[n] for i, n in enumerate(names) if n in consts})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2)).asm["ptx"]
         return [op for op in float_op.findall(ptx) if re.search(r"f32|bf16|f16", op) or op.startswith("shfl")]
 
-    paged = float_ops(True)
-    assert any(op.startswith("mma") for op in paged) and any(op.startswith("ex2") for op in paged)
-    assert paged == float_ops(False)
+    chunk = float_ops(_row_chunk_kernel, True)
+    assert any(op.startswith("mma") for op in chunk) and any(op.startswith("ex2") for op in chunk)
+    assert chunk == float_ops(_row_chunk_kernel, False)
+    merge = float_ops(_row_merge_kernel, True)
+    assert any(op.startswith("ex2") for op in merge) and any(op.startswith("div") for op in merge)
+    assert merge == float_ops(_row_merge_kernel, False)
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the kernel compiled for a GPU")

@@ -213,7 +213,7 @@ def common_prefill(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, seqused_k=N
     packed sequence as `common_attention` computes it (on CUDA all of them in one launch)."""
     assert causal, "the common attention is causal self-attention"
     if row_attention_fits(q):
-        return sequence_row_attention(q, k, v, scale, cu_q)
+        return sequence_row_attention(q, k, v, scale, cu_q, longest=int(max_q))
     cu = cu_q.tolist()
     return torch.cat([common_attention(q[s:e], k[s:e], v[s:e], scale) for s, e in zip(cu[:-1], cu[1:])])
 
