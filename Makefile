@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_INDEX ?=
 TORCH := $(shell grep '^torch==' constraints-cpu.txt)
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test bench-smoke clean
 
 $(BIN)/grpoflow: pyproject.toml constraints-cpu.txt
 	$(PY) -m venv $(VENV)
@@ -24,7 +24,11 @@ demo: setup
 	$(BIN)/grpoflow run configs/demo.yaml
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not bench" tests
+
+# the bench scripts' CPU modes (bench/README.md): run before taking their GPU versions to a GPU machine
+bench-smoke: setup
+	$(BIN)/python -m pytest -q -m bench tests
 
 clean:
 	rm -rf grpoflow-data .pytest_cache

@@ -3,6 +3,9 @@
 `bench/gpu_grpo.py --cpu` runs every section of the H100 benchmark on a tiny model: the fast
 engine path against the slow HF path, the trainer (chunked output layer) against full logits and
 against the engine, and the real train stage.
+
+The scripts' CPU runs are marked `bench`: `make bench-smoke` runs them (before a GPU call), `make test` leaves them
+out (they check the measuring tools, ~8 min, not the product); the merge and harness checks here stay in it.
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +31,7 @@ def _cpu_bench(script: str, tmp_path, *args: str, timeout: int = 600) -> dict:
     return json.loads((out / f"{script}.json").read_text())
 
 
+@pytest.mark.bench
 def test_gpu_bench_cpu_mode_runs(tmp_path):
     summary = _cpu_bench("gpu_grpo", tmp_path, "--sections", "setup,engine,trainer,stage", timeout=900)
     sec = summary["sections"]
@@ -45,6 +51,7 @@ def test_gpu_bench_cpu_mode_runs(tmp_path):
     assert st["skipped"] is False and st["step_time_s"] > 0 and st["rollouts"]
 
 
+@pytest.mark.bench
 def test_rollout_bench_cpu_mode_runs(tmp_path):
     summary = _cpu_bench("rollout_bench", tmp_path, "--sections", "paged,capped,kernels,cascade")
     assert summary["benchmark"] == "rollout_bench" and summary["device"] == "cpu" and summary["date"]
@@ -69,6 +76,7 @@ def test_rollout_bench_cpu_mode_runs(tmp_path):
     assert summary["floor"]["floor_s"] > 0
 
 
+@pytest.mark.bench
 def test_partial_rollout_bench_cpu_mode_runs(tmp_path):
     summary = _cpu_bench("partial_rollout", tmp_path)
     assert summary["benchmark"] == "partial_rollout" and summary["device"] == "cpu" and summary["ratios"]
@@ -115,6 +123,7 @@ def test_partial_rollout_bench_sizes_the_24gb_plan_from_its_config(tmp_path):
     assert cfg.cluster.backend == "local" and cfg.cluster.gpu_memory_gb == 24
 
 
+@pytest.mark.bench
 def test_lora_bench_cpu_mode_runs(tmp_path):
     """bench/lora_grpo.py on a 2-layer GLM4: the base built by megatron and saved as torch_dist (no HF weights),
     the train stage with LoRA and the engine on the trainer's base, rollouts at the keyed lengths."""
@@ -134,6 +143,7 @@ def test_lora_bench_cpu_mode_runs(tmp_path):
 
 # ---- bench/memory_check.py: the memory estimate against what is allocated -------------------------------
 
+@pytest.mark.bench
 def test_memory_check_cpu_mode_runs(tmp_path):
     out = tmp_path / "memory_check.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_check.py"), "--device", "cpu", "--out", str(out),
@@ -164,6 +174,7 @@ def test_memory_check_cpu_mode_runs(tmp_path):
     assert off["offload"]["bytes"] == off["reload"]["bytes"] == b["grads"] + b["optimizer"] - b["optimizer_moments"]
 
 
+@pytest.mark.bench
 def test_ray_pipeline_bench_cpu_mode_runs(tmp_path):
     """`grpoflow run` under Ray as the GPU bench drives it (keyed lengths forced in the actors by the bench's
     hook), the same rollouts under the local backend, and the weight path under Ray."""
@@ -188,6 +199,7 @@ def test_ray_pipeline_bench_cpu_mode_runs(tmp_path):
 
 # ---- bench/glm9b_host_optimizer.py: GLM-Z1-9B with the optimizer on the host (issue 36) ---------------------
 
+@pytest.mark.bench
 def test_glm9b_host_optimizer_bench_cpu_mode_runs(tmp_path):
     """A tiny GLM4 through every section: the bf16 model built on the device into HF and torch_dist, the real
     train stage of configs/glm-z1-9b-dapo-2xh100.yaml (TP 2 ranks and 2 engines as processes, the optimizer on
@@ -451,6 +463,7 @@ def test_a_retired_section_is_refused_in_one_line(tmp_path):
                                    "retired ones: bench/README.md)")
 
 
+@pytest.mark.bench
 def test_routing_replay_bench_cpu_mode_runs(tmp_path):
     """bench/routing_replay.py --cpu: the engine's recorded routes replayed by megatron's model leave no token on
     other experts than the engine's (fp32 on the CPU: routing itself agrees too)."""
