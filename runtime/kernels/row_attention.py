@@ -132,25 +132,22 @@ def _launch(q, k, v, table, plen, olen, first, stride_kp, stride_kt, stride_kh, 
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(rows, nh, hd, dtype=q.dtype, device=q.device)
     chunks = max(1, -(-max_keys // KEY_CHUNK))
-    step = rows if paged else max(1, SCRATCH_BYTES // (chunks * nh * (hd + 2) * 4))
+    step = max(1, rows if paged else SCRATCH_BYTES // (chunks * nh * (hd + 2) * 4))
     consts = dict(NH=nh, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd,
                   CHUNK=KEY_CHUNK, PAGED=paged)
-    for row0 in range(0, rows, step):
-        n = min(step, rows - row0)
+    for row0 in range(0, rows, step):  # the paged mode: row0 = 0, all rows (its grid is a CUDA graph's)
+        part = slice(row0, min(rows, row0 + step))
+        n = part.stop - row0
         mpart, lpart = (torch.empty(n, chunks, nh, dtype=torch.float32, device=q.device) for _ in range(2))
         apart = torch.empty(n, chunks, nh, hd, dtype=torch.float32, device=q.device)
-        qs = q[row0:row0 + n]
-        at = (slice(row0, row0 + n),) if paged else (slice(None),)  # a packed row's keys are anywhere in k
-        rowwise = (lambda t: t[row0:row0 + n]) if paged else (lambda t: t)
+        qs, os_ = q[part], out[part]
         _row_chunk_kernel[(n, nkv, chunks)](
-            qs, k, v, mpart, lpart, apart, table[at] if paged else table, rowwise(plen), rowwise(olen),
-            first[row0:row0 + n], qs.stride(0), qs.stride(1), stride_kp, stride_kt, stride_kh, table.stride(0),
-            int(prefix_cols), float(scale) * 1.4426950408889634, 0 if paged else row0, chunks,
-            BLOCK_N=KEY_BLOCK, PAGE=page, num_warps=_WARPS, num_stages=_STAGES, **consts)
-        os_ = out[row0:row0 + n]
-        _row_merge_kernel[(n, nkv)](
-            os_, mpart, lpart, apart, rowwise(plen), rowwise(olen), first[row0:row0 + n], os_.stride(0),
-            os_.stride(1), 0 if paged else row0, chunks, num_warps=_WARPS, **consts)
+            qs, k, v, mpart, lpart, apart, table[part] if paged else table, plen[part], olen[part], first[part],
+            qs.stride(0), qs.stride(1), stride_kp, stride_kt, stride_kh, table.stride(0), int(prefix_cols),
+            float(scale) * 1.4426950408889634, row0, chunks, BLOCK_N=KEY_BLOCK, PAGE=page, num_warps=_WARPS,
+            num_stages=_STAGES, **consts)
+        _row_merge_kernel[(n, nkv)](os_, mpart, lpart, apart, plen[part], olen[part], first[part], os_.stride(0),
+                                    os_.stride(1), row0, chunks, num_warps=_WARPS, **consts)
     return out
 
 
