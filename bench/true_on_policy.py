@@ -25,7 +25,9 @@ a fixed length after fixed-length prompts (GPU: 8 x 8 x 256 after 256, 16,384 to
 stopped at its length from rollout_bench's keyed schedule (median 1700, a tail to 8192), once with the setting and
 once with the defaults (the engine's compiled kernels, the trainer's fusions), each engine warmed up first: the
 setting's max |Δ| on those tokens, and the cost — engine tokens/s, trainer tokens/s (log-prob pass and training
-step), the step (their sum) — against the defaults'.
+step), the step (their sum) — against the defaults'. `--keyed-kv-gb` shrinks its KV pool (40 GiB on the GPU) until samples are
+preempted and recomputed through the prefill (the count is in the engine's row): item 3's preempted samples at the
+recipe's lengths.
 
 Passes when every max |Δ| is 0. JSON in OUT/true_on_policy.json (`--results-dir` keeps a copy named by device and
 date). On the GPU the engine keeps CUDA graphs (its attention has no host sync) and compiles nothing (the setting's
@@ -178,7 +180,7 @@ def keyed_samples(S, eng, groups: int):
     tokens = sum(lengths)
     return out, {"requests": len(keys), "prompt_len": K["prompt_len"], "new_tokens": tokens,
                  "max_len": max(lengths), "generate_s": round(s, 2), "tok_s": round(tokens / s, 1),
-                 "cuda_graphs": dec.use_graphs}
+                 "cuda_graphs": dec.use_graphs, "preemptions": dec.stats.get("preemptions")}
 
 
 def keyed_side(S, W: Path, groups: int, on: bool) -> tuple[list, dict]:
@@ -290,8 +292,12 @@ def main(argv=None) -> int:
     ap.add_argument("--default", action="store_true", help="also the default engine and trainer (gap, timings)")
     ap.add_argument("--keyed", type=int, default=None, metavar="G",
                     help="instead: G groups of 8 at the recipe's keyed lengths, the setting against the defaults")
+    ap.add_argument("--keyed-kv-gb", type=float, default=None,
+                    help="--keyed's KV pool (GPU default 40 GiB): smaller preempts samples, recomputed by the prefill")
     a = ap.parse_args(argv)
     S = dict(SHAPES["cpu" if a.cpu else "gpu"])
+    if a.keyed_kv_gb is not None:
+        S["keyed_kv_cache_gb"] = a.keyed_kv_gb
     out, W = H.start(a, "true_on_policy")
     if a.cpu:
         lga._torch().set_num_threads(1)
