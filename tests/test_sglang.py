@@ -823,7 +823,7 @@ from pathlib import Path
 from runtime.rollout.sglang import SGLangSettings
 from runtime.config import SGLangSection
 from runtime.rollout.sglang.server_process import Server, launch_server
-settings = SGLangSettings(section=SGLangSection(launch=["{python}", "-c", "import time; time.sleep(600)"]))
+settings = SGLangSettings(section=SGLangSection(launch=["{python}", "-c", "import signal; signal.pause()"]))
 proc = launch_server(settings, "no-model", Server(0, 0, Path(sys.argv[1])), set())
 print(proc.pid, flush=True)
 sys.stdin.read()  # until the test kills this process
