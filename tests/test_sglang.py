@@ -818,33 +818,37 @@ def test_health_wait_rides_out_503_and_shutdown_kills_every_pid(start):
 
 
 LAUNCHER = """
-import sys
-from pathlib import Path
-from runtime.rollout.sglang import SGLangSettings
+import json, sys
 from runtime.config import SGLangSection
-from runtime.rollout.sglang.server_process import Server, launch_server
-settings = SGLangSettings(section=SGLangSection(launch=["{python}", "-c", "import signal; signal.pause()"]))
-proc = launch_server(settings, "no-model", Server(0, 0, Path(sys.argv[1])), set())
-print(proc.pid, flush=True)
-sys.stdin.read()  # until the test kills this process
+from runtime.rollout.sglang import SGLangEngine, SGLangSettings
+standin, model, scratch = sys.argv[1:4]
+settings = SGLangSettings(section=SGLangSection(launch=["{python}", standin], num_engines=2, scratch_dir=scratch,
+                                                startup_timeout_s=120.0))
+engine = SGLangEngine(settings, model)  # its servers launched from its client thread, as in a run
+print(json.dumps(engine.pids), flush=True)
+sys.stdin.read()  # until the test kills this process: no shutdown, no cleanup of ours
 """
 
 
-def test_a_server_dies_with_the_process_that_launched_it(tmp_path):
-    """A SIGKILLed driver runs no cleanup; the server it launched (a session of its own) must not live on
-    holding the GPU the resumed run needs."""
+def test_servers_die_with_the_process_whose_engine_launched_them(tmp_path, model_dir):
+    """A SIGKILLed driver runs no cleanup; the SGLang servers its engine launched (each a session of its own)
+    must not live on holding the GPU the resumed run needs."""
     import select
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "engine-0.log")], cwd=ROOT,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(STANDIN), str(model_dir), str(tmp_path / "s")],
+                                cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
-    server = os.pidfd_open(int(launcher.stdout.readline()))  # readable once the server has ended
+    servers = [os.pidfd_open(pid) for pid in json.loads(launcher.stdout.readline())]  # readable once ended
     try:
-        assert select.select([server], [], [], 0)[0] == []
+        assert len(servers) == 2 and select.select(servers, [], [], 0)[0] == []
         launcher.kill()
         launcher.wait()
-        assert select.select([server], [], [], 60)[0] == [server]  # the kernel's signal, not a cleanup of ours
+        waiting = list(servers)
+        while waiting and (ready := select.select(waiting, [], [], 60)[0]):
+            waiting = [fd for fd in waiting if fd not in ready]
+        assert not waiting  # each ended by the kernel's signal, not by a cleanup of ours
     finally:
-        os.close(server)
+        for fd in servers:
+            os.close(fd)
 
 
 def test_missing_sglang_names_the_install_command(tmp_path, model_dir):
