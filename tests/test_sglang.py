@@ -837,7 +837,8 @@ def test_servers_die_with_the_process_whose_engine_launched_them(tmp_path, model
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(STANDIN), str(model_dir), str(tmp_path / "s")],
                                 cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
-    servers = [os.pidfd_open(pid) for pid in json.loads(launcher.stdout.readline())]  # readable once ended
+    pids = json.loads(launcher.stdout.readline())
+    servers = [os.pidfd_open(pid) for pid in pids]  # readable once ended
     try:
         assert len(servers) == 2 and select.select(servers, [], [], 0)[0] == []
         launcher.kill()
@@ -847,7 +848,10 @@ def test_servers_die_with_the_process_whose_engine_launched_them(tmp_path, model
             waiting = [fd for fd in waiting if fd not in ready]
         assert not waiting  # each ended by the kernel's signal, not by a cleanup of ours
     finally:
-        for fd in servers:
+        launcher.kill()
+        for pid, fd in zip(pids, servers):
+            if not select.select([fd], [], [], 0)[0]:  # still running (the test failed): nothing outlives it
+                os.killpg(pid, signal.SIGKILL)
             os.close(fd)
 
 
