@@ -75,10 +75,11 @@ def quantise_at_sync(dec, model, cuda: bool) -> dict:
 
 
 def linear_microbench(model, cuda: bool) -> dict:
-    """ms of one layer's four projections at a decode step's rows: bf16 F.linear, fp8_linear (with its input's
-    quantisation, eager) and _scaled_mm alone (the input already quantised): what the matmuls save and what the
-    quantisation costs, apart from the rest of the step."""
-    from runtime.rollout.fp8_weights import FP8, fp8_linear, quantize_rows
+    """ms of one layer's four projections at a decode step's rows: bf16 F.linear, the engine's fp8_linear (the e4m3
+    weight widened inside the kernel, the input as it is), the earlier rowwise `_scaled_mm` path (the input quantised
+    per row first) and `_scaled_mm` alone (the input already quantised, exact or fast accumulation): what each FP8
+    matmul saves against bf16 apart from the rest of the step."""
+    from runtime.rollout.fp8_weights import FP8, fp8_linear, quantize_activation_rows, quantize_rows
     layer = model.model.layers[0]
     a, m = layer.self_attn, layer.mlp
     gu = [m.gate_up_proj.weight] if hasattr(m, "gate_up_proj") else [m.gate_proj.weight, m.up_proj.weight]
@@ -89,19 +90,24 @@ def linear_microbench(model, cuda: bool) -> dict:
     def ms(fn, reps: int = 20) -> float:
         return round(1e3 * timed(fn, cuda, reps), 4)
 
+    def scaled_mm_linear(x, w8, s):
+        xq, xs = quantize_activation_rows(x)
+        return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=s, out_dtype=x.dtype)
+
     out = {}
     with torch.inference_mode():
-        for rows in (8, 128):
+        for rows in (8, 32, 128):
             xs = [torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
             xq = [(x.float() / 0.01).clamp(-448, 448).to(FP8) for x in xs]
             sa = [torch.full((rows, 1), 0.01, device=w.device) for w in weights]
             out[f"rows{rows}"] = {
                 "bf16_ms": ms(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)]),
-                "fp8_with_quant_ms": ms(lambda: [fp8_linear(x, w8, s) for x, (w8, s) in zip(xs, quantized)]),
+                "fp8_weight_kernel_ms": ms(lambda: [fp8_linear(x, w8, s) for x, (w8, s) in zip(xs, quantized)]),
+                "scaled_mm_with_quant_ms": ms(lambda: [scaled_mm_linear(x, w8, s)
+                                                       for x, (w8, s) in zip(xs, quantized)]),
                 "scaled_mm_only_ms": ms(lambda: [torch._scaled_mm(q, w8.t(), scale_a=a_, scale_b=s,
                                                                   out_dtype=xs[0].dtype)
                                                  for q, a_, (w8, s) in zip(xq, sa, quantized)]),
-                # the engine accumulates exactly (use_fast_accum off); what the fast mode would save
                 "scaled_mm_fast_accum_ms": ms(lambda: [torch._scaled_mm(q, w8.t(), scale_a=a_, scale_b=s,
                                                                         out_dtype=xs[0].dtype, use_fast_accum=True)
                                                        for q, a_, (w8, s) in zip(xq, sa, quantized)])}
