@@ -1,5 +1,6 @@
-"""The resume contract under real faults: SIGKILL of the run process during a rollout and during a
-checkpoint write, a damaged newest checkpoint, finished and unknown runs, and the one-writer lease.
+"""The resume contract under real faults: SIGKILL of the run process while the next chunk trains beside a
+checkpoint write, a killed trainer actor, a damaged newest checkpoint, finished and unknown runs, and the
+one-writer lease (a kill at every other moment of a run: tests/test_kill_anywhere.py).
 
 Every resumed run must end with the same weights and optimizer state, bit for bit, as the
 uninterrupted reference run of the session (same config, same seed).
@@ -7,7 +8,6 @@ uninterrupted reference run of the session (same config, same seed).
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -51,111 +51,15 @@ def _overrides(root: Path) -> list[str]:
     return REFERENCE_OVERRIDES + [f"storage.root={root}"]
 
 
-def _start_run(run_id: str, root: Path, log: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    sets = sum((["--set", o] for o in _overrides(root) + list(extra)), [])
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # A session of its own: the kill reaches Prefect's and the trainer's child processes too.
-    return subprocess.Popen([sys.executable, "-m", "cli.main", "run", "configs/tiny.yaml", "--run-id", run_id, *sets],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
-
-
-def _wait_for(predicate, proc: subprocess.Popen, log: Path, timeout: float = 300, every: float = 0.2):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        hit = predicate()
-        if hit:
-            return hit
-        if proc.poll() is not None:
-            raise AssertionError(f"run exited early ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting; log:\n{log.read_text()[-3000:]}")
-
-
-def _table_row_printed(log: Path, rollouts_done: int) -> bool:
-    """The live table's row of a finished rollout (first cell: rollouts done, or done/total) is in the log."""
-    row = re.compile(rf"^\s*{rollouts_done}(/\d+)?\s+\d+:\d\d\s", re.M)
-    return bool(row.search(log.read_text(errors="replace")))
-
-
 @pytest.mark.race
-def test_sigkill_during_rollout_then_resume_is_bitwise_equal(prefect_harness, reference_final, tmp_path, monkeypatch):
-    """Kill, resume, the unbroken run's weights. train.deterministic (the default, what makes this equality hold on
-    GPUs; on CPU the kernels are deterministic either way) is frozen with the run, and the resumed trainer computes
-    under it while the engine beside it, in the same process, does not."""
-    root = tmp_path / "root"
-    rd = RunDir(str(root), "k1")
-    log = tmp_path / "run.log"
-    proc = _start_run("k1", root, log)
-    try:
-        # killed while the last rollout of the second chunk runs: the row of the one before it is printed
-        _wait_for(lambda: _table_row_printed(log, 3), proc, log, every=0.01)
-    finally:
-        _kill(proc)
-    assert checkpoint.latest(rd).rollout == 2
-    assert yaml.safe_load(Path(rd.config).read_text())["train"]["deterministic"] is True  # frozen with the run
-    modes: dict[str, set[bool]] = {"trainer": set(), "engine": set()}  # deterministic mode while each computes
-
-    def seen(who):
-        modes[who].add(torch.are_deterministic_algorithms_enabled())
-    hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: seen("trainer"))  # megatron's modules
-    from runtime.rollout.builtin import BuiltinEngine
-    decode = BuiltinEngine.advance_generation
-    monkeypatch.setattr(BuiltinEngine, "advance_generation", lambda self: (seen("engine"), decode(self))[1])
-    try:
-        assert main(["resume", "k1", "--root", str(root)]) == 0
-    finally:
-        hook.remove()
-    assert modes == {"trainer": {True}, "engine": {False}}
-    final = checkpoint.latest(rd)
-    assert final.rollout == 4
-    assert [m["rollout"] for m in final.state["metrics"]] == [2, 3]  # the chunk ran exactly its rollouts
-    assert_same_checkpoint(checkpoint_tensors(final.path, tmp_path), reference_final)
-    # MLflow: the resumed run re-attached to the same MLflow run, one point per rollout per metric
-    import json
-
-    from mlflow.tracking import MlflowClient
-    doc = json.loads(Path(rd.sub("tracking.json")).read_text())
-    client = MlflowClient(doc["tracking_uri"])
-    for metric in ("reward_mean", "loss", "kl", "grad_norm"):
-        steps = sorted(m.step for m in client.get_metric_history(doc["mlflow_run_id"], metric))
-        assert steps == [0, 1, 2, 3], (metric, steps)
-
-
-@pytest.mark.race
-def test_sigkill_during_checkpoint_write_then_resume(prefect_harness, reference_final, tmp_path):
-    root = tmp_path / "root"
-    rd = RunDir(str(root), "k2")
-    base = Path(rd.checkpoints)
-    proc = _start_run("k2", root, tmp_path / "run.log")
-    try:
-        # the first checkpoint is being written under its temp name
-        _wait_for(lambda: base.is_dir() and any(p.name.startswith(".rollout_2.tmp-") for p in base.iterdir()),
-                  proc, tmp_path / "run.log", every=0.005)
-    finally:
-        _kill(proc)
-    ck = checkpoint.latest(rd)
-    assert ck is None or ck.rollout == 2  # never a half-written checkpoint
-    assert main(["resume", "k2", "--root", str(root)]) == 0
-    final = checkpoint.latest(rd)
-    assert final.rollout == 4
-    assert not any(p.name.startswith(".rollout_") for p in base.iterdir())  # temp leftovers pruned
-    assert_same_checkpoint(checkpoint_tensors(final.path, tmp_path), reference_final)
-
-
-@pytest.mark.race
-def test_sigkill_while_the_next_chunk_trains_beside_the_checkpoint_write(prefect_harness, reference_final, tmp_path):
+def test_sigkill_while_the_next_chunk_trains_beside_the_checkpoint_write(prefect_harness, reference_final, tmp_path,
+                                                                        monkeypatch):
     """checkpoint.background: rollout 2's checkpoint has its tensors on disk but is not finalized (its writer held
     after the files, before the manifest) while rollout 2 trains; killed there, the resume discards it, redoes
-    the first chunk and ends as the reference. A killed run and a resume: as long as the test above (250-300 s
-    on the 2-core machine under other engineers' load)."""
+    the first chunk and ends as the reference's weights. train.deterministic (the default, what makes this equality
+    hold on GPUs; on CPU the kernels are deterministic either way) is frozen with the run, and the resumed trainer
+    computes under it while the engine beside it, in the same process, does not. (Kills at every other moment, and
+    the MLflow points and registry of the resumed run: tests/test_kill_anywhere.py.)"""
     root = tmp_path / "root"
     rd = RunDir(str(root), "k3")
     pauses = tmp_path / "pauses"
@@ -171,9 +75,23 @@ def test_sigkill_while_the_next_chunk_trains_beside_the_checkpoint_write(prefect
     temps = [p for p in Path(rd.checkpoints).iterdir() if p.name.startswith(".rollout_2.tmp-")]
     assert temps and list((temps[0] / "model").glob("*.distcp")) and not (temps[0] / "manifest.json").exists()
     assert checkpoint.latest(rd) is None
-    assert main(["resume", "k3", "--root", str(root)]) == 0
+    assert yaml.safe_load(Path(rd.config).read_text())["train"]["deterministic"] is True  # frozen with the run
+    modes: dict[str, set[bool]] = {"trainer": set(), "engine": set()}  # deterministic mode while each computes
+
+    def seen(who):
+        modes[who].add(torch.are_deterministic_algorithms_enabled())
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: seen("trainer"))  # megatron's modules
+    from runtime.rollout.builtin import BuiltinEngine
+    decode = BuiltinEngine.advance_generation
+    monkeypatch.setattr(BuiltinEngine, "advance_generation", lambda self: (seen("engine"), decode(self))[1])
+    try:
+        assert main(["resume", "k3", "--root", str(root)]) == 0
+    finally:
+        hook.remove()
+    assert modes == {"trainer": {True}, "engine": {False}}
     final = checkpoint.latest(rd)
     assert final.rollout == 4 and final.state["metrics"][-1]["checkpoint_write_s"] >= 0
+    assert [m["rollout"] for m in final.state["metrics"]] == [2, 3]  # the chunk ran exactly its rollouts
     assert not any(p.name.startswith(".rollout_") for p in Path(rd.checkpoints).iterdir())
     assert_same_checkpoint(checkpoint_tensors(final.path, tmp_path), reference_final)
 
