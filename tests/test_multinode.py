@@ -1,11 +1,10 @@
 """Multi-node Ray on this host: a head with no CPUs and two worker nodes of one CPU each
 (`ray.cluster_utils.Cluster`), so the trainer and the engine land on different nodes; storage on the
-suite's S3 server (tests/test_s3.py). Three failures, each ending bitwise-equal to the session's
+suite's S3 server (tests/test_s3.py). Three failures in two runs, each ending bitwise-equal to the session's
 reference run:
 
-- the node with the trainer removed mid-chunk (a replacement node joins): the chunk's retry rebuilds
-  the actors from `checkpoints/latest`;
-- the node with the engine removed mid-rollout: the same;
+- in one run, the node with the trainer removed mid-chunk (a replacement node joins), then the node with
+  the engine mid-rollout: each time the chunk's retry rebuilds the actors from `checkpoints/latest`;
 - the whole cluster lost: the run ends in one `error:` line (exit 3) with the lease released and no
   process of it left; a new cluster is started and `grpoflow resume --set cluster.address=NEW` finishes.
 
@@ -114,20 +113,23 @@ def _final_tensors(root: str, state_dir: Path, tmp: Path):
     return checkpoint_tensors(final.path, tmp)
 
 
-@pytest.mark.parametrize("pause_at, actor", [("train-step-done#1", "trainer"), ("generate#2", "engine")],
-                         ids=["trainer-node-mid-chunk", "engine-node-mid-rollout"])
-def test_node_removed_mid_chunk_then_bitwise_equal(s3, zygote, reference_final, tmp_path, pause_at, actor):
+def test_trainer_node_then_engine_node_removed_mid_chunk_then_bitwise_equal(s3, zygote, reference_final, tmp_path):
+    """One run, two node deaths, each time a fresh node joins: the trainer's node while rollout 0 trains, then, in the
+    second chunk, the engine's node while it samples (its process's fourth generate call: the engine outlives the
+    first chunk's retry, which samples rollout 0 again). The second chunk's retry restarts from rollout 2's
+    checkpoint on S3; two deaths in one chunk would spend its retries."""
     pauses = tmp_path / "pauses"
     pauses.mkdir()
-    nodes = RayNodes(env={"GRPOFLOW_TEST_PAUSE_AT": pause_at, "GRPOFLOW_TEST_PAUSE_DIR": str(pauses)})
-    root = f"s3://{BUCKET}/multinode-{actor}"
+    moments = ("train-step-done#1", "generate#4")
+    nodes = RayNodes(env={"GRPOFLOW_TEST_PAUSE_AT": ",".join(moments), "GRPOFLOW_TEST_PAUSE_DIR": str(pauses)})
+    root = f"s3://{BUCKET}/multinode-nodes"
     try:
         zygote.start(_argv(root, tmp_path / "state", nodes.address), {}, tmp_path / "run.log")
-        label = pause_at.replace("/", "_").replace(":", "_")
-        reached = wait_reached(pauses / f"{label}.reached")
-        assert reached["node_id"], reached  # inside a Ray actor on a worker node
-        nodes.replace(reached["node_id"])  # the node with the paused actor dies; a new one joins
-        (pauses / f"{label}.go").touch()
+        for moment in moments:
+            reached = wait_reached(pauses / f"{moment}.reached")
+            assert reached["node_id"], reached  # inside a Ray actor on a worker node
+            nodes.replace(reached["node_id"])  # the node with the paused actor dies; a new one joins
+            (pauses / f"{moment}.go").touch()
         ended = zygote.wait()
         assert ended.get("exit") == 0, (ended, (tmp_path / "run.log").read_text()[-4000:])
     finally:

@@ -8,7 +8,7 @@
   and ``GRPOFLOW_TEST_SNAPSHOT_DIR``: copy the root to ``<dir>/<name>`` when ``<name>`` is reached, so
   a test can restart a run from that boundary without re-running what came before.
 
-- ``GRPOFLOW_TEST_PAUSE_AT=<name>[#<k>]`` with ``GRPOFLOW_TEST_PAUSE_DIR``: on reaching it, write
+- ``GRPOFLOW_TEST_PAUSE_AT=<name>[#<k>][,...]`` with ``GRPOFLOW_TEST_PAUSE_DIR``: on reaching one, write
   ``<dir>/<label>.reached`` (this process's pid and Ray node id; of the first to reach it, where several
   processes do) and wait until ``<dir>/<label>.go`` exists — a test does something to the cluster at exactly
   that point (removes this node), then lets go.
@@ -38,8 +38,10 @@ def moment(name: str, index: int | None = None) -> None:
     if index is not None:
         name = f"{name}-{index}"
     _hits[name] += 1
-    if pause_at and pause_at in (name if _hits[name] == 1 else None, f"{name}#{_hits[name]}"):
-        _pause(pause_at)
+    if pause_at:
+        for want in pause_at.split(","):
+            if want in (name if _hits[name] == 1 else None, f"{name}#{_hits[name]}"):
+                _pause(want)
     if snap_at:
         wanted = snap_at.split(",")
         label = f"{name}#{_hits[name]}"
