@@ -124,6 +124,8 @@ def w8_linear(x: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if w8.stride() != (k, 1):  # the kernel walks the weight's rows k apart (the engine's buffers are laid out so)
+        w8 = w8.contiguous()
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
