@@ -91,9 +91,6 @@ def summarize(runs: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    from mlflow import MlflowClient
-
-    from runtime.tracking.mlflow_tracker import store_uri_for_root
     ap = H.parser(__doc__, "fp8_learning", 560.0, section=False)
     ap.add_argument("--rollouts", type=int, default=150, help="train.num_rollout of each run (GPU)")
     ap.add_argument("--together", action="store_true",
@@ -104,6 +101,9 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     runs = {}
     if a.together:
+        from mlflow import MlflowClient
+
+        from runtime.tracking.mlflow_tracker import store_uri_for_root
         # One store for both runs (the report reads them side by side): made and migrated here, before two
         # processes would race to create it.
         (W / "root").mkdir(parents=True)
