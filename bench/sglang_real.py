@@ -14,7 +14,8 @@ weight versions (CUDA IPC handles from this process: `rollout.sglang.weight_sync
 group (`init_weight_sync` + `receive_weights`, this process's rank 0 on GPU 1 and the server on GPU 0: NCCL cannot
 put two ranks of one group on one GPU, so the row needs a second GPU and is skipped on one); partial rollout's
 abort and continue (`generate(..., until=GroupsDone)`, then the aborted samples continued with `prefix_ids`); a
-SIGKILLed server restarted by the client; a request the server rejects named once, not retried; the cost of the
+server SIGKILLed while released (restarted, re-synced, released again, then resumed); a request the server
+rejects, raw and through the client (named once, not retried, no restart); the cost of the
 deterministic mode (warm tok/s of one workload on this server and on a second one started without
 `--enable-deterministic-inference`).
 `--skip ROW,...` leaves rows out (restart, det-cost: the two that start a server); `--deadline` skips det-cost when
@@ -78,10 +79,6 @@ def gpu_used_gib() -> float:
     import torch
     free, total = torch.cuda.mem_get_info()
     return round((total - free) / 2**30, 2)
-
-
-class _Done(Exception):
-    """The rows asked for ran: leave the row sequence."""
 
 
 def keep_logs(scratch: Path, out: Path, tag: str) -> None:
@@ -236,6 +233,63 @@ def partial_row(engine, prompts, cap: int, row) -> None:
         complete_groups=complete_groups, aborted=len(aborted), tokens_at_abort=(min(made), max(made)) if made else None,
         stop_s=round(stop_s, 2), continued=len(again), prefix_kept=kept, continued_to_an_end=ended,
         continue_s=round(cont_s, 2), lengths_after=sorted({len(c.response_ids) for c in cont})[:5])
+
+
+def restart_released_row(engine, named, first, reqs, sp, row) -> None:
+    """A server SIGKILLed while the pool is released (the trainer holds the GPU): the client's check (here
+    `weight_sync_ready`, in a run the next call) restarts it, re-syncs the current weights from their disk copy,
+    probes it, and releases it again, so the trainer keeps its memory; the resume takes it back and it serves the
+    same samples. The original weights are loaded from disk first: the restart re-syncs from that copy (a tensor
+    or broadcast update leaves none)."""
+    engine.update_weights(named, version=engine.weight_version + 1)
+    engine.release_memory()
+    released = gpu_used_gib()
+    pid, proc = engine.pids[0], engine.pool.servers[0].proc
+    os.killpg(os.getpgid(pid), signal.SIGKILL)
+    proc.wait(timeout=60)
+    t0 = time.time()
+    engine.weight_sync_ready()
+    restart_s = time.time() - t0
+    h = engine.health()["engines"][0]
+    after_restart = gpu_used_gib()
+    engine.resume_memory()
+    resumed = gpu_used_gib()
+    after = engine.generate(reqs[:8], sp)
+    row("a server SIGKILLed while released: restarted, re-synced, released again",
+        engine.pids[0] != pid and h.get("state") == "ready" and bool(h.get("released"))
+        and after_restart < resumed - 1 and same(first[:8], after) == 8,
+        restart_s=round(restart_s, 1), restarts=h.get("restarts"), released_after_restart=h.get("released"),
+        gpu_gib={"released": released, "after_restart": after_restart, "resumed": resumed},
+        version=engine.weight_version, same_as_before=same(first[:8], after))
+
+
+def rejected_rows(engine, prompts, reqs, sp, row) -> None:
+    """A request the server rejects (a sampling key 0.5.17 does not know): raw, what the server answers and that it
+    stays up; through the client, one line naming it, sent once, no restart, and the server serves on."""
+    import httpx
+
+    from runtime.errors import ConfigError
+    from runtime.rollout.sglang import http_protocol
+    body = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 4, "no_such_key": 1}}
+    r = httpx.post(engine.urls[0] + "/generate", json=body, timeout=60)
+    row("a rejected request (raw)", r.status_code >= 400 and engine.health()["ok"], status=r.status_code,
+        body=r.text[:300])
+    pid, restarts = engine.pids[0], engine.health()["engines"][0].get("restarts")
+    made = http_protocol.sglang_sampling_params
+    http_protocol.sglang_sampling_params = lambda sampling, seed: {**made(sampling, seed), "no_such_key": 1}
+    error = None
+    try:
+        engine.generate(reqs[:1], sp)
+    except ConfigError as e:
+        error = str(e)
+    finally:
+        http_protocol.sglang_sampling_params = made
+    h = engine.health()["engines"][0]
+    served = engine.generate(reqs[:8], sp)
+    row("a rejected request through the client: one line, no restart",
+        error is not None and "\n" not in error and "rejected /generate" in error and engine.pids[0] == pid
+        and h.get("restarts") == restarts and len(served) == 8,
+        error=error, restarts=h.get("restarts"), same_pid=engine.pids[0] == pid, served_after=len(served))
 
 
 def throughput(engine, max_new: int) -> dict:
@@ -526,26 +580,10 @@ def main(argv=None) -> int:
             except Exception:  # noqa: BLE001
                 row(f"{name}: failed", False, error=traceback.format_exc()[-3000:])
                 engine.update_weights(named, version=engine.weight_version + 100)
-        if "restart" in skip:
-            raise _Done
-        # a SIGKILLed server: the client restarts it, re-syncs the weights, and the request goes through
-        pid = engine.pids[0]
-        os.killpg(os.getpgid(pid), signal.SIGKILL)
-        t0 = time.time()
-        after = engine.generate(reqs[:8], sp)
-        row("SIGKILLed server restarted", engine.pids[0] != pid and len(after) == 8, restart_s=round(time.time() - t0, 1),
-            restarts=engine.health()["engines"][0].get("restarts"), version=engine.weight_version,
-            same_as_before=sum(x.response_ids == y.response_ids for x, y in zip(first[:8], after)))
-
-        if "rejected" in skip:
-            raise _Done
-        # a request the server rejects: one error named, no restart
-        import httpx
-        body = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 4, "no_such_key": 1}}
-        r = httpx.post(engine.urls[0] + "/generate", json=body, timeout=60)
-        row("a rejected request (raw)", r.status_code >= 400, status=r.status_code, body=r.text[:300])
-    except _Done:
-        pass
+        if "restart" not in skip:
+            restart_released_row(engine, named, first, reqs, sp, row)
+        if "rejected" not in skip:
+            rejected_rows(engine, prompts, reqs, sp, row)
     except Exception:  # noqa: BLE001 - the row says what broke; the server log follows
         row("unexpected failure", False, error=traceback.format_exc()[-3000:])
     finally:
