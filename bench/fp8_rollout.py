@@ -240,6 +240,17 @@ def run_shape(name: str, build, S, *, prompts: int, over_sampling: float, kv_gib
     return res
 
 
+def use_swept_tiles(path: Path) -> list:
+    """Set the FP8 kernel's TILES to the sweep's fastest GLM tile at each row count measured (a row count up to the
+    next measured one takes that one's tile; the largest serves every count above it)."""
+    from runtime.kernels import fp8_weight_matmul as mm
+    rows = json.loads(path.read_text())["models"]["glm9b"]
+    best = sorted((int(m), tuple(r["best"]["tiles"])) for m, r in rows.items() if "best" in r)
+    mm.TILES = tuple((m, *t) for m, t in best[:-1]) + ((None, *best[-1][1]),)
+    print(f"TILES from {path}: {mm.TILES}", flush=True)
+    return [list(t) for t in mm.TILES]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (smoke)")
@@ -251,6 +262,8 @@ def main() -> int:
     ap.add_argument("--qwen-prompts", type=int, default=16)
     ap.add_argument("--qwen-over-sampling", type=float, default=1.0)
     ap.add_argument("--kv-gib", type=float, default=40.0)
+    ap.add_argument("--tiles", default=None, help="fp8_matmul_tiles.py's JSON: its best GLM tile per row count "
+                                                  "replaces the kernel's TILES for this run")
     a = ap.parse_args()
     t_start = time.time()
 
@@ -269,6 +282,8 @@ def main() -> int:
                  "scales": "rowwise e4m3: a fp32 scale per weight output row and per activation token row; bf16 out",
                  "shapes": {}}
     base = rb.SHAPES["gpu" if cuda else "cpu"]
+    if a.tiles:
+        res["tiles"] = use_swept_tiles(Path(a.tiles))
     for name in a.shapes.split(","):
         if left() < 120:
             res["shapes"][name] = {"skipped": f"deadline ({left():.0f} s left)"}

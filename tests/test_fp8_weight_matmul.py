@@ -100,9 +100,9 @@ def test_every_tile_compiles_for_sm90_to_tensor_core_dots_on_widened_weights():
 
     ptrs = dict(X="*bf16", W="*fp8e4nv", S="*fp32", BIAS="*bf16", OUT="*bf16", PART="*fp32")
     for _, bm, bn, bk, warps, stages in TILES:
-        for split in (1, 2):
-            code = ptx(_w8_matmul_kernel, ptrs, dict(HAS_BIAS=True, SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
-                       warps, stages)
+        for split, even_k in ((1, True), (2, False)):
+            code = ptx(_w8_matmul_kernel, ptrs, dict(HAS_BIAS=True, SPLIT=split, EVEN_K=even_k, BLOCK_M=bm, BLOCK_N=bn,
+                                                     BLOCK_K=bk), warps, stages)
             assert "mma" in code and "e4m3" in code, (bm, bn, bk)
     code = ptx(_split_sum_kernel, dict(PART="*fp32", S="*fp32", BIAS="*bf16", OUT="*bf16"),
                dict(HAS_BIAS=True, SPLIT=4, BLOCK=1024), 4, 1)
@@ -119,6 +119,10 @@ def test_on_a_gpu_the_kernel_matches_the_promised_arithmetic_at_glm_shapes(m):
         x, w8, s, b = _case(m, n, k, torch.bfloat16, "cuda", seed=n)
         out = w8_linear(x, w8, s, b)
         ref = _reference(x, w8, s, b)
-        # bf16 outputs of sums over up to 13,696 terms, summed in another order: a rounding step of bf16 apart
-        assert ((out.float() - ref.float()).abs() / (ref.float().abs() + 1e-1)).max().item() < 2e-2, (m, n, k)
+        # sums of up to 13,696 terms in another order, each rounded to bf16 once: apart by a bf16 step of the
+        # result plus the fp32 order error, which scales with the terms' magnitudes, not the sum's (an output near 0
+        # in a row of large terms)
+        terms = (x.float().abs() @ w8.float().abs().t()) * s
+        excess = (out.float() - ref.float()).abs() / (ref.float().abs() * 2**-7 + terms * 5e-5)
+        assert excess.max().item() <= 1, (m, n, k, excess.max().item())
         assert torch.equal(out, w8_linear(x, w8, s, b)), split_for(m, n, k, 132)

@@ -30,7 +30,7 @@ if triton_available():
 
     @triton.jit
     def _w8_matmul_kernel(X, W, S, BIAS, OUT, PART, M, N, K, K_PER_SPLIT, stride_x, stride_o,
-                          HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -38,13 +38,18 @@ if triton_available():
         m_in, n_in = rm < M, rn < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_lo = pid_k * K_PER_SPLIT
-        for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
-            k_in = rk < K
-            x = tl.load(X + rm[:, None].to(tl.int64) * stride_x + rk[None, :], mask=m_in[:, None] & k_in[None, :],
-                        other=0.0)
-            w = tl.load(W + rn[:, None].to(tl.int64) * K + rk[None, :], mask=n_in[:, None] & k_in[None, :],
-                        other=0.0)
+            if EVEN_K:  # no mask along the contiguous dimension: the weight's bytes load as wide vectors
+                x = tl.load(X + rm[:, None].to(tl.int64) * stride_x + rk[None, :], mask=m_in[:, None], other=0.0)
+                w = tl.load(W + rn[:, None].to(tl.int64) * K + rk[None, :], mask=n_in[:, None], other=0.0)
+            else:
+                k_in = rk < K
+                x = tl.load(X + rm[:, None].to(tl.int64) * stride_x + rk[None, :],
+                            mask=m_in[:, None] & k_in[None, :], other=0.0)
+                w = tl.load(W + rn[:, None].to(tl.int64) * K + rk[None, :], mask=n_in[:, None] & k_in[None, :],
+                            other=0.0)
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
         if SPLIT == 1:
             out = (acc * tl.load(S + rn, mask=n_in, other=0.0)[None, :]).to(OUT.dtype.element_ty)
@@ -138,14 +143,22 @@ def launch_w8_linear(x2: torch.Tensor, w8: torch.Tensor, scales: torch.Tensor, b
                      out: torch.Tensor, sms: int) -> None:
     """The kernel(s) on ``x2`` [m, k] (unit column stride) into ``out`` [m, n]; ``sms`` picks the split."""
     (m, k), n = x2.shape, w8.shape[0]
-    bm, bn, bk, warps, stages = tiles_for(m)
-    split = split_for(m, n, k, sms)
+    launch_tiled(x2, w8, scales, bias, out, tiles_for(m), split_for(m, n, k, sms))
+
+
+def launch_tiled(x2: torch.Tensor, w8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 out: torch.Tensor, tiles: tuple[int, int, int, int, int], split: int,
+                 even_k: bool | None = None) -> None:
+    """launch_w8_linear with the tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) and split given (the tile bench;
+    ``even_k=False`` keeps the inner dimension's mask where it is not needed)."""
+    (m, k), n = x2.shape, w8.shape[0]
+    bm, bn, bk, warps, stages = tiles
     k_per_split = _cdiv(_cdiv(k, split), bk) * bk  # whole K blocks: a block never straddles two splits
     part = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else out
     b = bias if bias is not None else scales  # a pointer the kernel never reads
     _w8_matmul_kernel[(_cdiv(n, bn), _cdiv(m, bm), split)](
         x2, w8, scales, b, out, part, m, n, k, k_per_split, x2.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        HAS_BIAS=bias is not None, SPLIT=split, EVEN_K=k % bk == 0 if even_k is None else even_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
         num_stages=stages)
     if split > 1:
         block = 1024
@@ -153,4 +166,4 @@ def launch_w8_linear(x2: torch.Tensor, w8: torch.Tensor, scales: torch.Tensor, b
                                                    HAS_BIAS=bias is not None, SPLIT=split, BLOCK=block)
 
 
-__all__ = ["kernel_serves", "launch_w8_linear", "split_for", "tiles_for", "w8_linear"]
+__all__ = ["kernel_serves", "launch_tiled", "launch_w8_linear", "split_for", "tiles_for", "w8_linear"]
