@@ -75,11 +75,10 @@ def quantise_at_sync(dec, model, cuda: bool) -> dict:
 
 
 def linear_microbench(model, cuda: bool) -> dict:
-    """ms of one layer's four projections at a decode step's rows: bf16 F.linear, the engine's fp8_linear (the e4m3
-    weight widened inside the kernel, the input as it is), the earlier rowwise `_scaled_mm` path (the input quantised
-    per row first) and `_scaled_mm` alone (the input already quantised, exact or fast accumulation): what each FP8
-    matmul saves against bf16 apart from the rest of the step."""
-    from runtime.rollout.fp8_weights import FP8, fp8_linear, quantize_activation_rows, quantize_rows
+    """ms of one layer's four projections at a decode step's rows: bf16 F.linear, fp8_linear (with its input's
+    quantisation, eager) and _scaled_mm alone (the input already quantised, exact or fast accumulation): what the
+    matmuls save and what the quantisation costs, apart from the rest of the step."""
+    from runtime.rollout.fp8_weights import FP8, fp8_linear, quantize_rows
     layer = model.model.layers[0]
     a, m = layer.self_attn, layer.mlp
     gu = [m.gate_up_proj.weight] if hasattr(m, "gate_up_proj") else [m.gate_proj.weight, m.up_proj.weight]
@@ -90,10 +89,6 @@ def linear_microbench(model, cuda: bool) -> dict:
     def ms(fn, reps: int = 20) -> float:
         return round(1e3 * timed(fn, cuda, reps), 4)
 
-    def scaled_mm_linear(x, w8, s):
-        xq, xs = quantize_activation_rows(x)
-        return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=s, out_dtype=x.dtype)
-
     out = {}
     with torch.inference_mode():
         for rows in (8, 32, 128):
@@ -102,9 +97,7 @@ def linear_microbench(model, cuda: bool) -> dict:
             sa = [torch.full((rows, 1), 0.01, device=w.device) for w in weights]
             out[f"rows{rows}"] = {
                 "bf16_ms": ms(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)]),
-                "fp8_weight_kernel_ms": ms(lambda: [fp8_linear(x, w8, s) for x, (w8, s) in zip(xs, quantized)]),
-                "scaled_mm_with_quant_ms": ms(lambda: [scaled_mm_linear(x, w8, s)
-                                                       for x, (w8, s) in zip(xs, quantized)]),
+                "fp8_with_quant_ms": ms(lambda: [fp8_linear(x, w8, s) for x, (w8, s) in zip(xs, quantized)]),
                 "scaled_mm_only_ms": ms(lambda: [torch._scaled_mm(q, w8.t(), scale_a=a_, scale_b=s,
                                                                   out_dtype=xs[0].dtype)
                                                  for q, a_, (w8, s) in zip(xq, sa, quantized)]),
@@ -240,17 +233,6 @@ def run_shape(name: str, build, S, *, prompts: int, over_sampling: float, kv_gib
     return res
 
 
-def use_swept_tiles(path: Path) -> list:
-    """Set the FP8 kernel's TILES to the sweep's fastest GLM tile at each row count measured (a row count up to the
-    next measured one takes that one's tile; the largest serves every count above it)."""
-    from runtime.kernels import fp8_weight_matmul as mm
-    rows = json.loads(path.read_text())["models"]["glm9b"]
-    best = sorted((int(m), tuple(r["best"]["tiles"])) for m, r in rows.items() if "best" in r)
-    mm.TILES = tuple((m, *t) for m, t in best[:-1]) + ((None, *best[-1][1]),)
-    print(f"TILES from {path}: {mm.TILES}", flush=True)
-    return [list(t) for t in mm.TILES]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (smoke)")
@@ -262,8 +244,6 @@ def main() -> int:
     ap.add_argument("--qwen-prompts", type=int, default=16)
     ap.add_argument("--qwen-over-sampling", type=float, default=1.0)
     ap.add_argument("--kv-gib", type=float, default=40.0)
-    ap.add_argument("--tiles", default=None, help="fp8_matmul_tiles.py's JSON: its best GLM tile per row count "
-                                                  "replaces the kernel's TILES for this run")
     a = ap.parse_args()
     t_start = time.time()
 
@@ -282,8 +262,6 @@ def main() -> int:
                  "scales": "rowwise e4m3: a fp32 scale per weight output row and per activation token row; bf16 out",
                  "shapes": {}}
     base = rb.SHAPES["gpu" if cuda else "cpu"]
-    if a.tiles:
-        res["tiles"] = use_swept_tiles(Path(a.tiles))
     for name in a.shapes.split(","):
         if left() < 120:
             res["shapes"][name] = {"skipped": f"deadline ({left():.0f} s left)"}

@@ -172,8 +172,8 @@ class RolloutSection(Section):
     # run-to-run spread (+-3 %), a shorter first compile (bench/results/engine_repeat_*). SGLang's own is rollout.sglang.deterministic.
     deterministic: bool = True
     # The built-in engine's linear layers (q/k/v, o, gate/up, down): bf16 (the model's dtype), or fp8 = rowwise
-    # e4m3 with a scale per output row, widened inside the matmul (runtime/rollout/fp8_weights.py; a mixture's
-    # experts quantise their input per token), quantised from the trainer's weights at each weight sync; embeddings and the head stay bf16. Halves the engine's weights and
+    # e4m3 with a scale per output row and per token (runtime/rollout/fp8_weights.py), quantised from the
+    # trainer's weights at each weight sync; embeddings and the head stay bf16. Halves the engine's weights and
     # the bytes a decode step reads; its log-probs then differ from the trainer's more than bf16's, so fp8 turns
     # algorithm.use_tis on unless the config sets it.
     weights_dtype: Literal["bf16", "fp8"] = "bf16"

@@ -1,22 +1,22 @@
 """FP8 weights for the built-in engine's linear layers (``rollout.weights_dtype: fp8``): rowwise e4m3.
 
-A weight [out, in] is stored as float8_e4m3fn with one fp32 scale per output row (its absolute max / 448). A dense
-linear reads the e4m3 weight, widens it to the activation's dtype inside the matmul and applies the row scales to the
-fp32 sums (runtime/kernels/fp8_weight_matmul.py): the activation is not quantised, and a decode step reads half the
-weight bytes. Why rowwise: a row's scale follows that row alone, where a per-tensor scale lets one outlier row coarsen
-every other row of the matrix; 128-block scales would cost a scale per block in the inner loop for accuracy a rowwise
+A weight [out, in] is stored as float8_e4m3fn with one fp32 scale per output row (its absolute max / 448), and
+each matmul quantises its input the same way per token row, then runs ``torch._scaled_mm`` with both scale
+vectors and writes the activation dtype (bf16 on a GPU). Why rowwise: it is the scaling torch's sm90 path takes
+fastest with a bf16 output (cuBLASLt's rowwise kernels, in aten/src/ATen/native/cuda/Blas.cpp); per-tensor scales let
+one outlier row coarsen every other row of the matrix (and one outlier token every other token of a batch), and
+128-block scales need the activation cut into 128-column blocks with their own scale layout, for accuracy a rowwise
 scale already gives at these widths. Rowwise also makes a row's quantisation depend on that row only, so quantising
 q, k and v (or gate and up) one by one into row ranges of the fused buffer gives the bits quantising the fused matrix
 would: a weight sync quantises each tensor as it arrives, in place in static buffers (captured CUDA graphs stay
 valid), and the same trainer weights give the same bits (a resumed run's engine runs what the uninterrupted one ran).
-A mixture's experts run one grouped FP8 GEMM (``torch._scaled_grouped_mm``), whose input is quantised per token row
-(`quantize_activation_rows`).
+A mixture's experts run one grouped FP8 GEMM (``torch._scaled_grouped_mm``) on the same per-row quantised input.
+(A Triton kernel that widened the e4m3 weight in registers and left the input unquantised ran the GLM-Z1-9B rollout
+at 0.37-0.52x bf16 on an H200 and was retired: bench/README.md.)
 """
 from __future__ import annotations
 
 import torch
-
-from runtime.kernels.fp8_weight_matmul import w8_linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -57,9 +57,15 @@ def quantize_activation_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` with ``w`` given rowwise-quantised (`quantize_rows`), ``x`` as it is; the output in
-    ``x``'s dtype, the bias added after the product (in the output dtype, as F.linear's epilogue does)."""
-    return w8_linear(x, w8, w_scales, bias)
+    """``F.linear(x, w, bias)`` with ``w`` given rowwise-quantised (`quantize_rows`); ``x`` is quantised per token
+    row on the way in. The output has ``x``'s dtype. The bias is added after the product (in the output dtype,
+    as F.linear's epilogue does)."""
+    lead = x.shape[:-1]
+    xq, xs = quantize_activation_rows(x)
+    out = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scales, out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*lead, w8.shape[0])
 
 
 def fp8_shape_reason(name: str, w: torch.Tensor) -> str | None:
