@@ -26,7 +26,9 @@ client uses, with the request and response shapes read from SGLang 0.5.23 (the P
 http_server.py and srt/managers/tokenizer_manager.py, and run on an H200 by bench/sglang_real.py): no `/generate`
 contract check - the tokenizer manager builds `SamplingParams(**sampling_params)`, so an unknown key is a
 TypeError nothing catches: FastAPI answers 500 "Internal Server Error" (text) and the traceback goes to the log,
-the server staying up; `/get_weight_version` is there, 0.5.23's `/ready` is not. `sampling_seed` is honoured
+the server staying up, but not that connection: uvicorn closes it after the exception, and a request the client
+sent on it meanwhile is never answered (here: always; seen on an H200, where it restarted the server for every
+check sent that way). `/get_weight_version` is there, 0.5.23's `/ready` is not. `sampling_seed` is honoured
 only with --enable-deterministic-inference in both.
 
 Its "model" is a hash: the logits at a position are a pseudo-random function of a digest of the
@@ -523,6 +525,9 @@ def memory(state: State, body: dict, release: bool) -> tuple[int, object]:
 
 def make_handler(state: State):
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as SGLang's uvicorn: the client reuses its connections
+        closing = False  # per connection: a 500 was answered on it
+
         def log_message(self, fmt, *args):  # quiet
             pass
 
@@ -542,6 +547,9 @@ def make_handler(state: State):
             if state.hung and path != "/_calls":
                 while True:  # stop answering; the client must time out
                     time.sleep(3600)
+            if self.closing:  # the 500 before on this connection: uvicorn closed it, this request is never answered
+                self.close_connection = True
+                return
             try:
                 body = json.loads(raw) if raw else None
             except json.JSONDecodeError:
@@ -555,6 +563,9 @@ def make_handler(state: State):
                 state.record({"path": path, "method": method, "body": summary, "status": status,
                               "t0": t0, "t1": time.time(), "n0": n0, "n1": next(state.order), "pid": os.getpid()})
             self._send(status, payload, text)
+            # a 500 is an exception nothing caught: uvicorn closes the connection once it has logged it, after the
+            # client may already have sent its next request on it (modelled as always: that request is dropped)
+            self.closing = status == 500
 
         def _route(self, method: str, path: str, body):
             if any(path in routes for version, routes in ONLY_IN.items() if version != state.args.sglang_version):

@@ -99,10 +99,15 @@ class EnginePool:
             limits=httpx.Limits(max_connections=sec.concurrency * sec.num_engines + 8 * sec.num_engines,
                                 max_keepalive_connections=sec.concurrency * sec.num_engines),
         )
+        # health checks each on a connection of their own: SGLang's server (uvicorn) closes a connection after a 500
+        # it answered for an uncaught exception, and a check sent on that pooled connection would read the close as
+        # the server's death (seen on 0.5.17: a rejected request then restarted the server again and again)
+        self._health_client = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
         self._cond = asyncio.Condition()
         for server in self.servers:
             self.launch(server)
-        await asyncio.gather(*(wait_healthy(self._client, self.settings, self.model_dir, s) for s in self.servers))
+        await asyncio.gather(*(wait_healthy(self._health_client, self.settings, self.model_dir, s)
+                               for s in self.servers))
 
     def launch(self, server: Server) -> None:
         if self.closed:
@@ -111,9 +116,9 @@ class EnginePool:
         self.procs.append(launch_server(self.settings, self.model_dir, server, taken))
 
     async def aclose(self) -> None:
-        client = getattr(self, "_client", None)
-        if client is not None:
-            await client.aclose()
+        for client in (getattr(self, "_client", None), getattr(self, "_health_client", None)):
+            if client is not None:
+                await client.aclose()
 
     # ---- HTTP ----------------------------------------------------------------------------------
 
@@ -285,14 +290,15 @@ class EnginePool:
         """True: the server answered its health check (and serves on); False: it was restarted."""
         if not force and s.proc is not None and s.proc.poll() is None:
             try:
-                r = await self._client.get(s.url(self.settings.section.host, "/health_generate"),
-                                           timeout=self.settings.supervision.health_timeout_s)
+                r = await self._health_client.get(s.url(self.settings.section.host, "/health_generate"),
+                                                  timeout=self.settings.supervision.health_timeout_s)
                 if r.status_code == 200:
                     log.warning("sglang engine %d: a request failed (%s) but the engine is healthy", s.index, reason)
                     await self.set_state(s, prior)  # a stale server stays stale
                     return True
-            except Exception:
-                pass
+                reason = f"{reason}; /health_generate answered {r.status_code}"
+            except Exception as exc:  # noqa: BLE001 - any failure of the check is the server's
+                reason = f"{reason}; /health_generate failed: {type(exc).__name__}: {exc}"
         await self._restart(s, reason)
         return False
 
@@ -310,7 +316,7 @@ class EnginePool:
             needs: NeedsWeights | None = None
             try:
                 self.launch(s)
-                await wait_healthy(self._client, self.settings, self.model_dir, s)
+                await wait_healthy(self._health_client, self.settings, self.model_dir, s)
                 try:
                     version = await self._resync(s)
                 except NeedsWeights as exc:
