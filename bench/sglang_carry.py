@@ -10,6 +10,13 @@ carries 64 MiB and a warm machine keeps /tmp for 30 s between calls: the parts g
     # on the GPU machine, one call per part directory (`.carry-sglang/part-N` in `carry`), each:
     python3 bench/sglang_carry.py install --part .carry-sglang/part-1 ...
     python3 bench/sglang_carry.py check                # imports the server's modules from /tmp/sglang-site
+    python3 bench/sglang_carry.py save-cache --out $OUT/cache   # after a server ran: its compiled kernels, packed
+    python3 bench/sglang_carry.py install-cache --from .carry-sglang/part-3/sglang-cache.tar.xz   # a later session
+
+The server's Triton and Inductor caches (`sglang_real.SERVER_CACHES`, under /tmp/sglang-cache) are what its first
+start on a fresh machine spends most of its time filling (255 s against 77 s for a restart with them warm): packed
+after one session's first start and carried with part 3 into the next, they spare that compile. They are keyed by
+kernel source, Triton version and GPU, so a stale entry is recompiled, not misused.
 
 The server runs from a site of its own (`/tmp/sglang-site`), not grpoflow's: SGLang 0.5.17 wants
 transformers 5.12.1 and fastapi 0.165 where the image has transformers 5.17 and grpoflow's Prefect needs
@@ -186,6 +193,32 @@ def install(args) -> int:
     return 0
 
 
+CACHE = Path("/tmp/sglang-cache")
+
+
+def save_cache(args) -> int:
+    """Pack the server's compile caches into OUT/sglang-cache.tar.xz (a file back from a call: <= 16 MiB)."""
+    if not CACHE.is_dir():
+        raise SystemExit(f"save-cache: no {CACHE} (a server launched through sglang_real.launch_prefix fills it)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "sglang-cache.tar.xz"
+    with tarfile.open(target, "w:xz", preset=6) as tar:
+        tar.add(CACHE, arcname=".")
+    size = target.stat().st_size
+    print(f"packed {CACHE} into {target}: {size / 2**20:.1f} MiB"
+          + (" - over the 16 MiB a file back from a call may be" if size > 16 * 2**20 else ""))
+    return 0
+
+
+def install_cache(args) -> int:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(args.source) as tar:
+        tar.extractall(CACHE, filter="fully_trusted")
+    print(f"unpacked {args.source} into {CACHE}")
+    return 0
+
+
 def check(args) -> int:
     env = {**os.environ, "PYTHONPATH": str(args.site)}
     return subprocess.run([sys.executable, "-c", CHECK], env=env).returncode
@@ -201,8 +234,13 @@ def main(argv=None) -> int:
     ins.add_argument("--site", default=str(SITE))
     chk = sub.add_parser("check", help="import the server's modules from its site (on the GPU machine)")
     chk.add_argument("--site", default=str(SITE))
+    save = sub.add_parser("save-cache", help="pack the server's compile caches (on the GPU machine, after a start)")
+    save.add_argument("--out", required=True)
+    inc = sub.add_parser("install-cache", help="unpack a saved cache (on the GPU machine, before a start)")
+    inc.add_argument("--from", dest="source", required=True)
     a = ap.parse_args(argv)
-    return {"prepare": prepare, "install": install, "check": check}[a.cmd](a)
+    return {"prepare": prepare, "install": install, "check": check, "save-cache": save_cache,
+            "install-cache": install_cache}[a.cmd](a)
 
 
 if __name__ == "__main__":
