@@ -573,9 +573,6 @@ class GrpoConfig(Section):
             raise ValueError(
                 f"train.expert_parallel={t.expert_parallel} must divide train.data_parallel={dp} (megatron cuts the "
                 f"expert groups from the data-parallel ranks: world {dp * t.tensor_parallel} = TP × EP × expert-DP)")
-        if t.expert_parallel > 1 and t.optimizer_on_host:
-            raise ValueError("train.optimizer_on_host does not yet run the experts' own optimizer (expert_parallel > 1); "
-                             "set train.optimizer_on_host: false or train.expert_parallel: 1")
         if t.global_batch_size % (dp * t.micro_batch_size) != 0:
             raise ValueError(
                 f"train.global_batch_size={t.global_batch_size} must be divisible by train.data_parallel × "

@@ -36,9 +36,10 @@ def tiny_moe(tmp_path_factory):
     return {"hf": str(hf), "td": str(root / "td"), "root": root, "vocab": load_hf_config(hf).vocab_size}
 
 
-def _group(tiny, ep: int, dp: int = 2, **train):
+def _group(tiny, ep: int, dp: int = 2, model: dict | None = None, **train):
     from runtime.placement.cluster import Cluster
     cfg = GrpoConfig.model_validate({
+        "model": model or {},
         "cluster": {"backend": "local", "device": "cpu"},
         "data": {"max_prompt_len": 12},
         "rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 8, "max_new_tokens": 8},
@@ -170,6 +171,34 @@ def test_the_distributed_optimizer_resumes_an_ep2_checkpoint(tiny_moe, ep2):
     assert abs(m1[0]["grad_norm"] - ep2["m1"][0]["grad_norm"]) <= 1e-6 * ep2["m1"][0]["grad_norm"]
     for k, v in ep2["w1"].items():  # Adam's state came back: the step is the replicated one's within rounding
         assert torch.allclose(w1[k], v, rtol=1e-5, atol=1e-6), k
+
+
+def test_the_host_optimizer_steps_at_ep2_as_megatrons_distributed_one(tiny_moe):
+    """train.optimizer_on_host under expert parallelism: megatron chains the dense parameters' optimizer (DP 2) and the
+    experts' own (expert-DP 1); the host step plans both into chunks and clips by the chained norm. One update of bf16
+    weights from the same state, against megatron's distributed optimizer on the device: the grad norm as megatron
+    sums it (the clip applies: clip_grad below it), every fp32 master, experts' included, within rounding."""
+    from tests.checkpoints import fp32_masters
+    root, lr, b0 = tiny_moe["root"], TRAIN["lr"], _batch(tiny_moe["vocab"], seed=0)
+    out = {}
+    for name, host in (("dev", False), ("host", True)):
+        group = _group(tiny_moe, 2, distributed_optimizer=True, optimizer_on_host=host, clip_grad=0.05,
+                       model={"dtype": "bfloat16"})
+        try:
+            before = _copies(group.call("hf_weights"))[0]
+            out[name] = {"m0": group.call("train", b0), "after": _copies(group.call("hf_weights"))[0],
+                         "before": before}
+            group.call("save", str(root / f"ep2-{name}-bf16@1"))
+        finally:
+            group.kill()
+    gd, gh = out["dev"]["m0"][0]["grad_norm"], out["host"]["m0"][0]["grad_norm"]
+    assert gh == pytest.approx(gd, rel=1e-6) and gd > 0.05, (gh, gd)
+    dev, host = (fp32_masters(root / f"ep2-{n}-bf16@1", root) for n in ("dev", "host"))
+    assert dev.keys() == host.keys() and any("experts" in k for k in dev)
+    diff = max(float((dev[k] - host[k]).abs().max()) for k in dev)
+    assert diff <= 1e-2 * lr, diff  # the per-update contract (docs/resume.md), as tests/test_host_optimizer.py
+    moved = [k for k, v in out["host"]["after"].items() if not torch.equal(v, out["host"]["before"][k])]
+    assert any("experts" in k for k in moved) and any("experts" not in k for k in moved), moved
 
 
 def test_a_resume_that_changes_expert_parallel_is_refused_in_one_line(tiny_moe, ep2):

@@ -12,6 +12,7 @@ import torch
 from runtime.config import AlgorithmSection, GrpoConfig, TrainSection
 from runtime.trainer.batch import TrainBatch
 from tests.batches import ragged_batch
+from tests.checkpoints import checkpoint_tensors, fp32_masters
 
 LR = 1e-3
 # clip_grad small enough that every step clips: the clip coefficient comes from the grad norm, the one place
@@ -37,18 +38,6 @@ def tiny(tmp_path_factory):
     hf = build_tiny_qwen3(root / "hf", seed=3, hidden_size=64, num_layers=2, head_dim=16, ffn_hidden_size=128)["path"]
     hf_to_torch_dist(hf, str(root / "td"))
     return {"hf": str(hf), "td": str(root / "td"), "root": root, "vocab": load_hf_config(hf).vocab_size}
-
-
-def _masters(path, scratch) -> dict[str, torch.Tensor]:
-    """The fp32 masters of a torch_dist checkpoint (layout-free: whole tensors), read without megatron."""
-    return {k: v for k, v in _tensors(path, scratch).items() if k.startswith("optimizer.state.fp32_param.")}
-
-
-def _tensors(path, scratch) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    out = scratch / f"{abs(hash(str(path)))}.pt"
-    dcp_to_torch_save(str(path), str(out))
-    return {k: v for k, v in torch.load(out, weights_only=False).items() if torch.is_tensor(v)}
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -240,7 +229,7 @@ def ranked(tiny):
 
 
 def _update_diff(tiny, a: str, b: str) -> float:
-    return _max_diff(_masters(tiny["root"] / a, tiny["root"]), _masters(tiny["root"] / b, tiny["root"]))
+    return _max_diff(fp32_masters(tiny["root"] / a, tiny["root"]), fp32_masters(tiny["root"] / b, tiny["root"]))
 
 
 def test_host_step_matches_megatron_at_tp2(tiny, ranked):
@@ -260,7 +249,7 @@ def test_checkpoints_move_between_host_and_device_optimizers_and_dp_sizes(tiny, 
     root = tiny["root"]
     for src, resaved, resumed_next, unbroken_next in (("host_dp2@2", "dev_dp1@2b", "dev_dp1@3", "host_dp2@3"),
                                                       ("dev_dp1@3", "host_dp2@3b", "host_dp2@4", "dev_dp1@4")):
-        saved, again = _tensors(root / src, root), _tensors(root / resaved, root)
+        saved, again = checkpoint_tensors(root / src, root), checkpoint_tensors(root / resaved, root)
         assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in saved)
         assert any(k.startswith("optimizer.state.fp32_param.") for k in saved)
         assert saved.keys() == again.keys()
@@ -268,7 +257,7 @@ def test_checkpoints_move_between_host_and_device_optimizers_and_dp_sizes(tiny, 
         diff = _update_diff(tiny, resumed_next, unbroken_next)
         print(f"{src} resumed as {resaved}: its next update vs the unbroken run's: max |d master| = {diff:.3g}")
         assert diff <= PER_UPDATE, (resaved, diff)
-        assert moved_away(_masters(root / resumed_next, root), _masters(root / src, root))
+        assert moved_away(fp32_masters(root / resumed_next, root), fp32_masters(root / src, root))
 
 
 def test_megatrons_hybrid_optimizer_keeps_the_fp32_master_beside_the_weights_without_te(tiny, monkeypatch):

@@ -23,6 +23,11 @@ A step (:meth:`HostAdam.step`), replacing megatron's ``optimizer.step()`` after 
    stream while the host goes on with the next chunk;
 4. with the distributed optimizer, megatron's all-gather of the updated shards over the DP ranks.
 
+Under expert parallelism megatron chains two optimizers, the dense parameters' (over the data-parallel ranks) and
+the experts' (over the expert-data-parallel ranks, their own gradient buffers): each one's masters and buffers are
+planned into chunks as above, and the norm is megatron's chained one (one sum over a shared grad-stats group, else
+the root of the sum of each optimizer's squared norm), its clip coefficient applied to both.
+
 Adam's step count is the same per-parameter ``state["step"]`` torch keeps (checkpointed as before). Updates
 equal megatron's GPU step within float rounding (another summation order of the norm, the fused kernel): the
 the per-update contract of docs/resume.md, tested on CPU against megatron's own optimizer.
@@ -46,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from runtime.trainer.optimizer_checkpoint import inner_optimizer
+from runtime.trainer.optimizer_checkpoint import inner_optimizers
 
 # Elements per transfer chunk: a power of two, so the pinned buffers (the caching host allocator rounds each
 # allocation up to a power of two) waste nothing; 32 Mi elements = 64 MiB of bf16.
@@ -86,10 +91,12 @@ class _Piece:
 
 @dataclass
 class _Chunk:
-    """``numel`` elements of one bucket's gradient buffer starting at ``start`` (this rank's part of it)."""
+    """``numel`` elements of one bucket's gradient buffer starting at ``start`` (this rank's part of it), updated by
+    the ``part``-th of the chained optimizers."""
     grad: torch.Tensor  # the GPU gradient bucket (a view of the DDP buffer; the region is taken at copy time)
     start: int
     numel: int
+    part: int = 0
     pieces: list[_Piece] = field(default_factory=list)
 
 
@@ -99,25 +106,30 @@ class HostAdam:
 
     def __init__(self, optimizer, ddp, device: str, chunk_elems: int = CHUNK_ELEMS, ring: int = RING):
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-        self.opt = inner_optimizer(optimizer)
+        self.chained = optimizer
+        self.opts = inner_optimizers(optimizer)  # the dense parameters' and, under expert parallelism, the experts'
+        self.opt = self.opts[0]  # the config, the DP param sync and the model chunks are common to both
         self.ddp = ddp
         self.cuda = str(device).startswith("cuda")
-        self.distributed = isinstance(self.opt, DistributedOptimizer)
-        if not hasattr(self.opt, "optimizer") or not isinstance(self.opt.optimizer, torch.optim.Optimizer):
-            raise TypeError(f"unexpected megatron optimizer {type(self.opt).__name__}")
-        masters = [p for g in self.opt.optimizer.param_groups for p in g["params"]]
-        weights = [p for buf in ddp.buffers for p in buf.params]
+        self.distributed = all(isinstance(o, DistributedOptimizer) for o in self.opts)
+        for o in self.opts:
+            if not hasattr(o, "optimizer") or not isinstance(o.optimizer, torch.optim.Optimizer):
+                raise TypeError(f"unexpected megatron optimizer {type(o).__name__}")
+        buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", None) or [])
+        weights = [p for buf in buffers for p in buf.params]
         if any(w.dtype == torch.float32 for w in weights):
             raise ValueError("train.optimizer_on_host needs half-precision weights (model.dtype bfloat16): fp32 "
                              "weights are their own master")
-        for m in masters:  # made on the host already (masters_on_host); anything megatron made elsewhere moves
+        for m in self.masters():  # made on the host already (masters_on_host); anything megatron made elsewhere moves
             if m.device.type != "cpu":
                 m.data = m.data.to("cpu")
-        self.group_of = {id(m): g for g in self.opt.optimizer.param_groups for m in g["params"]}
+        self.group_of = {id(m): g for o in self.opts for g in o.optimizer.param_groups for m in g["params"]}
+        self.state_of = {id(m): o.optimizer.state for o in self.opts for g in o.optimizer.param_groups
+                         for m in g["params"]}
         self.chunk_elems, self.ring = int(chunk_elems), int(ring)
-        self.chunks = self._plan()
-        grad_dtype = {buf.grad_dtype for buf in ddp.buffers}
-        weight_dtype = {buf.param_dtype for buf in ddp.buffers}
+        self.chunks = [c for i, o in enumerate(self.opts) for c in self._plan(i, o, self._buffers_of(o, buffers))]
+        grad_dtype = {buf.grad_dtype for buf in buffers}
+        weight_dtype = {buf.param_dtype for buf in buffers}
         if len(grad_dtype) != 1 or len(weight_dtype) != 1:
             raise NotImplementedError(f"one gradient and weight dtype expected, got {grad_dtype}, {weight_dtype}")
         self.grad_dtype, self.weight_dtype = grad_dtype.pop(), weight_dtype.pop()
@@ -132,11 +144,18 @@ class HostAdam:
         self._sums: dict[str, float] = {}
 
     # -- the layout: which gradient elements this rank updates, cut into chunks -----------------------------
-    def _plan(self) -> list[_Chunk]:
-        dp_rank, dp = (self.opt.data_parallel_group.rank(), self.opt.data_parallel_group.size()) \
-            if self.distributed else (0, 1)
+    @staticmethod
+    def _buffers_of(opt, buffers: list) -> list:
+        """The DDP buffers whose weights' masters ``opt`` holds (the dense ones, or the experts')."""
+        mine = {id(m) for g in opt.optimizer.param_groups for m in g["params"]}
+        return [buf for buf in buffers if any(id(getattr(p, "main_param", None)) in mine for p in buf.params)]
+
+    def _plan(self, part: int, opt, buffers: list) -> list[_Chunk]:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+        dp_rank, dp = (opt.data_parallel_group.rank(), opt.data_parallel_group.size()) \
+            if isinstance(opt, DistributedOptimizer) else (0, 1)
         chunks: list[_Chunk] = []
-        for buf in self.ddp.buffers:
+        for buf in buffers:
             for bucket in buf.buckets:
                 n = bucket.grad_data.numel()
                 lo, hi = dp_rank * n // dp, (dp_rank + 1) * n // dp  # megatron's shard of a bucket (n % dp == 0)
@@ -154,7 +173,7 @@ class HostAdam:
                 entries.sort(key=lambda e: e[0])
                 for c0 in range(lo, hi, self.chunk_elems):
                     c1 = min(c0 + self.chunk_elems, hi)
-                    chunk = _Chunk(bucket.grad_data, c0, c1 - c0)
+                    chunk = _Chunk(bucket.grad_data, c0, c1 - c0, part)
                     for ps, pe, m, w, wofs in entries:
                         a, b = max(ps, c0), min(pe, c1)
                         if b > a:
@@ -165,10 +184,10 @@ class HostAdam:
 
     # -- the step -----------------------------------------------------------------------------------------
     def masters(self) -> list[torch.Tensor]:
-        return [p for g in self.opt.optimizer.param_groups for p in g["params"]]
+        return [p for o in self.opts for g in o.optimizer.param_groups for p in g["params"]]
 
     def _state(self, m: torch.Tensor) -> dict:
-        state = self.opt.optimizer.state[m]
+        state = self.state_of[id(m)][m]
         if "exp_avg" not in state:  # Adam's moments appear at the first step, as torch's AdamW makes them
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(m, memory_format=torch.preserve_format)
@@ -178,24 +197,32 @@ class HostAdam:
     @torch.no_grad()
     def grad_norm(self) -> float:
         """Megatron's ``get_grad_norm_fp32`` over this rank's gradients: shared parameters and tensor-parallel
-        duplicates left out, squares summed in fp32 over the grad-stats group."""
+        duplicates left out, squares summed in fp32 over the grad-stats group; chained (expert parallelism) as
+        megatron's ChainedOptimizer: one sum where the optimizers share that group, else the root of the sum of
+        their squared norms."""
         from megatron.core import tensor_parallel
         from megatron.core.transformer.module import param_is_not_shared
-        tp_group = getattr(self.opt, "tp_group", None)
-        squares = []
+        squares: list[list[torch.Tensor]] = [[] for _ in self.opts]
         for chunk in self.chunks:
             grad = chunk.grad.view(-1)
+            tp_group = getattr(self.opts[chunk.part], "tp_group", None)
             for p in chunk.pieces:
                 m = p.master
                 if param_is_not_shared(m) and tensor_parallel.param_is_not_tensor_parallel_duplicate(m, tp_group):
                     g = grad[chunk.start + p.at: chunk.start + p.at + p.hi - p.lo]
-                    squares.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
+                    squares[chunk.part].append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
         dev = self.chunks[0].grad.device if self.chunks else torch.device("cuda" if self.cuda else "cpu")
-        total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float32, device=dev)
-        total = total.reshape(1)
-        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM,
-                                     group=self.opt.get_grad_stats_parallel_group())
-        return float(total.item()) ** 0.5
+
+        def summed(parts: list[int]) -> torch.Tensor:
+            found = [x for i in parts for x in squares[i]]
+            total = (torch.stack(found).sum() if found else torch.zeros((), dtype=torch.float32, device=dev)).reshape(1)
+            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM,
+                                         group=self.opts[parts[0]].get_grad_stats_parallel_group())
+            return total
+        shared = len(self.opts) == 1 or self.chained.grads_states_parallel_group_is_shared()
+        if shared:
+            return float(summed(list(range(len(self.opts)))).item()) ** 0.5
+        return sum(float(summed([i]).item()) for i in range(len(self.opts))) ** 0.5
 
     def _fetch(self, i: int) -> None:
         """Start copying chunk i's gradients into its ring buffer."""
@@ -314,7 +341,7 @@ class HostAdam:
     def host_bytes(self) -> dict[str, int]:
         """What this rank holds on the host: masters, Adam's moments, the transfer buffers (pinned on a GPU)."""
         masters = sum(m.numel() * m.element_size() for m in self.masters())
-        moments = sum(v.numel() * v.element_size() for s in self.opt.optimizer.state.values()
+        moments = sum(v.numel() * v.element_size() for o in self.opts for s in o.optimizer.state.values()
                       for k, v in s.items() if k in ("exp_avg", "exp_avg_sq"))
         buffers = sum(b.numel() * b.element_size() for b in (*self.grads_in, *self.weights_out))
         return {"masters": masters, "moments": moments, "buffers": buffers,
