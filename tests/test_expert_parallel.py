@@ -173,6 +173,7 @@ def test_the_distributed_optimizer_resumes_an_ep2_checkpoint(tiny_moe, ep2):
         assert torch.allclose(w1[k], v, rtol=1e-5, atol=1e-6), k
 
 
+@pytest.mark.slow  # two trainer groups of its own
 def test_the_host_optimizer_steps_at_ep2_as_megatrons_distributed_one(tiny_moe):
     """train.optimizer_on_host under expert parallelism: megatron chains the dense parameters' optimizer (DP 2) and the
     experts' own (expert-DP 1); the host step plans both into chunks and clips by the chained norm. One update of bf16
