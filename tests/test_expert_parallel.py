@@ -178,7 +178,8 @@ def test_the_host_optimizer_steps_at_ep2_as_megatrons_distributed_one(tiny_moe):
     """train.optimizer_on_host under expert parallelism: megatron chains the dense parameters' optimizer (DP 2) and the
     experts' own (expert-DP 1); the host step plans both into chunks and clips by the chained norm. One update of bf16
     weights from the same state, against megatron's distributed optimizer on the device: the grad norm as megatron
-    sums it (the clip applies: clip_grad below it), every fp32 master, experts' included, within rounding."""
+    sums it (the clip applies: clip_grad below it), every fp32 master, experts' included, within rounding; each
+    checkpoint's HF export is the trainer's weights."""
     from tests.checkpoints import fp32_masters
     root, lr, b0 = tiny_moe["root"], TRAIN["lr"], _batch(tiny_moe["vocab"], seed=0)
     out = {}
@@ -200,6 +201,17 @@ def test_the_host_optimizer_steps_at_ep2_as_megatrons_distributed_one(tiny_moe):
     assert diff <= 1e-2 * lr, diff  # the per-update contract (docs/resume.md), as tests/test_host_optimizer.py
     moved = [k for k, v in out["host"]["after"].items() if not torch.equal(v, out["host"]["before"][k])]
     assert any("experts" in k for k in moved) and any("experts" not in k for k in moved), moved
+    # the registry's export of such a checkpoint: bf16 weights are left to their masters, which the chained optimizers
+    # store under their own prefixes; the export gives back the trainer's weights bitwise
+    from safetensors.torch import load_file
+
+    from runtime.tracking.model_registry import export_trainer_checkpoint
+    for name in ("dev", "host"):
+        export_trainer_checkpoint(root / f"ep2-{name}-bf16@1", tiny_moe["hf"], root / f"ep2-{name}-bf16-export")
+        exported = {k: v for f in (root / f"ep2-{name}-bf16-export").glob("*.safetensors")
+                    for k, v in load_file(str(f)).items()}
+        assert exported.keys() <= out[name]["after"].keys() and any("experts" in k for k in exported)  # a tied head: once
+        assert all(torch.equal(v, out[name]["after"][k].to(v.dtype)) for k, v in exported.items()), name
 
 
 def test_a_resume_that_changes_expert_parallel_is_refused_in_one_line(tiny_moe, ep2):

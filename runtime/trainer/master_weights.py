@@ -95,8 +95,23 @@ def read_weights(sharded: dict, model_dir: str, dtype: torch.dtype) -> dict:
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     weights = {k for k, v in sharded.items() if isinstance(v, (ShardedTensor, ShardedTensorFactory))}
-    request = {k: make_sharded_optimizer_tensor(v, torch.empty(v.data.shape, dtype=torch.float32), MASTER_PREFIX)
+    prefix = _master_prefixes(model_dir)
+    request = {k: make_sharded_optimizer_tensor(v, torch.empty(v.data.shape, dtype=torch.float32), prefix(v.key))
                if k in weights else v for k, v in sharded.items()}
     # under "model", as a trainer saved it: the common state (optimizer groups, schedule) comes back beside it
     loaded = dist_checkpointing.load({"model": request}, str(model_dir))["model"]
     return {k: v.to(dtype) if k in weights else v for k, v in loaded.items()}
+
+
+def _master_prefixes(model_dir: str):
+    """``key -> the prefix its master is stored under``: ``optimizer.state.fp32_param``, or under expert parallelism
+    ``chained_<i>.optimizer.state.fp32_param`` (megatron's chained optimizers: the dense parameters' and the
+    experts'), as the checkpoint's own keys say."""
+    from torch.distributed.checkpoint import FileSystemReader
+    stored = list(FileSystemReader(str(model_dir)).read_metadata().state_dict_metadata)
+    chained = sorted({k.split(".", 1)[0] for k in stored if k.startswith("chained_")})
+    candidates = [MASTER_PREFIX] + [f"{c}.{MASTER_PREFIX}" for c in chained]
+
+    def prefix(key: str) -> str:
+        return next((p for p in candidates if any(k.startswith(f"{p}.{key}") for k in stored)), MASTER_PREFIX)
+    return prefix
