@@ -43,7 +43,11 @@ def test_a_moe_run_keeps_best_latest_and_the_last_n_exports(prefect_harness, tmp
     model = Path(build_tiny_qwen3(tmp_path / "moe", seed=0, num_experts=4)["path"])
     root = tmp_path / "root"
     sets = ["train.num_rollout=8", "checkpoint.interval=2", "eval.interval=2", "checkpoint.keep_last=2",
-            "tracking.keep_exports=1", *SMALL_BATCH, f"model.source={model}", f"storage.root={root}"]
+            "tracking.keep_exports=1", *SMALL_BATCH, f"model.source={model}", f"storage.root={root}",
+            # as a GPU runs it: bf16 weights (a checkpoint leaves them to their fp32 masters, which megatron's chained
+            # optimizers store under their own prefixes), expert parallelism 2, the optimizer on the host
+            "model.dtype=bfloat16", "train.expert_parallel=2", "train.data_parallel=2", "cluster.trainer_gpus=2",
+            "train.optimizer_on_host=true"]
     assert main(["run", "configs/tiny.yaml", "--run-id", "keep", *sum((["--set", s] for s in sets), [])]) == 0
     out = capsys.readouterr().out
     head = next(line.split() for line in out.splitlines() if line.split()[:3] == ["rollout", "elapsed", "eta"])
