@@ -41,15 +41,6 @@ def inner_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
-def inner_optimizer(optimizer):
-    """The one megatron optimizer inside the trainer's ChainedOptimizer (for code that handles one only)."""
-    chained = inner_optimizers(optimizer)
-    if len(chained) != 1:
-        raise NotImplementedError(f"one optimizer per model expected, got {len(chained)} (the experts' own, under "
-                                  f"train.expert_parallel > 1)")
-    return chained[0]
-
-
 def is_distributed(optimizer) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     return isinstance(inner_optimizers(optimizer)[0], DistributedOptimizer)
