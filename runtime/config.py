@@ -196,6 +196,12 @@ class RolloutSection(Section):
     # models, TP 1, LoRA without dropout, bf16 engine weights, no partial rollout; slower (GEMMs in fixed row blocks,
     # an attention that never splits a row), off by default.
     true_on_policy: bool = False
+    # A built-in engine replica split by its experts, for a mixture too large for one GPU beside the trainer: this
+    # many consecutive engines (cluster.rollout_gpus of them in all) make one replica, each holding 1/n of every MoE
+    # layer's experts and all the rest; they run the same requests in step and sum their experts' outputs (one
+    # all-reduce per MoE layer; runtime/rollout/expert_shards.py). Another order of sums than one engine's: the
+    # samples differ in the last bits from expert_shards 1 (deterministic at any fixed value). 1: each engine whole.
+    expert_shards: int = Field(1, ge=1)
     sglang: SGLangSection = SGLangSection()
 
     @model_validator(mode="before")
@@ -525,6 +531,25 @@ class GrpoConfig(Section):
         if r.custom_rollout:
             raise ValueError("rollout.routing_replay: a custom rollout's samples carry no routes; unset "
                              "rollout.custom_rollout, or set rollout.routing_replay: false")
+        return self
+
+    @model_validator(mode="after")
+    def _expert_shards(self) -> "GrpoConfig":
+        r, n = self.rollout, self.rollout.expert_shards
+        if n == 1:
+            return self
+        engines = max(self.cluster.rollout_gpus, 1)
+        if r.engine != "builtin":
+            raise ValueError(f"rollout.expert_shards={n} splits the built-in engine; SGLang splits its servers by "
+                             f"rollout.sglang.tp_size: set rollout.expert_shards: 1")
+        if engines % n:
+            raise ValueError(f"rollout.expert_shards={n} must divide the engines, one per rollout GPU "
+                             f"(cluster.rollout_gpus={self.cluster.rollout_gpus}); set rollout_gpus to a multiple of {n}")
+        if r.decode_path == "hf" or self.train.lora.enabled or r.true_on_policy:
+            what = ("rollout.decode_path: hf" if r.decode_path == "hf" else "train.lora" if self.train.lora.enabled
+                    else "rollout.true_on_policy")
+            raise ValueError(f"rollout.expert_shards={n} runs in the paged decoder of a whole-weight mixture, not with "
+                             f"{what}: set rollout.expert_shards: 1")
         return self
 
     @model_validator(mode="after")

@@ -61,7 +61,12 @@ def _session(tiny, ep: int, name: str, distributed: bool = False) -> dict:
     group = _group(tiny, ep, distributed_optimizer=distributed)
     try:
         out = {"m0": group.call("train", b0), "grads": group.call("grads"), "weights": _copies(group.call("hf_weights")),
-               "meta": group.call("weights_metadata")}
+               "meta": group.call("weights_metadata"), "shard_units": [{}, {}]}
+        # what each rank hands the engine shard on its GPU (rollout.expert_shards 2), a unit at a time
+        while (units := group.call("next_weight_unit", 2))[0] is not None:
+            for rank, unit in enumerate(_copies(units)):
+                out["shard_units"][rank].update(unit)
+        group.call("release_shared_weights", True)
         group.call("save", str(tiny["root"] / name))
         out["m1"] = group.call("train", b1)
         out["w1"] = _copies(group.call("hf_weights"))[0]
@@ -152,6 +157,18 @@ def test_ep2_checkpoint_resumes_bitwise_and_exports_every_expert(tiny_moe, ep2):
     assert {f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(experts)} <= exported.keys()
     for k, v in exported.items():
         assert torch.equal(v, ep2["weights"][0][k].to(v.dtype)), k
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_each_rank_hands_the_engine_shard_on_its_gpu_only_that_shards_experts(ep, request):
+    """rollout.expert_shards 2 beside trainer ranks 0 and 1: rank r's units hold shard r's experts (2r, 2r + 1 of 4)
+    and everything else, as the whole weights have them; at EP 2 they are the rank's own experts, nothing gathered."""
+    from runtime.rollout.expert_shards import hub_expert
+    session = request.getfixturevalue(f"ep{ep}")
+    whole = session["weights"][0]
+    for rank, got in enumerate(session["shard_units"]):
+        assert got.keys() == {k for k in whole if hub_expert(k) is None or hub_expert(k)[1] // 2 == rank}, rank
+        assert all(torch.equal(got[k], whole[k]) for k in got), rank
 
 
 def test_the_distributed_optimizer_resumes_an_ep2_checkpoint(tiny_moe, ep2):

@@ -293,7 +293,8 @@ class DenseDecoderAdapter(ModelAdapter):
                 mp + "mlp.linear_fc2.weight": take(hp + "mlp.down_proj.weight")}
 
     def mlp_to_hf(self, take: Callable[[str], torch.Tensor], hp: str, mp: str,
-                  hf_config) -> dict[str, torch.Tensor]:
+                  hf_config, experts: range | None = None) -> dict[str, torch.Tensor]:
+        """One layer's MLP in HF names; ``experts``: a mixture's experts to convert (None: all)."""
         return {**self.fc1_to_hf(take(mp + "mlp.linear_fc1.weight"), hp),
                 hp + "mlp.down_proj.weight": take(mp + "mlp.linear_fc2.weight")}
 
@@ -306,7 +307,7 @@ class DenseDecoderAdapter(ModelAdapter):
         return {hp + "mlp.gate_proj.weight": gate.contiguous(), hp + "mlp.up_proj.weight": up.contiguous()}
 
     def layer_to_hf(self, take: Callable[[str], torch.Tensor], hp: str, mp: str,
-                    hf_config) -> dict[str, torch.Tensor]:
+                    hf_config, experts: range | None = None) -> dict[str, torch.Tensor]:
         nh, ng, d = self._attention_shape(hf_config)
         q, k, v = split_qkv(take(mp + "self_attention.linear_qkv.weight"), nh, ng, d)
         out = {
@@ -316,7 +317,7 @@ class DenseDecoderAdapter(ModelAdapter):
             hp + "self_attn.v_proj.weight": v,
             hp + "self_attn.o_proj.weight": take(mp + "self_attention.linear_proj.weight"),
             hp + "post_attention_layernorm.weight": take(mp + "pre_mlp_layernorm.weight"),
-            **self.mlp_to_hf(take, hp, mp, hf_config),
+            **self.mlp_to_hf(take, hp, mp, hf_config, experts),
         }
         if self.qkv_bias(hf_config):
             qb, kb, vb = split_qkv(take(mp + "self_attention.linear_qkv.bias"), nh, ng, d)
@@ -374,8 +375,9 @@ class DenseDecoderAdapter(ModelAdapter):
                 ("head", head)]
 
     def unit_to_hf(self, unit: str, sd: Mapping[str, torch.Tensor], hf_config, *,
-                   include_tied_lm_head: bool = False) -> dict[str, torch.Tensor]:
-        """One unit of :meth:`hf_units` in HF names, from ``sd`` (local-spec names, holding at least its tensors)."""
+                   include_tied_lm_head: bool = False, experts: range | None = None) -> dict[str, torch.Tensor]:
+        """One unit of :meth:`hf_units` in HF names, from ``sd`` (local-spec names, holding at least its tensors);
+        ``experts``: of a mixture's experts only these (an engine shard's; None: all)."""
         def take(name: str) -> torch.Tensor:
             if name not in sd:
                 raise ModelError(f"the megatron state dict has no '{name}': it does not come from a "
@@ -386,7 +388,7 @@ class DenseDecoderAdapter(ModelAdapter):
             return {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")}
         if unit.startswith("layer "):
             i = int(unit.split()[1])
-            return self.layer_to_hf(take, f"model.layers.{i}.", f"decoder.layers.{i}.", hf_config)
+            return self.layer_to_hf(take, f"model.layers.{i}.", f"decoder.layers.{i}.", hf_config, experts)
         out = {"model.norm.weight": take("decoder.final_layernorm.weight")}
         if not hf_config.tie_word_embeddings:
             out["lm_head.weight"] = take("output_layer.weight")

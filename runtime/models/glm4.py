@@ -92,7 +92,7 @@ class Glm4Adapter(DenseDecoderAdapter):
                 mp + "post_self_attn_layernorm.weight": take(hp + "post_self_attn_layernorm.weight"),
                 mp + "post_mlp_layernorm.weight": take(hp + "post_mlp_layernorm.weight")}
 
-    def layer_to_hf(self, take, hp, mp, hf_config):
-        return {**super().layer_to_hf(take, hp, mp, hf_config),
+    def layer_to_hf(self, take, hp, mp, hf_config, experts=None):
+        return {**super().layer_to_hf(take, hp, mp, hf_config, experts),
                 hp + "post_self_attn_layernorm.weight": take(mp + "post_self_attn_layernorm.weight"),
                 hp + "post_mlp_layernorm.weight": take(mp + "post_mlp_layernorm.weight")}

@@ -94,10 +94,10 @@ class Qwen3MoeAdapter(Qwen3Adapter):
                 out[me + "linear_fc2.weight"] = take(ep + "down_proj.weight")
         return out
 
-    def mlp_to_hf(self, take, hp, mp, hf_config):
-        experts, _, _ = moe_shape(hf_config)
+    def mlp_to_hf(self, take, hp, mp, hf_config, experts=None):
+        n, _, _ = moe_shape(hf_config)
         out = {hp + "mlp.gate.weight": take(mp + "mlp.router.weight")}
-        for e in range(experts):
+        for e in range(n) if experts is None else experts:
             ep, me = f"{hp}mlp.experts.{e}.", f"{mp}mlp.experts.local_experts.{e}."
             gate, up = torch.chunk(take(me + "linear_fc1.weight"), 2, dim=0)
             out[ep + "gate_proj.weight"] = gate.contiguous()

@@ -37,6 +37,7 @@ class Cluster:
         self._pg = None
         self._watch = None
         self._ray_started_here = False
+        self._shard_groups = 0  # replicas split by their experts made so far (their groups' names)
         self.weight_sync = layout.weight_sync_mode(cfg)
         gpus = None
         if self.backend == "local" and self.device == "cuda":
@@ -176,10 +177,12 @@ class Cluster:
 
     def engine(self, model_dir: str, shared_base: dict | None = None) -> EngineHandle:
         """The rollout engine(s): one, or one built-in engine per rollout GPU behind one handle. shared_base
-        (`layout.shares_base`): the in-process trainer's base tensors, which the one engine decodes with."""
+        (`layout.shares_base`): the in-process trainer's base tensors, which the one engine decodes with. With
+        ``rollout.expert_shards`` > 1 consecutive engines make one replica, each holding a shard of the experts."""
         from runtime.rollout.factory import make_engine
         devices = self.engine_devices
         kwargs = dict(cfg=self.cfg, model_dir=model_dir, dtype=self.dtype)
+        shards = self._expert_shards(len(devices))
         if self.backend == "local" and len(devices) == 1:
             make_current(devices[0])
             return EngineHandle(LocalGroup([make_engine(device=devices[0], shared_base=shared_base, **kwargs)]))
@@ -188,7 +191,9 @@ class Cluster:
         if self.backend == "local":  # one process per engine, each on its GPU (they generate at once)
             threads = max(1, (os.cpu_count() or 1) // len(devices)) if self.device != "cuda" else self._threads()
             handle = EngineHandle(SubprocessGroup("runtime.placement.cluster:_EngineHost",
-                                                  [dict(kwargs, device=d, num_threads=threads) for d in devices]))
+                                                  [dict(kwargs, device=d, num_threads=threads, expert_shard=shard)
+                                                   for d, shard in zip(devices, shards)]),
+                                  expert_shards=self.cfg.rollout.expert_shards)
             handle.health()
             return handle
         import ray
@@ -199,10 +204,24 @@ class Cluster:
         first = 0 if shared else layout.trainer_world_size(self.cfg)
         actors = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=self._pg, placement_group_bundle_index=first + i)).remote(
-                num_threads=self._threads(), device=device, **kwargs) for i, device in enumerate(devices)]
-        handle = EngineHandle(RayGroup(actors))
+                num_threads=self._threads(), device=device, expert_shard=shard, **kwargs)
+            for i, (device, shard) in enumerate(zip(devices, shards))]
+        handle = EngineHandle(RayGroup(actors), expert_shards=self.cfg.rollout.expert_shards)
         handle.health()  # surface construction errors here
         return handle
+
+    def _expert_shards(self, engines: int) -> list:
+        """Each engine's `ShardSpec` (None each without ``rollout.expert_shards``): engine i is shard i % n of replica
+        i // n, whose first engine hosts the replica's rendezvous (on this node, as the trainer's)."""
+        n = self.cfg.rollout.expert_shards
+        if n == 1:
+            return [None] * engines
+        from runtime.rollout.expert_shards import ShardSpec
+        host = "127.0.0.1" if self.backend == "local" or not self.cfg.cluster.address else _node_ip()
+        ports = [free_port() for _ in range(engines // n)]
+        self._shard_groups += 1
+        return [ShardSpec(index=i % n, count=n, host=host, port=ports[i // n],
+                          name=f"grpoflow_experts_{self._shard_groups}_{i // n}") for i in range(engines)]
 
 
 class _EngineHost:

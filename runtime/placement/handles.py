@@ -95,10 +95,10 @@ class TrainerHandle:
         return self.group.call("hf_weights", to_cpu)[0]
 
     @forwards
-    def share_next_weight_unit(self) -> list:
+    def share_next_weight_unit(self, expert_shards: int = 1) -> list:
         """Every rank's next unit of `engine_weights` as CUDA IPC handles (cuda_ipc.SharedTensors), in rank order;
-        [None, ...] after the last."""
-        return self.group.call("share_next_weight_unit")
+        [None, ...] after the last. ``expert_shards``: of the experts, each rank's GPU's engine shard's only."""
+        return self.group.call("share_next_weight_unit", expert_shards)
 
     @forwards
     def release_shared_weights(self, end: bool = False) -> None:
@@ -136,25 +136,42 @@ class EngineHandle:
     """The rollout engine(s) (runtime/rollout/base.py:RolloutEngine), one or a data-parallel pool.
 
     One member (the built-in engine, or SGLangEngine with its own servers): every call goes to it. Several
-    (built-in engines, one per rollout GPU): `generate` gives each a contiguous share of the requests,
+    (built-in engines, one per rollout GPU): `generate` gives each replica a contiguous share of the requests,
     whole groups each, balanced by count (runtime/rollout/sharding.py), and merges the results back in
-    request order. With `until` the members step together (start/advance/finish_generation, one check
-    point per round each) and the pool stops at the first round after which `until` holds over all of
-    their requests: where it stops depends on the requests, settings, weights and the number of engines,
-    never on timing. Weights, memory calls and the weight-sync group reach every member; `logprobs_of`
-    asks the first.
+    request order. A replica is one engine, or with ``expert_shards`` > 1 that many consecutive engines, each
+    holding a shard of the experts (runtime/rollout/expert_shards.py): they are given the same share and step
+    together, and the first one's results are the replica's. With `until` the replicas step together
+    (start/advance/finish_generation, one check point per round each) and the pool stops at the first round after
+    which `until` holds over all of their requests: where it stops depends on the requests, settings, weights and
+    the number of replicas, never on timing. Weights, memory calls and the weight-sync group reach every member;
+    `logprobs_of` asks the first replica.
     """
 
-    def __init__(self, group: ActorGroup):
+    def __init__(self, group: ActorGroup, expert_shards: int = 1):
         self.group = group
+        self.shards = int(expert_shards)
+        if len(group) % self.shards:
+            raise ValueError(f"{len(group)} engines do not make replicas of {self.shards} expert shards")
         self._call: _PoolCall | None = None  # the stepped call under way on a pool
 
     @property
     def engines(self) -> int:
         return len(self.group)
 
+    @property
+    def replicas(self) -> int:
+        return len(self.group) // self.shards
+
     def kill(self) -> None:
         self.group.kill()
+
+    def _each_member(self, per_replica: list) -> list:
+        """One argument tuple (or None: no call) per replica, given to every engine of it."""
+        return [per_replica[i // self.shards] for i in range(self.engines)]
+
+    def _firsts(self, per_member: list) -> list:
+        """The replicas' answers: each one's first engine's."""
+        return per_member[::self.shards]
 
     # -- generation ----------------------------------------------------------------------------
     @forwards
@@ -166,9 +183,9 @@ class EngineHandle:
             from runtime.rollout.base import drive_generation
             return drive_generation(self, requests, sampling, until)
         shares = self._split(requests)
-        out = self.group.submit_each("generate", [(requests[s.start:s.stop], sampling) if s else None
-                                                  for s in shares]).get()
-        return [r for part in out if part for r in part]
+        out = self.group.submit_each("generate", self._each_member(
+            [(requests[s.start:s.stop], sampling) if s else None for s in shares])).get()
+        return [r for part in self._firsts(out) if part for r in part]
 
     @forwards
     def start_generation(self, requests: list[SampleRequest], sampling: SamplingParams) -> None:
@@ -177,8 +194,8 @@ class EngineHandle:
             return
         shares = self._split(requests)
         self._call = _PoolCall(shares)
-        self.group.submit_each("start_generation", [(requests[s.start:s.stop], sampling) if s else None
-                                                    for s in shares]).get()
+        self.group.submit_each("start_generation", self._each_member(
+            [(requests[s.start:s.stop], sampling) if s else None for s in shares])).get()
 
     @forwards
     def advance_generation(self) -> list[bool] | None:
@@ -186,10 +203,11 @@ class EngineHandle:
             return self.group.call("advance_generation")[0]
         call = self._pool_call()
         live = [None if call.ended[i] else () for i in range(len(call.shares))]
-        for i, flags in enumerate(self.group.submit_each("advance_generation", live).get()):
+        answers = self._firsts(self.group.submit_each("advance_generation", self._each_member(live)).get())
+        for i, flags in enumerate(answers):
             if live[i] is None:
                 continue
-            if flags is None:  # that engine's share is finished, every request of it
+            if flags is None:  # that replica's share is finished, every request of it
                 call.ended[i], call.done[i] = True, [True] * len(call.shares[i])
             else:
                 call.done[i] = list(flags)
@@ -200,12 +218,12 @@ class EngineHandle:
         if self.engines == 1:
             return self.group.call("finish_generation")[0]
         call, self._call = self._pool_call(), None
-        out = self.group.submit_each("finish_generation", [() if s else None for s in call.shares]).get()
-        return [r for part in out if part for r in part]
+        out = self.group.submit_each("finish_generation", self._each_member([() if s else None for s in call.shares]))
+        return [r for part in self._firsts(out.get()) if part for r in part]
 
     def _split(self, requests: list[SampleRequest]) -> list[range]:
         from runtime.rollout.sharding import split_ranges
-        return split_ranges(requests, self.engines)
+        return split_ranges(requests, self.replicas)
 
     def _pool_call(self) -> _PoolCall:
         if self._call is None:
@@ -215,7 +233,7 @@ class EngineHandle:
     @forwards
     def logprobs_of(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         first = (prompt_ids, response_ids, temperature)
-        return self.group.submit_each("logprobs_of", [first] + [None] * (self.engines - 1)).get()[0]
+        return self.group.submit_each("logprobs_of", self._each_member([first] + [None] * (self.replicas - 1))).get()[0]
 
     @forwards
     def health(self) -> dict:
@@ -268,7 +286,7 @@ class EngineHandle:
 
 
 class _PoolCall:
-    """A stepped generate call on a pool: each member's share of the requests, its done flags at its last
+    """A stepped generate call on a pool: each replica's share of the requests, its done flags at its last
     check point, and whether its call has ended (an empty share has nothing to do)."""
 
     def __init__(self, shares: list[range]):

@@ -92,6 +92,11 @@ def check_layout(cfg: GrpoConfig, hf_config=None, gpus_available: int | None = N
         if vocab and vocab % tp:
             raise ConfigError(f"train.tensor_parallel={tp} does not divide the vocabulary ({vocab}); use a divisor")
         experts = int(getattr(hf_config, "num_experts", 0) or 0)
+        shards = r.expert_shards
+        if shards > 1 and (not experts or experts % shards):
+            raise ConfigError(f"rollout.expert_shards={shards} must divide the model's experts "
+                              f"({experts or 'none: not a mixture of experts'}); set rollout.expert_shards: "
+                              f"{'1' if not experts else 'a divisor of ' + str(experts)}")
         if experts and tp > 1:  # megatron-core's MoELayer.forward refuses to train under TP without it
             raise ConfigError(f"train.tensor_parallel={tp} on a mixture of experts ({experts} experts): megatron-core "
                               f"trains MoE layers under tensor parallelism only with sequence parallelism, which the "

@@ -142,7 +142,7 @@ class TrainerToEngine:
             return sent
         if self.transport == "cuda_ipc":  # a unit at a time: the engine copies each before the next is gathered
             try:
-                while (shared := self.trainer.share_next_weight_unit())[0] is not None:
+                while (shared := self.trainer.share_next_weight_unit(self.engine.shards))[0] is not None:
                     self.engine.update_weights_shared(shared, version)
                     self.trainer.release_shared_weights()
             finally:

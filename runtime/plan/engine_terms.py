@@ -17,6 +17,8 @@
   fill ``mem_fraction × GPU`` minus what other processes hold when it starts (the trainer's resident state, when
   colocated); colocated it runs with ``--enable-memory-saver`` and releases that memory during training. Not
   measured here (SGLang cannot run on the machines we have).
+* A replica split by its experts (``rollout.expert_shards`` = n, runtime/rollout/expert_shards.py): each engine holds
+  1/n of every MoE layer's experts and the rest whole.
 * LoRA: the engine's own base (none when it shares the trainer's), and the adapters' buffers, whole.
 * FP8 weights (``rollout.weights_dtype: fp8``, runtime/rollout/fp8_weights.py): the linear layers (a mixture's
   experts included) at one byte a weight plus an fp32 scale per output row, the embeddings, head, norms and router
@@ -79,14 +81,19 @@ def linear_params(m: dict[str, Any]) -> tuple[int, int]:
 
 
 def engine_weights(n_params: int, adapters: int, e: int, *, engine: str, sglang_tp: int, shared_base: bool,
-                   lora: bool, m: dict[str, Any] | None = None, weights_dtype: str = "bf16") -> int:
+                   lora: bool, m: dict[str, Any] | None = None, weights_dtype: str = "bf16",
+                   expert_shards: int = 1) -> int:
     if engine == "sglang":
         return n_params * e // sglang_tp
+    # a replica split by its experts (rollout.expert_shards): the other shards' experts are not here
+    others = 0 if expert_shards == 1 else (
+        moe_terms.engine_experts(m, e, engine=engine, weights_dtype=weights_dtype)
+        - moe_terms.engine_experts(m, e, engine=engine, weights_dtype=weights_dtype, shards=expert_shards))
     if weights_dtype == "fp8":
         linear, rows = linear_params(m)
         fp8 = linear + 4 * rows  # e4m3 weights, an fp32 scale per row
-        return (fp8 if shared_base and lora else (n_params - linear) * e + fp8) + adapters * e
-    return (0 if shared_base and lora else n_params * e) + adapters * e
+        return (fp8 if shared_base and lora else (n_params - linear) * e + fp8) + adapters * e - others
+    return (0 if shared_base and lora else n_params * e) + adapters * e - others
 
 
 def paged_extra(m: dict[str, Any], e: int, *, live: int, per_row: bool, seq_len: int, prompt: int,
@@ -127,12 +134,12 @@ def engine_side(hf_config, m: dict[str, Any], e: int, *, engine: str, device: st
                 rows: int, slots_max: int, seq_len: int, max_new_tokens: int, dtype, kv_cache_gb: float | None,
                 kv_released: bool, partial: bool, samples_per_prompt: int, sglang_mem_fraction: float, sglang_tp: int,
                 shared_base: bool, lora: bool, limit: float, sglang_others: int,
-                room: Callable[[int, int], float], weights_dtype: str = "bf16") -> dict[str, Any]:
+                room: Callable[[int, int], float], weights_dtype: str = "bf16", expert_shards: int = 1) -> dict[str, Any]:
     """The engine's weights, KV cache and rollout extra (bytes), its decode path, whether the pool is released while
     training and whether the plan chose it. ``room(engine_weights, working)``: the bytes a pool may take beside the
     rest at the plan's margin; ``sglang_others``: what the trainer holds when SGLang starts."""
     weights = engine_weights(n_params, adapters, e, engine=engine, sglang_tp=sglang_tp, shared_base=shared_base,
-                             lora=lora, m=m, weights_dtype=weights_dtype)
+                             lora=lora, m=m, weights_dtype=weights_dtype, expert_shards=expert_shards)
     prompt = seq_len - max_new_tokens
     kv_per_token = kv_bytes_per_token(hf_config, dtype)
     per_sample_kv = seq_len * kv_per_token

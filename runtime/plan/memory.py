@@ -104,7 +104,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
                     shared_base: bool = False, samples_per_prompt: int = 1, partial: bool = False,
                     engine_apart: bool = False, deterministic: bool = False,
                     background_checkpoint: bool = False, weights_dtype: str = "bf16", ep: int = 1,
-                    weight_sync: str = "direct") -> dict[str, Any]:
+                    weight_sync: str = "direct", expert_shards: int = 1) -> dict[str, Any]:
     """Per-GPU memory of a run (GiB), term by term, for one trainer rank and the engine beside it.
 
     ``seq_len`` = prompt + response tokens of the longest sample; ``rollout_batch``: rows of the
@@ -203,7 +203,7 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
         kv_released=kv_released, partial=partial, samples_per_prompt=samples_per_prompt,
         sglang_mem_fraction=sglang_mem_fraction, sglang_tp=sglang_tp, shared_base=shared_base, lora=bool(lora),
         limit=limit, sglang_others=weights + (0 if offload else grads + opt.master) if colocate else 0, room=room,
-        weights_dtype=weights_dtype)
+        weights_dtype=weights_dtype, expert_shards=expert_shards)
     engine_weights, kv_cache, rollout_activations = eng["engine_weights"], eng["kv_cache"], eng["rollout_activations"]
     kv_released, decode_path = eng["kv_released"], eng["decode_path"]
 
@@ -262,7 +262,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     out["moe"] = _moe_shares(m, e, tp=tp, ep=ep, dp=dp, grad_bytes=grad_bytes, opt=opt, lora=bool(lora),
                              ref_model=ref_model, act=act, engine=engine, sglang_tp=sglang_tp,
                              distributed_optimizer=bool(distributed_optimizer), optimizer_on_host=bool(optimizer_on_host),
-                             ranks=host["ranks"] if host is not None else 1, weights_dtype=weights_dtype)
+                             ranks=host["ranks"] if host is not None else 1, weights_dtype=weights_dtype,
+                             expert_shards=expert_shards)
     out["fits"] = fits and (host is None or host["fits"])
     # a mixture of experts trains at TP 1 (runtime/placement/layout.py: megatron needs sequence parallelism for it)
     out["max_tp"] = 1 if moe_terms.is_moe(m) else math.gcd(m["V"], m["nh"], m["ng"], m["f"])
@@ -272,7 +273,8 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
 
 def _moe_shares(m: dict[str, Any], e: int, *, tp: int, ep: int, dp: int, grad_bytes: int, opt, lora: bool,
                 ref_model: bool, act: dict[str, int], engine: str, sglang_tp: int, distributed_optimizer: bool,
-                optimizer_on_host: bool, ranks: int, weights_dtype: str = "bf16") -> dict[str, Any] | None:
+                optimizer_on_host: bool, ranks: int, weights_dtype: str = "bf16",
+                expert_shards: int = 1) -> dict[str, Any] | None:
     """A mixture of experts' named terms (runtime/plan/moe_terms.py), each a share of a row the plan adds up
     (``weights``, ``grads``, ``optimizer``, ``activations``, ``engine_weights``; ``host_optimizer``: of the host's
     optimizer, over the node's ``ranks``), in GiB, with ``bytes`` and what the notes read; None for a dense model."""
@@ -288,11 +290,11 @@ def _moe_shares(m: dict[str, Any], e: int, *, tp: int, ep: int, dp: int, grad_by
                  router_activations=act["router"], dispatcher=act["dispatcher"],
                  dispatcher_buffer=act["dispatcher_buffer"], experts_activations=act["experts"],
                  engine_experts=moe_terms.engine_experts(m, e, engine=engine, sglang_tp=sglang_tp,
-                                                         weights_dtype=weights_dtype))
+                                                         weights_dtype=weights_dtype, shards=expert_shards))
     out: dict[str, Any] = {k: v / GIB for k, v in exact.items()}
     out.update(bytes=exact, experts=m["E"], experts_per_rank=m["E"] // ep, topk=m["k"], ffn=m["fe"], ep=ep,
                expert_dp=max(dp // ep, 1), distributed_optimizer=distributed_optimizer, aux=bool(m.get("aux")),
-               host_ranks=ranks)
+               host_ranks=ranks, engine_shards=expert_shards)
     return out
 
 
@@ -481,7 +483,9 @@ def format_moe(moe: dict[str, Any]) -> list[str]:
                                if moe["dispatcher_buffer"] else "")),
             ("experts' acts", moe["experts_activations"],
              f"of activations: top-{moe['topk']} x tokens x ffn {moe['ffn']} (fc1 output, SwiGLU product)"),
-            ("engine experts", moe["engine_experts"], "of engine weights: every expert of the engine's replica")]
+            ("engine experts", moe["engine_experts"], "of engine weights: every expert of the engine's replica"
+             if moe.get("engine_shards", 1) == 1 else f"of engine weights: 1/{moe['engine_shards']} of the experts "
+             f"(rollout.expert_shards)")]
     lines = [f"  mixture of experts ({moe['experts']} experts of ffn {moe['ffn']}, top-{moe['topk']}), "
              f"shares of the rows above:"]
     return lines + [f"    {name:<19}{gib:8.2f} GiB   {note}" for name, gib, note in rows]
@@ -549,6 +553,7 @@ def config_kwargs(cfg, device: str | None = None) -> dict[str, Any]:
         engine_apart=layout.engine_shares_gpu_across_processes(cfg),
         samples_per_prompt=r.n_samples_per_prompt, partial=r.partial, background_checkpoint=cfg.checkpoint.background,
         weights_dtype=r.weights_dtype if r.engine == "builtin" else "bf16",
+        expert_shards=r.expert_shards if r.engine == "builtin" else 1,
         **{k: v for k, v in host_memory.node_layout(cfg).items() if k in ("trainer_ranks", "processes")})
 
 

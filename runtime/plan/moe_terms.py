@@ -83,14 +83,16 @@ def expert_bytes_per_token(m: dict[str, Any], e: int, *, tp: int, elems: int = 3
     return elems * e * m["k"] * m["fe"] // tp
 
 
-def engine_experts(m: dict[str, Any], e: int, *, engine: str, sglang_tp: int = 1, weights_dtype: str = "bf16") -> int:
+def engine_experts(m: dict[str, Any], e: int, *, engine: str, sglang_tp: int = 1, weights_dtype: str = "bf16",
+                   shards: int = 1) -> int:
     """The engine's experts: every expert of its replica (the built-in engine; FP8: a byte a weight and an fp32 scale
-    per expert row), 1/TP of them (SGLang)."""
+    per expert row), 1/``shards`` of them on each engine of a replica split by its experts (``rollout.expert_shards``),
+    1/TP of them (SGLang)."""
     if engine == "sglang":
         return expert_params(m) * e // sglang_tp
     if weights_dtype == "fp8":
-        return expert_params(m) + 4 * m["L"] * m["E"] * (2 * m["fe"] + m["h"])
-    return expert_params(m) * e
+        return (expert_params(m) + 4 * m["L"] * m["E"] * (2 * m["fe"] + m["h"])) // shards
+    return expert_params(m) * e // shards
 
 
 def engine_prefill_bytes_per_token(m: dict[str, Any], e: int) -> int:

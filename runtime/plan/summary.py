@@ -204,6 +204,10 @@ def layout_lines(cfg: GrpoConfig) -> list[str]:
     on = layout.engine_gpus(cfg)
     span = f"GPU {on[0]}" if n == 1 else f"GPUs {on[0]}-{on[-1]}"
     engines = "engine" if n == 1 else f"{n} built-in engines (one per GPU, the requests split between them)"
+    shards = cfg.rollout.expert_shards
+    if shards > 1:
+        engines = (f"{n} built-in engines (one per GPU) in {n // shards} replica(s) of {shards} expert shards (each "
+                   f"holds 1/{shards} of the experts; a replica's engines run its requests together)")
     if c.trainer_gpus:
         ranks = "trainer rank 0" if n == 1 else f"trainer ranks 0-{n - 1}"
         engine = (f"{span} (shared with {ranks})" if c.colocate

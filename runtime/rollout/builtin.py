@@ -87,6 +87,7 @@ class BuiltinEngine(RolloutEngine):
         routing_replay: bool = False,
         cascade_attention: bool = False,
         true_on_policy: bool = False,
+        expert_shard=None,
     ):
         """decode_path: "auto" = the paged decoder (`paged_decode`) where the model family has it, else HF's
         forward; "paged" insists (error if the family lacks it); "hf" = HF's forward with a dynamic cache
@@ -105,7 +106,10 @@ class BuiltinEngine(RolloutEngine):
         cascade_attention (``rollout.cascade_attention``): the paged decoder reads a group's prompt pages once per step
         for all its samples (`paged_decode`); on HF's path (hf, or a family without the paged decoder) refused.
         true_on_policy (``rollout.true_on_policy``): the paged decoder's batch-invariant forward, the trainer's
-        (runtime/kernels/batch_invariant.py); refused where the paged decoder is not taken."""
+        (runtime/kernels/batch_invariant.py); refused where the paged decoder is not taken.
+        expert_shard (``rollout.expert_shards``, an `expert_shards.ShardSpec`): this engine holds one shard of a mixture's
+        experts and runs in step with the other engines of its replica (runtime/rollout/expert_shards.py); it joins
+        their group here, so they are built at once."""
         if max_batch_size < 1:
             raise ConfigError(f"rollout max_batch_size must be >= 1, got {max_batch_size}: fix rollout.max_batch_size")
         if attn_implementation not in _ATTN_IMPLEMENTATIONS:
@@ -125,7 +129,21 @@ class BuiltinEngine(RolloutEngine):
         self.max_batch_size = int(max_batch_size)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.lora, self.shares_base = lora, shared_base is not None
-        if shared_base is not None:
+        self.expert_shard = None
+        if expert_shard is not None:
+            from transformers import AutoConfig
+
+            from runtime.rollout.expert_shards import ExpertShard, local_expert_model
+            config = AutoConfig.from_pretrained(model_dir)
+            if not int(getattr(config, "num_experts", 0) or 0):
+                raise ConfigError(f"rollout.expert_shards={expert_shard.count}: {model_dir} is not a mixture of experts; "
+                                  f"set rollout.expert_shards: 1")
+            if decode_path == "hf" or lora is not None or shared_base is not None:
+                raise ConfigError("rollout.expert_shards runs in the paged decoder, without LoRA: set "
+                                  "rollout.decode_path: auto (or paged), or rollout.expert_shards: 1")
+            self.expert_shard = ExpertShard(expert_shard, int(config.num_experts), self.device)
+            self.model = local_expert_model(model_dir, dtype, attn_implementation, self.expert_shard, self.device)
+        elif shared_base is not None:
             self.model = _skeleton(model_dir, dtype, attn_implementation)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
@@ -172,7 +190,11 @@ class BuiltinEngine(RolloutEngine):
                                             sync_every=sync_every, gpu_memory_gb=gpu_memory_gb, lora=lora,
                                             shared_base=shared_base, deterministic=deterministic,
                                             weights_dtype=weights_dtype, record_routes=routing_replay,
-                                            cascade=cascade_attention, true_on_policy=true_on_policy)
+                                            cascade=cascade_attention, true_on_policy=true_on_policy,
+                                            expert_shard=self.expert_shard)
+            elif self.expert_shard is not None:
+                raise ConfigError(f"rollout.expert_shards needs the built-in engine's paged decoder, which {model_dir} "
+                                  f"lacks: {reason}; set rollout.expert_shards: 1")
             elif lora is not None or shared_base is not None:
                 raise ConfigError(f"train.lora needs the built-in engine's paged decoder, which {model_dir} lacks: "
                                   f"{reason}")
@@ -289,7 +311,8 @@ class BuiltinEngine(RolloutEngine):
         if self.lora is not None:
             self._update_adapters(named_tensors, version)
             return
-        state = update_targets(self.model)  # tensors share storage with the parameters
+        state = self._update_targets()  # tensors share storage with the parameters
+        named_tensors = {k: v for k, v in named_tensors.items() if not self._others_expert(k)}
         unknown = sorted(name for name in named_tensors if name not in state)
         if unknown:
             raise ValueError(f"update_weights: {len(unknown)} name(s) not in the model, e.g. {unknown[:3]}")
@@ -308,6 +331,17 @@ class BuiltinEngine(RolloutEngine):
                 else:
                     state[name].copy_(tensor)
         self._weight_version = int(version)
+
+    def _update_targets(self) -> dict[str, torch.Tensor]:
+        return update_targets(self.model, 0 if self.expert_shard is None else self.expert_shard.first)
+
+    def _others_expert(self, name: str) -> bool:
+        """Whether ``name`` is an expert's weight another shard of this replica holds (passed over here)."""
+        if self.expert_shard is None:
+            return False
+        from runtime.rollout.expert_shards import hub_expert
+        hub = hub_expert(name)
+        return hub is not None and self.expert_shard.others(hub[1])
 
     def _fp8_targets(self) -> dict:
         return self.decoder.fp8_targets if self.decoder is not None else {}
@@ -355,16 +389,18 @@ class BuiltinEngine(RolloutEngine):
         if self.lora is not None:  # the adapters: received whole, then copied into the decoder's buffers
             self._update_adapters(weight_sync.receive(self._sync_group, metadata, self.device), version)
             return
-        state = update_targets(self.model)
+        state = self._update_targets()
         quantized = self._fp8_targets()
-        if quantized:  # one tensor at a time, quantised as it comes (the bf16 weights are never all here at once)
-            bad = [f"{name} {tuple(shape)}" for name, _, shape in metadata
-                   if name not in state or tuple(shape) != tuple(state[name].shape)]
+        if quantized or self.expert_shard is not None:
+            # one tensor at a time, quantised as it comes (the bf16 weights are never all here at once); a shard
+            # receives the other shards' experts too (one broadcast for all) and drops each as it comes
+            bad = [f"{name} {tuple(shape)}" for name, _, shape in metadata if not self._others_expert(name)
+                   and (name not in state or tuple(shape) != tuple(state[name].shape))]
             with torch.no_grad(), self._timing_quantization():
                 for item in metadata:  # a bad update is received whole (the sender is not left blocked), not applied
                     name, t = next(iter(weight_sync.receive(self._sync_group, [item], self.device,
                                                             into=None if bad else state).items()))
-                    if bad:
+                    if bad or self._others_expert(name):
                         continue
                     if name in quantized:
                         self.decoder.load_linear(name, t)
@@ -409,6 +445,8 @@ class BuiltinEngine(RolloutEngine):
             "weights_dtype": self.weights_dtype,
             "records_routes": bool(self.decoder is not None and self.decoder.record_routes),  # rollout.routing_replay
             "cascade_attention": bool(self.decoder is not None and self.decoder.cascade),  # rollout.cascade_attention
+            # rollout.expert_shards: (this engine's shard, the replica's shards)
+            "expert_shard": None if self.expert_shard is None else [self.expert_shard.index, self.expert_shard.count],
         }
 
     def shutdown(self) -> None:
@@ -418,6 +456,8 @@ class BuiltinEngine(RolloutEngine):
         self._closed = True
         # before the trainer's side goes: NCCL's watchdog polls the store rank 0 hosts, and warns each second
         self._leave_weight_sync()
+        if self.expert_shard is not None:
+            self.expert_shard.close()
         if self.decoder is not None:
             self.decoder.release()
             self.decoder = None
@@ -464,8 +504,8 @@ class BuiltinEngine(RolloutEngine):
             return []
         ids = torch.tensor([list(prompt_ids) + list(response_ids)], dtype=torch.long, device=self.device)
         self._check_token_range(ids)
-        if self.lora is not None or self.shares_base or self.weights_dtype != "bf16":
-            # the decoder's own forward holds the adapters (and the base), or the FP8 weights
+        if self.lora is not None or self.shares_base or self.weights_dtype != "bf16" or self.expert_shard is not None:
+            # the decoder's own forward holds the adapters (and the base), the FP8 weights, or the replica's sum
             logits = self.decoder.sequence_logits(ids[0]).float()
         else:
             logits = self.model(input_ids=ids, use_cache=False).logits[0].float()

@@ -140,8 +140,9 @@ def _grouped_mm(x, w, offs):
     a loop over the experts (CUDA in another dtype; it reads the offsets on the host)."""
     if not x.is_cuda or x.dtype == torch.bfloat16:
         return F.grouped_mm(x, w, offs=offs)
-    ends = offs.tolist()
-    return torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))])
+    ends = offs.tolist()  # rows past the last group (a shard's copies routed elsewhere) come out zero
+    return torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))]
+                     + [x.new_zeros(x.shape[0] - ends[-1], w.shape[-1])])
 
 
 def _fp8_grouped_mm(x, w8, w_scales, offs):
@@ -155,7 +156,8 @@ def _fp8_grouped_mm(x, w8, w_scales, offs):
     ends = offs.tolist()
     return torch.cat([torch._scaled_mm(xq[s:e], w8[i].t(), scale_a=xs[s:e], scale_b=w_scales[i][None],
                                        out_dtype=x.dtype) if e > s else x.new_zeros(0, w8.shape[1])
-                      for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))])
+                      for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))]
+                     + [x.new_zeros(x.shape[0] - ends[-1], w8.shape[1])])
 
 
 def _route(x, router_w, topk: int, norm_topk: bool):
@@ -168,16 +170,24 @@ def _route(x, router_w, topk: int, norm_topk: bool):
     return weights, experts
 
 
-def _experts_mlp(x, weights, experts, gu_w, down_w, ffn: int, gu_s=None, dn_s=None):
+def _experts_mlp(x, weights, experts, gu_w, down_w, ffn: int, gu_s=None, dn_s=None, first: int | None = None):
     """The experts' SwiGLU on [T, H] routed to ``experts`` [T, k] with ``weights``: two grouped GEMMs over the routed
     copies sorted by expert (``gu_w`` [E, 2F, H] = cat(gate, up), ``down_w`` [E, H, F]: transformers' fused layout;
     with ``gu_s`` / ``dn_s`` [E, rows] they are e4m3, `_fp8_grouped_mm`). No host sync on CUDA, no atomics: each
-    copy's output goes back to its (token, slot) and a token's k slots are summed in slot order."""
+    copy's output goes back to its (token, slot) and a token's k slots are summed in slot order.
+    ``first`` (an engine holding one shard of the experts, runtime/rollout/expert_shards.py): ``gu_w`` and ``down_w``
+    are global experts ``first ..`` only; the copies routed elsewhere sort last, past the grouped GEMMs' last group,
+    and count zero: the result is this shard's part of the sum."""
     t, h = x.shape
     topk = experts.shape[1]
     flat = experts.reshape(-1)
+    mine = None
+    if first is not None:
+        local = flat - first
+        mine = (local >= 0) & (local < gu_w.shape[0])
+        flat = torch.where(mine, local, gu_w.shape[0])  # the others: one group past the last expert
     order = flat.argsort(stable=True)  # the routed copies grouped by expert
-    offs = torch.bincount(flat, minlength=gu_w.shape[0]).cumsum(0).to(torch.int32)
+    offs = torch.bincount(flat, minlength=gu_w.shape[0] + (mine is not None))[:gu_w.shape[0]].cumsum(0).to(torch.int32)
     xs = x.index_select(0, order // topk)
     if gu_s is None:
         gu = _grouped_mm(xs, gu_w.transpose(-2, -1), offs)
@@ -187,6 +197,8 @@ def _experts_mlp(x, weights, experts, gu_w, down_w, ffn: int, gu_s=None, dn_s=No
         g, u = _fp8_grouped_mm(xs, gu_w, gu_s, offs).split([ffn, ffn], dim=-1)
         y = _fp8_grouped_mm(F.silu(g) * u, down_w, dn_s, offs)
     y = y * weights.to(x.dtype).reshape(-1).index_select(0, order)[:, None]
+    if mine is not None:  # the rows past the last group hold whatever the GEMM left there: selected away, not scaled
+        y = torch.where(mine.index_select(0, order)[:, None], y, 0)
     slots = torch.empty_like(y).index_copy_(0, order, y)
     return slots.view(t, topk, h).sum(dim=1)
 
@@ -206,6 +218,16 @@ def _post_attn_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps: float, 
     x = _rms(h, ln_w, eps)
     weights, experts = _route(x, router_w, topk, norm_topk)
     return h + _experts_mlp(x, weights, experts, gu_w, down_w, ffn, gu_s, dn_s), experts
+
+
+def _post_attn_moe_shard(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps: float, ffn: int, topk: int,
+                         norm_topk: bool, first: int, o_s=None, gu_s=None, dn_s=None):
+    """`_post_attn_moe` on one shard of the experts (global ``first ..``): (the hidden states after the attention's
+    residual, this shard's part of the experts' output, each token's experts); the caller adds the shards' parts."""
+    h = h + _linear(attn, o_w, o_s, o_b)
+    x = _rms(h, ln_w, eps)
+    weights, experts = _route(x, router_w, topk, norm_topk)
+    return h, _experts_mlp(x, weights, experts, gu_w, down_w, ffn, gu_s, dn_s, first), experts
 
 
 def _logits(h, norm_w, lm_w, eps: float):
@@ -332,7 +354,8 @@ class FusedModel:
 
     def __init__(self, model, *, compile: bool | None = None, lora=None, shared_base: dict | None = None,
                  deterministic: bool = True, settle_rows: int = 64, weights_dtype: str = "bf16",
-                 drop_bf16: bool = True, record_routes: bool = False, true_on_policy: bool = False):
+                 drop_bf16: bool = True, record_routes: bool = False, true_on_policy: bool = False,
+                 expert_shard=None):
         reason = unsupported_config_reason(model.config) if shared_base is not None else unsupported_reason(model)
         if reason:
             raise ValueError(f"fast decode path: {reason}")
@@ -354,6 +377,9 @@ class FusedModel:
         # index up to 256 experts; a dense model has nothing to record
         self.record_routes = bool(record_routes) and self.moe
         self.routes_dtype = routes_dtype(int(cfg.num_experts)) if self.moe else None
+        # rollout.expert_shards: this engine holds one shard of the experts (runtime/rollout/expert_shards.py); each
+        # MoE layer's output is the replica's sum of the shards' parts
+        self.expert_shard = expert_shard if self.moe else None
         if self.moe and (lora is not None or shared_base is not None):
             raise ValueError("fast decode path: LoRA on a mixture of experts is not implemented")
         self.eps = float(cfg.rms_norm_eps)
@@ -540,14 +566,18 @@ class FusedModel:
             return _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps, ffn, o_s, gu_s, dn_s, o_a, o_lb,
                               gu_a, gu_lb, dn_a, dn_lb, lscale)
 
-        topk, norm_topk = self.topk, self.norm_topk
-
-        def post_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, o_s=None, gu_s=None, dn_s=None):
-            return _post_attn_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps, ffn, topk, norm_topk, o_s,
-                                  gu_s, dn_s)
-
         def head(h, norm_w, lm_w):
             return _logits(h, norm_w, lm_w, eps)
+
+        topk, norm_topk = self.topk, self.norm_topk
+        first = None if self.expert_shard is None else self.expert_shard.first  # rollout.expert_shards
+
+        def post_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, o_s=None, gu_s=None, dn_s=None):
+            if first is None:
+                return _post_attn_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps, ffn, topk, norm_topk,
+                                      o_s, gu_s, dn_s)
+            return _post_attn_moe_shard(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps, ffn, topk, norm_topk,
+                                        first, o_s, gu_s, dn_s)
 
         self._pre, self._post, self._head, self._plain = pre, post_moe if self.moe else post, head, plain_sample
         self._gumbel = gumbel_noise
@@ -592,7 +622,12 @@ class FusedModel:
     def _layer_post(self, h, attn, w):
         """`_post` of one layer: (hidden states, each token's experts [T, k] for a mixture of experts, else None)."""
         out = self._post(h, attn, *w.post_args())
-        return out if self.moe else (out, None)
+        if not self.moe:
+            return out, None
+        if self.expert_shard is None:
+            return out
+        h, part, experts = out  # this shard's part of the experts' output: the replica's sum added (an all-reduce)
+        return h + self.expert_shard.sum_(part), experts
 
     def rope_tables(self, pos: torch.Tensor):
         return _cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype, self.interleaved)

@@ -5,8 +5,10 @@ from runtime.config import GrpoConfig
 from runtime.devices import DTYPES
 
 
-def make_engine(*, cfg: GrpoConfig, model_dir: str, device: str, dtype: str, shared_base: dict | None = None):
-    """shared_base: the trainer's frozen base tensors, for a built-in engine in its process (LoRA at TP 1)."""
+def make_engine(*, cfg: GrpoConfig, model_dir: str, device: str, dtype: str, shared_base: dict | None = None,
+                expert_shard=None):
+    """shared_base: the trainer's frozen base tensors, for a built-in engine in its process (LoRA at TP 1).
+    expert_shard: this built-in engine's place in a replica split by its experts (`expert_shards.ShardSpec`)."""
     if cfg.rollout.engine == "sglang":
         from runtime.rollout.sglang import SGLangEngine
         return SGLangEngine.from_config(cfg, model_dir)
@@ -17,4 +19,4 @@ def make_engine(*, cfg: GrpoConfig, model_dir: str, device: str, dtype: str, sha
                          deterministic=cfg.rollout.deterministic, weights_dtype=cfg.rollout.weights_dtype,
                          lora=cfg.train.lora if cfg.train.lora.enabled else None, shared_base=shared_base,
                          routing_replay=cfg.rollout.routing_replay, cascade_attention=cfg.rollout.cascade_attention,
-                         true_on_policy=cfg.rollout.true_on_policy)
+                         true_on_policy=cfg.rollout.true_on_policy, expert_shard=expert_shard)

@@ -11,15 +11,18 @@ from __future__ import annotations
 import torch
 
 
-def update_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` (tensors sharing the parameters' storage) plus the hub's per-expert names as views."""
+def update_targets(model: torch.nn.Module, expert_offset: int = 0) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` (tensors sharing the parameters' storage) plus the hub's per-expert names as views.
+    ``expert_offset``: the global index of the model's first expert (an engine holding one shard of the experts,
+    runtime/rollout/expert_shards.py): its expert ``i`` is named ``mlp.experts.{offset + i}``."""
     state = model.state_dict()
     for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:
         prefix = name[: -len("gate_up_proj")]
         gate_up, down = state[name], state[prefix + "down_proj"]
         ffn = gate_up.shape[1] // 2
         for e in range(gate_up.shape[0]):
-            state[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :ffn]
-            state[f"{prefix}{e}.up_proj.weight"] = gate_up[e, ffn:]
-            state[f"{prefix}{e}.down_proj.weight"] = down[e]
+            g = expert_offset + e
+            state[f"{prefix}{g}.gate_proj.weight"] = gate_up[e, :ffn]
+            state[f"{prefix}{g}.up_proj.weight"] = gate_up[e, ffn:]
+            state[f"{prefix}{g}.down_proj.weight"] = down[e]
     return state

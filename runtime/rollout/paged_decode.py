@@ -87,7 +87,7 @@ class PagedDecoder(FusedModel):
                  overlap_chunks: bool = True, gpu_memory_gb: float | None = None, lora=None,
                  shared_base: dict | None = None, deterministic: bool = True, weights_dtype: str = "bf16",
                  drop_bf16: bool = True, record_routes: bool = False, cascade: bool = False,
-                 true_on_policy: bool = False):
+                 true_on_policy: bool = False, expert_shard=None):
         """attention: "auto" (the Triton kernel on CUDA where it applies, else the PyTorch reference),
         "triton" or "reference". overlap_chunks: queue the next decode chunk before reading the last one
         (the tokens are the same either way; off only to measure what it saves). gpu_memory_gb: the card
@@ -98,10 +98,12 @@ class PagedDecoder(FusedModel):
         prompt pages read once per step for all its live rows (the module doc). true_on_policy
         (``rollout.true_on_policy``): the batch-invariant forward, attention and log-prob the trainer computes too
         (runtime/kernels/batch_invariant.py): decode and prefill attention both by `common_decode` / `common_prefill`;
-        not with cascade (another order of sums)."""
+        not with cascade (another order of sums). expert_shard (``rollout.expert_shards``): this engine's shard of
+        the experts (runtime/rollout/expert_shards.py); the replica's engines run this loop in step, so its pool is the
+        smallest engine's and a failed speed feature is raised, not switched off here alone."""
         super().__init__(model, compile=compile, lora=lora, shared_base=shared_base, deterministic=deterministic,
                          settle_rows=max_rows, weights_dtype=weights_dtype, drop_bf16=drop_bf16,
-                         record_routes=record_routes, true_on_policy=true_on_policy)
+                         record_routes=record_routes, true_on_policy=true_on_policy, expert_shard=expert_shard)
         self.last_routes: list[torch.Tensor | None] = []  # per request of the last call (`_generate`)
         cuda = self.device.type == "cuda"
         self.max_rows = int(max_rows)
@@ -156,6 +158,8 @@ class PagedDecoder(FusedModel):
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         self._pool_budget = kv_pool_bytes(self.kv_cache_gb, self.device.type, free)
         pages = self._pool_budget // self.page_bytes()
+        if self.expert_shard is not None:  # the replica's engines admit and preempt alike: the same pages each
+            pages = self.expert_shard.smallest(pages)
         if pages < 2:
             raise MemoryPlanError(f"KV page pool: {self._pool_budget / 2**30:.3f} GiB holds no page of {self.page_size} "
                                   f"tokens ({self.page_bytes()} bytes); raise rollout.kv_cache_gb")
@@ -416,7 +420,7 @@ class PagedDecoder(FusedModel):
         """Switch a failed speed feature off (False: it was off already, nothing to fall back to)."""
         on = {"compile": self.compiled, "cuda_graphs": self.use_graphs, "triton": self.use_triton,
               "flash": self.use_flash}[feature]
-        if not on:
+        if not on or self.expert_shard is not None:  # a shard alone without it would leave its replica's step
             return False
         log.warning("paged decode: %s failed (%s: %s); retrying without it", feature, type(error).__name__, error)
         self.stats.setdefault("fallbacks", []).append(f"{feature}: {type(error).__name__}: {str(error)[:300]}")

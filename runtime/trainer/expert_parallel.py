@@ -114,3 +114,30 @@ def gather_experts(tensors: dict[str, torch.Tensor], to: int | None = None) -> d
             for r, part in enumerate(parts):
                 out[f"{prefix}{r * per_rank + int(index)}{suffix}"] = part
     return out
+
+
+def experts_of_shard(tensors: dict[str, torch.Tensor], index: int, count: int) -> dict[str, torch.Tensor]:
+    """``tensors`` (parameter names, TP-whole) with the experts of engine shard ``index`` of ``count`` only, under their
+    global index (runtime/rollout/expert_shards.py: shard s holds global experts s·E/count ..): the rest as they are.
+    When the engine's shards are this rank's expert group (``count`` = EP, the shard this rank's EP rank) they are the
+    experts here, renamed, with nothing sent; otherwise every expert is gathered (:func:`gather_experts`, collective
+    over the expert group) and the shard's kept."""
+    ep = size()
+    local = [k for k in tensors if _LOCAL_EXPERT.match(k)]
+    per_rank = 1 + max((int(_LOCAL_EXPERT.match(k)[2]) for k in local), default=-1)
+    if ep == count and ep > 1:
+        from megatron.core import parallel_state as mpu
+        rank = mpu.get_expert_model_parallel_rank()
+        if rank != index:
+            raise RuntimeError(f"engine shard {index} of {count} beside expert-parallel rank {rank}: the colocated engine "
+                               f"on a rank's GPU is expected to hold that rank's experts")
+        out = {k: v for k, v in tensors.items() if k not in set(local)}
+        for key in local:
+            prefix, i, suffix = _LOCAL_EXPERT.match(key).groups()
+            out[f"{prefix}{rank * per_rank + int(i)}{suffix}"] = tensors[key]
+        return out
+    whole = gather_experts(tensors)
+    experts = per_rank * ep
+    first, n = index * experts // count, experts // count
+    return {k: v for k, v in whole.items()
+            if not (m := _LOCAL_EXPERT.match(k)) or first <= int(m[2]) < first + n}

@@ -463,32 +463,40 @@ class MegatronTrainer:
             out.update(unit)
         return out
 
-    def _hf_weight_units(self, to: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    def _hf_weight_units(self, to: int | None = None, expert_shards: int = 1) -> Iterator[dict[str, torch.Tensor]]:
         """The whole model in HF names a unit at a time (the embedding, each layer, the head: the adapter's
         ``hf_units``), each gathered whole only while it is used: on every rank, or with ``to`` on that rank only
-        (nothing is yielded elsewhere). Every rank runs the whole iteration (each unit's gathers are collective)."""
+        (nothing is yielded elsewhere). Every rank runs the whole iteration (each unit's gathers are collective).
+        ``expert_shards`` > 1 (``rollout.expert_shards``, not with ``to``): of a mixture's experts only those of the
+        engine shard on this rank's GPU (rank r's: shard r mod n; runtime/rollout/expert_shards.py)."""
         from runtime.models import get_adapter
         from runtime.trainer.tp_gather import gathered_units
         if self.adapter is None:
             self.adapter = get_adapter(self.hf_config)
         units = self.adapter.hf_units(self.hf_config, include_tied_lm_head=True)
-        for name, whole in gathered_units(self.model, units, to=to):
+        shard, experts = None, None
+        if expert_shards > 1:
+            shard = (self.rank % expert_shards, expert_shards)
+            per = int(self.hf_config.num_experts) // expert_shards
+            experts = range(shard[0] * per, shard[0] * per + per)
+        for name, whole in gathered_units(self.model, units, to=to, expert_shard=shard):
             if whole is None:
                 continue
-            unit = self.adapter.unit_to_hf(name, whole, self.hf_config, include_tied_lm_head=True)
+            unit = self.adapter.unit_to_hf(name, whole, self.hf_config, include_tied_lm_head=True, experts=experts)
             whole = None
             yield unit
             unit = None  # dropped before the next unit is gathered
 
-    def next_weight_unit(self) -> dict[str, torch.Tensor] | None:
+    def next_weight_unit(self, expert_shards: int = 1) -> dict[str, torch.Tensor] | None:
         """The next unit of what the engine takes (the embedding, a layer, the head: the adapter's ``hf_units``; with
         LoRA the adapters, one unit), whole on this rank; None after the last. The first call starts the stream; every
         rank gathers each unit (the TP and expert gathers are collective), so the whole model is never held beside the
         trainer's state (a 30 B mixture of experts is 57 GiB): one unit at a time, alive until
-        `release_shared_weights`."""
+        `release_shared_weights`. ``expert_shards`` (``rollout.expert_shards``): the engine on this GPU holds one shard
+        of the experts, and takes only those (`_hf_weight_units`)."""
         self._shared_weights = None
         if self._share_stream is None:
-            self._share_stream = self._engine_weight_units_here()
+            self._share_stream = self._engine_weight_units_here(expert_shards)
         unit = next(self._share_stream, None)
         if unit is None:
             self._share_stream = None
@@ -496,11 +504,11 @@ class MegatronTrainer:
         self._shared_weights = {k: v.detach() for k, v in unit.items()}
         return self._shared_weights
 
-    def share_next_weight_unit(self):
+    def share_next_weight_unit(self, expert_shards: int = 1):
         """`next_weight_unit` as CUDA IPC handles (runtime/placement/cuda_ipc.py) for the engine on this rank's GPU in
         another process; None after the last."""
         from runtime.placement import cuda_ipc
-        unit = self.next_weight_unit()
+        unit = self.next_weight_unit(expert_shards)
         return None if unit is None else cuda_ipc.share(unit)
 
     def release_shared_weights(self, end: bool = False) -> None:
@@ -567,11 +575,12 @@ class MegatronTrainer:
             return iter([adapters] if adapters else [])
         return self._hf_weight_units(to=0)
 
-    def _engine_weight_units_here(self) -> Iterator[dict[str, torch.Tensor]]:
-        """`_engine_weight_units` whole on every rank (each shares them with the engine on its own GPU)."""
+    def _engine_weight_units_here(self, expert_shards: int = 1) -> Iterator[dict[str, torch.Tensor]]:
+        """`_engine_weight_units` whole on every rank (each shares them with the engine on its own GPU; of the experts,
+        that engine's shard's)."""
         if self.lora is not None:
             return iter([self._engine_weights_here()])
-        return self._hf_weight_units()
+        return self._hf_weight_units(expert_shards=expert_shards)
 
     def weights_metadata(self) -> list:
         """(name, dtype, shape) of the tensors `broadcast_weights` sends, in order (rank 0; [] elsewhere)."""

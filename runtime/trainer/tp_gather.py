@@ -40,19 +40,23 @@ def full_state_dict(model, hf_config=None, to: int | None = None) -> dict[str, t
     return gather_experts(gather_full(model, sd), to)
 
 
-def gathered_units(model, units: list[tuple[str, tuple[str, ...]]], to: int | None = None):
+def gathered_units(model, units: list[tuple[str, tuple[str, ...]]], to: int | None = None,
+                   expert_shard: tuple[int, int] | None = None):
     """:func:`full_state_dict` a unit at a time: for each ``(name, prefixes)`` (local-spec megatron name prefixes, as
     an adapter's ``hf_units`` gives them) the tensors under those prefixes, gathered whole (TP shards, every expert)
     under local-spec names. Yields ``(name, tensors)`` on every rank, or (``to``) ``(name, None)`` on the ranks but
     that one; every rank takes part in each unit's gathers, so all must run the whole iteration. At most one unit's
-    tensors are whole at a time (the engine's weight sync of a model too large to gather on one GPU)."""
+    tensors are whole at a time (the engine's weight sync of a model too large to gather on one GPU). ``expert_shard``
+    (index, count; not with ``to``): of a mixture's experts only those of that engine shard
+    (`expert_parallel.experts_of_shard`)."""
     from runtime.models.base import normalize_mcore_state_dict
-    from runtime.trainer.expert_parallel import gather_experts
+    from runtime.trainer.expert_parallel import experts_of_shard, gather_experts
     sd = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v) and not k.endswith("_extra_state")}
     local_names = {k: next(iter(normalize_mcore_state_dict({k: v}))) for k, v in sd.items()}
     for name, prefixes in units:
         part = {k: sd[k] for k, local in local_names.items() if local.startswith(prefixes)}
-        whole = gather_experts(gather_full(model, part), to)
+        part = gather_full(model, part)
+        whole = gather_experts(part, to) if expert_shard is None else experts_of_shard(part, *expert_shard)
         part = None
         yield name, None if whole is None else normalize_mcore_state_dict(whole)
         whole = None  # dropped before the next unit is gathered

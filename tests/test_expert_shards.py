@@ -1,0 +1,112 @@
+"""A built-in engine replica split by its experts (``rollout.expert_shards``, runtime/rollout/expert_shards.py) on the
+CPU: two engine processes over gloo, each holding 2 of a tiny Qwen3-MoE's 4 experts, against one engine holding all 4
+(fp32). The replica samples what the whole engine samples (its sums of the experts' outputs are in another order:
+log-probs within float noise), records the same routes, stops a partial rollout at the same check point, and takes
+weight updates by HF name, each shard its own experts. Through `grpoflow run`: tests/test_export_retention.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.rollout.base import GroupsDone, SampleRequest, SamplingParams
+
+pytestmark = pytest.mark.timeout(300, method="thread")  # a shard left alone in a collective would wait forever
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from runtime.models.tiny import build_tiny_qwen3
+    return build_tiny_qwen3(tmp_path_factory.mktemp("expert-shards") / "moe", seed=0, num_experts=4)["path"]
+
+
+@pytest.fixture(scope="module")
+def engines(moe_dir):
+    """(one whole engine in this process, a replica of two expert shards in processes of their own)."""
+    from runtime.placement.handles import EngineHandle
+    from runtime.placement.ports import free_port
+    from runtime.placement.subprocess_group import SubprocessGroup
+    from runtime.rollout.builtin import BuiltinEngine
+    from runtime.rollout.expert_shards import ShardSpec
+    port = free_port()
+    group = SubprocessGroup("runtime.rollout.builtin:BuiltinEngine",
+                            [dict(model_dir=moe_dir, routing_replay=True, sync_every=4,
+                                  expert_shard=ShardSpec(i, 2, "127.0.0.1", port, "test_shards")) for i in range(2)])
+    replica = EngineHandle(group, expert_shards=2)
+    try:
+        yield BuiltinEngine(moe_dir, routing_replay=True, sync_every=4), replica
+    finally:
+        group.kill()
+
+
+def _requests(n_prompts: int = 3, samples: int = 4) -> list[SampleRequest]:
+    return [SampleRequest(prompt_ids=[5, 6, 7, 8 + p], key=(0, 0, p, s)) for p in range(n_prompts) for s in range(samples)]
+
+
+def _agree(whole, split) -> None:
+    assert [r.response_ids for r in split] == [r.response_ids for r in whole]
+    assert [r.finish_reason for r in split] == [r.finish_reason for r in whole]
+    for a, b in zip(whole, split):
+        assert torch.equal(a.routed_experts, b.routed_experts)
+        assert max((abs(x - y) for x, y in zip(a.response_logprobs, b.response_logprobs)), default=0.0) < 1e-5
+
+
+def test_each_shard_holds_its_experts_and_the_replica_samples_as_one_whole_engine(engines):  # ~15 s with the fixture
+    whole, replica = engines
+    each = replica.health()["engines"]
+    assert [h["expert_shard"] for h in each] == [[0, 2], [1, 2]]
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0)
+    _agree(whole.generate(_requests(), sampling), replica.generate(_requests(), sampling))
+    # a partial rollout's stop: where it stops depends on the requests and the weights, so both stop alike
+    until, sampling = GroupsDone(group_size=4, count=1), SamplingParams(max_new_tokens=48, stop_token_ids=[5, 6, 7])
+    stopped = replica.generate(_requests(), sampling, until)
+    assert "abort" in {r.finish_reason for r in stopped}  # the test is about a stop
+    _agree(whole.generate(_requests(), sampling, until), stopped)
+
+
+def test_a_weight_update_reaches_each_shards_experts_by_hf_name(engines):
+    from runtime.rollout.hf_weights import update_targets
+    whole, replica = engines
+    prompt, response = [5, 6, 7, 9], [11, 12, 13, 14, 15]
+    before = replica.logprobs_of(prompt, response)
+    assert max(abs(x - y) for x, y in zip(before, whole.logprobs_of(prompt, response))) < 1e-5
+    # layer 0's experts 1 (shard 0's) and 2, 3 (shard 1's) and its router changed: each shard takes its own experts
+    # and passes over the others'
+    state = update_targets(whole.model)
+    names = [f"model.layers.0.mlp.experts.{e}.{p}_proj.weight" for e in (1, 2, 3) for p in ("gate", "up", "down")]
+    gen = torch.Generator().manual_seed(0)
+    changed = {n: state[n] * (1.0 + 0.2 * torch.randn(state[n].shape, generator=gen))
+               for n in names + ["model.layers.0.mlp.gate.weight"]}
+    whole.update_weights(changed, 1)
+    replica.update_weights(changed, 1)
+    after, expected = replica.logprobs_of(prompt, response), whole.logprobs_of(prompt, response)
+    assert max(abs(x - y) for x, y in zip(before, after)) > 1e-3
+    assert max(abs(x - y) for x, y in zip(after, expected)) < 1e-5
+    assert replica.health()["weight_version"] == 1
+    with pytest.raises(ValueError, match="not in the model"):  # a name no shard has is still an error
+        replica.update_weights({"model.layers.0.mlp.experts.9.up_proj.weight": changed[
+            "model.layers.0.mlp.experts.1.up_proj.weight"]}, 2)
+
+
+def test_expert_shards_settings_are_checked_in_one_line(moe_dir, tmp_path):
+    from runtime.config import GrpoConfig
+    from runtime.errors import ConfigError
+    from runtime.models import load_hf_config
+    from runtime.models.tiny import build_tiny_qwen3
+    from runtime.placement.layout import check_layout
+
+    def config(**rollout):
+        return GrpoConfig.model_validate({"cluster": {"backend": "local", "device": "cpu", "rollout_gpus": 2},
+                                          "rollout": {"expert_shards": 2, **rollout}})
+    with pytest.raises(ValueError, match="rollout.expert_shards=2 splits the built-in engine"):
+        config(engine="sglang")
+    with pytest.raises(ValueError, match=r"must divide the engines, one per rollout GPU \(cluster.rollout_gpus=2\)"):
+        config(expert_shards=3)
+    with pytest.raises(ValueError, match="not with rollout.decode_path: hf"):
+        config(decode_path="hf")
+    dense = build_tiny_qwen3(tmp_path / "dense", seed=0)["path"]
+    with pytest.raises(ConfigError, match="none: not a mixture of experts"):
+        check_layout(config(), hf_config=load_hf_config(dense))
+    check_layout(config(), hf_config=load_hf_config(moe_dir))
+    with pytest.raises(ConfigError, match="must divide the model's experts"):
+        check_layout(GrpoConfig.model_validate({"cluster": {"backend": "local", "device": "cpu", "rollout_gpus": 3},
+                                                "rollout": {"expert_shards": 3}}), hf_config=load_hf_config(moe_dir))
