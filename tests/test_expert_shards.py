@@ -110,3 +110,36 @@ def test_expert_shards_settings_are_checked_in_one_line(moe_dir, tmp_path):
     with pytest.raises(ConfigError, match="must divide the model's experts"):
         check_layout(GrpoConfig.model_validate({"cluster": {"backend": "local", "device": "cpu", "rollout_gpus": 3},
                                                 "rollout": {"expert_shards": 3}}), hf_config=load_hf_config(moe_dir))
+
+
+def test_a_broadcast_reaches_each_shard_which_keeps_its_own_experts(engines):
+    """cluster.weight_sync broadcast: the trainer's rank 0 (here this process) sends every tensor once; each shard
+    receives all of them and keeps its own experts (the rest dropped as they come)."""
+    import threading
+
+    from runtime.placement import weight_sync
+    from runtime.placement.ports import free_port
+    from runtime.rollout.hf_weights import update_targets
+    whole, replica = engines
+    prompt, response = [5, 6, 8], [9, 10, 11, 12]
+    before = replica.logprobs_of(prompt, response)
+    state = update_targets(whole.model)
+    gen = torch.Generator().manual_seed(1)
+    sent = {n: state[n] * (1.0 + 0.2 * torch.randn(state[n].shape, generator=gen))
+            for n in [f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(4)]
+            + ["model.layers.1.self_attn.o_proj.weight"]}
+    port, joined = free_port(), {}
+    host = threading.Thread(target=lambda: joined.setdefault("group", weight_sync.init_group(
+        "127.0.0.1", port, 0, 3, group_name="test_shards_sync")))
+    host.start()
+    replica.init_weight_sync("127.0.0.1", port, 1, 3, "test_shards_sync")
+    host.join()
+    sender = threading.Thread(target=weight_sync.send, args=(joined["group"], sent, "cpu"))
+    sender.start()
+    replica.receive_weights(weight_sync.metadata_of(sent), 7)
+    sender.join()
+    whole.update_weights(sent, 7)
+    got, expected = replica.logprobs_of(prompt, response), whole.logprobs_of(prompt, response)
+    assert max(abs(x - y) for x, y in zip(got, expected)) < 1e-5 < max(abs(x - y) for x, y in zip(got, before))
+    assert replica.health()["weight_version"] == 7
+    weight_sync.destroy_group(joined["group"])
