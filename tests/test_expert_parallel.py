@@ -196,9 +196,9 @@ def test_the_host_optimizer_steps_at_ep2_as_megatrons_distributed_one(tiny_moe):
     experts' own (expert-DP 1); the host step plans both into chunks and clips by the chained norm. One update of bf16
     weights from the same state, against megatron's distributed optimizer on the device: the grad norm as megatron
     sums it (the clip applies: clip_grad below it), every fp32 master, experts' included, within rounding; each
-    checkpoint's HF export is the trainer's weights."""
+    checkpoint's HF export is the trainer's weights; the host one resumed steps as the unbroken run, bit for bit."""
     from tests.checkpoints import fp32_masters
-    root, lr, b0 = tiny_moe["root"], TRAIN["lr"], _batch(tiny_moe["vocab"], seed=0)
+    root, lr, b0, b1 = tiny_moe["root"], TRAIN["lr"], _batch(tiny_moe["vocab"], seed=0), _batch(tiny_moe["vocab"], seed=1)
     out = {}
     for name, host in (("dev", False), ("host", True)):
         group = _group(tiny_moe, 2, distributed_optimizer=True, optimizer_on_host=host, clip_grad=0.05,
@@ -208,8 +208,19 @@ def test_the_host_optimizer_steps_at_ep2_as_megatrons_distributed_one(tiny_moe):
             out[name] = {"m0": group.call("train", b0), "after": _copies(group.call("hf_weights"))[0],
                          "before": before}
             group.call("save", str(root / f"ep2-{name}-bf16@1"))
+            if host:  # the step after the checkpoint, which a resumed run must repeat bit for bit
+                out[name].update(m1=group.call("train", b1), w1=_copies(group.call("hf_weights"))[0])
         finally:
             group.kill()
+    group = _group(tiny_moe, 2, distributed_optimizer=True, optimizer_on_host=True, clip_grad=0.05,
+                   model={"dtype": "bfloat16"})
+    try:  # the resume: the host optimizer's chained state and the masters of both optimizers back from the checkpoint
+        group.call("load", str(root / "ep2-host-bf16@1"))
+        m1, w1 = group.call("train", b1), _copies(group.call("hf_weights"))[0]
+    finally:
+        group.kill()
+    assert m1[0]["loss"] == out["host"]["m1"][0]["loss"] and m1[0]["grad_norm"] == out["host"]["m1"][0]["grad_norm"]
+    assert all(torch.equal(w1[k], v) for k, v in out["host"]["w1"].items())
     gd, gh = out["dev"]["m0"][0]["grad_norm"], out["host"]["m0"][0]["grad_norm"]
     assert gh == pytest.approx(gd, rel=1e-6) and gd > 0.05, (gh, gd)
     dev, host = (fp32_masters(root / f"ep2-{n}-bf16@1", root) for n in ("dev", "host"))
