@@ -104,8 +104,9 @@ def _equal(ep2: dict, ep1: dict, keys=("loss", "pg_loss", "grad_norm", "router_a
             assert abs(m[key] - ep1["m0"][0][key]) <= 1e-5 * max(abs(ep1["m0"][0][key]), 1e-3), (key, m, ep1["m0"][0])
     assert [k for k in ep2["grads"][0] if "local_experts" in k] and ep2["grads"][0].keys() == ep1["grads"][0].keys()
     for g in ep2["grads"]:  # every rank's gathered gradients: all 4 experts, equal to EP 1's
-        for k, v in ep1["grads"][0].items():
-            assert torch.allclose(g[k], v, rtol=1e-5, atol=1e-8), k
+        for k, v in ep1["grads"][0].items():  # to fp32 rounding at the tensor's scale (EP 2 sums in another order: the
+            # packed step's embedding gradient 2.6e-8 apart at a largest entry of 0.068, its smallest entries near 0)
+            assert torch.allclose(g[k], v, rtol=1e-5, atol=1e-5 * float(v.abs().max())), k
 
 
 # rank 0's samples (the first 8) long, rank 1's short: under a 24-token budget rank 0 packs 8 micro-batches and
