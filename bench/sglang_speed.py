@@ -206,7 +206,9 @@ def weight_sync_times(S, W: Path, engine, reps: int = 3) -> dict:
     named = {}
     for f in sorted((W / "hf").glob("*.safetensors")):
         named.update(load_file(str(f), device=S["device"]))
-    # perturbed and original weights in turn: every update changes what the servers serve (the client's probe sees it)
+    # perturbed and original weights in turn, across the methods too: every update changes what the servers serve (the
+    # client's probe sees it; on 2026-11-29 each method began with the perturbed ones, and the first tensor update
+    # re-sent the last disk one's: the probe warned, and that update's time stands)
     turns = [{k: (v + 0.02 * torch.randn_like(v) if v.dim() == 2 else v) for k, v in named.items()}, named]
     out: dict = {"GiB": round(sum(t.numel() * t.element_size() for t in named.values()) / 2**30, 3)}
     version = 100
@@ -216,7 +218,7 @@ def weight_sync_times(S, W: Path, engine, reps: int = 3) -> dict:
         for i in range(reps):
             version += 1
             t0 = time.time()
-            engine.update_weights(turns[i % 2], version)
+            engine.update_weights(turns[(version - 101) % 2], version)
             times.append(round(time.time() - t0, 3))
         out[method] = times
     engine.settings.section.weight_sync = "disk"
@@ -227,7 +229,7 @@ def weight_sync_times(S, W: Path, engine, reps: int = 3) -> dict:
             out["broadcast"] = []
             for i in range(reps):
                 version += 1
-                out["broadcast"].append(rank0.push(sendable(turns[i % 2]), version))
+                out["broadcast"].append(rank0.push(sendable(turns[(version - 101) % 2]), version))
         except Exception:  # noqa: BLE001 - the rest of the section stands
             out["broadcast_error"] = traceback.format_exc()[-1500:]
     else:
