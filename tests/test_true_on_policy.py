@@ -138,9 +138,9 @@ def test_what_is_out_of_scope_is_refused_in_one_line(override, names):
 
 def test_common_attention_is_the_engines_decode_reference_row_by_row():
     """The common attention (the trainer's and the engine's prefill under the setting) gives each query row the bits
-    the engine's decode reference gives that row from the paged cache, whatever rows come with it (the reference
-    called on the rows as they come, and in fixed blocks: `common_decode`); and the common matmul gives a row the
-    same bits alone as in a batch. Fails if either drifts from the other."""
+    the engine's decode reference gives that row from the paged cache in fixed blocks (`common_decode`), whatever rows
+    come with it (the reference called on the rows as they come: within float noise); and the common matmul gives a
+    row the same bits alone as in a batch. Fails if either drifts from the other."""
     from runtime.kernels import batch_invariant as lga
     from runtime.rollout.decode_attention import reference_paged_decode_attention
 
@@ -160,8 +160,11 @@ def test_common_attention_is_the_engines_decode_reference_row_by_row():
     for pick in (rows, rows[2:3]):  # several rows in one call, and one alone
         args = (kp, vp, ids[None].expand(len(pick), -1).int(), torch.full((len(pick),), plen), pick + 1 - plen, pcols,
                 hd ** -0.5)
-        assert torch.equal(reference_paged_decode_attention(q[pick], *args), common[pick])
-        assert torch.equal(lga.common_decode(q[pick], *args), common[pick])  # the engine's side: rows in blocks
+        # the reference on the rows as they come: the same sums, but a CPU's BLAS may pick another kernel for another
+        # count of rows (an AVX-512 EPYC did): within float noise; the engine's side under the setting takes the rows
+        # in the common attention's fixed blocks, and that is bitwise
+        assert torch.allclose(reference_paged_decode_attention(q[pick], *args), common[pick], rtol=0, atol=1e-6)
+        assert torch.equal(lga.common_decode(q[pick], *args), common[pick])
     assert torch.equal(lga.common_attention(q, k, v, hd ** -0.5, rows=None), common)  # the blocks change no bit here
     w = torch.randn(96, 64, generator=g)
     x = torch.randn(70, 64, generator=g)
