@@ -37,7 +37,6 @@ class Cluster:
         self._pg = None
         self._watch = None
         self._ray_started_here = False
-        self._shard_groups = 0  # replicas split by their experts made so far (their groups' names)
         self.weight_sync = layout.weight_sync_mode(cfg)
         gpus = None
         if self.backend == "local" and self.device == "cuda":
@@ -182,7 +181,7 @@ class Cluster:
         from runtime.rollout.factory import make_engine
         devices = self.engine_devices
         kwargs = dict(cfg=self.cfg, model_dir=model_dir, dtype=self.dtype)
-        shards = self._expert_shards(len(devices))
+        shards = self._shard_specs(len(devices))
         if self.backend == "local" and len(devices) == 1:
             make_current(devices[0])
             return EngineHandle(LocalGroup([make_engine(device=devices[0], shared_base=shared_base, **kwargs)]))
@@ -210,7 +209,7 @@ class Cluster:
         handle.health()  # surface construction errors here
         return handle
 
-    def _expert_shards(self, engines: int) -> list:
+    def _shard_specs(self, engines: int) -> list:
         """Each engine's `ShardSpec` (None each without ``rollout.expert_shards``): engine i is shard i % n of replica
         i // n, whose first engine hosts the replica's rendezvous (on this node, as the trainer's)."""
         n = self.cfg.rollout.expert_shards
@@ -218,10 +217,9 @@ class Cluster:
             return [None] * engines
         from runtime.rollout.expert_shards import ShardSpec
         host = "127.0.0.1" if self.backend == "local" or not self.cfg.cluster.address else _node_ip()
-        ports = [free_port() for _ in range(engines // n)]
-        self._shard_groups += 1
-        return [ShardSpec(index=i % n, count=n, host=host, port=ports[i // n],
-                          name=f"grpoflow_experts_{self._shard_groups}_{i // n}") for i in range(engines)]
+        ports = [free_port() for _ in range(engines // n)]  # each engine process joins one group: names need not vary
+        return [ShardSpec(index=i % n, count=n, host=host, port=ports[i // n], name=f"grpoflow_experts_{i // n}")
+                for i in range(engines)]
 
 
 class _EngineHost:
