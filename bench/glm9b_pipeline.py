@@ -1,4 +1,5 @@
-"""GLM-Z1-9B through `grpoflow run` on four GPUs (issue 57 item 7): checkpoints beside the next chunk, the disk.
+"""GLM-Z1-9B through `grpoflow run` on four GPUs (issue 57 item 7): checkpoints beside the next chunk, the disk;
+Qwen3-30B-A3B the same way with `--family qwen3_moe` (issue 60 item 6: configs/qwen3-30b-a3b-dapo-4xh200.yaml).
 
     python bench/gpu_carry.py install && export PYTHONPATH=/tmp/site:$PYTHONPATH      # Ray, Prefect, MLflow, ...
     python bench/glm9b_pipeline.py --sections setup --out $OUT                        # nvidia-h200-x4 (~35 s)
@@ -7,12 +8,14 @@
                                                                                       # the 105 GiB write)
     python bench/glm9b_pipeline.py --layers 4 --sections setup,unbroken,kill --out $OUT
     python bench/glm9b_pipeline.py --cpu                                              # smoke: a tiny GLM4, CPU
+    python bench/glm9b_pipeline.py --family qwen3_moe --layers 12 --sections setup,unbroken,kill --out $OUT
+    python bench/glm9b_pipeline.py --family qwen3_moe --cpu                           # smoke: a tiny Qwen3-MoE, CPU
 
 Sections (each a `grpoflow run` process as a user runs it, under Ray, with Prefect and MLflow):
-  setup     a random model of GLM-Z1-9B's config (runtime/models/known_configs; `--layers N` keeps N layers at full
+  setup     a random model of the family's config (runtime/models/known_configs; `--layers N` keeps N layers at full
             width and vocabulary), built in bf16 on GPU 0 and saved as HF safetensors with the tiny tokenizer; a train
             set of 1024-token prompts and an eval set (slime jsonl)
-  full      configs/glm-z1-9b-dapo-4xh200.yaml pointed at them: one chunk of `--rollouts` rollouts whose samples stop at
+  full      the family's config (glm4: configs/glm-z1-9b-dapo-4xh200.yaml) pointed at them: one chunk of `--rollouts` rollouts whose samples stop at
             the keyed schedule's lengths (log-normal, median 1700, a tail to 8192: bench/keyed_lengths), its checkpoint
             written in the background and made durable before the run ends; no eval. Read back: the step split, the
             stall the loop saw and the write's and hash's seconds, the stages' seconds (convert), the run directory's
@@ -27,6 +30,7 @@ device and date.
 from __future__ import annotations
 
 import argparse
+import importlib
 import datetime
 import json
 import os
@@ -52,6 +56,24 @@ import ray_pipeline as rp  # noqa: E402  (the keyed-length hook, read-backs of a
 
 CONFIG = ROOT / "configs" / "glm-z1-9b-dapo-4xh200.yaml"
 GLM4_9B = json.loads((ROOT / "runtime" / "models" / "known_configs" / "GLM-4-9B-0414.json").read_text())
+QWEN3_30B_A3B = json.loads((ROOT / "runtime" / "models" / "known_configs" / "Qwen3-30B-A3B.json").read_text())
+
+
+def _builder(module: str):
+    def build(cfg, device, dtype):  # the family's GPU builder (random init in bf16, no fp32 copy of the weights)
+        return importlib.import_module(module).build(cfg, device, dtype)
+    return build
+
+
+# what differs by family: the config, the shape, how it is built, and on the CPU a tiny mixture and a plain layout
+FAMILIES = {
+    "glm4": dict(config=CONFIG, hf=GLM4_9B, build=_builder("glm4_engine"), arch="Glm4ForCausalLM", tag="glm9b",
+                 cpu_model={}, cpu_sets=[]),
+    "qwen3_moe": dict(config=ROOT / "configs" / "qwen3-30b-a3b-dapo-4xh200.yaml", hf=QWEN3_30B_A3B,
+                      build=_builder("moe_engine"), arch="Qwen3MoeForCausalLM", tag="qwen3moe",
+                      cpu_model=dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+                      cpu_sets=["train.optimizer_on_host=false", "train.expert_parallel=1", "rollout.expert_shards=1"]),
+}
 SECTIONS = ("setup", "full", "unbroken", "kill")
 KILL_AT = "checkpoint-files-written"  # a moment of the background writer (runtime/run/checkpoint.py)
 SHAPES = {
@@ -80,18 +102,18 @@ def sec_setup(S, W: Path, layers: int | None) -> dict:
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
-    import glm4_engine
     from runtime.models.tiny import _WORDS, build_tiny_qwen3
+    fam = S["family"]
     t0 = time.time()
     for d in ("tok", "hf", "data", *(p.name for p in W.glob("root-*"))):  # a run of another shape: its disk back
         shutil.rmtree(W / d, ignore_errors=True)
     build_tiny_qwen3(W / "tok")
     tok = AutoTokenizer.from_pretrained(W / "tok")
-    cfg = dict(GLM4_9B, **S["model"], eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = dict(fam["hf"], **S["model"], eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     if layers:
         cfg["num_hidden_layers"] = layers
-    model = glm4_engine.build(cfg, S["device"], torch.bfloat16)
-    model.config.architectures = ["Glm4ForCausalLM"]
+    model = fam["build"](cfg, S["device"], torch.bfloat16)
+    model.config.architectures = [fam["arch"]]
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     n_params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(W / "hf", max_shard_size="5GB")
@@ -143,7 +165,7 @@ def run_sets(S, W: Path, root: Path, case: str, rollouts: int) -> list[str]:
             f"train.global_batch_size={S['prompts'] * S['samples']}", f"train.num_rollout={rollouts}",
             f"checkpoint.interval={rollouts if case == 'full' else 1}",
             f"eval.interval={'null' if not evals else 1}", "eval.n_samples_per_prompt=2", "eval.pass_k=[1,2]",
-            f"eval.max_new_tokens={S['eval_max_new']}", f"tracking.registered_model=bench-glm9b-{case}",
+            f"eval.max_new_tokens={S['eval_max_new']}", f"tracking.registered_model=bench-{S['family']['tag']}-{case}",
             f"storage.root={root}", *S["sets"]]
 
 
@@ -183,13 +205,14 @@ def sec_run(S, W: Path, case: str, rollouts: int, kill_at: str, deadline: float)
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     sets = run_sets(S, W, root, case, rollouts)
-    mark = f"glm9b-{case}-{uuid.uuid4().hex[:8]}"
+    mark = f"{S['family']['tag']}-{case}-{uuid.uuid4().hex[:8]}"
     env = rp.hook_env(schedule_of(S, case))
     env.update({rf.MARK: mark, "PREFECT_HOME": str(W / f"prefect-{case}"), "PYTHONUNBUFFERED": "1"})
     env.setdefault("HF_HUB_OFFLINE", "1")
     shutil.rmtree(env["PREFECT_HOME"], ignore_errors=True)
-    res: dict = {"name": case, "rollouts": rollouts, "plan_disk": planned_disk(CONFIG, sets, env)}
-    argv = [sys.executable, "-m", "cli.main", "run", str(CONFIG), "--run-id", rf.RUN, *sum((["--set", s] for s in sets), [])]
+    config = S["family"]["config"]
+    res: dict = {"name": case, "rollouts": rollouts, "plan_disk": planned_disk(config, sets, env)}
+    argv = [sys.executable, "-m", "cli.main", "run", str(config), "--run-id", rf.RUN, *sum((["--set", s] for s in sets), [])]
     pauses = W / f"pauses-{case}"
     shutil.rmtree(pauses, ignore_errors=True)
     pauses.mkdir()
@@ -237,7 +260,7 @@ def sec_run(S, W: Path, case: str, rollouts: int, kill_at: str, deadline: float)
     res["exports_GiB"] = {p.name: _gib(p) for p in sorted((rd / "exports").glob("*"))}
     res["log_tail"] = (W / f"{case}.log").read_text(errors="replace")[-4000:]
     if rc == 0 and case != "full":
-        res["facts"] = rf.run_facts(root, f"bench-glm9b-{case}", Path(env["PREFECT_HOME"]))
+        res["facts"] = rf.run_facts(root, f"bench-{S['family']['tag']}-{case}", Path(env["PREFECT_HOME"]))
         res["struck"] = case == "kill"
     return res
 
@@ -269,15 +292,20 @@ def main(argv=None) -> int:
     ap.add_argument("--rollouts", type=int, default=1, help="rollouts of the full section's one chunk")
     ap.add_argument("--kill-at", default=KILL_AT)
     ap.add_argument("--deadline", type=float, default=570.0, help="seconds for the whole call")
-    ap.add_argument("--work", default="/tmp/glm9b-pipeline")
+    ap.add_argument("--work", default=None, help="default /tmp/<family>-pipeline")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--results-dir", default=None)
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--set", action="append", default=[], help="more config overrides, e.g. cluster.trainer_gpus=1")
+    ap.add_argument("--family", choices=tuple(FAMILIES), default="glm4",
+                    help="qwen3_moe: Qwen3-30B-A3B's shape and configs/qwen3-30b-a3b-dapo-4xh200.yaml")
     a = ap.parse_args(argv)
-    S = dict(SHAPES["cpu" if a.cpu else "gpu"])
-    S["sets"] = S["sets"] + a.set
-    W, out = Path(a.work + ("-cpu" if a.cpu else "")), Path(a.out)
+    fam = FAMILIES[a.family]
+    S = dict(SHAPES["cpu" if a.cpu else "gpu"], family=fam)
+    S["model"] = {**S["model"], **(fam["cpu_model"] if a.cpu else {})}
+    S["sets"] = S["sets"] + (fam["cpu_sets"] if a.cpu else []) + a.set
+    default_work = "/tmp/glm9b-pipeline" if a.family == "glm4" else f"/tmp/{fam['tag']}-pipeline"
+    W, out = Path((a.work or default_work) + ("-cpu" if a.cpu else "")), Path(a.out)
     W.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + a.deadline
@@ -303,12 +331,13 @@ def main(argv=None) -> int:
         with open(out / "results.jsonl", "a") as f:
             f.write(json.dumps(r) + "\n")
         print(json.dumps({k: v for k, v in r.items() if k not in ("log_tail", "facts")})[:3000], flush=True)
-    summary = {"bench": "glm9b_pipeline", "date": datetime.date.today().isoformat(), "layers": a.layers,
-               "device": _device(), "sections": results}
+    summary = {"bench": "glm9b_pipeline", "family": a.family, "date": datetime.date.today().isoformat(),
+               "layers": a.layers, "device": _device(), "sections": results}
     (out / "glm9b_pipeline.json").write_text(json.dumps(summary, indent=1))
     if a.results_dir:
         tag = f"{summary['device'].replace(' ', '_')}_{summary['date']}" + (f"_layers{a.layers}" if a.layers else "")
-        shutil.copyfile(out / "glm9b_pipeline.json", Path(a.results_dir) / f"glm9b_pipeline_{tag}.json")
+        name = "glm9b_pipeline" if a.family == "glm4" else f"{fam['tag']}_pipeline"
+        shutil.copyfile(out / "glm9b_pipeline.json", Path(a.results_dir) / f"{name}_{tag}.json")
     return 0 if all("error" not in r and r.get("rc", 0) == 0 for r in results) else 1
 
 
