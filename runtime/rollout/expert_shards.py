@@ -62,7 +62,9 @@ class ExpertShard:
         self.device = device
         self.group = init_group(spec.host, spec.port, self.index, self.count, backend=backend_for(device.type),
                                 group_name=spec.name, timeout_s=timeout_s)
-        self.sum_(torch.zeros(1, device=device))  # NCCL makes its communicator at the first collective: not in a capture
+        # NCCL makes its communicator at the first collective, which may not be inside a CUDA graph's capture (the
+        # decode steps' sums are captured: torch >= 2.2 keeps captured collectives off its watchdog)
+        self.sum_(torch.zeros(1, device=device))
 
     def owns(self, expert: int) -> bool:
         return self.first <= expert < self.first + self.local
@@ -83,6 +85,8 @@ class ExpertShard:
         return int(t.item())
 
     def close(self) -> None:
+        if self.device.type == "cuda":  # a communicator whose collectives CUDA graphs captured can hang in its destroy
+            return  # (pytorch#115388): it goes with the engine's process
         from runtime.placement.weight_sync import destroy_group
         destroy_group(self.group)
 
