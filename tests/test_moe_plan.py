@@ -143,3 +143,17 @@ def test_a_broadcast_sync_gathers_one_layer_with_its_experts_not_the_model():
     assert streamed == 2 * (n_params - 2 * m["V"] * m["h"] - m["h"]) // m["L"]  # Qwen3-30B-A3B: a layer > the embedding
     assert direct > 40 * streamed
     assert _est(ep=1, weight_sync="broadcast")["bytes"]["sync_gather"] == 0  # TP = EP = 1: rank 0 holds it all
+
+
+def test_engines_split_by_their_experts_hold_and_take_their_shard_of_the_experts():
+    """rollout.expert_shards: each engine of a replica holds 1/n of the experts (the rest whole), and under the
+    colocated CUDA IPC sync each trainer rank's unit holds only its GPU's engine shard's experts (a broadcast still
+    sends every expert)."""
+    from runtime.plan.shape import expert_params, model_shape
+    m = model_shape(_moe())
+    whole, quarter = (_est(ep=4, expert_shards=n, weight_sync="cuda_ipc") for n in (1, 4))
+    experts = whole["moe"]["bytes"]["engine_experts"]
+    assert experts == 2 * expert_params(m) and quarter["moe"]["bytes"]["engine_experts"] == experts // 4
+    assert whole["bytes"]["engine_weights"] - quarter["bytes"]["engine_weights"] == experts - experts // 4
+    assert whole["bytes"]["sync_gather"] - quarter["bytes"]["sync_gather"] == 2 * (expert_params(m) // m["L"] * 3 // 4)
+    assert _est(ep=4, expert_shards=4, weight_sync="broadcast")["bytes"]["sync_gather"] == whole["bytes"]["sync_gather"]

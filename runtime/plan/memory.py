@@ -212,7 +212,10 @@ def estimate_memory(hf_config, *, tp: int = 1, dp: int = 1, micro_batch_size: in
     # every expert (the other ranks only their own; runtime/trainer/expert_parallel.py). A broadcast and the CUDA IPC
     # path stream them: one unit (the embedding, a layer, the head) gathered at a time
     streamed = weight_sync in ("broadcast", "cuda_ipc") and not lora
-    gathered = ((largest_unit_params(m) if streamed else n_params) * e) if tp > 1 or ep > 1 else 0
+    unit = largest_unit_params(m)
+    if weight_sync == "cuda_ipc" and expert_shards > 1:  # each rank's unit holds its GPU's engine shard's experts only
+        unit -= expert_params(m) // m["L"] * (expert_shards - 1) // expert_shards
+    gathered = ((unit if streamed else n_params) * e) if tp > 1 or ep > 1 else 0
     peaks = dict(weights=weights, state=state, opt_step=opt.step, gathered=gathered, engine_weights=engine_weights,
                  kv_cache=kv_cache, rollout_activations=rollout_activations, overhead=overhead, colocate=colocate,
                  offload=offload, kv_released=kv_released)
