@@ -143,3 +143,30 @@ def test_a_broadcast_reaches_each_shard_which_keeps_its_own_experts(engines):
     assert max(abs(x - y) for x, y in zip(got, expected)) < 1e-5 < max(abs(x - y) for x, y in zip(got, before))
     assert replica.health()["weight_version"] == 7
     weight_sync.destroy_group(joined["group"])
+
+
+def test_a_shards_model_is_read_tensor_by_tensor_and_a_missing_expert_is_named(moe_dir, tmp_path):
+    """`local_expert_model` fills each parameter from the checkpoint's tensors (the hub's per-expert keys here): one
+    shard of one holds what transformers loads, and a checkpoint missing one expert's tensor is refused in one line."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from runtime.placement.ports import free_port
+    from runtime.rollout.expert_shards import ExpertShard, ShardSpec, local_expert_model
+    shard = ExpertShard(ShardSpec(0, 1, "127.0.0.1", free_port(), "test_one_shard"), 4, torch.device("cpu"))
+    try:
+        got = local_expert_model(moe_dir, torch.float32, "sdpa", shard, torch.device("cpu")).state_dict()
+        expected = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).state_dict()
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+        broken = tmp_path / "broken"
+        shutil.copytree(moe_dir, broken)
+        weights = load_file(str(broken / "model.safetensors"))
+        del weights["model.layers.1.mlp.experts.2.up_proj.weight"]
+        save_file(weights, str(broken / "model.safetensors"))
+        with pytest.raises(ValueError, match=r"broken: the checkpoint lacks 1 weight\(s\) of this model, e.g. "
+                                             r"\['model.layers.1.mlp.experts.gate_up_proj'\]"):
+            local_expert_model(str(broken), torch.float32, "sdpa", shard, torch.device("cpu"))
+    finally:
+        shard.close()

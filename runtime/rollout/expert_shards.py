@@ -117,7 +117,10 @@ def local_expert_model(model_dir: str, dtype: torch.dtype, attn_implementation: 
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
-    filled: set[str] = set()  # the parameters written (a fused one by any of its experts' tensors)
+    # parameter -> tensors written into it: a fused expert parameter needs one per expert and projection it fuses
+    # (gate and up, or down) from the hub's keys, and counts that many from transformers' fused key
+    need = {"gate_up_proj": 2 * shard.local, "down_proj": shard.local}
+    written: dict[str, int] = {}
     with torch.no_grad():
         for file in files:
             with safe_open(os.path.join(model_dir, file), framework="pt") as f:
@@ -127,16 +130,20 @@ def local_expert_model(model_dir: str, dtype: torch.dtype, attn_implementation: 
                         if not shard.owns(hub[1]):
                             continue
                         targets[key].copy_(f.get_tensor(key))
-                        filled.add(hub[0] + ("down_proj" if hub[2].startswith(".down") else "gate_up_proj"))
-                    elif _FUSED_EXPERTS.match(key):  # transformers' own layout: this shard's rows of the expert dim
+                        param, count = hub[0] + ("down_proj" if hub[2].startswith(".down") else "gate_up_proj"), 1
+                    elif fused := _FUSED_EXPERTS.match(key):  # transformers' own layout: this shard's rows of the experts
                         targets[key].copy_(f.get_slice(key)[shard.first:shard.first + shard.local])
-                        filled.add(key)
+                        param, count = key, need[fused[2]]
                     elif key in targets:
                         targets[key].copy_(f.get_tensor(key))
-                        filled.add(key)
+                        param, count = key, 1
+                    else:
+                        continue
+                    written[param] = written.get(param, 0) + count
     if model.config.tie_word_embeddings:
         model.tie_weights()
-    missing = [n for n, _ in model.named_parameters() if n not in filled]
+    missing = [n for n, _ in model.named_parameters()
+               if written.get(n, 0) < need.get(n.rpartition(".")[2] if ".mlp.experts." in n else "", 1)]
     if missing:
         raise ValueError(f"{model_dir}: the checkpoint lacks {len(missing)} weight(s) of this model, e.g. {missing[:3]}")
     try:
