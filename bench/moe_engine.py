@@ -7,9 +7,16 @@ torch.compile as the engine runs them.
     python3 bench/moe_engine.py --layers 8 --out $OUT/moe_engine.json   # a depth-truncated shape of full width
     python3 bench/moe_engine.py --weights-dtype bf16,fp8 --out $OUT/moe_engine_fp8.json  # FP8 experts against bf16
     python3 bench/moe_engine.py --cpu                                   # smoke: a 2-layer, 8-expert model on CPU
+    python3 bench/moe_engine.py --shards 4 --out $OUT/moe_shards.json   # nvidia-h200-x4: a replica of 4 expert shards
+    python3 bench/moe_engine.py --cpu --shards 2                        # its smoke: 2 processes over gloo (~1 min)
 
 `--weights-dtype` (rollout.weights_dtype), a comma list run in order on one model (the FP8 decoder keeps HF's
 bf16 weights beside its copy: 61 + 30 GB on the full shape): per setting the log-probs against HF's bf16 forward and the fixed shape's tok/s.
+
+`--shards N` (rollout.expert_shards, runtime/rollout/expert_shards.py) instead: the model saved as an HF dir, then the
+fixed shape through `grpoflow`'s engine handle twice, a warm-up and a timed call, on one whole engine (GPU 0) and on a
+replica of N engines (GPUs 0..N-1) each holding 1/N of the experts: tok/s, each engine's weights, the samples whose
+tokens agree and the largest log-prob gap between the two where they do (another order of sums: float noise).
 
 Random init (normal 0.02, norms 1), bf16, built on the GPU directly (no checkpoint on disk), as glm4_engine.py.
 """
@@ -115,6 +122,71 @@ def logprob_section(model, dec, reqs, cuda: bool) -> dict:
     return {"tokens": d.numel(), "max_abs": round(d.max().item(), 5), "mean_abs": round(d.mean().item(), 6)}
 
 
+def save_hf(model, work: Path) -> Path:
+    """The model as an HF dir with the tiny tokenizer (the engine reads one for its eos)."""
+    import shutil
+
+    from runtime.models.tiny import build_tiny_qwen3
+    shutil.rmtree(work, ignore_errors=True)
+    model.save_pretrained(work / "hf", max_shard_size="5GB")
+    tok = build_tiny_qwen3(work / "tok")["path"]
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(tok) / f).exists():
+            shutil.copyfile(Path(tok) / f, work / "hf" / f)
+    return work / "hf"
+
+
+def shards_section(model_dir: Path, n: int, reqs, new_tokens: int, cuda: bool, kv_gib: float) -> dict:
+    """The fixed shape on one whole engine and on a replica of ``n`` expert shards (module doc)."""
+    from runtime.placement.handles import EngineHandle
+    from runtime.placement.ports import free_port
+    from runtime.placement.subprocess_group import SubprocessGroup
+    from runtime.plan.memory import GIB
+    from runtime.rollout.base import SamplingParams
+    from runtime.rollout.builtin import BuiltinEngine
+    from runtime.rollout.expert_shards import ShardSpec
+    dtype = torch.bfloat16 if cuda else torch.float32
+    common = dict(model_dir=str(model_dir), dtype=dtype, max_batch_size=len(reqs), kv_cache_gb=kv_gib)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+
+    def timed(generate) -> tuple[list, dict]:
+        generate()  # compiles, captures the graphs
+        sync(cuda)
+        t0 = time.perf_counter()
+        out = generate()
+        sync(cuda)
+        s = time.perf_counter() - t0
+        tokens = sum(len(r.response_ids) for r in out)
+        return out, {"s": round(s, 2), "new_tokens": tokens, "tok_s": round(tokens / s)}
+
+    res: dict = {"shards": n}
+    whole = BuiltinEngine(device="cuda:0" if cuda else "cpu", **common)
+    res["whole_weight_bytes"] = whole.health()["weight_bytes"]
+    res["whole_weights_GiB"] = round(res["whole_weight_bytes"] / GIB, 3)
+    ref, res["whole"] = timed(lambda: whole.generate(reqs, sampling))
+    whole.shutdown()
+    whole = None
+    if cuda:
+        torch.cuda.empty_cache()
+    port = free_port()
+    group = SubprocessGroup("runtime.rollout.builtin:BuiltinEngine", [
+        dict(common, device=f"cuda:{i}" if cuda else "cpu", expert_shard=ShardSpec(i, n, "127.0.0.1", port, "bench"))
+        for i in range(n)])
+    try:
+        replica = EngineHandle(group, expert_shards=n)
+        res["shard_weight_bytes"] = [h["weight_bytes"] for h in replica.health()["engines"]]
+        res["shard_weights_GiB"] = [round(b / GIB, 3) for b in res["shard_weight_bytes"]]
+        got, res["replica"] = timed(lambda: replica.generate(reqs, sampling))
+    finally:
+        group.kill()
+    same = [(a, b) for a, b in zip(ref, got) if a.response_ids == b.response_ids]
+    res["same_samples"] = f"{len(same)}/{len(ref)}"
+    res["max_logprob_gap_where_same"] = max((abs(x - y) for a, b in same
+                                             for x, y in zip(a.response_logprobs, b.response_logprobs)), default=None)
+    res["speedup"] = round(res["replica"]["tok_s"] / res["whole"]["tok_s"], 3)
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu", action="store_true")
@@ -122,6 +194,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None, help="depth (default: the model's 48)")
     ap.add_argument("--kv-gib", type=float, default=40.0)
     ap.add_argument("--weights-dtype", default="bf16", help="comma list of rollout.weights_dtype (fp8 last)")
+    ap.add_argument("--shards", type=int, default=0, help="rollout.expert_shards: a replica of N engines (N GPUs)")
+    ap.add_argument("--work", default="/tmp/moe-engine", help="--shards: where the model is saved")
     args = ap.parse_args()
     from runtime.plan.memory import GIB
     from runtime.rollout.base import SamplingParams
@@ -141,12 +215,19 @@ def main() -> int:
     sync(cuda)
     res["build_s"] = round(time.time() - t0, 1)
     res["params"] = sum(p.numel() for p in model.parameters())
-    res["experts_one_layer"] = experts_section(model, cuda)
-
     S = dict(rb.SHAPES["gpu" if cuda else "cpu"], vocab=cfg_dict["vocab_size"])
     fx = S["fixed"]
     rows = fx["prompts"] * fx["samples"]
     reqs = rb.requests(S, fx["prompts"], fx["samples"], fx["prompt_len"], rollout=1, seed=1)
+    if args.shards:  # the engines load the saved model: this process's copy goes first (61 GB at the full shape)
+        model_dir = save_hf(model, Path(args.work))
+        model = None
+        if cuda:
+            torch.cuda.empty_cache()
+        res["expert_shards"] = shards_section(model_dir, args.shards, reqs, fx["new"], cuda,
+                                              args.kv_gib if cuda else 0.01)
+        return _report(res, args.out)
+    res["experts_one_layer"] = experts_section(model, cuda)
     for wd in args.weights_dtype.split(","):
         dec = PagedDecoder(model, max_rows=rows, kv_cache_gb=args.kv_gib if cuda else 0.01, page_size=S["page_size"],
                            weights_dtype=wd, drop_bf16=False)  # HF's forward stays the reference
@@ -164,9 +245,13 @@ def main() -> int:
             torch.cuda.empty_cache()
     if cuda:
         res["peak_GiB"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+    return _report(res, args.out)
+
+
+def _report(res: dict, out: str | None) -> int:
     print(json.dumps(res, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
+    if out:
+        Path(out).write_text(json.dumps(res, indent=1))
     return 0
 
 

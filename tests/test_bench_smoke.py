@@ -474,3 +474,18 @@ def test_routing_replay_bench_cpu_mode_runs(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["benchmark"] == "routing_replay" and rep["device"] == "cpu" and rep["replay"]["response_tokens"] > 0
     assert rep["replay"]["expert_set_differs_token_layer"] == 0.0 and rep["replay"]["logp_gap_max"] < 1e-4
+
+
+@pytest.mark.bench
+def test_moe_engine_shards_cpu_mode_runs(tmp_path):
+    """bench/moe_engine.py --shards: one whole engine against a replica of 2 expert shards (2 processes over gloo)."""
+    out = tmp_path / "moe_shards.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_engine.py"), "--cpu", "--shards", "2", "--out",
+                           str(out), "--work", str(tmp_path / "work")], cwd=ROOT / "bench", capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())["expert_shards"]
+    assert res["same_samples"] == "4/4" and res["max_logprob_gap_where_same"] < 1e-5
+    assert res["whole"]["new_tokens"] == res["replica"]["new_tokens"] > 0
+    # each shard holds the rest whole and half the experts: less than the whole engine, more than half of it
+    assert all(res["whole_weight_bytes"] / 2 < w < res["whole_weight_bytes"] for w in res["shard_weight_bytes"])

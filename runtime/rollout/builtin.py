@@ -445,6 +445,7 @@ class BuiltinEngine(RolloutEngine):
             "weights_dtype": self.weights_dtype,
             "records_routes": bool(self.decoder is not None and self.decoder.record_routes),  # rollout.routing_replay
             "cascade_attention": bool(self.decoder is not None and self.decoder.cascade),  # rollout.cascade_attention
+            "weight_bytes": None if self.decoder is None else self.decoder.weight_bytes,  # the paged decoder's weights
             # rollout.expert_shards: (this engine's shard, the replica's shards)
             "expert_shard": None if self.expert_shard is None else [self.expert_shard.index, self.expert_shard.count],
         }
