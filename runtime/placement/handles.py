@@ -169,6 +169,10 @@ class EngineHandle:
         """One argument tuple (or None: no call) per replica, given to every engine of it."""
         return [per_replica[i // self.shards] for i in range(self.engines)]
 
+    def _shares(self, shares: list[range], requests: list[SampleRequest], sampling: SamplingParams) -> list:
+        """Each engine's (requests, sampling): its replica's share (None: an empty one, no call)."""
+        return self._each_member([(requests[s.start:s.stop], sampling) if s else None for s in shares])
+
     def _firsts(self, per_member: list) -> list:
         """The replicas' answers: each one's first engine's."""
         return per_member[::self.shards]
@@ -182,9 +186,7 @@ class EngineHandle:
         if until is not None:  # the stop must see every engine's progress: step them together
             from runtime.rollout.base import drive_generation
             return drive_generation(self, requests, sampling, until)
-        shares = self._split(requests)
-        out = self.group.submit_each("generate", self._each_member(
-            [(requests[s.start:s.stop], sampling) if s else None for s in shares])).get()
+        out = self.group.submit_each("generate", self._shares(self._split(requests), requests, sampling)).get()
         return [r for part in self._firsts(out) if part for r in part]
 
     @forwards
@@ -194,8 +196,7 @@ class EngineHandle:
             return
         shares = self._split(requests)
         self._call = _PoolCall(shares)
-        self.group.submit_each("start_generation", self._each_member(
-            [(requests[s.start:s.stop], sampling) if s else None for s in shares])).get()
+        self.group.submit_each("start_generation", self._shares(shares, requests, sampling)).get()
 
     @forwards
     def advance_generation(self) -> list[bool] | None:

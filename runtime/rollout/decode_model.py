@@ -214,16 +214,16 @@ def _post_attn_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps: float, 
     """`_post_attn` with a mixture of experts for the MLP (Qwen3-MoE: no post-norms, no LoRA); also returns each
     token's experts [T, k] (what rollout.routing_replay records). ``*_s``: FP8 weights' scales (the router stays in
     the model's dtype: it picks the experts, and its scores are fp32)."""
-    h = h + _linear(attn, o_w, o_s, o_b)
-    x = _rms(h, ln_w, eps)
-    weights, experts = _route(x, router_w, topk, norm_topk)
-    return h + _experts_mlp(x, weights, experts, gu_w, down_w, ffn, gu_s, dn_s), experts
+    h, moe, experts = _post_attn_moe_parts(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps, ffn, topk, norm_topk,
+                                           None, o_s, gu_s, dn_s)
+    return h + moe, experts
 
 
-def _post_attn_moe_shard(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps: float, ffn: int, topk: int,
-                         norm_topk: bool, first: int, o_s=None, gu_s=None, dn_s=None):
-    """`_post_attn_moe` on one shard of the experts (global ``first ..``): (the hidden states after the attention's
-    residual, this shard's part of the experts' output, each token's experts); the caller adds the shards' parts."""
+def _post_attn_moe_parts(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps: float, ffn: int, topk: int,
+                         norm_topk: bool, first: int | None, o_s=None, gu_s=None, dn_s=None):
+    """`_post_attn_moe` before its last residual add: (the hidden states after the attention's residual, the experts'
+    output, each token's experts); with ``first`` (one shard of the experts, global ``first ..``) that shard's part of
+    the experts' output, which the caller adds up over the shards."""
     h = h + _linear(attn, o_w, o_s, o_b)
     x = _rms(h, ln_w, eps)
     weights, experts = _route(x, router_w, topk, norm_topk)
@@ -576,7 +576,7 @@ class FusedModel:
             if first is None:
                 return _post_attn_moe(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps, ffn, topk, norm_topk,
                                       o_s, gu_s, dn_s)
-            return _post_attn_moe_shard(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps, ffn, topk, norm_topk,
+            return _post_attn_moe_parts(h, attn, o_w, o_b, ln_w, gu_w, down_w, router_w, eps, ffn, topk, norm_topk,
                                         first, o_s, gu_s, dn_s)
 
         self._pre, self._post, self._head, self._plain = pre, post_moe if self.moe else post, head, plain_sample
