@@ -23,6 +23,8 @@ Sections, each a process of its own (one engine on the GPU at a time):
   sglang-capped  the same rollout with `rollout.sglang.concurrency` (64) requests in flight per server, as the
                  client sends them (the product's rollout)
   sglang-nondet  the same rollout without `--enable-deterministic-inference`
+  sglang-sync    the deterministic server's short measures alone (log-prob gap, weight sync by `--sync-methods`),
+                 no rollout: e.g. the NCCL broadcast of GLM-Z1-9B's 17.5 GiB on two GPUs
   trainer-gap    the product's path: `TrainSession` (local backend, one GPU colocated, SGLang with the memory saver) over
                  the model converted to torch_dist; one rollout and its update (pushed by the product's weight path),
                  then the log-prob gap between SGLang's samples and the megatron trainer's log-probs of them
@@ -55,7 +57,8 @@ import harness as H  # noqa: E402
 import rollout_bench as rb  # noqa: E402  (the keyed schedule, its requests, the built-in engine's run)
 from sglang_real import SERVER_SITE, Rank0, launch_prefix, sendable  # noqa: E402
 
-SECTIONS = ("setup", "builtin", "sglang", "sglang-capped", "sglang-nondet", "trainer-gap")
+SECTIONS = ("setup", "builtin", "sglang", "sglang-capped", "sglang-nondet", "sglang-sync", "trainer-gap")
+SYNC_METHODS = ("disk", "tensor", "broadcast")
 RECIPE = ROOT / "configs" / "qwen3-0.6b-dapo.yaml"
 QWEN3_06B = json.loads((ROOT / "runtime" / "models" / "known_configs" / "Qwen3-0.6B.json").read_text())
 STANDIN = ROOT / "tests" / "sglang_standin.py"
@@ -169,12 +172,13 @@ def keyed_rollout(engine, reqs, lengths: list[int], sampling, limit: int | None 
             "tok_s": round(ntok / s), "exact_lengths": made == lengths}
 
 
-def sec_sglang(S, W: Path, a, deterministic: bool = True, capped: bool = False) -> dict:
-    """One server: the keyed rollout (all requests at once, or `capped`: at the client's concurrency), then, for the
-    deterministic one, the log-prob gap and the weight syncs. What is measured is kept as it comes (a `partial`
-    line in results.jsonl), so a call cut by its deadline still reports it."""
+def sec_sglang(S, W: Path, a, deterministic: bool = True, capped: bool = False, sync_only: bool = False) -> dict:
+    """One server: for the deterministic one, the log-prob gap and the weight syncs first, then the keyed rollout
+    (all requests at once, or `capped`: at the client's concurrency; none if `sync_only`). What is measured is kept
+    as it comes (a `partial` line in results.jsonl), so a call cut by its deadline still reports it."""
     from runtime.rollout.base import SamplingParams
-    tag = "sglang-capped" if capped else "sglang" if deterministic else "sglang-nondet"
+    tag = ("sglang-sync" if sync_only else "sglang-capped" if capped else "sglang" if deterministic
+           else "sglang-nondet")
     reqs, lengths = workload(S)
     t0 = time.time()
     engine = sglang_engine(S, W, a, deterministic, tag)
@@ -188,8 +192,10 @@ def sec_sglang(S, W: Path, a, deterministic: bool = True, capped: bool = False) 
         if deterministic and not capped:  # the short measures first
             res["logprob_gap_vs_hf"] = hf_gap(S, W, gap_samples(S, engine.generate))
             keep()
-            res["weight_sync_s"] = weight_sync_times(S, W, engine)
+            res["weight_sync_s"] = weight_sync_times(S, W, engine, methods=a.sync_methods.split(","))
             keep()
+        if sync_only:
+            return res
         # capped: what the product gets, the client keeping rollout.sglang.concurrency requests in flight per server
         res["rollout"] = keyed_rollout(engine, reqs, lengths, sp,
                                        engine.settings.section.concurrency if capped else None)
@@ -199,7 +205,7 @@ def sec_sglang(S, W: Path, a, deterministic: bool = True, capped: bool = False) 
     return res
 
 
-def weight_sync_times(S, W: Path, engine, reps: int = 3) -> dict:
+def weight_sync_times(S, W: Path, engine, methods=SYNC_METHODS, reps: int = 3) -> dict:
     """Seconds of one update of the whole model through the client, by method (each reps times, fresh versions)."""
     import torch
     from safetensors.torch import load_file
@@ -212,7 +218,7 @@ def weight_sync_times(S, W: Path, engine, reps: int = 3) -> dict:
     turns = [{k: (v + 0.02 * torch.randn_like(v) if v.dim() == 2 else v) for k, v in named.items()}, named]
     out: dict = {"GiB": round(sum(t.numel() * t.element_size() for t in named.values()) / 2**30, 3)}
     version = 100
-    for method in ("disk", "tensor"):
+    for method in [m for m in methods if m != "broadcast"]:
         engine.settings.section.weight_sync = method  # read at each update (rollout.sglang.weight_sync)
         times = []
         for i in range(reps):
@@ -222,7 +228,7 @@ def weight_sync_times(S, W: Path, engine, reps: int = 3) -> dict:
             times.append(round(time.time() - t0, 3))
         out[method] = times
     engine.settings.section.weight_sync = "disk"
-    if S["device"] == "cuda" and torch.cuda.device_count() >= 2:
+    if "broadcast" in methods and S["device"] == "cuda" and torch.cuda.device_count() >= 2:
         try:
             rank0 = Rank0(engine, "cuda:1")
             out["broadcast_join_s"] = rank0.join_s
@@ -232,7 +238,7 @@ def weight_sync_times(S, W: Path, engine, reps: int = 3) -> dict:
                 out["broadcast"].append(rank0.push(sendable(turns[(version - 101) % 2]), version))
         except Exception:  # noqa: BLE001 - the rest of the section stands
             out["broadcast_error"] = traceback.format_exc()[-1500:]
-    else:
+    elif "broadcast" in methods:
         out["broadcast"] = "skipped: needs a second GPU (NCCL: one rank per GPU; the server is on GPU 0)"
     return out
 
@@ -294,7 +300,8 @@ def sec_trainer_gap(S, W: Path, a) -> dict:
 
 FUNCS = {"setup": sec_setup, "builtin": sec_builtin, "sglang": sec_sglang,
          "sglang-capped": lambda S, W, a: sec_sglang(S, W, a, capped=True),
-         "sglang-nondet": lambda S, W, a: sec_sglang(S, W, a, deterministic=False), "trainer-gap": sec_trainer_gap}
+         "sglang-nondet": lambda S, W, a: sec_sglang(S, W, a, deterministic=False),
+         "sglang-sync": lambda S, W, a: sec_sglang(S, W, a, sync_only=True), "trainer-gap": sec_trainer_gap}
 
 
 # ---- the call ---------------------------------------------------------------------------------------------
@@ -333,6 +340,8 @@ def main(argv=None) -> int:
                     "(0.45 of an H200: about the built-in engine's 56 GiB pool)")
     ap.add_argument("--family", choices=("qwen3", "glm4"), default="qwen3",
                     help="glm4: GLM-Z1-9B's shape (GLM-4-9B-0414's config) instead of Qwen3-0.6B's")
+    ap.add_argument("--sync-methods", default=",".join(SYNC_METHODS),
+                    help="the weight-sync methods the sglang and sglang-sync sections time (comma list)")
     ap.add_argument("--deadline", type=float, default=570.0)
     ap.add_argument("--work", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/sglang_speed_out"))
@@ -353,6 +362,8 @@ def main(argv=None) -> int:
     names = [x for x in a.sections.split(",") if x]
     if unknown := [x for x in names if x not in SECTIONS]:
         raise SystemExit(f"--sections: no section {', '.join(unknown)} (its sections: {', '.join(SECTIONS)})")
+    if unknown := [x for x in a.sync_methods.split(",") if x not in SYNC_METHODS]:
+        raise SystemExit(f"--sync-methods: no method {', '.join(unknown)} (its methods: {', '.join(SYNC_METHODS)})")
     deadline = time.monotonic() + a.deadline
     for name in names:
         left = deadline - time.monotonic()
@@ -360,7 +371,8 @@ def main(argv=None) -> int:
             H.append_result(out, {"name": name, "status": "SKIPPED", "error": f"{left:.0f} s left of --deadline"})
             continue
         argv2 = [sys.executable, __file__, "--section", name, "--out", str(out), "--work", str(W), "--site", a.site,
-                 "--mem-fraction", str(a.mem_fraction), "--family", a.family, *(["--cpu"] if a.cpu else [])]
+                 "--mem-fraction", str(a.mem_fraction), "--family", a.family, "--sync-methods", a.sync_methods,
+                 *(["--cpu"] if a.cpu else [])]
         try:
             subprocess.run(argv2, timeout=left, start_new_session=True)
         except subprocess.TimeoutExpired:  # what the section measured before the cut stays
