@@ -74,7 +74,9 @@ def timed_generate(dec, reqs, sp, lengths, cuda: bool) -> dict:
     return {"requests": len(reqs), "new_tokens": sum(lengths), "s": round(t, 2), "tok_s": round(sum(lengths) / t),
             "decode_steps": st["decode_steps"], "ms_per_step": round(1e3 * st["decode_s"] / max(st["decode_steps"], 1), 2),
             "prefill_s": round(st["prefill_s"], 2), "preemptions": st["preemptions"],
-            "peak_pages_used": st["peak_pages_used"], "attention": st["attention"]}
+            "peak_pages_used": st["peak_pages_used"], "attention": st["attention"],
+            # what ran: a speed feature that failed is switched off for the rest of the run (the log says so once)
+            "compiled": dec.compiled, "cuda_graphs": dec.use_graphs, "fallbacks": st.get("fallbacks", [])}
 
 
 def main() -> int:

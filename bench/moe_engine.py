@@ -149,9 +149,15 @@ def shards_section(model_dir: Path, n: int, reqs, new_tokens: int, cuda: bool, k
     common = dict(model_dir=str(model_dir), dtype=dtype, max_batch_size=len(reqs), kv_cache_gb=kv_gib)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
 
+    start = time.perf_counter()
+
+    def say(what: str) -> None:  # where a long call is, when its deadline cuts it
+        print(f"[{time.perf_counter() - start:7.1f} s] {what}", flush=True)
+
     def timed(generate) -> tuple[list, dict]:
         generate()  # compiles, captures the graphs
         sync(cuda)
+        say("warmed up")
         t0 = time.perf_counter()
         out = generate()
         sync(cuda)
@@ -161,9 +167,13 @@ def shards_section(model_dir: Path, n: int, reqs, new_tokens: int, cuda: bool, k
 
     res: dict = {"shards": n}
     whole = BuiltinEngine(device="cuda:0" if cuda else "cpu", **common)
+    say("the whole engine loaded")
     res["whole_weight_bytes"] = whole.health()["weight_bytes"]
     res["whole_weights_GiB"] = round(res["whole_weight_bytes"] / GIB, 3)
     ref, res["whole"] = timed(lambda: whole.generate(reqs, sampling))
+    dec = whole.decoder
+    res["whole"].update(compiled=dec.compiled, cuda_graphs=dec.use_graphs, fallbacks=dec.stats.get("fallbacks", []))
+    say(f"the whole engine timed: {res['whole']}")
     whole.shutdown()
     whole = None
     if cuda:
@@ -174,6 +184,7 @@ def shards_section(model_dir: Path, n: int, reqs, new_tokens: int, cuda: bool, k
         for i in range(n)])
     try:
         replica = EngineHandle(group, expert_shards=n)
+        say(f"the replica of {n} shards loaded")
         res["shard_weight_bytes"] = [h["weight_bytes"] for h in replica.health()["engines"]]
         res["shard_weights_GiB"] = [round(b / GIB, 3) for b in res["shard_weight_bytes"]]
         got, res["replica"] = timed(lambda: replica.generate(reqs, sampling))

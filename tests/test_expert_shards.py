@@ -170,3 +170,40 @@ def test_a_shards_model_is_read_tensor_by_tensor_and_a_missing_expert_is_named(m
             local_expert_model(str(broken), torch.float32, "sdpa", shard, torch.device("cpu"))
     finally:
         shard.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph's capture: a GPU")
+def test_on_a_gpu_the_experts_part_is_captured_in_a_cuda_graph_whole_and_by_shard():
+    """The decode step's experts run inside a captured graph, eager (the shards' pieces) as well as compiled: no host
+    sync and no host-to-device copy (eager bincount had both, and a shard's capture failed on an H200)."""
+    from runtime.rollout.decode_model import _experts_mlp
+    g = torch.Generator(device="cuda").manual_seed(0)
+    experts, hidden, ffn, tokens, topk = 8, 64, 32, 24, 2
+    bf16 = dict(device="cuda", dtype=torch.bfloat16, generator=g)  # the engine's dtype: CUDA's grouped GEMM is bf16's
+    gu = 0.1 * torch.randn(experts, 2 * ffn, hidden, **bf16)
+    down = 0.1 * torch.randn(experts, hidden, ffn, **bf16)
+    x = torch.randn(tokens, hidden, **bf16)
+    routed = torch.randint(0, experts, (tokens, topk), device="cuda", generator=g)
+    weights = torch.rand(tokens, topk, device="cuda", generator=g)
+    half = experts // 2
+    calls = {"whole": lambda: _experts_mlp(x, weights, routed, gu, down, ffn),
+             "shard 0": lambda: _experts_mlp(x, weights, routed, gu[:half], down[:half], ffn, first=0),
+             "shard 1": lambda: _experts_mlp(x, weights, routed, gu[half:], down[half:], ffn, first=half)}
+    got = {}
+    for name, fn in calls.items():
+        eager = fn()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), name
+        got[name] = out
+    # the shards' parts add up to the whole (bf16: a token's slots summed in another grouping)
+    torch.testing.assert_close((got["shard 0"].float() + got["shard 1"].float()), got["whole"].float(),
+                               rtol=2e-2, atol=2e-2)
