@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import sys
 import time
@@ -207,7 +208,11 @@ def main() -> int:
     ap.add_argument("--weights-dtype", default="bf16", help="comma list of rollout.weights_dtype (fp8 last)")
     ap.add_argument("--shards", type=int, default=0, help="rollout.expert_shards: a replica of N engines (N GPUs)")
     ap.add_argument("--work", default="/tmp/moe-engine", help="--shards: where the model is saved")
+    ap.add_argument("--dump-stacks-every", type=float, default=0.0, metavar="S",
+                    help="print this process's Python stacks every S seconds (where a call cut by its deadline was)")
     args = ap.parse_args()
+    if args.dump_stacks_every > 0:
+        faulthandler.dump_traceback_later(args.dump_stacks_every, repeat=True)
     from runtime.plan.memory import GIB
     from runtime.rollout.base import SamplingParams
     from runtime.rollout.paged_decode import PagedDecoder
