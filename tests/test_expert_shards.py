@@ -174,8 +174,8 @@ def test_a_shards_model_is_read_tensor_by_tensor_and_a_missing_expert_is_named(m
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph's capture: a GPU")
 def test_on_a_gpu_the_experts_part_is_captured_in_a_cuda_graph_whole_and_by_shard():
-    """The decode step's experts run inside a captured graph, eager (the shards' pieces) as well as compiled: no host
-    sync and no host-to-device copy (eager bincount had both, and a shard's capture failed on an H200)."""
+    """The experts' part of a decode step, eager as the shards' pieces run, is captured in a CUDA graph: no host read
+    (eager bincount had one, and every shard's capture failed on an H200)."""
     from runtime.rollout.decode_model import _experts_mlp
     g = torch.Generator(device="cuda").manual_seed(0)
     experts, hidden, ffn, tokens, topk = 8, 64, 32, 24, 2
@@ -207,3 +207,17 @@ def test_on_a_gpu_the_experts_part_is_captured_in_a_cuda_graph_whole_and_by_shar
     # the shards' parts add up to the whole (bf16: a token's slots summed in another grouping)
     torch.testing.assert_close((got["shard 0"].float() + got["shard 1"].float()), got["whole"].float(),
                                rtol=2e-2, atol=2e-2)
+
+
+def test_the_experts_part_compiles_whole_without_a_graph_break():
+    """torch.compile takes the experts' part in one graph, whole and as a shard: a break (bincount's data-dependent
+    size did it) runs the op between the graphs eager, and the engine's CUDA graphs cannot capture it."""
+    from runtime.rollout.decode_model import _experts_mlp
+    torch._dynamo.reset()
+    experts, hidden, ffn, tokens, topk = 4, 16, 8, 6, 2
+    bf16 = dict(dtype=torch.bfloat16)  # what the grouped GEMM's meta function takes
+    args = (torch.randn(tokens, hidden, **bf16), torch.rand(tokens, topk), torch.randint(0, experts, (tokens, topk)))
+    gu, down = torch.randn(experts, 2 * ffn, hidden, **bf16), torch.randn(experts, hidden, ffn, **bf16)
+    for first, (g, d) in ((None, (gu, down)), (2, (gu[2:], down[2:]))):
+        explained = torch._dynamo.explain(lambda *a: _experts_mlp(*a, g, d, ffn, first=first))(*args)
+        assert explained.graph_break_count == 0, (first, [str(b.reason) for b in explained.break_reasons])

@@ -187,8 +187,8 @@ def _experts_mlp(x, weights, experts, gu_w, down_w, ffn: int, gu_s=None, dn_s=No
         mine = (local >= 0) & (local < gu_w.shape[0])
         flat = torch.where(mine, local, gu_w.shape[0])  # the others: one group past the last expert
     order = flat.argsort(stable=True)  # the routed copies grouped by expert
-    # each group's end: a search of the sorted experts (eager bincount reads its max on the host, which a CUDA graph's
-    # capture refuses: the sharded engine's pieces run eager)
+    # each group's end: a search of the sorted experts. bincount reads its largest index on the host (torch.compile
+    # breaks its graph there and runs it eager), which a CUDA graph's capture refuses
     bounds = torch.arange(1, gu_w.shape[0] + 1, device=flat.device, dtype=flat.dtype)
     offs = torch.searchsorted(flat.index_select(0, order), bounds).to(torch.int32)
     xs = x.index_select(0, order // topk)
