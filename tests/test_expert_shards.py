@@ -172,25 +172,30 @@ def test_a_shards_model_is_read_tensor_by_tensor_and_a_missing_expert_is_named(m
         shard.close()
 
 
+def _experts_calls(device: str, experts: int = 8, hidden: int = 64, ffn: int = 32, tokens: int = 24,
+                   topk: int = 2) -> dict:
+    """One routed batch in bf16 (what CUDA's grouped GEMM and its meta function take) and the experts' part of it as
+    `_experts_mlp` calls: the whole engine's and each of two shards'."""
+    from runtime.rollout.decode_model import _experts_mlp
+    g = torch.Generator(device=device).manual_seed(0)
+    bf16 = dict(device=device, dtype=torch.bfloat16, generator=g)
+    gu = 0.1 * torch.randn(experts, 2 * ffn, hidden, **bf16)
+    down = 0.1 * torch.randn(experts, hidden, ffn, **bf16)
+    x = torch.randn(tokens, hidden, **bf16)
+    routed = torch.randint(0, experts, (tokens, topk), device=device, generator=g)
+    weights = torch.rand(tokens, topk, device=device, generator=g)
+    half = experts // 2
+    return {"whole": lambda: _experts_mlp(x, weights, routed, gu, down, ffn),
+            "shard 0": lambda: _experts_mlp(x, weights, routed, gu[:half], down[:half], ffn, first=0),
+            "shard 1": lambda: _experts_mlp(x, weights, routed, gu[half:], down[half:], ffn, first=half)}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph's capture: a GPU")
 def test_on_a_gpu_the_experts_part_is_captured_in_a_cuda_graph_whole_and_by_shard():
     """The experts' part of a decode step, eager as the shards' pieces run, is captured in a CUDA graph: no host read
     (eager bincount had one, and every shard's capture failed on an H200)."""
-    from runtime.rollout.decode_model import _experts_mlp
-    g = torch.Generator(device="cuda").manual_seed(0)
-    experts, hidden, ffn, tokens, topk = 8, 64, 32, 24, 2
-    bf16 = dict(device="cuda", dtype=torch.bfloat16, generator=g)  # the engine's dtype: CUDA's grouped GEMM is bf16's
-    gu = 0.1 * torch.randn(experts, 2 * ffn, hidden, **bf16)
-    down = 0.1 * torch.randn(experts, hidden, ffn, **bf16)
-    x = torch.randn(tokens, hidden, **bf16)
-    routed = torch.randint(0, experts, (tokens, topk), device="cuda", generator=g)
-    weights = torch.rand(tokens, topk, device="cuda", generator=g)
-    half = experts // 2
-    calls = {"whole": lambda: _experts_mlp(x, weights, routed, gu, down, ffn),
-             "shard 0": lambda: _experts_mlp(x, weights, routed, gu[:half], down[:half], ffn, first=0),
-             "shard 1": lambda: _experts_mlp(x, weights, routed, gu[half:], down[half:], ffn, first=half)}
     got = {}
-    for name, fn in calls.items():
+    for name, fn in _experts_calls("cuda").items():
         eager = fn()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -212,12 +217,7 @@ def test_on_a_gpu_the_experts_part_is_captured_in_a_cuda_graph_whole_and_by_shar
 def test_the_experts_part_compiles_whole_without_a_graph_break():
     """torch.compile takes the experts' part in one graph, whole and as a shard: a break (bincount's data-dependent
     size did it) runs the op between the graphs eager, and the engine's CUDA graphs cannot capture it."""
-    from runtime.rollout.decode_model import _experts_mlp
     torch._dynamo.reset()
-    experts, hidden, ffn, tokens, topk = 4, 16, 8, 6, 2
-    bf16 = dict(dtype=torch.bfloat16)  # what the grouped GEMM's meta function takes
-    args = (torch.randn(tokens, hidden, **bf16), torch.rand(tokens, topk), torch.randint(0, experts, (tokens, topk)))
-    gu, down = torch.randn(experts, 2 * ffn, hidden, **bf16), torch.randn(experts, hidden, ffn, **bf16)
-    for first, (g, d) in ((None, (gu, down)), (2, (gu[2:], down[2:]))):
-        explained = torch._dynamo.explain(lambda *a: _experts_mlp(*a, g, d, ffn, first=first))(*args)
-        assert explained.graph_break_count == 0, (first, [str(b.reason) for b in explained.break_reasons])
+    for name, fn in _experts_calls("cpu", experts=4, hidden=16, ffn=8, tokens=6).items():
+        explained = torch._dynamo.explain(fn)()
+        assert explained.graph_break_count == 0, (name, [str(b.reason) for b in explained.break_reasons])
