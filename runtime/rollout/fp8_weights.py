@@ -1,9 +1,11 @@
 """FP8 weights for the built-in engine's linear layers (``rollout.weights_dtype: fp8``): rowwise e4m3.
 
 A weight [out, in] is stored as float8_e4m3fn with one fp32 scale per output row (its absolute max / 448), and
-each matmul quantises its input the same way per token row, then runs ``torch._scaled_mm`` with both scale
-vectors and writes the activation dtype (bf16 on a GPU). Why rowwise: it is the scaling torch's sm90 path takes
-fastest with a bf16 output (cuBLASLt's rowwise kernels, in aten/src/ATen/native/cuda/Blas.cpp); per-tensor scales let
+each matmul quantises its input the same way per token row, then multiplies the two e4m3 operands with both scale
+vectors and writes the activation dtype (bf16 on a GPU): on a GPU runtime/kernels/fp8_matmul.py's kernel (the
+weight's rows on the tensor cores' long side, for decode's few rows), elsewhere ``torch._scaled_mm``. Why rowwise:
+a row's scale applies once to its sum, in any kernel (and it is the scaling torch's sm90 ``_scaled_mm`` takes with a
+bf16 output, the CPU's path and the mixture's grouped GEMM); per-tensor scales let
 one outlier row coarsen every other row of the matrix (and one outlier token every other token of a batch), and
 128-block scales need the activation cut into 128-column blocks with their own scale layout, for accuracy a rowwise
 scale already gives at these widths. Rowwise also makes a row's quantisation depend on that row only, so quantising
@@ -11,12 +13,16 @@ q, k and v (or gate and up) one by one into row ranges of the fused buffer gives
 would: a weight sync quantises each tensor as it arrives, in place in static buffers (captured CUDA graphs stay
 valid), and the same trainer weights give the same bits (a resumed run's engine runs what the uninterrupted one ran).
 A mixture's experts run one grouped FP8 GEMM (``torch._scaled_grouped_mm``) on the same per-row quantised input.
-(A Triton kernel that widened the e4m3 weight in registers and left the input unquantised ran the GLM-Z1-9B rollout
-at 0.37-0.52x bf16 on an H200 and was retired: bench/README.md.)
+(On an H200 at GLM-Z1-9B's shape the rollout ran 1.21x bf16 with that kernel, 1.005x on ``_scaled_mm``; a Triton
+kernel that widened the e4m3 weight in registers and left the input unquantised ran 0.37-0.52x and was retired:
+bench/README.md.)
 """
 from __future__ import annotations
 
 import torch
+
+from runtime.kernels.fp8_matmul import swapped_scaled_mm
+from runtime.rollout.decode_attention import triton_available
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -59,12 +65,16 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` with ``w`` given rowwise-quantised (`quantize_rows`); ``x`` is quantised per token
     row on the way in. The output has ``x``'s dtype. The bias is added after the product (in the output dtype,
-    as F.linear's epilogue does)."""
+    as F.linear's epilogue does). On a GPU with Triton the product is runtime/kernels/fp8_matmul.py's (the weight's
+    rows on the tensor cores' long side: decode's few rows), else ``torch._scaled_mm``."""
     lead = x.shape[:-1]
     xq, xs = quantize_activation_rows(x)
-    out = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scales, out_dtype=x.dtype)
-    if bias is not None:
-        out = out + bias
+    if x.is_cuda and triton_available():
+        out = swapped_scaled_mm(xq, xs.reshape(-1), w8.contiguous(), w_scales.reshape(-1), bias, x.dtype)
+    else:
+        out = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scales, out_dtype=x.dtype)
+        if bias is not None:
+            out = out + bias
     return out.reshape(*lead, w8.shape[0])
 
 
