@@ -2,6 +2,7 @@
 
     python3 bench/fp8_rollout.py --out $OUT/fp8_rollout.json       # one H200 (or H100), <= 500 s (--deadline)
     python3 bench/fp8_rollout.py --cpu                             # smoke: tiny GLM4 and Qwen3 on CPU, fp32
+    python3 bench/fp8_rollout.py --settings bf16,fp8,fp8-scaled-mm # + fp8 on the old _scaled_mm path, same call
 
 Needs torch, transformers and this repo only (no carry). For each shape, bf16 then fp8, on one paged decoder each
 (`runtime.rollout.paged_decode.PagedDecoder`, CUDA graphs, compiled, as the engine runs it) over the same random
@@ -23,6 +24,7 @@ nearly flat, so its gap checks the numerics; a trained model's gap is another nu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -41,6 +43,11 @@ from moe_engine import timed  # noqa: E402  (a call's mean seconds after a warm-
 import rollout_bench as rb  # the keyed length schedule, requests and the step-latency probe
 
 SETTINGS = ("bf16", "fp8")
+# a setting of this bench only: fp8 weights with the product on torch._scaled_mm(x8, W8ᵀ), the path before
+# runtime/kernels/fp8_matmul.py (the engine's fp8_linear swapped for it while that decoder runs)
+SCALED_MM = "fp8-scaled-mm"
+# and fp8 with runtime/kernels/fp8_matmul.py's tiles and splits taken from a fp8_matmul.py sweep (--tiles-from)
+SWEPT = "fp8-swept"
 GAP_PROMPTS, GAP_SAMPLES, GAP_NEW = 2, 8, 256
 
 
@@ -170,8 +177,46 @@ def step_probe(dec, S) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def engine_linear(setting: str, tiles_from: str | None = None):
+    """The engine's FP8 product for `setting`: as shipped, `_scaled_mm(x8, W8ᵀ)` for SCALED_MM, the swept tiles
+    (`tiles_from`: fp8_matmul.py --best-out, the best per row count; a call takes the smallest count >= its rows)
+    for SWEPT."""
+    from runtime.kernels import fp8_matmul as fm
+    from runtime.rollout import decode_model
+    from runtime.rollout.fp8_weights import quantize_activation_rows
+    shipped, shipped_tiles, shipped_split = decode_model.fp8_linear, fm.tiles_for, fm.split_for
+    best = {int(k): v for k, v in json.loads(Path(tiles_from).read_text()).items()} if tiles_from else {}
+
+    def pick(rows):
+        return next((best[k] for k in sorted(best) if rows <= k), None)
+
+    def swept_tiles(rows):
+        b = pick(rows)
+        return tuple(b["tiles"]) if b else shipped_tiles(rows)
+
+    def swept_split(rows, *args):
+        b = pick(rows)
+        return 1 if b and b["split"] == 1 else shipped_split(rows, *args)
+
+    def scaled_mm_linear(x, w8, w_scales, bias=None):
+        xq, xs = quantize_activation_rows(x)
+        out = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scales, out_dtype=x.dtype)
+        return (out if bias is None else out + bias).reshape(*x.shape[:-1], w8.shape[0])
+    if setting == SCALED_MM:
+        decode_model.fp8_linear = scaled_mm_linear
+    if setting == SWEPT:
+        if not best:
+            raise ValueError(f"{SWEPT} needs --tiles-from (fp8_matmul.py --best-out)")
+        fm.tiles_for, fm.split_for = swept_tiles, swept_split
+    try:
+        yield
+    finally:
+        decode_model.fp8_linear, fm.tiles_for, fm.split_for = shipped, shipped_tiles, shipped_split
+
+
 def run_shape(name: str, build, S, *, prompts: int, over_sampling: float, kv_gib: float, cuda: bool,
-              left) -> dict:
+              left, settings=SETTINGS, tiles_from: str | None = None) -> dict:
     from runtime.rollout.base import SamplingParams
     from runtime.rollout.keyed_sampling import sample_key_hash
     from runtime.rollout.paged_decode import PagedDecoder
@@ -187,7 +232,7 @@ def run_shape(name: str, build, S, *, prompts: int, over_sampling: float, kv_gib
         res["one_layer_projections"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
     rows = max(prompts * S["samples"], 16)
     need = 120.0  # seconds a setting is let start with: then what the last one took
-    for setting in SETTINGS:
+    for setting in settings:
         if left() < need:
             res[setting] = {"skipped": f"deadline ({left():.0f} s left, a setting takes ~{need:.0f} s)"}
             continue
@@ -195,12 +240,15 @@ def run_shape(name: str, build, S, *, prompts: int, over_sampling: float, kv_gib
         t0 = time.time()
         dec = None
         try:  # a failed setting is reported, the other still runs
+            patched = engine_linear(setting, tiles_from)
+            patched.__enter__()
             dec = PagedDecoder(model, max_rows=round(rows * over_sampling) if over_sampling > 1 else rows,
-                               kv_cache_gb=kv_gib, page_size=S["page_size"], weights_dtype=setting, drop_bf16=False)
+                               kv_cache_gb=kv_gib, page_size=S["page_size"],
+                               weights_dtype="bf16" if setting == "bf16" else "fp8", drop_bf16=False)
             dec.ensure_pool()
             r["linear_weight_GiB"] = round(sum(t.numel() * t.element_size() for w in dec.layers
                                                for t in (w.qkv_w, w.o_w, w.gu_w, w.down_w)) / 2**30, 2)
-            if setting == "fp8":
+            if setting != "bf16":
                 r["quantise_at_sync"] = quantise_at_sync(dec, model, cuda)
             # compile, and every batch bucket's graph: the rows stop one a step, so the batch passes through all
             warm = rb.requests(S, max(rows // S["samples"], 1), S["samples"], S["prompt_len"], rollout=1, seed=1)
@@ -214,6 +262,8 @@ def run_shape(name: str, build, S, *, prompts: int, over_sampling: float, kv_gib
             r["logprob_gap_vs_hf_bf16"] = logprob_gap(dec, model, S, cuda)
         except Exception as e:  # noqa: BLE001
             r["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        finally:
+            patched.__exit__(None, None, None)
         res[setting] = r
         print(json.dumps({name: {setting: r}}), flush=True)
         need = time.time() - t0
@@ -223,9 +273,10 @@ def run_shape(name: str, build, S, *, prompts: int, over_sampling: float, kv_gib
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    a, b = (res.get(s, {}).get("rollout", {}).get("tok_s") for s in SETTINGS)
-    if a and b:
-        res["fp8_over_bf16_tok_s"] = round(b / a, 3)
+    base = res.get("bf16", {}).get("rollout", {}).get("tok_s")
+    for s in settings[1:] if base else ():
+        if res.get(s, {}).get("rollout", {}).get("tok_s"):
+            res[f"{s}_over_bf16_tok_s".replace("-", "_")] = round(res[s]["rollout"]["tok_s"] / base, 3)
     del model
     gc.collect()
     if cuda:
@@ -244,7 +295,12 @@ def main() -> int:
     ap.add_argument("--qwen-prompts", type=int, default=16)
     ap.add_argument("--qwen-over-sampling", type=float, default=1.0)
     ap.add_argument("--kv-gib", type=float, default=40.0)
+    ap.add_argument("--settings", default=",".join(SETTINGS),
+                    help=f"comma list, bf16 first: bf16, fp8, {SCALED_MM} (fp8 on _scaled_mm(x8, W8ᵀ), the old path), "
+                         f"{SWEPT} (fp8 with --tiles-from's tiles)")
+    ap.add_argument("--tiles-from", default=None, help=f"{SWEPT}: fp8_matmul.py --best-out's JSON")
     a = ap.parse_args()
+    settings = tuple(a.settings.split(","))
     t_start = time.time()
 
     def left() -> float:
@@ -272,28 +328,30 @@ def main() -> int:
                 cfg["num_hidden_layers"] = a.glm_layers
             S = dict(base, vocab=cfg["vocab_size"])
             res["shapes"][name] = run_shape(name, lambda: ge.build(cfg, device, dtype), S, prompts=a.glm_prompts,
-                                            over_sampling=1.0, kv_gib=a.kv_gib if cuda else 0.01, cuda=cuda, left=left)
+                                            over_sampling=1.0, kv_gib=a.kv_gib if cuda else 0.01, cuda=cuda, left=left,
+                                            settings=settings, tiles_from=a.tiles_from)
             res["shapes"][name]["layers"] = cfg["num_hidden_layers"]
         elif name == "qwen06":
             S = dict(base)
             res["shapes"][name] = run_shape(name, lambda: qwen_model(S, device, dtype), S, prompts=a.qwen_prompts,
                                             over_sampling=a.qwen_over_sampling, kv_gib=a.kv_gib if cuda else 0.01,
-                                            cuda=cuda, left=left)
+                                            cuda=cuda, left=left, settings=settings, tiles_from=a.tiles_from)
         else:
             raise SystemExit(f"--shapes: no shape {name!r} (glm9b, qwen06)")
         out.write_text(json.dumps(res, indent=1))
     res["total_s"] = round(time.time() - t_start, 1)
     out.write_text(json.dumps(res, indent=1))
-    print(f"\n{'shape':<8}{'setting':<8}{'tok/s':>9}{'ms/step':>9}{'quant s':>9}{'gap mean':>10}{'p99':>9}{'max':>9}")
+    print(f"\n{'shape':<8}{'setting':<14}{'tok/s':>9}{'ms/step':>9}{'quant s':>9}{'gap mean':>10}{'p99':>9}{'max':>9}")
     for name, r in res["shapes"].items():
-        for s in SETTINGS:
+        for s in settings:
             x = r.get(s, {})
             ro, g = x.get("rollout", {}), x.get("logprob_gap_vs_hf_bf16", {})
-            print(f"{name:<8}{s:<8}{ro.get('tok_s', '-'):>9}{ro.get('ms_per_step', '-'):>9}"
+            print(f"{name:<8}{s:<14}{ro.get('tok_s', '-'):>9}{ro.get('ms_per_step', '-'):>9}"
                   f"{x.get('quantise_at_sync', {}).get('s', '-'):>9}{g.get('mean', '-'):>10}{g.get('p99', '-'):>9}"
                   f"{g.get('max', '-'):>9}  {x.get('error') or x.get('skipped') or ''}")
-        if "fp8_over_bf16_tok_s" in r:
-            print(f"{name:<8}fp8/bf16 tok/s {r['fp8_over_bf16_tok_s']}")
+        for k, v in r.items():
+            if k.endswith("_over_bf16_tok_s"):
+                print(f"{name:<8}{k}: {v}")
     print(f"written {out} ({res['total_s']} s)")
     return 0
 
