@@ -125,7 +125,9 @@ def main() -> int:
     t1 = time.time()
     ids, lps, _ = dec.generate([r.prompt_ids for r in reqs], kh, SamplingParams(temperature=1.0, max_new_tokens=new),
                                set(), stop_at=[new] * len(reqs))
-    res["generate_s"] = round(time.time() - t1, 1)
+    res["generate_s"] = round(time.time() - t1, 1)  # the engine's compile and graph capture included
+    res["engine"] = {"compiled": dec.compiled, "cuda_graphs": dec.use_graphs,
+                     "fallbacks": dict(dec.stats).get("fallbacks", [])}
     routes = dec.last_routes
     res["routes_bytes_per_token"] = routes[0][0].numel() * routes[0].element_size()
     dec.release()
