@@ -70,9 +70,27 @@ def scaled_mm_path(x, w8, ws):
     return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=ws, out_dtype=x.dtype)
 
 
-def candidates(rows: int):
+def split_of(spec, rows: int, n: int, k: int, tiles, sms: int, rule=None) -> int:
+    """A sweep's split: "rule" (the shipped `split_for`, or `rule`), an int (that split), or "xF" (F times the
+    rule's, at most MAX_SPLIT and one BLOCK_K a part)."""
+    base = (rule or fm.split_for)(rows, n, k, *tiles[:3], sms)
+    if spec == "rule":
+        return base
+    if isinstance(spec, str) and spec.startswith("x"):
+        return max(1, min(base * int(spec[1:]), fm.MAX_SPLIT, k // tiles[2]))
+    return int(spec)
+
+
+def candidates(rows: int, splits: bool = False):
     """(tiles, split): tiles (BLOCK_N, BLOCK_M, BLOCK_K, warps, stages) around the shipped ones, each with the
-    shipped rule's split ("rule") and with none (1: no partial sums, no second kernel)."""
+    shipped rule's split ("rule") and with none (1: no partial sums, no second kernel). `splits`: instead the shipped
+    tiles and 64 or 128 weight rows, each with the rule's split and 2, 4 and 8 times it (more, smaller programs: an
+    even last wave)."""
+    if splits:
+        bn, bm, bk, warps, stages = fm.tiles_for(rows)
+        for bn_, spec in itertools.product(sorted({bn, 64, 128}), ("rule", "x2", "x4", "x8")):
+            yield (bn_, bm, bk, warps, stages), spec
+        return
     bms = [fm.tiles_for(rows)[1]] if rows <= 32 else [rows // 2, min(rows, 128)]
     bns = (32, 64, 128) if rows <= 64 else (64, 128)
     for bm, bn, (bk, stages), split in itertools.product(bms, bns, ((128, 5), (256, 4)), ("rule", 1)):
@@ -89,6 +107,8 @@ def main() -> int:
     ap.add_argument("--bandwidth-tbs", type=float, default=4.8)
     ap.add_argument("--models", default="glm9b,qwen06")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--sweep-splits", action="store_true", help="sweep larger splits of K instead of tiles")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     ap.add_argument("--best-out", default=None, help="also write the sweep's best (tiles, split) per row count here "
                                                      "(fp8_rollout.py --tiles-from runs the engine with them)")
     a = ap.parse_args()
@@ -107,7 +127,7 @@ def main() -> int:
         ws = [quantize_rows(w) for w in wb]
         fp8_bytes = sum(n * k for n, k in shapes)
         per_rows = res["models"][model] = {}
-        for m in ROWS:
+        for m in (int(r) for r in a.rows.split(",")):
             xs = [torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16) for _, k in shapes]
             qs = [quantize_activation_rows(x) for x in xs]
             mp = -(-m // 16) * 16
@@ -140,8 +160,8 @@ def main() -> int:
             row["compiled_scaled_mm_path_ms"] = graph_ms(lambda: lin_sm(xs, ws))
             if not a.no_sweep and model == "glm9b":
                 row["sweep"] = []
-                row_end = time.monotonic() + a.deadline / len(ROWS)
-                for tiles, split in candidates(m):
+                row_end = time.monotonic() + a.deadline / len(a.rows.split(","))
+                for tiles, split in candidates(m, a.sweep_splits):
                     if time.monotonic() > row_end:
                         row["sweep_cut"] = "deadline"
                         break
@@ -150,8 +170,7 @@ def main() -> int:
                     def calls(tiles=tiles, split=split):
                         for (xq, s), (w8, w_s), o in zip(flat, ws, outs):
                             n, k = w8.shape
-                            fm.launch(xq, s, w8, w_s.reshape(-1), None, o, tiles,
-                                      fm.split_for(m, n, k, *tiles[:3], sms) if split == "rule" else split)
+                            fm.launch(xq, s, w8, w_s.reshape(-1), None, o, tiles, split_of(split, m, n, k, tiles, sms))
                     try:
                         row["sweep"].append({"tiles": list(tiles), "split": split, "ms": graph_ms(calls)})
                     except Exception as e:  # noqa: BLE001 - a tile that does not compile is a row

@@ -182,6 +182,7 @@ def engine_linear(setting: str, tiles_from: str | None = None):
     """The engine's FP8 product for `setting`: as shipped, `_scaled_mm(x8, W8ᵀ)` for SCALED_MM, the swept tiles
     (`tiles_from`: fp8_matmul.py --best-out, the best per row count; a call takes the smallest count >= its rows)
     for SWEPT."""
+    from fp8_matmul import split_of
     from runtime.kernels import fp8_matmul as fm
     from runtime.rollout import decode_model
     from runtime.rollout.fp8_weights import quantize_activation_rows
@@ -195,9 +196,10 @@ def engine_linear(setting: str, tiles_from: str | None = None):
         b = pick(rows)
         return tuple(b["tiles"]) if b else shipped_tiles(rows)
 
-    def swept_split(rows, *args):
+    def swept_split(rows, n, k, bn, bm, bk, sms):
         b = pick(rows)
-        return 1 if b and b["split"] == 1 else shipped_split(rows, *args)
+        return (split_of(b["split"], rows, n, k, (bn, bm, bk), sms, rule=shipped_split) if b
+                else shipped_split(rows, n, k, bn, bm, bk, sms))
 
     def scaled_mm_linear(x, w8, w_scales, bias=None):
         xq, xs = quantize_activation_rows(x)
