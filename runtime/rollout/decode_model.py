@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from runtime.devices import is_out_of_memory
 from runtime.rollout.base import routes_dtype
 from runtime.rollout.fp8_weights import (WEIGHTS_DTYPES, fp8_linear, fp8_shape_reason, quantize_activation_rows,
-                                         quantize_rows, quantize_rows_into)
+                                         quantize_rows, quantize_rows_into, scaled_product)
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_next, uniform_noise
 from runtime.rollout.speed_features import guarded
 from runtime.rollout.lora_forward import EngineAdapters, add_lora
@@ -149,13 +149,13 @@ def _fp8_grouped_mm(x, w8, w_scales, offs):
     """`_grouped_mm` with FP8 experts: ``w8`` [E, N, K] e4m3 with a scale per (expert, output row) (``w_scales``
     [E, N]), ``x`` quantised per row on the way in (fp8_weights.py). On CUDA one `torch._scaled_grouped_mm` (sm90's
     rowwise grouped kernel: scales [rows] and [E, N], offsets on the device); on the CPU, which has no grouped kernel,
-    a `torch._scaled_mm` per expert (it reads the offsets on the host)."""
+    the scaled product per expert (it reads the offsets on the host)."""
     xq, xs = quantize_activation_rows(x)
     if x.is_cuda:
         return torch._scaled_grouped_mm(xq, w8.transpose(-2, -1), xs[:, 0], w_scales, offs=offs, out_dtype=x.dtype)
     ends = offs.tolist()
-    return torch.cat([torch._scaled_mm(xq[s:e], w8[i].t(), scale_a=xs[s:e], scale_b=w_scales[i][None],
-                                       out_dtype=x.dtype) if e > s else x.new_zeros(0, w8.shape[1])
+    return torch.cat([scaled_product(xq[s:e], xs[s:e], w8[i], w_scales[i][None], x.dtype) if e > s
+                      else x.new_zeros(0, w8.shape[1])
                       for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))]
                      + [x.new_zeros(x.shape[0] - ends[-1], w8.shape[1])])
 

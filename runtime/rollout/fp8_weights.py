@@ -3,9 +3,9 @@
 A weight [out, in] is stored as float8_e4m3fn with one fp32 scale per output row (its absolute max / 448), and
 each matmul quantises its input the same way per token row, then multiplies the two e4m3 operands with both scale
 vectors and writes the activation dtype (bf16 on a GPU): on a GPU runtime/kernels/fp8_matmul.py's kernel (the
-weight's rows on the tensor cores' long side, for decode's few rows), elsewhere ``torch._scaled_mm``. Why rowwise:
+weight's rows on the tensor cores' long side, for decode's few rows), elsewhere `scaled_product`. Why rowwise:
 a row's scale applies once to its sum, in any kernel (and it is the scaling torch's sm90 ``_scaled_mm`` takes with a
-bf16 output, the CPU's path and the mixture's grouped GEMM); per-tensor scales let
+bf16 output, and the mixture's grouped GEMM's); per-tensor scales let
 one outlier row coarsen every other row of the matrix (and one outlier token every other token of a batch), and
 128-block scales need the activation cut into 128-column blocks with their own scale layout, for accuracy a rowwise
 scale already gives at these widths. Rowwise also makes a row's quantisation depend on that row only, so quantising
@@ -66,16 +66,26 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
     """``F.linear(x, w, bias)`` with ``w`` given rowwise-quantised (`quantize_rows`); ``x`` is quantised per token
     row on the way in. The output has ``x``'s dtype. The bias is added after the product (in the output dtype,
     as F.linear's epilogue does). On a GPU with Triton the product is runtime/kernels/fp8_matmul.py's (the weight's
-    rows on the tensor cores' long side: decode's few rows), else ``torch._scaled_mm``."""
+    rows on the tensor cores' long side: decode's few rows), else `scaled_product`."""
     lead = x.shape[:-1]
     xq, xs = quantize_activation_rows(x)
     if x.is_cuda and triton_available():
-        out = swapped_scaled_mm(xq, xs.reshape(-1), w8.contiguous(), w_scales.reshape(-1), bias, x.dtype)
-    else:
-        out = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scales, out_dtype=x.dtype)
-        if bias is not None:
-            out = out + bias
+        return swapped_scaled_mm(xq, xs.reshape(-1), w8.contiguous(), w_scales.reshape(-1), bias,
+                                 x.dtype).reshape(*lead, w8.shape[0])
+    out = scaled_product(xq, xs, w8, w_scales, x.dtype)
+    if bias is not None:
+        out = out + bias
     return out.reshape(*lead, w8.shape[0])
+
+
+def scaled_product(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """``xq`` [m, k] · ``w8`` [n, k]ᵀ with their rowwise scales (``xs`` [m, 1], ``w_scales`` [1, n]), in
+    ``out_dtype``: ``torch._scaled_mm`` on a GPU; on the CPU the same product in fp32 (torch before 2.13 has no
+    rowwise-scaled CPU ``_scaled_mm``)."""
+    if xq.is_cuda:
+        return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scales, out_dtype=out_dtype)
+    return ((xq.float() @ w8.float().t()) * xs * w_scales).to(out_dtype)
 
 
 def fp8_shape_reason(name: str, w: torch.Tensor) -> str | None:
@@ -87,4 +97,4 @@ def fp8_shape_reason(name: str, w: torch.Tensor) -> str | None:
 
 
 __all__ = ["FP8", "FP8_MAX", "WEIGHTS_DTYPES", "fp8_linear", "fp8_shape_reason", "quantize_activation_rows",
-           "quantize_rows", "quantize_rows_into"]
+           "quantize_rows", "quantize_rows_into", "scaled_product"]
