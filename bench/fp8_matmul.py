@@ -64,10 +64,11 @@ def graph_ms(calls, replays: int = 50) -> float:
     return round(start.elapsed_time(end) / replays, 4)
 
 
-def scaled_mm_path(x, w8, ws):
-    """fp8_linear before the swapped kernel: _scaled_mm(x8, W8ᵀ)."""
+def scaled_mm_path(x, w8, ws, bias=None):
+    """fp8_linear before the swapped kernel: the input quantised, then _scaled_mm(x8, W8ᵀ) (`scaled_product`)."""
     xq, xs = quantize_activation_rows(x)
-    return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=ws, out_dtype=x.dtype)
+    out = fp8_weights.scaled_product(xq, xs, w8, ws, x.dtype)
+    return (out if bias is None else out + bias).reshape(*x.shape[:-1], w8.shape[0])
 
 
 def split_of(spec, rows: int, n: int, k: int, tiles, sms: int, rule=None) -> int:

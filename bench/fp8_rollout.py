@@ -182,10 +182,9 @@ def engine_linear(setting: str, tiles_from: str | None = None):
     """The engine's FP8 product for `setting`: as shipped, `_scaled_mm(x8, W8ᵀ)` for SCALED_MM, the swept tiles
     (`tiles_from`: fp8_matmul.py --best-out, the best per row count; a call takes the smallest count >= its rows)
     for SWEPT."""
-    from fp8_matmul import split_of
+    from fp8_matmul import scaled_mm_path, split_of
     from runtime.kernels import fp8_matmul as fm
     from runtime.rollout import decode_model
-    from runtime.rollout.fp8_weights import quantize_activation_rows
     shipped, shipped_tiles, shipped_split = decode_model.fp8_linear, fm.tiles_for, fm.split_for
     best = {int(k): v for k, v in json.loads(Path(tiles_from).read_text()).items()} if tiles_from else {}
 
@@ -201,12 +200,8 @@ def engine_linear(setting: str, tiles_from: str | None = None):
         return (split_of(b["split"], rows, n, k, (bn, bm, bk), sms, rule=shipped_split) if b
                 else shipped_split(rows, n, k, bn, bm, bk, sms))
 
-    def scaled_mm_linear(x, w8, w_scales, bias=None):
-        xq, xs = quantize_activation_rows(x)
-        out = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scales, out_dtype=x.dtype)
-        return (out if bias is None else out + bias).reshape(*x.shape[:-1], w8.shape[0])
     if setting == SCALED_MM:
-        decode_model.fp8_linear = scaled_mm_linear
+        decode_model.fp8_linear = scaled_mm_path
     if setting == SWEPT:
         if not best:
             raise ValueError(f"{SWEPT} needs --tiles-from (fp8_matmul.py --best-out)")
@@ -242,30 +237,27 @@ def run_shape(name: str, build, S, *, prompts: int, over_sampling: float, kv_gib
         t0 = time.time()
         dec = None
         try:  # a failed setting is reported, the other still runs
-            patched = engine_linear(setting, tiles_from)
-            patched.__enter__()
-            dec = PagedDecoder(model, max_rows=round(rows * over_sampling) if over_sampling > 1 else rows,
-                               kv_cache_gb=kv_gib, page_size=S["page_size"],
-                               weights_dtype="bf16" if setting == "bf16" else "fp8", drop_bf16=False)
-            dec.ensure_pool()
-            r["linear_weight_GiB"] = round(sum(t.numel() * t.element_size() for w in dec.layers
-                                               for t in (w.qkv_w, w.o_w, w.gu_w, w.down_w)) / 2**30, 2)
-            if setting != "bf16":
-                r["quantise_at_sync"] = quantise_at_sync(dec, model, cuda)
-            # compile, and every batch bucket's graph: the rows stop one a step, so the batch passes through all
-            warm = rb.requests(S, max(rows // S["samples"], 1), S["samples"], S["prompt_len"], rollout=1, seed=1)
-            kh = sample_key_hash(torch.tensor([q.key for q in warm], dtype=torch.long, device=dec.device))
-            dec.generate([q.prompt_ids for q in warm], kh, SamplingParams(temperature=1.0, max_new_tokens=len(warm) + 2),
-                         set(), stop_at=[2 + i for i in range(len(warm))])
-            sync(cuda)
-            r["warmup_s"] = round(time.time() - t0, 1)
-            r["rollout"] = keyed_rollout(dec, S, prompts, over_sampling, cuda)
-            r["steps"] = step_probe(dec, S)
-            r["logprob_gap_vs_hf_bf16"] = logprob_gap(dec, model, S, cuda)
+            with engine_linear(setting, tiles_from):
+                dec = PagedDecoder(model, max_rows=round(rows * over_sampling) if over_sampling > 1 else rows,
+                                   kv_cache_gb=kv_gib, page_size=S["page_size"],
+                                   weights_dtype="bf16" if setting == "bf16" else "fp8", drop_bf16=False)
+                dec.ensure_pool()
+                r["linear_weight_GiB"] = round(sum(t.numel() * t.element_size() for w in dec.layers
+                                                   for t in (w.qkv_w, w.o_w, w.gu_w, w.down_w)) / 2**30, 2)
+                if setting != "bf16":
+                    r["quantise_at_sync"] = quantise_at_sync(dec, model, cuda)
+                # compile, and every batch bucket's graph: the rows stop one a step, so the batch passes through all
+                warm = rb.requests(S, max(rows // S["samples"], 1), S["samples"], S["prompt_len"], rollout=1, seed=1)
+                kh = sample_key_hash(torch.tensor([q.key for q in warm], dtype=torch.long, device=dec.device))
+                dec.generate([q.prompt_ids for q in warm], kh, SamplingParams(temperature=1.0, max_new_tokens=len(warm) + 2),
+                             set(), stop_at=[2 + i for i in range(len(warm))])
+                sync(cuda)
+                r["warmup_s"] = round(time.time() - t0, 1)
+                r["rollout"] = keyed_rollout(dec, S, prompts, over_sampling, cuda)
+                r["steps"] = step_probe(dec, S)
+                r["logprob_gap_vs_hf_bf16"] = logprob_gap(dec, model, S, cuda)
         except Exception as e:  # noqa: BLE001
             r["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        finally:
-            patched.__exit__(None, None, None)
         res[setting] = r
         print(json.dumps({name: {setting: r}}), flush=True)
         need = time.time() - t0
