@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import math
@@ -48,6 +49,8 @@ SETTINGS = ("bf16", "fp8")
 SCALED_MM = "fp8-scaled-mm"
 # and fp8 with runtime/kernels/fp8_matmul.py's tiles and splits taken from a fp8_matmul.py sweep (--tiles-from)
 SWEPT = "fp8-swept"
+# and fp8 with a split's parts added by a second kernel (the path before each tile's last program added them)
+SPLIT_KERNEL = "fp8-split-kernel"
 GAP_PROMPTS, GAP_SAMPLES, GAP_NEW = 2, 8, 256
 
 
@@ -181,11 +184,12 @@ def step_probe(dec, S) -> dict:
 def engine_linear(setting: str, tiles_from: str | None = None):
     """The engine's FP8 product for `setting`: as shipped, `_scaled_mm(x8, W8ᵀ)` for SCALED_MM, the swept tiles
     (`tiles_from`: fp8_matmul.py --best-out, the best per row count; a call takes the smallest count >= its rows)
-    for SWEPT."""
+    for SWEPT, a split's parts added by a second kernel for SPLIT_KERNEL."""
     from fp8_matmul import scaled_mm_path, split_of
     from runtime.kernels import fp8_matmul as fm
     from runtime.rollout import decode_model
-    shipped, shipped_tiles, shipped_split = decode_model.fp8_linear, fm.tiles_for, fm.split_for
+    shipped, shipped_tiles, shipped_split, shipped_launch = (decode_model.fp8_linear, fm.tiles_for, fm.split_for,
+                                                             fm.launch)
     best = {int(k): v for k, v in json.loads(Path(tiles_from).read_text()).items()} if tiles_from else {}
 
     def pick(rows):
@@ -206,10 +210,13 @@ def engine_linear(setting: str, tiles_from: str | None = None):
         if not best:
             raise ValueError(f"{SWEPT} needs --tiles-from (fp8_matmul.py --best-out)")
         fm.tiles_for, fm.split_for = swept_tiles, swept_split
+    if setting == SPLIT_KERNEL:
+        fm.launch = functools.partial(shipped_launch, sum_here=False)
     try:
         yield
     finally:
-        decode_model.fp8_linear, fm.tiles_for, fm.split_for = shipped, shipped_tiles, shipped_split
+        decode_model.fp8_linear, fm.tiles_for, fm.split_for, fm.launch = (shipped, shipped_tiles, shipped_split,
+                                                                          shipped_launch)
 
 
 def run_shape(name: str, build, S, *, prompts: int, over_sampling: float, kv_gib: float, cuda: bool,
@@ -291,7 +298,8 @@ def main() -> int:
     ap.add_argument("--kv-gib", type=float, default=40.0)
     ap.add_argument("--settings", default=",".join(SETTINGS),
                     help=f"comma list, bf16 first: bf16, fp8, {SCALED_MM} (fp8 on _scaled_mm(x8, W8ᵀ), the old path), "
-                         f"{SWEPT} (fp8 with --tiles-from's tiles)")
+                         f"{SWEPT} (fp8 with --tiles-from's tiles), {SPLIT_KERNEL} (a split's parts added by a "
+                         "second kernel)")
     ap.add_argument("--tiles-from", default=None, help=f"{SWEPT}: fp8_matmul.py --best-out's JSON")
     a = ap.parse_args()
     settings = tuple(a.settings.split(","))
