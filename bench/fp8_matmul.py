@@ -8,8 +8,8 @@ replays them) and timed over 50 replays:
   bf16            F.linear
   scaled_mm       torch._scaled_mm(x8, W8ᵀ) with rowwise scales, the input already quantised (exact / fast accum)
   scaled_mm_swap  torch._scaled_mm(W8, x8ᵀ): the weight's rows on the tile's long side, the tokens padded to 16
-  swapped         runtime/kernels/fp8_matmul.py (Triton, W8 · x8ᵀ, split K) with its shipped tiles (each projection
-                  alone too; and `swapped_two_kernel`: a split's parts added by a second kernel), and a sweep of
+  swapped         runtime/kernels/fp8_matmul.py (Triton, W8 · x8ᵀ, split K) with its shipped tiles (and each
+                  projection alone, `swapped_each`), and a sweep of
                   tiles and splits (GLM only; --best-out: the best per row count, for fp8_rollout.py
                   --tiles-from) to show whether the shipped ones are the best
 and, compiled as the engine compiles them (the input's quantisation fused in): bf16, fp8_linear as shipped, and
@@ -146,15 +146,9 @@ def main() -> int:
                     torch._scaled_mm(w8, xq.t(), scale_a=w_s.t(), scale_b=s.t(), out_dtype=torch.bfloat16,
                                      use_fast_accum=fast) for (xq, s), (w8, w_s) in zip(qpad, ws)])
             flat = [(xq, s.reshape(-1)) for xq, s in qs]
-            outs_shipped = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for n, _ in shapes]
             row["swapped_ms"] = graph_ms(lambda: [fm.swapped_scaled_mm(xq, s, w8, w_s.reshape(-1), None,
                                                                        torch.bfloat16)
                                                   for (xq, s), (w8, w_s) in zip(flat, ws)])
-            # the split's parts added by a second kernel (the path before the tile's last program added them)
-            row["swapped_two_kernel_ms"] = graph_ms(lambda: [
-                fm.launch(xq, s, w8, w_s.reshape(-1), None, o, fm.tiles_for(m),
-                          fm.split_for(m, w8.shape[0], w8.shape[1], *fm.tiles_for(m)[:3], sms), sum_here=False)
-                for (xq, s), (w8, w_s), o in zip(flat, ws, outs_shipped)])
             row["swapped_each_ms"] = [graph_ms(lambda xq=xq, s=s, w8=w8, w_s=w_s: fm.swapped_scaled_mm(
                 xq, s, w8, w_s.reshape(-1), None, torch.bfloat16)) for (xq, s), (w8, w_s) in zip(flat, ws)]
             row["shipped"] = {"tiles": list(fm.tiles_for(m)),
@@ -189,7 +183,7 @@ def main() -> int:
                 if timed:
                     row["sweep_best"] = min(timed, key=lambda t: t["ms"])
             print(f"{model:<7} rows {m:>4}: " + "  ".join(f"{k[:-3]} {v:.3f}" for k, v in row.items()
-                                                         if k.endswith("_ms"))
+                                                         if k.endswith("_ms") and not isinstance(v, list))
                   + f"  best {row.get('sweep_best', {}).get('ms', '-')} {row.get('sweep_best', {}).get('tiles', '')}"
                   + f"  err {row['swapped_rel_err_vs_scaled_mm']:.1e}", flush=True)
             out.write_text(json.dumps(res, indent=1))

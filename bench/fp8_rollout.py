@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import functools
 import gc
 import json
 import math
@@ -49,8 +48,6 @@ SETTINGS = ("bf16", "fp8")
 SCALED_MM = "fp8-scaled-mm"
 # and fp8 with runtime/kernels/fp8_matmul.py's tiles and splits taken from a fp8_matmul.py sweep (--tiles-from)
 SWEPT = "fp8-swept"
-# and fp8 with a split's parts added by a second kernel (the path before each tile's last program added them)
-SPLIT_KERNEL = "fp8-split-kernel"
 GAP_PROMPTS, GAP_SAMPLES, GAP_NEW = 2, 8, 256
 
 
@@ -169,14 +166,18 @@ def logprob_gap(dec, model, S, cuda: bool) -> dict:
             "p99": round(gaps[min(len(gaps) - 1, math.ceil(0.99 * len(gaps)) - 1)], 5), "max": round(gaps[-1], 5)}
 
 
-def step_probe(dec, S) -> dict:
-    """ms per decode step (graph replay) with the full batch mid-rollout and with a tail of 8 rows."""
+def step_probe(dec, S, profile: bool = False) -> dict:
+    """ms per decode step (graph replay) with the full batch mid-rollout, 32 rows (the rollout's middle) and a tail
+    of 8 rows; with `profile`, each point's kernels over 8 eager steps too (GPU time by kernel, with counts: the
+    graph's step time less that is the time between kernels)."""
     eng = SimpleNamespace(decoder=dec)
     out = {}
-    for rows, own in ((min(128, dec.max_rows), 1024), (8, 4096)):
+    for rows, own in ((min(128, dec.max_rows), 1024), (min(32, dec.max_rows), 2048), (8, 4096)):
         own = min(own, S["max_new"] - 32)
-        r = rb.step_latency(S, eng, rows=rows, own_len=own, group=S["samples"])
+        r = rb.step_latency(S, eng, rows=rows, own_len=own, group=S["samples"], profile=profile, profile_top=40)
         out[f"rows{rows}_ctx{r['context']}"] = r["ms_per_step"]
+        if profile:
+            out[f"rows{rows}_ctx{r['context']}_profile"] = r.get("profile_eager_8_steps")
     return out
 
 
@@ -184,12 +185,11 @@ def step_probe(dec, S) -> dict:
 def engine_linear(setting: str, tiles_from: str | None = None):
     """The engine's FP8 product for `setting`: as shipped, `_scaled_mm(x8, W8ᵀ)` for SCALED_MM, the swept tiles
     (`tiles_from`: fp8_matmul.py --best-out, the best per row count; a call takes the smallest count >= its rows)
-    for SWEPT, a split's parts added by a second kernel for SPLIT_KERNEL."""
+    for SWEPT."""
     from fp8_matmul import scaled_mm_path, split_of
     from runtime.kernels import fp8_matmul as fm
     from runtime.rollout import decode_model
-    shipped, shipped_tiles, shipped_split, shipped_launch = (decode_model.fp8_linear, fm.tiles_for, fm.split_for,
-                                                             fm.launch)
+    shipped, shipped_tiles, shipped_split = decode_model.fp8_linear, fm.tiles_for, fm.split_for
     best = {int(k): v for k, v in json.loads(Path(tiles_from).read_text()).items()} if tiles_from else {}
 
     def pick(rows):
@@ -210,17 +210,15 @@ def engine_linear(setting: str, tiles_from: str | None = None):
         if not best:
             raise ValueError(f"{SWEPT} needs --tiles-from (fp8_matmul.py --best-out)")
         fm.tiles_for, fm.split_for = swept_tiles, swept_split
-    if setting == SPLIT_KERNEL:
-        fm.launch = functools.partial(shipped_launch, sum_here=False)
     try:
         yield
     finally:
-        decode_model.fp8_linear, fm.tiles_for, fm.split_for, fm.launch = (shipped, shipped_tiles, shipped_split,
-                                                                          shipped_launch)
+        decode_model.fp8_linear, fm.tiles_for, fm.split_for = shipped, shipped_tiles, shipped_split
 
 
 def run_shape(name: str, build, S, *, prompts: int, over_sampling: float, kv_gib: float, cuda: bool,
-              left, settings=SETTINGS, tiles_from: str | None = None) -> dict:
+              left, settings=SETTINGS, tiles_from: str | None = None, steps_only: bool = False,
+              profile: bool = False) -> dict:
     from runtime.rollout.base import SamplingParams
     from runtime.rollout.keyed_sampling import sample_key_hash
     from runtime.rollout.paged_decode import PagedDecoder
@@ -260,9 +258,11 @@ def run_shape(name: str, build, S, *, prompts: int, over_sampling: float, kv_gib
                              set(), stop_at=[2 + i for i in range(len(warm))])
                 sync(cuda)
                 r["warmup_s"] = round(time.time() - t0, 1)
-                r["rollout"] = keyed_rollout(dec, S, prompts, over_sampling, cuda)
-                r["steps"] = step_probe(dec, S)
-                r["logprob_gap_vs_hf_bf16"] = logprob_gap(dec, model, S, cuda)
+                if not steps_only:
+                    r["rollout"] = keyed_rollout(dec, S, prompts, over_sampling, cuda)
+                r["steps"] = step_probe(dec, S, profile)
+                if not steps_only:
+                    r["logprob_gap_vs_hf_bf16"] = logprob_gap(dec, model, S, cuda)
         except Exception as e:  # noqa: BLE001
             r["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         res[setting] = r
@@ -298,9 +298,10 @@ def main() -> int:
     ap.add_argument("--kv-gib", type=float, default=40.0)
     ap.add_argument("--settings", default=",".join(SETTINGS),
                     help=f"comma list, bf16 first: bf16, fp8, {SCALED_MM} (fp8 on _scaled_mm(x8, W8ᵀ), the old path), "
-                         f"{SWEPT} (fp8 with --tiles-from's tiles), {SPLIT_KERNEL} (a split's parts added by a "
-                         "second kernel)")
+                         f"{SWEPT} (fp8 with --tiles-from's tiles)")
     ap.add_argument("--tiles-from", default=None, help=f"{SWEPT}: fp8_matmul.py --best-out's JSON")
+    ap.add_argument("--steps-only", action="store_true", help="per setting the decode steps alone (no rollout, no gap)")
+    ap.add_argument("--profile", action="store_true", help="each step point's kernels too (8 eager steps)")
     a = ap.parse_args()
     settings = tuple(a.settings.split(","))
     t_start = time.time()
@@ -331,13 +332,15 @@ def main() -> int:
             S = dict(base, vocab=cfg["vocab_size"])
             res["shapes"][name] = run_shape(name, lambda: ge.build(cfg, device, dtype), S, prompts=a.glm_prompts,
                                             over_sampling=1.0, kv_gib=a.kv_gib if cuda else 0.01, cuda=cuda, left=left,
-                                            settings=settings, tiles_from=a.tiles_from)
+                                            settings=settings, tiles_from=a.tiles_from,
+                                            steps_only=a.steps_only, profile=a.profile)
             res["shapes"][name]["layers"] = cfg["num_hidden_layers"]
         elif name == "qwen06":
             S = dict(base)
             res["shapes"][name] = run_shape(name, lambda: qwen_model(S, device, dtype), S, prompts=a.qwen_prompts,
                                             over_sampling=a.qwen_over_sampling, kv_gib=a.kv_gib if cuda else 0.01,
-                                            cuda=cuda, left=left, settings=settings, tiles_from=a.tiles_from)
+                                            cuda=cuda, left=left, settings=settings, tiles_from=a.tiles_from,
+                                            steps_only=a.steps_only, profile=a.profile)
         else:
             raise SystemExit(f"--shapes: no shape {name!r} (glm9b, qwen06)")
         out.write_text(json.dumps(res, indent=1))

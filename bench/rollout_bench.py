@@ -332,7 +332,8 @@ def _clear_rows(dec, held: list[int]) -> None:
         buf.zero_()
 
 
-def step_latency(S, eng, rows: int, own_len: int, group: int, steps: int = 16, profile: bool = False) -> dict:
+def step_latency(S, eng, rows: int, own_len: int, group: int, steps: int = 16, profile: bool = False,
+                 profile_top: int = 10) -> dict:
     """ms per decode step (graph replay where graphs are on) for `rows` rows at `own_len` own tokens after a
     shared prompt; with profile, the kernel time of 8 eager steps by category."""
     torch = _torch()
@@ -365,7 +366,8 @@ def step_latency(S, eng, rows: int, own_len: int, group: int, steps: int = 16, p
                 _clear_rows(dec, held)
                 held = _place_rows(dec, rows, S["prompt_len"], own_len, group)
                 dec.chunk_i.zero_()
-                out["profile_eager_8_steps"] = kernel_profile(S, lambda: [dec._step(b, step_fn) for _ in range(8)], top=10)
+                out["profile_eager_8_steps"] = kernel_profile(S, lambda: [dec._step(b, step_fn) for _ in range(8)],
+                                                               top=profile_top)
         finally:
             _clear_rows(dec, held)
     return out

@@ -29,19 +29,9 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
-    def _epilogue(acc, XS, WS, BIAS, OUT, rn, rm, n_in, m_in, stride_o, HAS_BIAS: tl.constexpr):
-        ws = tl.load(WS + rn, mask=n_in, other=0.0)
-        xs = tl.load(XS + rm, mask=m_in, other=0.0)
-        out = (acc * ws[:, None] * xs[None, :]).to(OUT.dtype.element_ty)
-        if HAS_BIAS:  # F.linear's epilogue in the output dtype: the product rounded, then the bias added
-            b = tl.load(BIAS + rn, mask=n_in, other=0.0)
-            out = (out.to(tl.float32) + b.to(tl.float32)[:, None]).to(OUT.dtype.element_ty)
-        tl.store(OUT + rm[None, :].to(tl.int64) * stride_o + rn[:, None], out, mask=n_in[:, None] & m_in[None, :])
-
-    @triton.jit
-    def _swapped_kernel(XQ, XS, W, WS, BIAS, OUT, PART, ARRIVALS, M, N, K, K_PER_SPLIT, stride_o,
-                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SUM_N: tl.constexpr):
+    def _swapped_kernel(XQ, XS, W, WS, BIAS, OUT, PART, M, N, K, K_PER_SPLIT, stride_o,
+                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -61,28 +51,17 @@ if triton_available():
                 x = tl.load(XQ + rm[:, None].to(tl.int64) * K + rk[None, :], mask=m_in[:, None] & k_in[None, :],
                             other=0.0)
             acc = tl.dot(w, tl.trans(x), acc)
-        if SPLIT > 1:
-            part = PART + (pid_k * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
-            tl.store(part, acc, mask=n_in[:, None] & m_in[None, :])
-        if SPLIT > 1 and SUM_HERE:
-            # the tile's last program to arrive adds every part in split order (the bits do not depend on which
-            # program that is), then leaves its counter at zero for the next call on the stream
-            tl.debug_barrier()  # the whole program's part is written before its arrival is counted
-            tile = ARRIVALS + pid_m * tl.num_programs(1) + pid_n
-            arrived = tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
-                for c in range(0, BLOCK_N, SUM_N):  # a few weight rows at a time: the parts' registers fit
-                    rc = pid_n * BLOCK_N + c + tl.arange(0, SUM_N)
-                    c_in = rc < N
-                    at = (rm[None, :] * N + rc[:, None]).to(tl.int64)
-                    total = tl.load(PART + at, mask=c_in[:, None] & m_in[None, :], other=0.0, cache_modifier=".cg")
-                    for s in tl.static_range(1, SPLIT):
-                        total += tl.load(PART + s * M * N + at, mask=c_in[:, None] & m_in[None, :], other=0.0,
-                                         cache_modifier=".cg")
-                    _epilogue(total, XS, WS, BIAS, OUT, rc, rm, c_in, m_in, stride_o, HAS_BIAS)
-                tl.store(tile, 0)
-        elif SPLIT == 1:
-            _epilogue(acc, XS, WS, BIAS, OUT, rn, rm, n_in, m_in, stride_o, HAS_BIAS)
+        if SPLIT == 1:
+            ws = tl.load(WS + rn, mask=n_in, other=0.0)
+            xs = tl.load(XS + rm, mask=m_in, other=0.0)
+            out = (acc * ws[:, None] * xs[None, :]).to(OUT.dtype.element_ty)
+            if HAS_BIAS:  # F.linear's epilogue in the output dtype: the product rounded, then the bias added
+                b = tl.load(BIAS + rn, mask=n_in, other=0.0)
+                out = (out.to(tl.float32) + b.to(tl.float32)[:, None]).to(OUT.dtype.element_ty)
+            tl.store(OUT + rm[None, :].to(tl.int64) * stride_o + rn[:, None], out, mask=n_in[:, None] & m_in[None, :])
+        else:
+            tl.store(PART + (pid_k * M + rm[None, :]).to(tl.int64) * N + rn[:, None], acc,
+                     mask=n_in[:, None] & m_in[None, :])
 
     @triton.jit
     def _split_sum_kernel(PART, XS, WS, BIAS, OUT, M, N, stride_o, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
@@ -135,45 +114,23 @@ def _sms(device_index: int) -> int:
 
 
 def launch(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
-           out: torch.Tensor, tiles: tuple[int, int, int, int, int], split: int, sum_here: bool = True) -> None:
-    """``out`` [m, n] = (xq [m, k] · w8 [n, k]ᵀ) · xs [m] · ws [n] (+ bias), with the given tiles and split. A split's
-    parts are added by each tile's last program (``sum_here``, one kernel) or by a second kernel (the path before;
-    bench/fp8_matmul.py compares them); the same bits either way."""
+           out: torch.Tensor, tiles: tuple[int, int, int, int, int], split: int) -> None:
+    """``out`` [m, n] = (xq [m, k] · w8 [n, k]ᵀ) · xs [m] · ws [n] (+ bias), with the given tiles and split."""
     m, k = xq.shape
     n = w8.shape[0]
     bn, bm, bk, warps, stages = tiles
     k_per_split = -(-(-(-k // bk)) // split) * bk  # whole blocks per split
     part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     grid = (-(-m // bm), -(-n // bn), split)  # the token tiles of a weight tile launch together: one read of it
-    sum_here = sum_here and split > 1 and grid[0] * grid[1] <= ARRIVAL_COUNTERS
-    arrivals = _arrivals(xq.device) if sum_here else out
-    _swapped_kernel[grid](xq, xs, w8, ws, bias if bias is not None else ws, out, part, arrivals, m, n, k, k_per_split,
-                          out.stride(0), HAS_BIAS=bias is not None, SPLIT=split, SUM_HERE=sum_here,
-                          EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, SUM_N=min(bn, 32),
+    _swapped_kernel[grid](xq, xs, w8, ws, bias if bias is not None else ws, out, part, m, n, k, k_per_split,
+                          out.stride(0), HAS_BIAS=bias is not None and split == 1, SPLIT=split,
+                          EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk,
                           num_warps=warps, num_stages=stages)
-    if split > 1 and not sum_here:
+    if split > 1:
         block = 1024
         _split_sum_kernel[(-(-(m * n) // block),)](part, xs, ws, bias if bias is not None else ws, out, m, n,
                                                     out.stride(0), HAS_BIAS=bias is not None, SPLIT=split,
                                                     BLOCK=block)
-
-
-ARRIVAL_COUNTERS = 1 << 16  # a split call of more output tiles adds its parts in a second kernel
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """A device's int32 arrival counters, one per output tile of a split call, all zero between calls (each tile's
-    last program resets its own). Made once and kept (a captured CUDA graph holds their address), outside a capture
-    (the first split call on a device is a warm-up's), and shared by the device's calls, which a stream runs one at
-    a time."""
-    have = _ARRIVALS.get(device)
-    if have is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fp8_matmul: the first split call on a device was inside a CUDA graph capture; "
-                               "run the call once before capturing it")
-        have = _ARRIVALS[device] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-    return have
 
 
 @torch.library.custom_op("grpoflow::fp8_swapped_mm", mutates_args=())
