@@ -190,6 +190,7 @@ def engine_linear(setting: str, tiles_from: str | None = None):
     from runtime.kernels import fp8_matmul as fm
     from runtime.rollout import decode_model
     shipped, shipped_tiles, shipped_split = decode_model.fp8_linear, fm.tiles_for, fm.split_for
+    shipped_swiglu = decode_model.fp8_swiglu_linear
     best = {int(k): v for k, v in json.loads(Path(tiles_from).read_text()).items()} if tiles_from else {}
 
     def pick(rows):
@@ -206,6 +207,8 @@ def engine_linear(setting: str, tiles_from: str | None = None):
 
     if setting == SCALED_MM:
         decode_model.fp8_linear = scaled_mm_path
+        decode_model.fp8_swiglu_linear = lambda gu, ffn, w8, s: scaled_mm_path(
+            torch.nn.functional.silu(gu[..., :ffn]) * gu[..., ffn:], w8, s)
     if setting == SWEPT:
         if not best:
             raise ValueError(f"{SWEPT} needs --tiles-from (fp8_matmul.py --best-out)")
@@ -214,6 +217,7 @@ def engine_linear(setting: str, tiles_from: str | None = None):
         yield
     finally:
         decode_model.fp8_linear, fm.tiles_for, fm.split_for = shipped, shipped_tiles, shipped_split
+        decode_model.fp8_swiglu_linear = shipped_swiglu
 
 
 def run_shape(name: str, build, S, *, prompts: int, over_sampling: float, kv_gib: float, cuda: bool,

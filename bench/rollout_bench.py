@@ -301,6 +301,7 @@ def _place_rows(dec, rows: int, prompt_len: int, own_len: int, group: int) -> li
     from runtime.rollout.kv_pages import pages_for
     P = dec.page_size
     held = []
+    dec._ensure_rows(pages_for(prompt_len, P), pages_for(own_len + dec.sync_every, P))  # no rollout may have run yet
     dec.table.zero_()
     for buf in (dec.pos, dec.plen, dec.live, dec.spos):
         buf.zero_()

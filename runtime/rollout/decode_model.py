@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from runtime.devices import is_out_of_memory
 from runtime.rollout.base import routes_dtype
-from runtime.rollout.fp8_weights import (WEIGHTS_DTYPES, fp8_linear, fp8_shape_reason, quantize_activation_rows,
-                                         quantize_rows, quantize_rows_into, scaled_product)
+from runtime.rollout.fp8_weights import (WEIGHTS_DTYPES, fp8_linear, fp8_shape_reason, fp8_swiglu_linear,
+                                         quantize_activation_rows, quantize_rows, quantize_rows_into, scaled_product)
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_next, uniform_noise
 from runtime.rollout.speed_features import guarded
 from runtime.rollout.lora_forward import EngineAdapters, add_lora
@@ -129,9 +129,12 @@ def _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps: float, ff
     h = h + (a if pa_w is None else _rms(a, pa_w, eps))
     x = _rms(h, ln_w, eps)
     gu = add_lora(_linear(x, gu_w, gu_s), x, gu_a, gu_lb, lscale)
-    g, u = gu.split([ffn, ffn], dim=-1)
-    act = F.silu(g) * u
-    m = add_lora(_linear(act, down_w, dn_s), act, dn_a, dn_lb, lscale)
+    if dn_s is not None and dn_a is None:  # FP8 down: the activation made and quantised in one pass
+        m = fp8_swiglu_linear(gu, ffn, down_w, dn_s)
+    else:
+        g, u = gu.split([ffn, ffn], dim=-1)
+        act = F.silu(g) * u
+        m = add_lora(_linear(act, down_w, dn_s), act, dn_a, dn_lb, lscale)
     return h + (m if pm_w is None else _rms(m, pm_w, eps))
 
 

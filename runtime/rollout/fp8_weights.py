@@ -20,13 +20,13 @@ bench/README.md.)
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from runtime.kernels.fp8_matmul import swapped_scaled_mm
+from runtime.kernels.swiglu_quant import FP8_MAX, MIN_AMAX as _MIN_AMAX, swiglu_quant_rows
 from runtime.rollout.decode_attention import triton_available
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
-_MIN_AMAX = 1e-12  # an all-zero row: scale 1e-12/448, quantised zeros (no division by zero)
 WEIGHTS_DTYPES = ("bf16", "fp8")
 
 
@@ -78,6 +78,19 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
     return out.reshape(*lead, w8.shape[0])
 
 
+def fp8_swiglu_linear(gu: torch.Tensor, ffn: int, w8: torch.Tensor, w_scales: torch.Tensor) -> torch.Tensor:
+    """``fp8_linear(silu(g) * u, w8, w_scales)`` for ``gu`` [..., 2·ffn] (gate then up): the down projection of a
+    SwiGLU MLP. On a GPU with Triton the activation and its quantisation are one kernel
+    (runtime/kernels/swiglu_quant.py), into the FP8 product."""
+    if gu.is_cuda and triton_available():
+        lead = gu.shape[:-1]
+        hq, hs = swiglu_quant_rows(gu.reshape(-1, 2 * ffn).contiguous(), ffn)
+        return swapped_scaled_mm(hq, hs, w8.contiguous(), w_scales.reshape(-1), None,
+                                 gu.dtype).reshape(*lead, w8.shape[0])
+    g, u = gu.split([ffn, ffn], dim=-1)
+    return fp8_linear(F.silu(g) * u, w8, w_scales)
+
+
 def scaled_product(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
                    out_dtype: torch.dtype) -> torch.Tensor:
     """``xq`` [m, k] · ``w8`` [n, k]ᵀ with their rowwise scales (``xs`` [m, 1], ``w_scales`` [1, n]), in
@@ -96,5 +109,6 @@ def fp8_shape_reason(name: str, w: torch.Tensor) -> str | None:
     return None
 
 
-__all__ = ["FP8", "FP8_MAX", "WEIGHTS_DTYPES", "fp8_linear", "fp8_shape_reason", "quantize_activation_rows",
+__all__ = ["FP8", "FP8_MAX", "WEIGHTS_DTYPES", "fp8_linear", "fp8_shape_reason", "fp8_swiglu_linear",
+           "quantize_activation_rows",
            "quantize_rows", "quantize_rows_into", "scaled_product"]
