@@ -25,9 +25,8 @@ import torch.nn.functional as F
 
 from runtime.devices import is_out_of_memory
 from runtime.rollout.base import routes_dtype
-from runtime.rollout.fp8_weights import (WEIGHTS_DTYPES, fp8_kernels_on, fp8_linear, fp8_normed_linear,
-                                         fp8_shape_reason, fp8_swiglu_linear, quantize_activation_rows, quantize_rows,
-                                         quantize_rows_into, scaled_product)
+from runtime.rollout.fp8_weights import (WEIGHTS_DTYPES, fp8_linear, fp8_shape_reason, fp8_swiglu_linear,
+                                         quantize_activation_rows, quantize_rows, quantize_rows_into, scaled_product)
 from runtime.rollout.keyed_sampling import compiled_gumbel_noise, gumbel_noise, sample_next, uniform_noise
 from runtime.rollout.speed_features import guarded
 from runtime.rollout.lora_forward import EngineAdapters, add_lora
@@ -103,11 +102,8 @@ def _pre_attn(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, 
     per-group order ([the group's q heads, its k, its v] per key-value group; a base shared with the trainer),
     else HF's (all q, all k, all v). ``qkv_s``: the FP8 weight's scales (None: bf16). ``qkv_a``/``qkv_lb``: a LoRA
     adapter on the projection (runtime/rollout/lora_forward.py), in the activation dtype beside an FP8 base."""
-    if qkv_s is not None and qkv_a is None and fp8_kernels_on(h):  # FP8: the norm and its quantisation, one pass
-        qkv = fp8_normed_linear(h, qkv_w, qkv_s, qkv_b, norm_w=ln_w, eps=eps)[1]
-    else:
-        x = _rms(h, ln_w, eps)
-        qkv = add_lora(_linear(x, qkv_w, qkv_s, qkv_b), x, qkv_a, qkv_lb, lscale)
+    x = _rms(h, ln_w, eps)
+    qkv = add_lora(_linear(x, qkv_w, qkv_s, qkv_b), x, qkv_a, qkv_lb, lscale)
     if grouped:  # a reshape of the projection's output: q heads come out in HF's order (group-major)
         per = nh // nkv
         g = qkv.view(-1, nkv, per + 2, hd)
@@ -129,18 +125,11 @@ def _post_attn(h, attn, o_w, o_b, ln_w, gu_w, down_w, pa_w, pm_w, eps: float, ff
     """o-proj, residual, norm, SwiGLU MLP, residual; `pa_w` / `pm_w` (GLM4): norms of the attention's and
     the MLP's output before each residual add (None: none); `*_s`: the FP8 weights' scales of the o, gate/up and
     down projections (None: bf16); `*_a`/`*_lb`: their LoRA adapters (None: none)."""
-    kernels = fp8_kernels_on(h)  # FP8's own kernels (no LoRA there): each norm and quantisation in one pass
-    if kernels and o_s is not None and o_a is None:
-        a = fp8_normed_linear(attn, o_w, o_s, o_b, norm_w=None, eps=eps)[1]
-    else:
-        a = add_lora(_linear(attn, o_w, o_s, o_b), attn, o_a, o_lb, lscale)
-    if kernels and gu_s is not None and gu_a is None:
-        h, gu = fp8_normed_linear(a, gu_w, gu_s, None, norm_w=ln_w, eps=eps, residual=h, pre_norm_w=pa_w)
-    else:
-        h = h + (a if pa_w is None else _rms(a, pa_w, eps))
-        x = _rms(h, ln_w, eps)
-        gu = add_lora(_linear(x, gu_w, gu_s), x, gu_a, gu_lb, lscale)
-    if kernels and dn_s is not None and dn_a is None:
+    a = add_lora(_linear(attn, o_w, o_s, o_b), attn, o_a, o_lb, lscale)
+    h = h + (a if pa_w is None else _rms(a, pa_w, eps))
+    x = _rms(h, ln_w, eps)
+    gu = add_lora(_linear(x, gu_w, gu_s), x, gu_a, gu_lb, lscale)
+    if dn_s is not None and dn_a is None:  # FP8 down: the activation made and quantised in one pass
         m = fp8_swiglu_linear(gu, ffn, down_w, dn_s)
     else:
         g, u = gu.split([ffn, ffn], dim=-1)

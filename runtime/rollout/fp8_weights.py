@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from runtime.kernels.fp8_matmul import swapped_scaled_mm
-from runtime.kernels.norm_quant import norm_quant_rows
 from runtime.kernels.swiglu_quant import FP8_MAX, MIN_AMAX as _MIN_AMAX, swiglu_quant_rows
 from runtime.rollout.decode_attention import triton_available
 
@@ -62,54 +61,34 @@ def quantize_activation_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return (x2 / xs).clamp(-FP8_MAX, FP8_MAX).to(FP8), xs
 
 
-def fp8_kernels_on(x: torch.Tensor) -> bool:
-    """Whether the FP8 path's own kernels run for ``x``: on a GPU with Triton (elsewhere the PyTorch forms)."""
-    return x.is_cuda and triton_available()
-
-
-def fp8_product(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
-                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """[m, n]: ``xq`` [m, k] (e4m3 rows, ``xs`` their scales, [m] or [m, 1]) times ``w8`` [n, k] with its rowwise
-    scales, plus the bias in ``out_dtype`` (F.linear's epilogue). With `fp8_kernels_on` runtime/kernels/fp8_matmul.py's
-    kernel (the weight's rows on the tensor cores' long side: decode's few rows), else `scaled_product`."""
-    if fp8_kernels_on(xq):
-        return swapped_scaled_mm(xq, xs.reshape(-1), w8.contiguous(), w_scales.reshape(-1), bias, out_dtype)
-    out = scaled_product(xq, xs.reshape(-1, 1), w8, w_scales, out_dtype)
-    return out if bias is None else out + bias
-
-
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` with ``w`` given rowwise-quantised (`quantize_rows`); ``x`` is quantised per token
-    row on the way in. The output has ``x``'s dtype."""
+    row on the way in. The output has ``x``'s dtype. The bias is added after the product (in the output dtype,
+    as F.linear's epilogue does). On a GPU with Triton the product is runtime/kernels/fp8_matmul.py's (the weight's
+    rows on the tensor cores' long side: decode's few rows), else `scaled_product`."""
+    lead = x.shape[:-1]
     xq, xs = quantize_activation_rows(x)
-    return fp8_product(xq, xs, w8, w_scales, bias, x.dtype).reshape(*x.shape[:-1], w8.shape[0])
+    if x.is_cuda and triton_available():
+        return swapped_scaled_mm(xq, xs.reshape(-1), w8.contiguous(), w_scales.reshape(-1), bias,
+                                 x.dtype).reshape(*lead, w8.shape[0])
+    out = scaled_product(xq, xs, w8, w_scales, x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*lead, w8.shape[0])
 
 
 def fp8_swiglu_linear(gu: torch.Tensor, ffn: int, w8: torch.Tensor, w_scales: torch.Tensor) -> torch.Tensor:
     """``fp8_linear(silu(g) * u, w8, w_scales)`` for ``gu`` [..., 2·ffn] (gate then up): the down projection of a
-    SwiGLU MLP. With `fp8_kernels_on` the activation and its quantisation are one kernel
-    (runtime/kernels/swiglu_quant.py)."""
-    if not fp8_kernels_on(gu):
-        g, u = gu.split([ffn, ffn], dim=-1)
-        return fp8_linear(F.silu(g) * u, w8, w_scales)
-    hq, hs = swiglu_quant_rows(gu.reshape(-1, 2 * ffn).contiguous(), ffn)
-    return fp8_product(hq, hs, w8, w_scales, None, gu.dtype).reshape(*gu.shape[:-1], w8.shape[0])
-
-
-def fp8_normed_linear(x: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None, *,
-                      norm_w: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
-                      pre_norm_w: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """With `fp8_kernels_on` only: (the residual stream after the add, or None without ``residual``; the FP8
-    projection of its norm). The projection's input is ``x`` [T, width], normed by ``pre_norm_w`` (if given), added
-    to ``residual`` (if given), normed by ``norm_w`` (if given): decode_model's ``_rms`` and adds, in one kernel with
-    the input's quantisation (runtime/kernels/norm_quant.py)."""
-    width = x.shape[-1]
-    h, xq, xs = norm_quant_rows(x.reshape(-1, width).contiguous(),
-                                None if residual is None else residual.reshape(-1, width).contiguous(), pre_norm_w,
-                                norm_w, eps)
-    out = fp8_product(xq, xs, w8, w_scales, bias, x.dtype).reshape(*x.shape[:-1], w8.shape[0])
-    return (None if residual is None else h.reshape(residual.shape)), out
+    SwiGLU MLP. On a GPU with Triton the activation and its quantisation are one kernel
+    (runtime/kernels/swiglu_quant.py), into the FP8 product."""
+    if gu.is_cuda and triton_available():
+        lead = gu.shape[:-1]
+        hq, hs = swiglu_quant_rows(gu.reshape(-1, 2 * ffn).contiguous(), ffn)
+        return swapped_scaled_mm(hq, hs, w8.contiguous(), w_scales.reshape(-1), None,
+                                 gu.dtype).reshape(*lead, w8.shape[0])
+    g, u = gu.split([ffn, ffn], dim=-1)
+    return fp8_linear(F.silu(g) * u, w8, w_scales)
 
 
 def scaled_product(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
@@ -130,6 +109,6 @@ def fp8_shape_reason(name: str, w: torch.Tensor) -> str | None:
     return None
 
 
-__all__ = ["FP8", "FP8_MAX", "WEIGHTS_DTYPES", "fp8_kernels_on", "fp8_linear", "fp8_normed_linear", "fp8_product",
-           "fp8_shape_reason", "fp8_swiglu_linear", "quantize_activation_rows", "quantize_rows", "quantize_rows_into",
-           "scaled_product"]
+__all__ = ["FP8", "FP8_MAX", "WEIGHTS_DTYPES", "fp8_linear", "fp8_shape_reason", "fp8_swiglu_linear",
+           "quantize_activation_rows",
+           "quantize_rows", "quantize_rows_into", "scaled_product"]
