@@ -3,6 +3,7 @@
     python3 bench/fp8_rollout.py --out $OUT/fp8_rollout.json       # one H200 (or H100), <= 500 s (--deadline)
     python3 bench/fp8_rollout.py --cpu                             # smoke: tiny GLM4 and Qwen3 on CPU, fp32
     python3 bench/fp8_rollout.py --settings bf16,fp8,fp8-scaled-mm # + fp8 on the old _scaled_mm path, same call
+    python3 bench/fp8_rollout.py --steps-only --profile            # the step points and their kernels alone (~1 min a shape)
 
 Needs torch, transformers and this repo only (no carry). For each shape, bf16 then fp8, on one paged decoder each
 (`runtime.rollout.paged_decode.PagedDecoder`, CUDA graphs, compiled, as the engine runs it) over the same random
@@ -13,7 +14,8 @@ HF model (random init; built on the GPU directly, no checkpoint on disk):
   qwen06  Qwen3-0.6B's shape (rollout_bench's), the recipe's keyed lengths; by default 16 x 8 of them (the recipe's
           32 x 8 x 1.5 = 384 requests: --qwen-prompts 48 --qwen-over-sampling 1.0) to fit the deadline
 Per setting: tokens/s of the keyed rollout, ms per decode step (overall and by active rows: the full batch and
-the tail), the step at 128 rows / 2k context and at 8 rows / 5k context (graph replay), one layer's four projections
+the tail), the step at 128 rows / 2k context, 32 rows / 3k and 8 rows / 5k (graph replay; --profile: each one's
+kernels over 8 eager steps too), one layer's four projections
 alone (bf16, fp8 with its input's quantisation, _scaled_mm alone; at 8 and 128 rows), the quantisation at a
 weight sync (every linear weight re-quantised from the bf16 source in place, median of 3), weight bytes, and the
 engine-vs-trainer log-prob gap (mean, p99, max over the sampled tokens of 16 samples of 256 tokens, 2 prompts x 8,

@@ -13,7 +13,9 @@ q, k and v (or gate and up) one by one into row ranges of the fused buffer gives
 would: a weight sync quantises each tensor as it arrives, in place in static buffers (captured CUDA graphs stay
 valid), and the same trainer weights give the same bits (a resumed run's engine runs what the uninterrupted one ran).
 A mixture's experts run one grouped FP8 GEMM (``torch._scaled_grouped_mm``) on the same per-row quantised input.
-(On an H200 at GLM-Z1-9B's shape the rollout ran 1.21x bf16 with that kernel, 1.005x on ``_scaled_mm``; a Triton
+A SwiGLU's down projection takes its input from runtime/kernels/swiglu_quant.py on a GPU: the activation and its
+row quantisation in one pass (`fp8_swiglu_linear`).
+(On an H200 at GLM-Z1-9B's shape the rollout ran 1.25x bf16 with those kernels, 1.005x on ``_scaled_mm``; a Triton
 kernel that widened the e4m3 weight in registers and left the input unquantised ran 0.37-0.52x and was retired:
 bench/README.md.)
 """
