@@ -102,48 +102,6 @@ def candidates(rows: int, splits: bool = False):
             yield (bn, bm, bk, warps, stages), split
 
 
-def stream_candidates(rows: int):
-    """Tiles (BLOCK_N, BLOCK_M, BLOCK_K, warps, stages) for the stream kernel at `rows` tokens."""
-    bm = fm.tiles_for(rows)[1]
-    if bm <= 32:
-        return [(64, bm, 256, 4, 4), (64, bm, 256, 4, 3), (64, bm, 128, 4, 6), (32, bm, 256, 4, 4),
-                (128, bm, 256, 4, 3), (128, bm, 128, 4, 4)]
-    if bm == 64:
-        return [(64, 64, 128, 4, 5), (64, 64, 256, 4, 3), (128, 64, 128, 4, 4), (32, 64, 256, 4, 4)]
-    return [(128, 128, 128, 4, 5), (128, 128, 128, 8, 4), (64, 128, 128, 4, 4), (128, 128, 64, 4, 6)]
-
-
-def stream_sweep(m: int, shapes, flat, ws, sms: int, deadline: float) -> dict:
-    """Each projection alone through `fm.stream_launch` for each candidate tile and 1-4 programs per SM, checked
-    against the shipped kernel's output (within 1e-2 of its largest) and for the same bits twice."""
-    timed, errors = [], []
-    ref = [fm.swapped_scaled_mm(xq, s, w8, w_s.reshape(-1), None, torch.float32) for (xq, s), (w8, w_s) in zip(flat, ws)]
-    for tiles, per_sm in itertools.product(stream_candidates(m), (1, 2, 3, 4)):
-        if time.monotonic() > deadline:
-            errors.append("deadline")
-            break
-        for j, ((xq, s), (w8, w_s)) in enumerate(zip(flat, ws)):
-            n, k = w8.shape
-            programs = fm.stream_programs(m, n, k, *tiles[:3], sms * per_sm)
-            o = torch.empty(m, n, device="cuda", dtype=torch.float32)
-            try:
-                fm.stream_launch(xq, s, w8, w_s.reshape(-1), None, o, tiles, programs)
-                again = torch.empty_like(o)
-                fm.stream_launch(xq, s, w8, w_s.reshape(-1), None, again, tiles, programs)
-                err = ((o - ref[j]).abs().max() / ref[j].abs().max()).item()
-                ms = graph_ms(lambda: fm.stream_launch(xq, s, w8, w_s.reshape(-1), None, o, tiles, programs))
-                timed.append({"proj": j, "tiles": list(tiles), "per_sm": per_sm, "programs": programs, "ms": ms,
-                              "rel_err": err, "same_bits": bool(torch.equal(o, again))})
-            except Exception as e:  # noqa: BLE001 - a tile that does not compile is a row
-                errors.append(f"{tiles} x{per_sm} proj {j}: {e!r}"[:200])
-    best = [min((t for t in timed if t["proj"] == j), key=lambda t: t["ms"], default=None) for j in range(len(shapes))]
-    best = [b for b in best if b is not None]
-    return {"timed": timed, "errors": errors, "best_each": best,
-            "best_each_sum_ms": round(sum(b["ms"] for b in best), 4),
-            "max_rel_err": max((t["rel_err"] for t in timed), default=None),
-            "all_same_bits": all(t["same_bits"] for t in timed)}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", "/tmp")) / "fp8_matmul.json"))
@@ -152,8 +110,6 @@ def main() -> int:
     ap.add_argument("--models", default="glm9b,qwen06")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--sweep-splits", action="store_true", help="sweep larger splits of K instead of tiles")
-    ap.add_argument("--stream-sweep", action="store_true",
-                    help="instead of the tile sweep: the stream kernel's tiles and programs per SM, each projection alone")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     ap.add_argument("--best-out", default=None, help="also write the sweep's best (tiles, split) per row count here "
                                                      "(fp8_rollout.py --tiles-from runs the engine with them)")
@@ -206,13 +162,7 @@ def main() -> int:
             row["compiled_bf16_ms"] = graph_ms(lambda: lin_bf16(xs, wb))
             row["compiled_fp8_linear_ms"] = graph_ms(lambda: lin_fp8(xs, ws))
             row["compiled_scaled_mm_path_ms"] = graph_ms(lambda: lin_sm(xs, ws))
-            if a.stream_sweep:
-                row["stream"] = stream_sweep(m, shapes, flat, ws, sms, time.monotonic() + a.deadline / len(
-                    a.rows.split(",")) / len(a.models.split(",")))
-                print(f"{model:<7} rows {m:>4}: stream best each " + "  ".join(
-                    f"{b['ms']:.4f} {b['tiles']} x{b['per_sm']}" for b in row["stream"]["best_each"])
-                      + f"  sum {row['stream']['best_each_sum_ms']:.4f}", flush=True)
-            elif not a.no_sweep and model == "glm9b":
+            if not a.no_sweep and model == "glm9b":
                 row["sweep"] = []
                 row_end = time.monotonic() + a.deadline / len(a.rows.split(","))
                 for tiles, split in candidates(m, a.sweep_splits):

@@ -81,69 +81,6 @@ if triton_available():
         tl.store(OUT + m * stride_o + n, out, mask=inside)
 
 
-    @triton.jit
-    def _epilogue(acc, XS, WS, BIAS, OUT, rn, rm, n_in, m_in, stride_o, HAS_BIAS: tl.constexpr):
-        ws = tl.load(WS + rn, mask=n_in, other=0.0)
-        xs = tl.load(XS + rm, mask=m_in, other=0.0)
-        out = (acc * ws[:, None] * xs[None, :]).to(OUT.dtype.element_ty)
-        if HAS_BIAS:  # F.linear's epilogue in the output dtype: the product rounded, then the bias added
-            b = tl.load(BIAS + rn, mask=n_in, other=0.0)
-            out = (out.to(tl.float32) + b.to(tl.float32)[:, None]).to(OUT.dtype.element_ty)
-        tl.store(OUT + rm[None, :].to(tl.int64) * stride_o + rn[:, None], out, mask=n_in[:, None] & m_in[None, :])
-
-    @triton.jit
-    def _program_of(u, Q, R):
-        # the program whose share holds unit u: the first R programs take Q + 1 units, the others Q
-        big = R * (Q + 1)
-        return tl.where(u < big, u // (Q + 1), R + (u - big) // Q)
-
-    @triton.jit
-    def _stream_kernel(XQ, XS, W, WS, BIAS, OUT, PART, ARRIVALS, M, N, K, KB, TILES_M, Q, R, stride_o,
-                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        # units: (output tile, BLOCK_K block of the inner dimension), tile-major; program c takes the contiguous
-        # units [start, end). A tile it holds whole it finishes itself; a piece of a tile it writes to its slot in
-        # PART (slot 2c: a piece starting inside the tile, the program's first; 2c + 1: one starting the tile, its
-        # last), and the tile's last piece to arrive adds them all in unit order (bits independent of timing)
-        c = tl.program_id(0)
-        start = c * Q + tl.minimum(c, R)
-        end = start + Q + (c < R).to(tl.int32)
-        local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        u = start
-        while u < end:
-            tile = u // KB
-            kb0 = u - tile * KB
-            kb1 = tl.minimum(KB, kb0 + end - u)
-            rn = (tile // TILES_M) * BLOCK_N + tl.arange(0, BLOCK_N)
-            rm = (tile % TILES_M) * BLOCK_M + tl.arange(0, BLOCK_M)
-            n_in, m_in = rn < N, rm < M
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for kb in range(kb0, kb1):
-                rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-                k_in = rk < K
-                w = tl.load(W + rn[:, None].to(tl.int64) * K + rk[None, :], mask=n_in[:, None] & k_in[None, :],
-                            other=0.0)
-                x = tl.load(XQ + rm[:, None].to(tl.int64) * K + rk[None, :], mask=m_in[:, None] & k_in[None, :],
-                            other=0.0)
-                acc = tl.dot(w, tl.trans(x), acc)
-            if kb0 == 0 and kb1 == KB:
-                _epilogue(acc, XS, WS, BIAS, OUT, rn, rm, n_in, m_in, stride_o, HAS_BIAS)
-            else:
-                slot = 2 * c + (kb0 == 0).to(tl.int32)
-                tl.store(PART + slot * (BLOCK_N * BLOCK_M) + local, acc)  # < 2^31: 2 x programs x tile
-                tl.debug_barrier()  # the whole piece is written before its arrival is counted
-                arrived = tl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel", scope="gpu")
-                first = _program_of(tile * KB, Q, R)
-                last = _program_of(tile * KB + KB - 1, Q, R)
-                if arrived == last - first:
-                    total = tl.load(PART + (2 * first + 1) * (BLOCK_N * BLOCK_M) + local,
-                                    cache_modifier=".cg")
-                    for p in range(first + 1, last + 1):
-                        total += tl.load(PART + (2 * p) * (BLOCK_N * BLOCK_M) + local,
-                                         cache_modifier=".cg")
-                    _epilogue(total, XS, WS, BIAS, OUT, rn, rm, n_in, m_in, stride_o, HAS_BIAS)
-                    tl.atomic_xchg(ARRIVALS + tile, 0, sem="relaxed", scope="gpu")  # zero again for the next call
-            u += kb1 - kb0
-
 MAX_SPLIT = 16
 MIN_K_PER_SPLIT = 512
 
@@ -195,49 +132,6 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tenso
                                                     out.stride(0), HAS_BIAS=bias is not None, SPLIT=split,
                                                     BLOCK=block)
 
-
-
-ARRIVAL_COUNTERS = 1 << 16  # output tiles a stream call may have
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """A device's int32 arrival counters, one per output tile, all zero between calls (each split tile's last piece
-    zeroes its own). Made once and kept (a captured CUDA graph holds their address), outside a capture (the first
-    call on a device is a warm-up's), and shared by the device's calls, which a stream runs one at a time."""
-    have = _ARRIVALS.get(device)
-    if have is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fp8_matmul: the first call on a device was inside a CUDA graph capture; "
-                               "run the call once before capturing it")
-        have = _ARRIVALS[device] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-    return have
-
-
-def stream_programs(rows: int, out: int, inner: int, block_n: int, block_m: int, block_k: int, slots: int) -> int:
-    """Programs of a stream call: every output tile's inner blocks dealt out evenly to `slots` programs (the SMs
-    times the programs one SM holds), or one program per tile when the tiles alone make many waves."""
-    tiles = -(-out // block_n) * -(-rows // block_m)
-    if tiles >= 4 * slots:
-        return tiles
-    return min(tiles * -(-inner // block_k), slots)
-
-
-def stream_launch(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor, tiles: tuple[int, int, int, int, int], programs: int) -> None:
-    """`launch`'s product, the work dealt out as even shares of (tile, inner block) units to `programs` programs."""
-    m, k = xq.shape
-    n = w8.shape[0]
-    bn, bm, bk, warps, stages = tiles
-    kb = -(-k // bk)
-    tiles_m = -(-m // bm)
-    units = -(-n // bn) * tiles_m * kb
-    programs = max(1, min(programs, units))
-    q, r = divmod(units, programs)
-    part = torch.empty(2 * programs, bn * bm, dtype=torch.float32, device=xq.device)
-    _stream_kernel[(programs,)](xq, xs, w8, ws, bias if bias is not None else ws, out, part, _arrivals(xq.device),
-                                m, n, k, kb, tiles_m, q, r, out.stride(0), HAS_BIAS=bias is not None,
-                                BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 
 @torch.library.custom_op("grpoflow::fp8_swapped_mm", mutates_args=())
 def swapped_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor,
