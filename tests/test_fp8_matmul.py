@@ -40,18 +40,6 @@ def _check_interpreted() -> None:
             ref = (ref.float() + bias.float()).to(dtype)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         assert (out.float() - ref.float()).abs().max() <= tol * ref.float().abs().max(), (m, n, k, split)
-    # a split weight's parts, added in split order with the scales as fp8_weights does, give the second kernel's bits
-    for m, n, k, split in ((8, 96, 1024, 2), (130, 64, 1000, 3)):
-        x, w = torch.randn(m, k), torch.randn(n, k)
-        w8, ws = quantize_rows(w)
-        xq, xs = quantize_activation_rows(x)
-        parts = fm.swapped_parts(xq, w8, split)
-        summed = parts[0]
-        for p in parts[1:]:
-            summed = summed + p
-        out = torch.empty(m, n)
-        fm.launch(xq, xs.reshape(-1), w8, ws.reshape(-1), None, out, fm.parts_tiles(m), split)
-        assert torch.equal(summed * ws * xs, out), (m, n, k, split)
     # the op as fp8_linear calls it: its own tiles and split, and no rows
     x, w = torch.randn(24, 256), torch.randn(80, 256)
     w8, ws = quantize_rows(w)
@@ -103,31 +91,3 @@ def test_on_a_gpu_the_swapped_kernel_matches_scaled_mm_and_repeats_its_bits_in_a
                 captured = swapped_scaled_mm(xq, xs.reshape(-1), w8, ws.reshape(-1), None, torch.bfloat16)
             graph.replay()
             assert torch.equal(captured, got), (n, k, m)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="sm90's FP8 tensor cores: a GPU")
-def test_on_a_gpu_fp8_linear_adds_a_split_weights_parts_to_the_kernels_bits_eager_and_compiled():
-    import torch
-
-    from runtime.kernels import fp8_matmul as fm
-    from runtime.rollout.fp8_weights import fp8_linear, quantize_activation_rows, quantize_rows
-    g = torch.Generator(device="cuda").manual_seed(1)
-    compiled = torch.compile(fp8_linear, dynamic=True)
-    sms = fm.device_sms(0)
-    for n, k in ((4608, 4096), (4096, 13696)):  # GLM-Z1-9B's qkv (with a bias) and down: split in parts
-        assert fm.parts_split(n, k, sms) > 1
-        w8, ws = quantize_rows(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02)
-        bias = torch.randn(n, device="cuda", generator=g, dtype=torch.bfloat16) if n == 4608 else None
-        for m in (8, 24, 64, 128):
-            x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
-            eager = fp8_linear(x, w8, ws, bias)
-            assert torch.equal(compiled(x, w8, ws, bias), eager), (n, k, m)
-            xq, xs = quantize_activation_rows(x)
-            if fm.parts_tiles(m) == fm.tiles_for(m) and fm.split_for(m, n, k, *fm.tiles_for(m)[:3], sms) == \
-                    fm.parts_split(n, k, sms):  # the same tiles and split: the second kernel's bits
-                assert torch.equal(eager, fm.swapped_scaled_mm(xq, xs.reshape(-1), w8, ws.reshape(-1), bias,
-                                                               torch.bfloat16)), (n, k, m)
-            ref = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.float32)
-            ref = ref + (bias.float() if bias is not None else 0)
-            assert (eager.float() - ref).abs().max() <= 1e-2 * ref.abs().max(), (n, k, m)

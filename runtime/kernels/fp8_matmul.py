@@ -113,73 +113,24 @@ def _sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _product(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
-             out: torch.Tensor, part: torch.Tensor, tiles: tuple[int, int, int, int, int], split: int) -> None:
-    # the product's kernel alone: into out (split 1: scaled, the bias added) or into part [split, m, n] (unscaled)
+def launch(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
+           out: torch.Tensor, tiles: tuple[int, int, int, int, int], split: int) -> None:
+    """``out`` [m, n] = (xq [m, k] · w8 [n, k]ᵀ) · xs [m] · ws [n] (+ bias), with the given tiles and split."""
     m, k = xq.shape
     n = w8.shape[0]
     bn, bm, bk, warps, stages = tiles
     k_per_split = -(-(-(-k // bk)) // split) * bk  # whole blocks per split
+    part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     grid = (-(-m // bm), -(-n // bn), split)  # the token tiles of a weight tile launch together: one read of it
     _swapped_kernel[grid](xq, xs, w8, ws, bias if bias is not None else ws, out, part, m, n, k, k_per_split,
                           out.stride(0), HAS_BIAS=bias is not None and split == 1, SPLIT=split,
                           EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk,
                           num_warps=warps, num_stages=stages)
-
-
-def launch(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
-           out: torch.Tensor, tiles: tuple[int, int, int, int, int], split: int) -> None:
-    """``out`` [m, n] = (xq [m, k] · w8 [n, k]ᵀ) · xs [m] · ws [n] (+ bias), with the given tiles and split."""
-    m = xq.shape[0]
-    n = w8.shape[0]
-    part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
-    _product(xq, xs, w8, ws, bias, out, part, tiles, split)
     if split > 1:
         block = 1024
         _split_sum_kernel[(-(-(m * n) // block),)](part, xs, ws, bias if bias is not None else ws, out, m, n,
                                                     out.stride(0), HAS_BIAS=bias is not None, SPLIT=split,
                                                     BLOCK=block)
-
-
-@torch.compiler.assume_constant_result
-def device_sms(index: int) -> int:
-    """The SM count of CUDA device ``index``, a constant to torch.compile."""
-    return _sms(index)
-
-
-def parts_split(out: int, inner: int, sms: int) -> int:
-    """How many parts `swapped_parts` cuts a weight's inner dimension into, at every row count: `split_for`'s at a
-    decode step's 16 rows. A function of the weight's shape and the device only, so a compiled caller knows how many
-    parts it adds (and adds them inside the kernel that reads the product: no launch of their own)."""
-    return split_for(16, out, inner, *tiles_for(16)[:3], sms)
-
-
-def parts_tiles(rows: int) -> tuple[int, int, int, int, int]:
-    """`tiles_for`, with weight tiles of at most 64 rows: from 128 rows on a split weight's 128-row tiles would fill
-    half the SMs at the 16-row split."""
-    bn, bm, bk, warps, stages = tiles_for(rows)
-    return (64, bm, bk, warps, stages - 1) if bn > 64 else (bn, bm, bk, warps, stages)
-
-
-@torch.library.custom_op("grpoflow::fp8_swapped_parts", mutates_args=())
-def swapped_parts(xq: torch.Tensor, w8: torch.Tensor, split: int) -> torch.Tensor:
-    """[split, m, n] fp32: ``xq`` [m, k] e4m3 · ``w8`` [n, k]ᵀ e4m3 over `split` consecutive ranges of whole
-    ``BLOCK_K`` blocks of k, unscaled. Their sum in split order, times both scales, rounded to the output dtype (then
-    any bias added) is `swapped_scaled_mm`'s bits for the same tiles and split: runtime/rollout/fp8_weights.py adds
-    them in torch ops, which Inductor fuses into whatever reads the product."""
-    if split < 2:
-        raise ValueError(f"swapped_parts: split {split}; one part is swapped_scaled_mm's product")
-    m, k = xq.shape
-    n = w8.shape[0]
-    part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
-    if m:
-        _product(xq, part, w8, part, None, part, part, parts_tiles(m), split)
-    return part
-
-
-@swapped_parts.register_fake
-def _(xq, w8, split):
-    return xq.new_empty(split, xq.shape[0], w8.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("grpoflow::fp8_swapped_mm", mutates_args=())
@@ -204,5 +155,4 @@ def _(xq, xs, w8, ws, bias, out_dtype):
     return xq.new_empty(xq.shape[0], w8.shape[0], dtype=out_dtype)
 
 
-__all__ = ["device_sms", "launch", "parts_split", "parts_tiles", "split_for", "swapped_parts", "swapped_scaled_mm",
-           "tiles_for"]
+__all__ = ["launch", "split_for", "swapped_scaled_mm", "tiles_for"]

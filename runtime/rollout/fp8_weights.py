@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels.fp8_matmul import device_sms, parts_split, swapped_parts, swapped_scaled_mm
+from runtime.kernels.fp8_matmul import swapped_scaled_mm
 from runtime.kernels.swiglu_quant import FP8_MAX, MIN_AMAX as _MIN_AMAX, swiglu_quant_rows
 from runtime.rollout.decode_attention import triton_available
 
@@ -72,7 +72,8 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
     lead = x.shape[:-1]
     xq, xs = quantize_activation_rows(x)
     if x.is_cuda and triton_available():
-        return _swapped_product(xq, xs, w8, w_scales, bias, x.dtype).reshape(*lead, w8.shape[0])
+        return swapped_scaled_mm(xq, xs.reshape(-1), w8.contiguous(), w_scales.reshape(-1), bias,
+                                 x.dtype).reshape(*lead, w8.shape[0])
     out = scaled_product(xq, xs, w8, w_scales, x.dtype)
     if bias is not None:
         out = out + bias
@@ -86,27 +87,10 @@ def fp8_swiglu_linear(gu: torch.Tensor, ffn: int, w8: torch.Tensor, w_scales: to
     if gu.is_cuda and triton_available():
         lead = gu.shape[:-1]
         hq, hs = swiglu_quant_rows(gu.reshape(-1, 2 * ffn).contiguous(), ffn)
-        return _swapped_product(hq, hs[:, None], w8, w_scales, None, gu.dtype).reshape(*lead, w8.shape[0])
+        return swapped_scaled_mm(hq, hs, w8.contiguous(), w_scales.reshape(-1), None,
+                                 gu.dtype).reshape(*lead, w8.shape[0])
     g, u = gu.split([ffn, ffn], dim=-1)
     return fp8_linear(F.silu(g) * u, w8, w_scales)
-
-
-def _swapped_product(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
-                     bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """``xq`` [m, k] · ``w8`` [n, k]ᵀ with their scales (``xs`` [m, 1], ``w_scales`` [1, n]) in ``dtype`` on a GPU:
-    runtime/kernels/fp8_matmul.py's product. A weight whose inner dimension it splits comes back in parts, added
-    here in split order with the scales and bias applied as its second kernel would (the same bits): compiled, the
-    sum is part of the kernel that reads the product instead of a launch of its own."""
-    n, k = w8.shape
-    split = parts_split(n, k, device_sms(xq.device.index or 0))
-    if split == 1:
-        return swapped_scaled_mm(xq, xs.reshape(-1), w8.contiguous(), w_scales.reshape(-1), bias, dtype)
-    parts = swapped_parts(xq, w8.contiguous(), split)
-    acc = parts[0]
-    for s in range(1, split):
-        acc = acc + parts[s]
-    out = (acc * w_scales * xs).to(dtype)
-    return out if bias is None else out + bias
 
 
 def scaled_product(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
