@@ -102,50 +102,6 @@ def candidates(rows: int, splits: bool = False):
             yield (bn, bm, bk, warps, stages), split
 
 
-def tma_candidates(rows: int):
-    """Tiles (BLOCK_N, BLOCK_M, BLOCK_K, warps, stages) for the TMA kernel at `rows` tokens (a box is <= 256 wide)."""
-    bm = fm.tiles_for(rows)[1]
-    if bm <= 32:
-        return [(64, bm, 256, 4, st) for st in (3, 4, 5, 6, 8)] + [(128, bm, 256, 4, 3), (128, bm, 256, 4, 4),
-                                                                   (32, bm, 256, 4, 4), (32, bm, 256, 4, 8)]
-    if bm == 64:
-        return [(64, 64, 128, 4, 5), (64, 64, 256, 4, 3), (64, 64, 256, 4, 4), (128, 64, 128, 4, 4),
-                (128, 64, 256, 4, 3)]
-    return [(128, 128, 128, 4, 4), (128, 128, 128, 4, 5), (128, 128, 128, 8, 4), (64, 128, 128, 4, 4),
-            (64, 128, 128, 4, 6), (64, 128, 256, 4, 3)]
-
-
-def tma_sweep(m: int, flat, ws, sms: int, deadline: float) -> dict:
-    """Each projection alone through `fm.tma_launch` for each candidate tile with the rule's split and twice it,
-    checked against the shipped kernel (within 1e-2 of its largest output) and for the same bits twice."""
-    timed, errors = [], []
-    ref = [fm.swapped_scaled_mm(xq, s, w8, w_s.reshape(-1), None, torch.float32) for (xq, s), (w8, w_s) in zip(flat, ws)]
-    for tiles, spec in itertools.product(tma_candidates(m), ("rule", "x2")):
-        if time.monotonic() > deadline:
-            errors.append("deadline")
-            break
-        for j, ((xq, s), (w8, w_s)) in enumerate(zip(flat, ws)):
-            n, k = w8.shape
-            split = split_of(spec, m, n, k, tiles, sms)
-            o = torch.empty(m, n, device="cuda", dtype=torch.float32)
-            try:
-                fm.tma_launch(xq, s, w8, w_s.reshape(-1), None, o, tiles, split)
-                again = torch.empty_like(o)
-                fm.tma_launch(xq, s, w8, w_s.reshape(-1), None, again, tiles, split)
-                err = ((o - ref[j]).abs().max() / ref[j].abs().max()).item()
-                ms = graph_ms(lambda: fm.tma_launch(xq, s, w8, w_s.reshape(-1), None, o, tiles, split))
-                timed.append({"proj": j, "tiles": list(tiles), "split": split, "ms": ms, "rel_err": err,
-                              "same_bits": bool(torch.equal(o, again))})
-            except Exception as e:  # noqa: BLE001 - a tile that does not compile is a row
-                errors.append(f"{tiles} s{split} proj {j}: {e!r}"[:200])
-    best = [min((t for t in timed if t["proj"] == j), key=lambda t: t["ms"], default=None) for j in range(len(flat))]
-    best = [b for b in best if b is not None]
-    return {"timed": timed, "errors": errors, "best_each": best,
-            "best_each_sum_ms": round(sum(b["ms"] for b in best), 4),
-            "max_rel_err": max((t["rel_err"] for t in timed), default=None),
-            "all_same_bits": all(t["same_bits"] for t in timed)}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", "/tmp")) / "fp8_matmul.json"))
@@ -154,8 +110,6 @@ def main() -> int:
     ap.add_argument("--models", default="glm9b,qwen06")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--sweep-splits", action="store_true", help="sweep larger splits of K instead of tiles")
-    ap.add_argument("--tma-sweep", action="store_true",
-                    help="instead of the tile sweep: the TMA kernel's tiles, stages and splits, each projection alone")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     ap.add_argument("--best-out", default=None, help="also write the sweep's best (tiles, split) per row count here "
                                                      "(fp8_rollout.py --tiles-from runs the engine with them)")
@@ -208,14 +162,7 @@ def main() -> int:
             row["compiled_bf16_ms"] = graph_ms(lambda: lin_bf16(xs, wb))
             row["compiled_fp8_linear_ms"] = graph_ms(lambda: lin_fp8(xs, ws))
             row["compiled_scaled_mm_path_ms"] = graph_ms(lambda: lin_sm(xs, ws))
-            if a.tma_sweep:
-                row["tma"] = tma_sweep(m, flat, ws, sms, time.monotonic() + a.deadline / len(
-                    a.rows.split(",")) / len(a.models.split(",")))
-                print(f"{model:<7} rows {m:>4}: tma best each " + "  ".join(
-                    f"{b['ms']:.4f} {b['tiles']} s{b['split']}" for b in row["tma"]["best_each"])
-                      + f"  sum {row['tma']['best_each_sum_ms']:.4f} (shipped each {sum(row['swapped_each_ms']):.4f})",
-                      flush=True)
-            elif not a.no_sweep and model == "glm9b":
+            if not a.no_sweep and model == "glm9b":
                 row["sweep"] = []
                 row_end = time.monotonic() + a.deadline / len(a.rows.split(","))
                 for tiles, split in candidates(m, a.sweep_splits):

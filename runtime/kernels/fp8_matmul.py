@@ -81,34 +81,6 @@ if triton_available():
         tl.store(OUT + m * stride_o + n, out, mask=inside)
 
 
-    @triton.jit
-    def _tma_kernel(x_desc, w_desc, XS, WS, BIAS, OUT, PART, M, N, K, K_PER_SPLIT, stride_o,
-                    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        # _swapped_kernel with both operands brought in by the Tensor Memory Accelerator (zero past their edges)
-        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        n_in, m_in = rn < N, rm < M
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        k_lo = pid_k * K_PER_SPLIT
-        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            w = w_desc.load([pid_n * BLOCK_N, k0])
-            x = x_desc.load([pid_m * BLOCK_M, k0])
-            acc = tl.dot(w, tl.trans(x), acc)
-        if SPLIT == 1:
-            ws = tl.load(WS + rn, mask=n_in, other=0.0)
-            xs = tl.load(XS + rm, mask=m_in, other=0.0)
-            out = (acc * ws[:, None] * xs[None, :]).to(OUT.dtype.element_ty)
-            if HAS_BIAS:
-                b = tl.load(BIAS + rn, mask=n_in, other=0.0)
-                out = (out.to(tl.float32) + b.to(tl.float32)[:, None]).to(OUT.dtype.element_ty)
-            tl.store(OUT + rm[None, :].to(tl.int64) * stride_o + rn[:, None], out, mask=n_in[:, None] & m_in[None, :])
-        else:
-            tl.store(PART + (pid_k * M + rm[None, :]).to(tl.int64) * N + rn[:, None], acc,
-                     mask=n_in[:, None] & m_in[None, :])
-
 MAX_SPLIT = 16
 MIN_K_PER_SPLIT = 512
 
@@ -160,27 +132,6 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tenso
                                                     out.stride(0), HAS_BIAS=bias is not None, SPLIT=split,
                                                     BLOCK=block)
 
-
-def tma_launch(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
-               out: torch.Tensor, tiles: tuple[int, int, int, int, int], split: int) -> None:
-    """`launch` with the TMA kernel."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    m, k = xq.shape
-    n = w8.shape[0]
-    bn, bm, bk, warps, stages = tiles
-    k_per_split = -(-(-(-k // bk)) // split) * bk
-    part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
-    x_desc = TensorDescriptor.from_tensor(xq, [bm, bk])
-    w_desc = TensorDescriptor.from_tensor(w8, [bn, bk])
-    grid = (-(-m // bm), -(-n // bn), split)
-    _tma_kernel[grid](x_desc, w_desc, xs, ws, bias if bias is not None else ws, out, part, m, n, k, k_per_split,
-                      out.stride(0), HAS_BIAS=bias is not None and split == 1, SPLIT=split, BLOCK_N=bn, BLOCK_M=bm,
-                      BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    if split > 1:
-        block = 1024
-        _split_sum_kernel[(-(-(m * n) // block),)](part, xs, ws, bias if bias is not None else ws, out, m, n,
-                                                    out.stride(0), HAS_BIAS=bias is not None, SPLIT=split,
-                                                    BLOCK=block)
 
 @torch.library.custom_op("grpoflow::fp8_swapped_mm", mutates_args=())
 def swapped_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor,
