@@ -137,7 +137,17 @@ def save_hf(model, work: Path) -> Path:
     return work / "hf"
 
 
-def shards_section(model_dir: Path, n: int, reqs, new_tokens: int, cuda: bool, kv_gib: float) -> dict:
+def engine_dumping_stacks(dump_stacks_every: float, **kwargs):
+    """A shard's engine (the replica's member process builds it) that prints the process's Python stacks every
+    ``dump_stacks_every`` seconds (0: never): where each shard is when a call hangs."""
+    from runtime.rollout.builtin import BuiltinEngine
+    if dump_stacks_every > 0:
+        faulthandler.dump_traceback_later(dump_stacks_every, repeat=True)
+    return BuiltinEngine(**kwargs)
+
+
+def shards_section(model_dir: Path, n: int, reqs, new_tokens: int, cuda: bool, kv_gib: float,
+                   dump_stacks_every: float = 0.0) -> dict:
     """The fixed shape on one whole engine and on a replica of ``n`` expert shards (module doc)."""
     from runtime.placement.handles import EngineHandle
     from runtime.placement.ports import free_port
@@ -180,9 +190,9 @@ def shards_section(model_dir: Path, n: int, reqs, new_tokens: int, cuda: bool, k
     if cuda:
         torch.cuda.empty_cache()
     port = free_port()
-    group = SubprocessGroup("runtime.rollout.builtin:BuiltinEngine", [
-        dict(common, device=f"cuda:{i}" if cuda else "cpu", expert_shard=ShardSpec(i, n, "127.0.0.1", port, "bench"))
-        for i in range(n)])
+    group = SubprocessGroup("moe_engine:engine_dumping_stacks", [
+        dict(common, device=f"cuda:{i}" if cuda else "cpu", expert_shard=ShardSpec(i, n, "127.0.0.1", port, "bench"),
+             dump_stacks_every=dump_stacks_every) for i in range(n)])
     try:
         replica = EngineHandle(group, expert_shards=n)
         say(f"the replica of {n} shards loaded")
@@ -209,7 +219,8 @@ def main() -> int:
     ap.add_argument("--shards", type=int, default=0, help="rollout.expert_shards: a replica of N engines (N GPUs)")
     ap.add_argument("--work", default="/tmp/moe-engine", help="--shards: where the model is saved")
     ap.add_argument("--dump-stacks-every", type=float, default=0.0, metavar="S",
-                    help="print this process's Python stacks every S seconds (where a call cut by its deadline was)")
+                    help="print this process's Python stacks, and each shard's, every S seconds (where a call cut "
+                         "by its deadline was)")
     args = ap.parse_args()
     if args.dump_stacks_every > 0:
         faulthandler.dump_traceback_later(args.dump_stacks_every, repeat=True)
@@ -241,7 +252,7 @@ def main() -> int:
         if cuda:
             torch.cuda.empty_cache()
         res["expert_shards"] = shards_section(model_dir, args.shards, reqs, fx["new"], cuda,
-                                              args.kv_gib if cuda else 0.01)
+                                              args.kv_gib if cuda else 0.01, args.dump_stacks_every)
         return _report(res, args.out)
     res["experts_one_layer"] = experts_section(model, cuda)
     for wd in args.weights_dtype.split(","):
