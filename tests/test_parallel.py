@@ -181,6 +181,29 @@ def test_subprocess_group_errors():
         group.kill()
 
 
+def test_a_member_that_fails_is_raised_while_another_never_answers():
+    """One member raises while another stays in the call (a rank waiting in a collective for the failed one): the
+    failure comes back after the group's grace, not when the other answers; the group is then out of step, so its
+    next call is a transient error, and killing it does not wait for the stuck member."""
+    import queue
+
+    from runtime.errors import TransientError
+    from runtime.placement.subprocess_group import ProcessDiedError, SubprocessGroup
+
+    group = SubprocessGroup("queue:Queue", [{}, {}], error_grace_s=0.2)
+    try:
+        with pytest.raises(queue.Empty) as e:  # member 0 blocks in get() forever; member 1 finds its queue empty
+            group.submit_each("get", [(), (False,)]).get()
+        assert "member(s) [0] had not answered" in "".join(e.value.__notes__)
+        with pytest.raises(ProcessDiedError) as died:
+            group.call("qsize")
+        assert isinstance(died.value, TransientError)
+    finally:
+        stuck = group.members[0].proc
+        group.kill()
+    assert not stuck.is_alive()
+
+
 # ---- the distributed optimizer (train.distributed_optimizer): same updates, one checkpoint format -----------
 # Local backend, one process per rank over gloo. clip_grad is small so that every step clips: the distributed
 # optimizer sums the grad norm over its shards (another order), which is where its updates can differ.
