@@ -74,7 +74,7 @@ class _Member:
     def send(self, msg: tuple) -> None:
         if self.out_of_step:
             raise ProcessDiedError(f"{msg[0]}: process {self.proc.pid} never answered an earlier call (another "
-                                   "member failed it); the group is rebuilt")
+                                   "member failed it): the group must be rebuilt")
         try:
             self.conn.send(msg)
         except (BrokenPipeError, OSError):
@@ -111,7 +111,7 @@ class Pending:
 
     Replies are taken as they come. When a member fails the call, the others get `error_grace_s` more to answer: a
     member waiting in a collective for the failed one never would (NCCL's own timeout is minutes away). Those are
-    then out of step, and the failure is raised; the group is rebuilt (its next call raises `ProcessDiedError`)."""
+    then out of step, and the failure is raised; the group's next call raises `ProcessDiedError` (a retry rebuilds it)."""
 
     def __init__(self, members: list[_Member | None], method: str, error_grace_s: float = 30.0):
         self.members, self.method = members, method  # None: a member that sits the call out
