@@ -12,6 +12,8 @@ replays them) and timed over 50 replays:
                   projection alone, `swapped_each`), and a sweep of
                   tiles and splits (GLM only; --best-out: the best per row count, for fp8_rollout.py
                   --tiles-from) to show whether the shipped ones are the best
+  sgl_kernel      (--sgl-kernel) SGLang's CUTLASS FP8 GEMM, sgl_kernel.fp8_scaled_mm, from the SGLang carry: what a
+                  tuned CUDA kernel reaches on the same operands and scales
 and, compiled as the engine compiles them (the input's quantisation fused in): bf16, fp8_linear as shipped, and
 _scaled_mm's orientation (the path before the swapped kernel). The floor: the layer's e4m3 bytes at the device's
 bandwidth (--bandwidth-tbs, H200: 4.8). Every swapped call is checked against _scaled_mm on the same inputs.
@@ -102,6 +104,26 @@ def candidates(rows: int, splits: bool = False):
             yield (bn, bm, bk, warps, stages), split
 
 
+def sgl_kernel_rows(qs, ws) -> dict:
+    """SGLang's CUTLASS FP8 GEMM on the same operands: the four projections in one graph, each alone, and its largest
+    difference from `_scaled_mm` (relative to the largest output); or why it could not be loaded."""
+    try:
+        import sgl_kernel
+    except Exception as e:  # noqa: BLE001 - the SGLang carry is not installed on this machine
+        return {"sgl_kernel_error": repr(e)[:200]}
+
+    def call(xq, s, w8, w_s):  # its weight operand is [k, n] column-major: the [n, k] row-major weight transposed
+        return sgl_kernel.fp8_scaled_mm(xq, w8.t(), s, w_s.reshape(-1, 1), torch.bfloat16, None)
+    diffs = []
+    for (xq, s), (w8, w_s) in zip(qs, ws):
+        ref = torch._scaled_mm(xq, w8.t(), scale_a=s, scale_b=w_s, out_dtype=torch.float32)
+        diffs.append(((call(xq, s, w8, w_s).float() - ref).abs().max() / ref.abs().max()).item())
+    return {"sgl_kernel_ms": graph_ms(lambda: [call(xq, s, w8, w_s) for (xq, s), (w8, w_s) in zip(qs, ws)]),
+            "sgl_kernel_each_ms": [graph_ms(lambda xq=xq, s=s, w8=w8, w_s=w_s: call(xq, s, w8, w_s))
+                                   for (xq, s), (w8, w_s) in zip(qs, ws)],
+            "sgl_kernel_rel_err_vs_scaled_mm": max(diffs)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", "/tmp")) / "fp8_matmul.json"))
@@ -110,6 +132,9 @@ def main() -> int:
     ap.add_argument("--models", default="glm9b,qwen06")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--sweep-splits", action="store_true", help="sweep larger splits of K instead of tiles")
+    ap.add_argument("--sgl-kernel", action="store_true",
+                    help="also sgl_kernel.fp8_scaled_mm (SGLang's CUTLASS kernel, per-token x per-channel scales: ours) "
+                         "from the SGLang carry's site (bench/sglang_carry.py install; /tmp/sglang-site on the path)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     ap.add_argument("--best-out", default=None, help="also write the sweep's best (tiles, split) per row count here "
                                                      "(fp8_rollout.py --tiles-from runs the engine with them)")
@@ -151,6 +176,8 @@ def main() -> int:
                                                   for (xq, s), (w8, w_s) in zip(flat, ws)])
             row["swapped_each_ms"] = [graph_ms(lambda xq=xq, s=s, w8=w8, w_s=w_s: fm.swapped_scaled_mm(
                 xq, s, w8, w_s.reshape(-1), None, torch.bfloat16)) for (xq, s), (w8, w_s) in zip(flat, ws)]
+            if a.sgl_kernel:
+                row.update(sgl_kernel_rows(qs, ws))
             row["shipped"] = {"tiles": list(fm.tiles_for(m)),
                               "splits": [fm.split_for(m, n, k, *fm.tiles_for(m)[:3], sms) for n, k in shapes]}
             diffs = []
