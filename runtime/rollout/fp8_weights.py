@@ -72,8 +72,7 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
     lead = x.shape[:-1]
     xq, xs = quantize_activation_rows(x)
     if x.is_cuda and triton_available():
-        return swapped_scaled_mm(xq, xs.reshape(-1), w8.contiguous(), w_scales.reshape(-1), bias,
-                                 x.dtype).reshape(*lead, w8.shape[0])
+        return _swapped_product(xq, xs, w8, w_scales, bias, x.dtype).reshape(*lead, w8.shape[0])
     out = scaled_product(xq, xs, w8, w_scales, x.dtype)
     if bias is not None:
         out = out + bias
@@ -87,10 +86,16 @@ def fp8_swiglu_linear(gu: torch.Tensor, ffn: int, w8: torch.Tensor, w_scales: to
     if gu.is_cuda and triton_available():
         lead = gu.shape[:-1]
         hq, hs = swiglu_quant_rows(gu.reshape(-1, 2 * ffn).contiguous(), ffn)
-        return swapped_scaled_mm(hq, hs, w8.contiguous(), w_scales.reshape(-1), None,
-                                 gu.dtype).reshape(*lead, w8.shape[0])
+        return _swapped_product(hq, hs, w8, w_scales, None, gu.dtype).reshape(*lead, w8.shape[0])
     g, u = gu.split([ffn, ffn], dim=-1)
     return fp8_linear(F.silu(g) * u, w8, w_scales)
+
+
+def _swapped_product(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
+                     bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """runtime/kernels/fp8_matmul.py's [m, n] product of ``xq`` [m, k] and ``w8`` [n, k], the scales in any shape of
+    one row's or one token's (``xs`` m values, ``w_scales`` n)."""
+    return swapped_scaled_mm(xq, xs.reshape(-1), w8.contiguous(), w_scales.reshape(-1), bias, dtype)
 
 
 def scaled_product(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
